@@ -1,0 +1,324 @@
+"""CPUAdam, FusedAdam and HybridAdam: one optimizer class, three routings.
+
+All three keep torch's per-parameter state layout (``step``, ``exp_avg``,
+``exp_avg_sq``), so ``state_dict()`` round-trips with ``torch.optim.AdamW``.
+States and arithmetic are fp32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from zerostack.fused_adam import _kernels
+
+_SUPPORTED_DTYPES = tuple(_kernels.DTYPE_CODES)
+_NVME_PACKAGE = "zerostack-nvme"
+
+
+def _check_hyper(api: str, lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"{api}: lr must be >= 0 (got {lr}); pass a non-negative learning rate")
+    if not eps >= 0.0:
+        raise ValueError(f"{api}: eps must be >= 0 (got {eps}); pass a small positive eps")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{api}: betas must be two values in [0, 1) (got {betas})")
+    if not wd >= 0.0:
+        raise ValueError(f"{api}: weight_decay must be >= 0 (got {wd})")
+
+
+def _check_nvme(api: str, fraction: float, directory: str | None) -> None:
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(
+            f"{api}: nvme_offload_fraction must be in [0, 1] (got {fraction}); "
+            "0 keeps every state in memory, 1 puts all CPU states on disk"
+        )
+    if directory is not None and not isinstance(directory, str | os.PathLike):
+        raise TypeError(f"{api}: nvme_offload_dir must be a path or None (got {directory!r})")
+    if fraction > 0.0:
+        raise NotImplementedError(
+            f"{api}: nvme_offload_fraction={fraction} needs the NVMe offload package "
+            f"({_NVME_PACKAGE}), which is not implemented yet; use nvme_offload_fraction=0.0"
+        )
+
+
+class _Adam(torch.optim.Optimizer):
+    """Adam/AdamW stepped by the compiled kernels. Subclasses set the devices."""
+
+    _api = "Adam"
+    _allowed_devices: tuple[str, ...] = ("cpu", "cuda")
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        nvme_offload_fraction: float = 0.0,
+        nvme_offload_dir: str | None = None,
+    ) -> None:
+        _check_hyper(self._api, lr, betas, eps, weight_decay)
+        _check_nvme(self._api, nvme_offload_fraction, nvme_offload_dir)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )
+        super().__init__(params, defaults)
+        self.nvme_offload_fraction = nvme_offload_fraction
+        self.nvme_offload_dir = nvme_offload_dir
+        self._copy_out: dict[torch.Tensor, torch.Tensor] = {}
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(
+                self._api, group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            )
+            for pi, p in enumerate(group["params"]):
+                self._check_param(gi, pi, p)
+        if "cuda" in self._allowed_devices and any(
+            p.device.type == "cuda" for g in self.param_groups for p in g["params"]
+        ):
+            _kernels.require_cuda(self._api)
+
+    # -- validation --------------------------------------------------------
+
+    def _name(self, gi: int, pi: int, p: torch.Tensor) -> str:
+        return f"param {gi}.{pi} (shape {tuple(p.shape)}, {p.dtype}, {p.device})"
+
+    def _check_param(self, gi: int, pi: int, p: torch.Tensor) -> None:
+        name = self._name(gi, pi, p)
+        if p.device.type not in self._allowed_devices:
+            hint = {
+                "CPUAdam": "use FusedAdam or HybridAdam for CUDA parameters",
+                "FusedAdam": "use CPUAdam or HybridAdam for CPU parameters",
+            }.get(self._api, "move it to the CPU or a CUDA device")
+            raise ValueError(f"{self._api}: {name} is on {p.device.type}; {hint}")
+        if p.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{self._api}: {name} has unsupported dtype (got {p.dtype}); "
+                "use float32, float16 or bfloat16"
+            )
+        if p.is_sparse or not p.is_contiguous():
+            raise ValueError(
+                f"{self._api}: {name} must be a dense contiguous tensor; call .contiguous() "
+                "on it before building the optimizer"
+            )
+
+    def _check_grad(self, gi: int, pi: int, p: torch.Tensor) -> torch.Tensor:
+        self._check_param(gi, pi, p)
+        g = p.grad
+        name = self._name(gi, pi, p)
+        if g.is_sparse:
+            raise ValueError(f"{self._api}: {name} has a sparse gradient; Adam needs dense ones")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"{self._api}: {name} has a gradient of another shape (got {tuple(g.shape)})"
+            )
+        if g.device != p.device:
+            raise ValueError(f"{self._api}: {name} has its gradient on {g.device}")
+        if g.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{self._api}: {name} has a gradient of unsupported dtype (got {g.dtype}); "
+                "use float32, float16 or bfloat16"
+            )
+        if not g.is_contiguous():
+            raise ValueError(f"{self._api}: {name} has a non-contiguous gradient")
+        return g
+
+    # -- copy-out ----------------------------------------------------------
+
+    def set_copy_out(self, param: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Also write ``param``'s updated value into ``out`` in the same pass.
+
+        Typical use: an fp32 master on the CPU whose fp16/bf16 copy goes to a
+        pinned buffer headed for the GPU, with no separate cast pass.
+
+        Args:
+            param: a parameter of this optimizer.
+            out: a contiguous fp32/fp16/bf16 tensor with ``param``'s number of
+                elements on ``param``'s device; ``None`` stops the copy-out.
+
+        Raises:
+            ValueError: ``param`` is not in this optimizer or ``out`` does not fit.
+        """
+        if not any(param is p for g in self.param_groups for p in g["params"]):
+            raise ValueError(
+                f"{self._api}.set_copy_out: the tensor is not a parameter of this optimizer"
+            )
+        if out is None:
+            self._copy_out.pop(param, None)
+            return
+        if (
+            out.numel() != param.numel()
+            or out.device != param.device
+            or out.dtype not in _SUPPORTED_DTYPES
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"{self._api}.set_copy_out: out must be a contiguous float32/float16/bfloat16 "
+                f"tensor of {param.numel()} elements on {param.device} "
+                f"(got {out.numel()} elements, {out.dtype}, {out.device})"
+            )
+        self._copy_out[param] = out
+
+    # -- stepping ----------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, div_scale: float = -1) -> Any:
+        """Update every parameter that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            div_scale: when positive, gradients are divided by it first (the
+                loss scale and the clipping coefficient folded into one).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = 1.0 / div_scale if div_scale > 0 else 1.0
+        for gi, group in enumerate(self.param_groups):
+            beta1, beta2 = group["betas"]
+            buckets: dict[tuple, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = self._check_grad(gi, pi, p)
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                out = self._copy_out.get(p)
+                key = (
+                    p.device,
+                    p.dtype,
+                    g.dtype,
+                    None if out is None else out.dtype,
+                    float(state["step"]),
+                )
+                buckets[key].append((p, g, state["exp_avg"], state["exp_avg_sq"], out))
+            for (_, _, _, out_dtype, step), items in buckets.items():
+                if group["bias_correction"]:
+                    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+                else:
+                    bc1 = bc2 = 1.0
+                ps, gs, ms, vs, outs = zip(*items, strict=True)
+                _kernels.launch(
+                    ps,
+                    gs,
+                    ms,
+                    vs,
+                    outs if out_dtype is not None else None,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                    bias_correction1=bc1,
+                    bias_correction2=bc2,
+                    adamw_mode=group["adamw_mode"],
+                    grad_scale=grad_scale,
+                )
+        return loss
+
+    # -- state dict --------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
+
+        ``step`` comes back as a CPU float32 scalar and the moments as fp32
+        contiguous tensors on the parameter's device, whatever the source kept;
+        they are copies, never shared with the source optimizer.
+        """
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+            group.setdefault("bias_correction", self.defaults["bias_correction"])
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    continue
+                missing = {"step", "exp_avg", "exp_avg_sq"} - state.keys()
+                if missing:
+                    raise ValueError(
+                        f"{self._api}.load_state_dict: state of a parameter of shape "
+                        f"{tuple(p.shape)} lacks {sorted(missing)}; is it an Adam state dict?"
+                    )
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    t = state[k]
+                    if t.shape != p.shape:
+                        raise ValueError(
+                            f"{self._api}.load_state_dict: {k} of shape {tuple(t.shape)} does "
+                            f"not match its parameter's shape {tuple(p.shape)}"
+                        )
+                    # A copy, never an alias: torch's loader hands back the
+                    # source optimizer's own tensors when dtype and device match.
+                    state[k] = torch.empty_like(p, dtype=torch.float32).copy_(t)
+
+
+class CPUAdam(_Adam):
+    """Adam/AdamW for CPU parameters, through the SIMD, multi-threaded C++ kernel.
+
+    Args:
+        params: parameters or parameter groups, all on the CPU.
+        lr: learning rate. Default 1e-3.
+        betas: coefficients of the running averages. Default (0.9, 0.999).
+        eps: added to the denominator. Default 1e-8.
+        weight_decay: decay coefficient. Default 0.
+        adamw_mode: True for decoupled decay (AdamW), False for L2 (Adam). Default True.
+        bias_correction: apply Adam's bias correction. Default True.
+        nvme_offload_fraction: share of states kept on disk. Default 0.0.
+        nvme_offload_dir: directory for those states. Default None.
+
+    Raises:
+        ValueError: a bad hyperparameter, or a parameter not on the CPU.
+        TypeError: a parameter of an unsupported dtype.
+        NotImplementedError: a non-zero nvme_offload_fraction (needs zerostack-nvme).
+    """
+
+    _api = "CPUAdam"
+    _allowed_devices = ("cpu",)
+
+
+class FusedAdam(_Adam):
+    """Adam/AdamW for CUDA parameters, through the multi-tensor CUDA kernel.
+
+    Same arguments as :class:`CPUAdam`; every parameter must be on a CUDA
+    device, and the install must include the CUDA kernel.
+
+    Raises:
+        RuntimeError: the CUDA kernel was not compiled into this install.
+        ValueError: a bad hyperparameter, or a parameter not on a CUDA device.
+    """
+
+    _api = "FusedAdam"
+    _allowed_devices = ("cuda",)
+
+    def __init__(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        _kernels.require_cuda(self._api)
+        super().__init__(params, *args, **kwargs)
+
+
+class HybridAdam(_Adam):
+    """Adam/AdamW that steps CPU parameters on the CPU kernel and CUDA
+    parameters on the CUDA kernel, in one ``step()``.
+
+    Same arguments as :class:`CPUAdam`.
+    """
+
+    _api = "HybridAdam"

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.fused_adam import available_simd_levels, backend_info, set_simd_level
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Per-step rounding of a low-precision parameter can land one ulp apart from
+# the float64 reference; anything beyond that is a bug.
+PARAM_TOL = {
+    torch.float32: dict(rtol=2e-6, atol=2e-6),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
+# Gradients in the tests are ~30, so fp32 rounding of the moments is ~1e-5.
+STATE_TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+@pytest.fixture(params=available_simd_levels())
+def simd_level(request):
+    before = backend_info()["cpu_simd"]
+    set_simd_level(request.param)
+    yield request.param
+    set_simd_level(before)
+
+
+class Reference:
+    """torch.optim.AdamW (or Adam in L2 mode) in float64, with the parameter
+    rounded to its storage dtype after every step, as the kernels store it."""
+
+    def __init__(self, params, *, adamw_mode, bias_correction=True, **hyper):
+        self.dtypes = [p.dtype for p in params]
+        self.params = [p.detach().double().clone().requires_grad_() for p in params]
+        if not bias_correction:
+            raise NotImplementedError("torch has no switch for it; use reference_no_bias")
+        cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+        self.opt = cls(self.params, foreach=False, **hyper)
+
+    def step(self, grads, div_scale=-1.0):
+        for p, g in zip(self.params, grads, strict=True):
+            g = g.double()
+            p.grad = g / div_scale if div_scale > 0 else g
+        self.opt.step()
+        with torch.no_grad():
+            for p, dt in zip(self.params, self.dtypes, strict=True):
+                p.copy_(p.to(dt).double())
+
+
+def adam_no_bias_correction(p, g, m, v, *, lr, betas, eps, weight_decay, adamw_mode):
+    """One float64 step without bias correction (torch has no switch for it)."""
+    b1, b2 = betas
+    if not adamw_mode:
+        g = g + weight_decay * p
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    if adamw_mode:
+        p.mul_(1 - lr * weight_decay)
+    p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+
+
+def set_grad(p, g):
+    """Attach a gradient whose dtype may differ from the parameter's."""
+    if g.dtype != p.dtype and hasattr(p, "grad_dtype"):
+        p.grad_dtype = None  # torch >= 2.10 pins grad dtype unless told not to
+    p.grad = g

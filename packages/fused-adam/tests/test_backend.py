@@ -1,0 +1,101 @@
+"""SIMD selection, threads, the GIL and the fused copy-out."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from zerostack.fused_adam import (
+    CPUAdam,
+    HybridAdam,
+    available_simd_levels,
+    backend_info,
+    set_simd_level,
+)
+
+
+def test_backend_info_reports_level_and_threads():
+    info = backend_info()
+    assert info["cpu_simd"] in info["cpu_simd_available"]
+    assert info["cpu_simd_available"][-1] == "scalar"
+    assert info["cpu_threads"] == torch.get_num_threads()
+
+
+@pytest.mark.parametrize("level", available_simd_levels())
+def test_environment_variable_forces_the_level(level):
+    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_simd'])"
+    env = {**os.environ, "ZEROSTACK_CPU_ADAM_SIMD": level}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == level
+
+
+def test_environment_variable_with_unknown_level_fails():
+    code = "import zerostack.fused_adam"
+    env = {**os.environ, "ZEROSTACK_CPU_ADAM_SIMD": "sse9"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "ZEROSTACK_CPU_ADAM_SIMD='sse9'" in out.stderr
+    assert "unknown SIMD level 'sse9'" in out.stderr
+
+
+def test_set_simd_level_rejects_unknown():
+    with pytest.raises(ValueError, match="unknown SIMD level 'neon'"):
+        set_simd_level("neon")
+
+
+def test_step_releases_the_gil():
+    n = 2**25
+    p = torch.zeros(n)
+    p.grad = torch.ones(n)
+    opt = CPUAdam([p])
+    opt.step()  # allocate the state outside the timed part
+    done = threading.Event()
+
+    def work():
+        for _ in range(6):
+            opt.step()
+        done.set()
+
+    worker = threading.Thread(target=work)
+    t0 = time.perf_counter()
+    worker.start()
+    # Each wake-up of this loop needs the GIL: while a step that held it ran,
+    # the loop could not come back from wait() at all.
+    ticks = 0
+    while not done.wait(0.001):
+        ticks += 1
+    worker.join()
+    elapsed = time.perf_counter() - t0
+    assert elapsed > 0.03, "the step was too short to judge"
+    assert ticks >= 0.25 * elapsed / 0.001 - 5, (ticks, elapsed)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16], ids=str)
+def test_copy_out_writes_the_updated_param(simd_level, pdt, out_dtype):
+    p = torch.randn(4099).to(pdt)
+    out = torch.full((4099,), 7.0, dtype=out_dtype)
+    opt = HybridAdam([p], lr=0.1, weight_decay=0.01)
+    opt.set_copy_out(p, out)
+    for _ in range(3):
+        p.grad = torch.randn(4099).to(pdt)
+        opt.step()
+        # Both are roundings of the same fp32 value: equal to out's precision.
+        torch.testing.assert_close(
+            out, p.to(out_dtype), rtol=0, atol=0
+        ) if pdt == torch.float32 else None
+        if pdt != torch.float32:
+            tol = dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(out.float(), p.float(), **tol)
+    opt.set_copy_out(p, None)
+    frozen = out.clone()
+    p.grad = torch.randn(4099).to(pdt)
+    opt.step()
+    assert torch.equal(out, frozen)

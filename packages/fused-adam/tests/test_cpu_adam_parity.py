@@ -1,0 +1,185 @@
+"""CPUAdam against torch's Adam/AdamW run in float64, step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import (
+    DTYPES,
+    PARAM_TOL,
+    STATE_TOL,
+    Reference,
+    adam_no_bias_correction,
+    set_grad,
+)
+
+from zerostack.fused_adam import CPUAdam, HybridAdam
+
+SIZES = [1, 7, 4097]
+STEPS = 10
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
+
+
+def _make(sizes, pdt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(pdt) for n in sizes]
+
+
+def _grads(params, gdt, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    # Large gradients, so that an ignored div_scale cannot hide behind Adam's
+    # scale invariance in L2 mode.
+    return [(torch.randn(p.shape, generator=gen) * 30).to(gdt) for p in params]
+
+
+def _run_parity(pdt, gdt, adamw_mode, *, sizes, div_scale, opt_cls=CPUAdam, hyper=HYPER):
+    params = _make(sizes, pdt)
+    ref = Reference(params, adamw_mode=adamw_mode, **hyper)
+    opt = opt_cls(params, adamw_mode=adamw_mode, **hyper)
+    for step in range(STEPS):
+        grads = _grads(params, gdt, step)
+        for p, g in zip(params, grads, strict=True):
+            set_grad(p, g)
+        opt.step(div_scale=div_scale)
+        ref.step(grads, div_scale=div_scale)
+        for i, (p, r) in enumerate(zip(params, ref.params, strict=True)):
+            torch.testing.assert_close(
+                p.double(),
+                r.detach(),
+                **PARAM_TOL[pdt],
+                msg=lambda m, i=i: f"step {step} p{i}: {m}",
+            )
+    for p, r in zip(params, ref.params, strict=True):
+        st, rst = opt.state[p], ref.opt.state[r]
+        assert float(st["step"]) == float(rst["step"]) == STEPS
+        if pdt == torch.float32:
+            torch.testing.assert_close(st["exp_avg"].double(), rst["exp_avg"], **STATE_TOL)
+            torch.testing.assert_close(st["exp_avg_sq"].double(), rst["exp_avg_sq"], **STATE_TOL)
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("gdt", DTYPES, ids=str)
+@pytest.mark.parametrize("pdt", DTYPES, ids=str)
+def test_parity_every_dtype_and_level(simd_level, pdt, gdt, adamw_mode):
+    _run_parity(pdt, gdt, adamw_mode, sizes=SIZES, div_scale=4.0)
+
+
+@pytest.mark.parametrize("div_scale", [-1.0, 1.0, 1024.0])
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16], ids=str)
+def test_div_scale_is_honoured(simd_level, pdt, div_scale):
+    _run_parity(pdt, pdt, False, sizes=[4097], div_scale=div_scale)
+
+
+def test_no_weight_decay(simd_level):
+    _run_parity(
+        torch.float32,
+        torch.float32,
+        True,
+        sizes=SIZES,
+        div_scale=-1,
+        hyper={**HYPER, "weight_decay": 0.0},
+    )
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize("pdt", DTYPES, ids=str)
+def test_without_bias_correction(simd_level, pdt, adamw_mode):
+    params = _make(SIZES, pdt)
+    ref = [p.double().clone() for p in params]
+    ms = [torch.zeros_like(r) for r in ref]
+    vs = [torch.zeros_like(r) for r in ref]
+    opt = CPUAdam(params, adamw_mode=adamw_mode, bias_correction=False, **HYPER)
+    for step in range(STEPS):
+        grads = _grads(params, pdt, step)
+        for p, g, r, m, v in zip(params, grads, ref, ms, vs, strict=True):
+            p.grad = g
+            adam_no_bias_correction(r, g.double() / 2.0, m, v, adamw_mode=adamw_mode, **HYPER)
+            r.copy_(r.to(pdt).double())
+        opt.step(div_scale=2.0)
+        for p, r in zip(params, ref, strict=True):
+            torch.testing.assert_close(p.double(), r, **PARAM_TOL[pdt])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16], ids=str)
+def test_large_tensor(pdt, num_threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        _run_parity(pdt, pdt, True, sizes=[2**20 + 3], div_scale=8.0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_threads_do_not_change_results():
+    results = []
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        params = _make([2**20 + 3, 5], torch.float32)
+        opt = CPUAdam(params, **HYPER)
+        for step in range(3):
+            for p, g in zip(params, _grads(params, torch.float32, step), strict=True):
+                p.grad = g
+            opt.step()
+        results.append(params)
+    torch.set_num_threads(before)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_every_simd_level_gives_the_same_bits(simd_level):
+    # fp32 storage: every level runs the same fp32 operations in the same
+    # order (fma included), so all levels must agree bit for bit with scalar.
+    from zerostack.fused_adam import set_simd_level
+
+    outs = {}
+    for level in ("scalar", simd_level):
+        set_simd_level(level)
+        params = _make([4097], torch.float32)
+        opt = CPUAdam(params, **HYPER)
+        for step in range(3):
+            params[0].grad = _grads(params, torch.float32, step)[0]
+            opt.step()
+        outs[level] = params[0]
+    assert torch.equal(outs["scalar"], outs[simd_level])
+
+
+def test_hybrid_adam_on_cpu_matches_reference():
+    _run_parity(torch.float32, torch.bfloat16, True, sizes=SIZES, div_scale=2.0, opt_cls=HybridAdam)
+
+
+def test_param_without_grad_is_skipped():
+    params = _make([5, 6], torch.float32)
+    before = params[1].clone()
+    opt = CPUAdam(params, lr=0.1)
+    params[0].grad = torch.ones(5)
+    opt.step()
+    assert torch.equal(params[1], before)
+    assert params[1] not in opt.state
+    assert not torch.equal(params[0], torch.zeros(5))
+
+
+def test_closure_loss_is_returned():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = CPUAdam([w], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() == pytest.approx(5.0)
+    assert w[0].item() == pytest.approx(0.9, abs=1e-6)
+
+
+def test_param_groups_use_their_own_hyperparameters():
+    a, b = _make([64, 64], torch.float32)
+    opt = CPUAdam([{"params": [a], "lr": 0.0}, {"params": [b], "lr": 0.1}])
+    a0, b0 = a.clone(), b.clone()
+    a.grad, b.grad = torch.ones(64), torch.ones(64)
+    opt.step()
+    assert torch.equal(a, a0)
+    torch.testing.assert_close(b, b0 - 0.1)
