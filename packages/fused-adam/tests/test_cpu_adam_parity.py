@@ -47,7 +47,7 @@ def _run_parity(pdt, gdt, adamw_mode, *, sizes, div_scale, opt_cls=CPUAdam, hype
                 p.double(),
                 r.detach(),
                 **PARAM_TOL[pdt],
-                msg=lambda m, i=i: f"step {step} p{i}: {m}",
+                msg=lambda m, i=i, s=step: f"step {s} p{i}: {m}",
             )
     for p, r in zip(params, ref.params, strict=True):
         st, rst = opt.state[p], ref.opt.state[r]
