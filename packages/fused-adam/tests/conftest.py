@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zerostack.fused_adam import available_simd_levels, backend_info, set_simd_level
+from zerostack.fused_adam import CPUAdam, available_simd_levels, backend_info, set_simd_level
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Per-step rounding of a low-precision parameter can land one ulp apart from
@@ -64,3 +64,48 @@ def set_grad(p, g):
     if g.dtype != p.dtype and hasattr(p, "grad_dtype"):
         p.grad_dtype = None  # torch >= 2.10 pins grad dtype unless told not to
     p.grad = g
+
+
+SIZES = [1, 7, 4097]
+STEPS = 10
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
+
+
+def make_params(sizes, pdt, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen).to(pdt) for n in sizes]
+
+
+def make_grads(params, gdt, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    # Large gradients, so that an ignored div_scale cannot hide behind Adam's
+    # scale invariance in L2 mode.
+    return [(torch.randn(p.shape, generator=gen) * 30).to(gdt) for p in params]
+
+
+def run_parity(
+    pdt, gdt, adamw_mode, *, sizes, div_scale, opt_cls=CPUAdam, hyper=HYPER, device="cpu"
+):
+    """Step ``opt_cls`` and the float64 reference side by side for STEPS steps."""
+    params = [p.to(device) for p in make_params(sizes, pdt)]
+    ref = Reference([p.cpu() for p in params], adamw_mode=adamw_mode, **hyper)
+    opt = opt_cls(params, adamw_mode=adamw_mode, **hyper)
+    for step in range(STEPS):
+        grads = [g.to(device) for g in make_grads(params, gdt, step)]
+        for p, g in zip(params, grads, strict=True):
+            set_grad(p, g)
+        opt.step(div_scale=div_scale)
+        ref.step([g.cpu() for g in grads], div_scale=div_scale)
+        for i, (p, r) in enumerate(zip(params, ref.params, strict=True)):
+            torch.testing.assert_close(
+                p.double(),
+                r.detach(),
+                **PARAM_TOL[pdt],
+                msg=lambda m, i=i, s=step: f"step {s} p{i}: {m}",
+            )
+    for p, r in zip(params, ref.params, strict=True):
+        st, rst = opt.state[p], ref.opt.state[r]
+        assert float(st["step"]) == float(rst["step"]) == STEPS
+        if pdt == torch.float32:
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(st[k].cpu().double(), rst[k], **STATE_TOL)

@@ -6,55 +6,17 @@ import pytest
 import torch
 from conftest import (
     DTYPES,
+    HYPER,
     PARAM_TOL,
-    STATE_TOL,
-    Reference,
+    SIZES,
+    STEPS,
     adam_no_bias_correction,
-    set_grad,
+    make_grads,
+    make_params,
 )
+from conftest import run_parity as _run_parity
 
 from zerostack.fused_adam import CPUAdam, HybridAdam
-
-SIZES = [1, 7, 4097]
-STEPS = 10
-HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
-
-
-def _make(sizes, pdt, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=gen).to(pdt) for n in sizes]
-
-
-def _grads(params, gdt, step):
-    gen = torch.Generator().manual_seed(1000 + step)
-    # Large gradients, so that an ignored div_scale cannot hide behind Adam's
-    # scale invariance in L2 mode.
-    return [(torch.randn(p.shape, generator=gen) * 30).to(gdt) for p in params]
-
-
-def _run_parity(pdt, gdt, adamw_mode, *, sizes, div_scale, opt_cls=CPUAdam, hyper=HYPER):
-    params = _make(sizes, pdt)
-    ref = Reference(params, adamw_mode=adamw_mode, **hyper)
-    opt = opt_cls(params, adamw_mode=adamw_mode, **hyper)
-    for step in range(STEPS):
-        grads = _grads(params, gdt, step)
-        for p, g in zip(params, grads, strict=True):
-            set_grad(p, g)
-        opt.step(div_scale=div_scale)
-        ref.step(grads, div_scale=div_scale)
-        for i, (p, r) in enumerate(zip(params, ref.params, strict=True)):
-            torch.testing.assert_close(
-                p.double(),
-                r.detach(),
-                **PARAM_TOL[pdt],
-                msg=lambda m, i=i, s=step: f"step {s} p{i}: {m}",
-            )
-    for p, r in zip(params, ref.params, strict=True):
-        st, rst = opt.state[p], ref.opt.state[r]
-        assert float(st["step"]) == float(rst["step"]) == STEPS
-        if pdt == torch.float32:
-            torch.testing.assert_close(st["exp_avg"].double(), rst["exp_avg"], **STATE_TOL)
-            torch.testing.assert_close(st["exp_avg_sq"].double(), rst["exp_avg_sq"], **STATE_TOL)
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
@@ -84,13 +46,13 @@ def test_no_weight_decay(simd_level):
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
 @pytest.mark.parametrize("pdt", DTYPES, ids=str)
 def test_without_bias_correction(simd_level, pdt, adamw_mode):
-    params = _make(SIZES, pdt)
+    params = make_params(SIZES, pdt)
     ref = [p.double().clone() for p in params]
     ms = [torch.zeros_like(r) for r in ref]
     vs = [torch.zeros_like(r) for r in ref]
     opt = CPUAdam(params, adamw_mode=adamw_mode, bias_correction=False, **HYPER)
     for step in range(STEPS):
-        grads = _grads(params, pdt, step)
+        grads = make_grads(params, pdt, step)
         for p, g, r, m, v in zip(params, grads, ref, ms, vs, strict=True):
             p.grad = g
             adam_no_bias_correction(r, g.double() / 2.0, m, v, adamw_mode=adamw_mode, **HYPER)
@@ -116,10 +78,10 @@ def test_threads_do_not_change_results():
     before = torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        params = _make([2**20 + 3, 5], torch.float32)
+        params = make_params([2**20 + 3, 5], torch.float32)
         opt = CPUAdam(params, **HYPER)
         for step in range(3):
-            for p, g in zip(params, _grads(params, torch.float32, step), strict=True):
+            for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
                 p.grad = g
             opt.step()
         results.append(params)
@@ -136,10 +98,10 @@ def test_every_simd_level_gives_the_same_bits(simd_level):
     outs = {}
     for level in ("scalar", simd_level):
         set_simd_level(level)
-        params = _make([4097], torch.float32)
+        params = make_params([4097], torch.float32)
         opt = CPUAdam(params, **HYPER)
         for step in range(3):
-            params[0].grad = _grads(params, torch.float32, step)[0]
+            params[0].grad = make_grads(params, torch.float32, step)[0]
             opt.step()
         outs[level] = params[0]
     assert torch.equal(outs["scalar"], outs[simd_level])
@@ -150,7 +112,7 @@ def test_hybrid_adam_on_cpu_matches_reference():
 
 
 def test_param_without_grad_is_skipped():
-    params = _make([5, 6], torch.float32)
+    params = make_params([5, 6], torch.float32)
     before = params[1].clone()
     opt = CPUAdam(params, lr=0.1)
     params[0].grad = torch.ones(5)
@@ -176,7 +138,7 @@ def test_closure_loss_is_returned():
 
 
 def test_param_groups_use_their_own_hyperparameters():
-    a, b = _make([64, 64], torch.float32)
+    a, b = make_params([64, 64], torch.float32)
     opt = CPUAdam([{"params": [a], "lr": 0.0}, {"params": [b], "lr": 0.1}])
     a0, b0 = a.clone(), b.clone()
     a.grad, b.grad = torch.ones(64), torch.ones(64)

@@ -1,0 +1,122 @@
+"""The one task runner. `nox -s tests` is what CI runs (see README)."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").exists())
+# CPU runs take the local torch 2.13.0 CPU file; an unpinned torch would pull
+# a multi-GB CUDA build. ZEROSTACK_TORCH overrides (e.g. "torch==2.14.1").
+TORCH = os.environ.get("ZEROSTACK_TORCH", "torch==2.13.0")
+# CPU sessions skip the CUDA kernel (it cannot run there); `build` and `gpu`
+# compile it wherever nvcc is found.
+CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _meta(folder: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
+
+
+def _dist_to_folder() -> dict[str, str]:
+    return {_meta(f)["name"]: f for f in PACKAGES}
+
+
+def _zerostack_deps(folder: str) -> list[str]:
+    """The package's declared zerostack dependencies, transitively, as folders."""
+    by_name = _dist_to_folder()
+    seen: list[str] = []
+    todo = [folder]
+    while todo:
+        for req in _meta(todo.pop()).get("dependencies", []):
+            name = req.split(";")[0].split("[")[0]
+            for op in "<>=!~ ":
+                name = name.split(op)[0]
+            dep = by_name.get(name.strip())
+            if dep and dep not in seen:
+                seen.append(dep)
+                todo.append(dep)
+    return seen
+
+
+def _install_packages(session: nox.Session, folders: list[str], env: dict | None = None) -> None:
+    session.install(TORCH)
+    # zerostack-testing is a dev-only helper every suite uses; never a runtime dependency.
+    paths = [f"packages/{f}" for f in dict.fromkeys(["testing", *folders])]
+    session.install(*paths, env=CPU_ENV if env is None else env)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole repository."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+@nox.parametrize("package", PACKAGES)
+def unit(session: nox.Session, package: str) -> None:
+    """One package's tests, with only that package and its declared zerostack
+    dependencies installed: an undeclared import fails here."""
+    _install_packages(session, [*_zerostack_deps(package), package])
+    session.run(
+        "python", "-m", "pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs
+    )
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """Cross-package tests (integration_tests/) with every package installed."""
+    _install_packages(session, PACKAGES)
+    session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Every script in examples/ in its --smoke mode."""
+    _install_packages(session, PACKAGES)
+    session.install("tqdm")
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        session.run("python", str(script), "--smoke")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """sdist + wheel of every package; metadata checked with twine, and the
+    wheels checked for the PEP 420 namespace and the compiled modules."""
+    session.install("build", "twine")
+    out = ROOT / "dist"
+    for folder in PACKAGES:
+        session.run("python", "-m", "build", f"packages/{folder}", "--outdir", str(out))
+    session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.iterdir())])
+    session.run("python", "tools/check_wheels.py", str(out))
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine, in the current environment (its own CUDA torch):
+    build the kernels in place, with CUDA, and run the tests marked gpu."""
+    session.run("bash", "tools/gpu_check.sh", *session.posargs, external=True)
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """The main job: a small GPT-2 trained with HybridAdam (GPU when present)."""
+    _install_packages(session, PACKAGES, env={})  # the CUDA kernel too, where nvcc is found
+    session.install("tqdm")
+    session.run("python", "examples/train_gpt2.py", *session.posargs)
+
+
+@nox.session(python=False)
+def tests(session: nox.Session) -> None:
+    """What CI runs: lint, unit for every package, integration, examples."""
+    for name in ["lint", *[f"unit(package='{p}')" for p in PACKAGES], "integration", "examples"]:
+        session.notify(name)
