@@ -67,7 +67,7 @@ def _run_cases(rank: int, world_size: int) -> None:
                     b,
                     rtol=1e-5,
                     atol=5e-6,
-                    msg=lambda m, pn=pn, s=step: f"{name} step {s} {pn}: {m}",
+                    msg=lambda m, pn=pn, s=step, c=name: f"{c} step {s} {pn}: {m}",
                 )
         # Both ranks hold the same parameters: DDP averaged the gradients.
         flat = torch.cat([p.detach().flatten() for p in ours.parameters()])
