@@ -1,0 +1,205 @@
+"""Disk I/O backends: tensornvme (io_uring or libaio) and plain threads.
+
+Every backend does the same thing: asynchronous whole-tensor writes and reads
+of named regions of one file, and a wait that returns when they are done.
+[Note: one write, one read] The caller alternates strictly per key (write,
+read, write, ...) and keeps each tensor alive and untouched until the wait:
+tensornvme frees a key's disk space when it is read back and reads the
+tensor's memory at execution time, not at submission.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV = "ZEROSTACK_NVME_BACKEND"
+BACKENDS = ("uring", "aio", "threads")
+
+
+def tensornvme_backends() -> set[str]:
+    """The tensornvme backends this machine can run (empty without tensornvme)."""
+    try:
+        from tensornvme._C import get_backends, probe_backend
+    except ImportError:
+        return set()
+    return {b for b in get_backends() if probe_backend(b)}
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+
+
+class Backend(ABC):
+    """Asynchronous writes and reads of whole tensors to named file regions."""
+
+    name: str
+
+    @abstractmethod
+    def write(self, key: str, tensor: torch.Tensor) -> object:
+        """Start writing ``tensor`` (contiguous, CPU) as ``key``; return a handle."""
+
+    @abstractmethod
+    def read(self, key: str, tensor: torch.Tensor) -> object:
+        """Start reading ``key`` into ``tensor`` (same byte size); return a handle."""
+
+    @abstractmethod
+    def wait(self, handle: object) -> None:
+        """Block until that request is done (or raise its error). A backend
+        that cannot wait for one request waits for all of its kind."""
+
+    @abstractmethod
+    def wait_all(self) -> None:
+        """Block until every started request is done."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Wait for pending I/O and release the file."""
+
+
+class ThreadBackend(Backend):
+    """``os.pwrite`` / ``os.pread`` on a thread pool (they release the GIL).
+
+    Each key has a fixed region of the file, assigned at its first write, so a
+    failed write never disturbs another key's bytes.
+    """
+
+    name = "threads"
+
+    def __init__(self, path: str, num_threads: int = 4) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="zs-nvme")
+        self._regions: dict[str, tuple[int, int]] = {}
+        self._end = 0
+        self._pending: list[Future] = []
+
+    def _region(self, key: str, nbytes: int) -> int:
+        if key not in self._regions:
+            self._regions[key] = (self._end, nbytes)
+            self._end += nbytes
+        offset, size = self._regions[key]
+        if size != nbytes:
+            raise AssertionError(f"nvme: key {key} changed size ({size} -> {nbytes} bytes)")
+        return offset
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+
+    def _pread(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n == 0:
+                raise OSError(f"nvme: unexpected end of file reading {self.path}")
+            done += n
+
+    def _submit(self, fn, key: str, tensor: torch.Tensor) -> Future:
+        view = _as_bytes(tensor)
+        future = self._pool.submit(fn, view, self._region(key, len(view)))
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(future)
+        return future
+
+    def write(self, key: str, tensor: torch.Tensor) -> Future:
+        return self._submit(self._pwrite, key, tensor)
+
+    def read(self, key: str, tensor: torch.Tensor) -> Future:
+        return self._submit(self._pread, key, tensor)
+
+    def wait(self, handle: object) -> None:
+        if handle is not None:
+            handle.result()  # type: ignore[attr-defined]
+
+    def wait_all(self) -> None:
+        pending, self._pending = self._pending, []
+        for f in pending:
+            f.exception()
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._pool.shutdown(wait=True)
+        os.close(self._fd)
+        self._fd = -1
+
+
+class TensorNVMeBackend(Backend):
+    """tensornvme's Offloader: io_uring ("uring") or libaio ("aio")."""
+
+    def __init__(self, path: str, backend: str, n_entries: int = 16) -> None:
+        from tensornvme._C import Offloader
+
+        self.name = backend
+        self.path = path
+        self._off = Offloader(path, n_entries, backend)
+        self._alive: dict[str, list[torch.Tensor]] = {"w": [], "r": []}
+
+    @staticmethod
+    def _exact(tensor: torch.Tensor) -> torch.Tensor:
+        # tensornvme sizes a request by the tensor's whole storage, so a view
+        # into a larger buffer is re-wrapped as a tensor owning just its bytes.
+        return torch.frombuffer(_as_bytes(tensor), dtype=torch.uint8)
+
+    def _submit(self, kind: str, key: str, tensor: torch.Tensor) -> str:
+        exact = self._exact(tensor)
+        self._alive[kind].append(exact)  # alive until the wait: I/O runs later
+        (self._off.async_write if kind == "w" else self._off.async_read)(exact, key, None)
+        return kind
+
+    def write(self, key: str, tensor: torch.Tensor) -> str:
+        return self._submit("w", key, tensor)
+
+    def read(self, key: str, tensor: torch.Tensor) -> str:
+        return self._submit("r", key, tensor)
+
+    def wait(self, handle: object) -> None:
+        # tensornvme waits for all requests of a kind, not for one.
+        if handle == "w":
+            self._off.sync_write_events()
+        elif handle == "r":
+            self._off.sync_read_events()
+        self._alive[handle].clear()  # type: ignore[index]
+
+    def wait_all(self) -> None:
+        self._off.synchronize()
+        for pending in self._alive.values():
+            pending.clear()
+
+    def close(self) -> None:
+        if self._off is not None:
+            self._off.synchronize()
+            self._off = None
+
+
+def resolve_backend(name: str | None) -> str:
+    """Pick a backend: ``name``, else $ZEROSTACK_NVME_BACKEND, else the best available."""
+    requested = name or os.environ.get(BACKEND_ENV) or None
+    available = tensornvme_backends()
+    if requested is None:
+        return "uring" if "uring" in available else "aio" if "aio" in available else "threads"
+    if requested not in BACKENDS:
+        raise ValueError(f"nvme: unknown backend (got {requested!r}); use one of {', '.join(BACKENDS)}")
+    if requested != "threads" and requested not in available:
+        hint = (
+            "install tensornvme (see DEVELOPERS.md: apt-get install liburing-dev libaio-dev, then "
+            "`WITH_ROOT=1 pip install --no-build-isolation tensornvme==0.1.0`)"
+            if not available
+            else f"this machine's tensornvme offers {sorted(available)}"
+        )
+        raise ValueError(f"nvme: backend {requested!r} is not available; {hint}, or use 'threads'")
+    return requested
+
+
+def open_backend(name: str, path: str) -> Backend:
+    if name == "threads":
+        return ThreadBackend(path)
+    return TensorNVMeBackend(path, name)

@@ -1,0 +1,270 @@
+"""StateSwapper: named fp32 buffers kept on disk, read back through a
+prefetch pipeline so that disk I/O hides behind the optimizer's compute."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from zerostack.nvme._backends import Backend, open_backend, resolve_backend
+
+logger = logging.getLogger(__name__)
+_logged_backends: set[tuple[str, str]] = set()
+
+
+class NVMeSpaceError(OSError):
+    """The offload directory cannot hold the states (full disk or file size limit)."""
+
+
+def _cleanup(io: Backend, workdir: str) -> None:
+    try:
+        io.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _make_workdir(directory: str | os.PathLike | None) -> str:
+    if directory is None:
+        return tempfile.mkdtemp(prefix="zerostack-nvme-")
+    directory = os.fspath(directory)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        # Our own subdirectory: cleanup never touches the user's files.
+        return tempfile.mkdtemp(prefix="zerostack-nvme-", dir=directory)
+    except OSError as exc:
+        raise ValueError(
+            f"nvme: cannot create or write the offload directory {directory!r} ({exc.strerror}); "
+            "pass a writable nvme_offload_dir"
+        ) from None
+
+
+class StateSwapper:
+    """Keeps fp32 buffers, one per key, in a file and swaps them through RAM.
+
+    Args:
+        directory: where the file goes; a fresh temporary directory when None.
+            Either way the swapper works in its own subdirectory and removes it
+            when it is closed, garbage-collected or the interpreter exits.
+        backend: "uring", "aio" (tensornvme) or "threads"; None reads
+            $ZEROSTACK_NVME_BACKEND, else takes the best available.
+        prefetch_depth: how many keys ahead are read while one is computed.
+            Default 2.
+
+    Raises:
+        ValueError: bad depth, unknown or unavailable backend, unwritable directory.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        backend: str | None = None,
+        prefetch_depth: int = 2,
+    ) -> None:
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"nvme: prefetch_depth must be an int >= 1 (got {prefetch_depth!r})")
+        self.backend = resolve_backend(backend)
+        self.prefetch_depth = prefetch_depth
+        self.workdir = _make_workdir(directory)
+        self.path = os.path.join(self.workdir, "states.bin")
+        try:
+            self._io = open_backend(self.backend, self.path)
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except Exception:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        self._finalizer = weakref.finalize(self, _cleanup, self._io, self.workdir)
+        self._numel: dict[str, int] = {}
+        self._on_disk: set[str] = set()
+        self._resident: dict[str, torch.Tensor] = {}  # keys whose last write failed
+        self._reserved = 0
+        # Slots of the pipeline: depth reads ahead, one computing, one writing.
+        self._slots: list[torch.Tensor] = []
+        if (self.backend, self.workdir) not in _logged_backends:
+            _logged_backends.add((self.backend, self.workdir))
+            logger.info("nvme: backend %s, files in %s, prefetch depth %d", self.backend, self.workdir, prefetch_depth)
+
+    # -- registration and space ----------------------------------------------
+
+    def register(self, key: str, numel: int) -> None:
+        """Declare ``key`` as an fp32 buffer of ``numel`` elements and reserve its disk space.
+
+        Raises:
+            NVMeSpaceError: the directory cannot hold it; nothing was written.
+        """
+        if key in self._numel:
+            if self._numel[key] != numel:
+                raise ValueError(f"nvme: key {key!r} registered again with another size")
+            return
+        needed = self._reserved + 4 * numel
+        try:
+            # Reserve now, so that a full disk fails here, before any state
+            # has left memory, and never in the middle of a step.
+            os.posix_fallocate(self._fd, 0, needed)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                raise
+            free = shutil.disk_usage(self.workdir).free
+            raise NVMeSpaceError(
+                exc.errno,
+                f"nvme: not enough space in {self.workdir!r} for optimizer states: "
+                f"{needed} bytes needed, {self._reserved} reserved so far, {free} free on the "
+                f"disk ({exc.strerror}); free space or pass another nvme_offload_dir",
+            ) from None
+        self._reserved = needed
+        self._numel[key] = numel
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def is_on_disk(self, key: str) -> bool:
+        return key in self._on_disk
+
+    # -- whole-buffer operations (checkpoints, first writes) -----------------
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` (fp32, ``numel`` elements) as ``key`` and wait."""
+        self._check(key, tensor)
+        if key in self._on_disk:
+            self._drop(key)
+        self._resident.pop(key, None)
+        self._io.wait(self._io.write(key, tensor))
+        self._on_disk.add(key)
+
+    def read(self, key: str, out: torch.Tensor) -> torch.Tensor:
+        """Copy ``key``'s current value into ``out``; the key stays where it is."""
+        self._check(key, out)
+        if key in self._resident:
+            return out.copy_(self._resident[key])
+        if key not in self._on_disk:
+            raise RuntimeError(f"nvme: key {key!r} was never written")
+        self._io.wait(self._io.read(key, out))
+        # See [Note: one write, one read]: a read releases the disk copy.
+        self._io.wait(self._io.write(key, out))
+        return out
+
+    def _drop(self, key: str) -> None:
+        # A key is rewritten only after it was read (see [Note: one write, one read]).
+        scratch = torch.empty(self._numel[key], dtype=torch.float32)
+        self._io.wait(self._io.read(key, scratch))
+        self._on_disk.discard(key)
+
+    def _check(self, key: str, tensor: torch.Tensor) -> None:
+        if key not in self._numel:
+            raise RuntimeError(f"nvme: key {key!r} was not registered")
+        if tensor.dtype != torch.float32 or tensor.numel() != self._numel[key] or not tensor.is_contiguous():
+            raise AssertionError(f"nvme: buffer for {key!r} must be contiguous fp32 of {self._numel[key]} elements")
+
+    # -- the pipeline ----------------------------------------------------------
+
+    def pipeline(self, keys: Sequence[str]) -> PrefetchPipeline:
+        """A read -> compute -> write pass over ``keys`` in this order."""
+        return PrefetchPipeline(self, list(keys))
+
+    def _slot_buffers(self, count: int, numel: int) -> list[torch.Tensor]:
+        if len(self._slots) < count or self._slots[0].numel() < numel:
+            pin = torch.cuda.is_available()
+            self._slots = [torch.empty(numel, dtype=torch.float32, pin_memory=pin) for _ in range(count)]
+        return self._slots
+
+    def close(self) -> None:
+        """Wait for pending I/O, remove the files. Idempotent."""
+        os.close(self._fd) if self._fd >= 0 else None
+        self._fd = -1
+        self._finalizer()
+
+
+class NVMeWriteError(OSError):
+    """A write of optimizer state failed; the data was kept in memory."""
+
+
+class PrefetchPipeline:
+    """Hooks for a per-key optimizer step: ``pre_step``, ``pre_update(i)``,
+    ``post_update(i)``, ``post_step``, as in ColossalAI's NVMe optimizer, with
+    ``prefetch_depth`` keys being read while key ``i`` is computed and
+    finished keys written back behind it.
+
+    A key never written before starts as zeros (fresh optimizer state). A
+    write that fails keeps that key's updated buffer in memory, so the step
+    completes and nothing is lost; ``post_step`` then raises NVMeWriteError.
+    """
+
+    def __init__(self, swapper: StateSwapper, keys: list[str]) -> None:
+        self.s = swapper
+        self.keys = keys
+        self.depth = swapper.prefetch_depth
+        max_numel = max((swapper._numel[k] for k in keys), default=0)
+        # depth slots being read, one computing, one still being written.
+        self.slots = swapper._slot_buffers(self.depth + 2, max_numel) if keys else []
+        self._reads: dict[int, object] = {}
+        self._writes: dict[int, object] = {}  # slot -> (key index, handle)
+        self._next_read = 0
+        self._errors: list[str] = []
+
+    def _slot(self, i: int) -> int:
+        return i % len(self.slots)
+
+    def _buf(self, i: int) -> torch.Tensor:
+        return self.slots[self._slot(i)][: self.s._numel[self.keys[i]]]
+
+    def _finish_write(self, slot: int) -> None:
+        pending = self._writes.pop(slot, None)
+        if pending is None:
+            return
+        i, handle = pending
+        try:
+            self.s._io.wait(handle)
+        except OSError as exc:
+            key = self.keys[i]
+            self.s._on_disk.discard(key)
+            self.s._resident[key] = self._buf(i).clone()
+            self._errors.append(f"{key} ({4 * self._buf(i).numel()} bytes): {exc}")
+
+    def _issue_read(self) -> None:
+        i = self._next_read
+        self._finish_write(self._slot(i))  # the slot's previous key must be on disk first
+        key = self.keys[i]
+        if key in self.s._on_disk:
+            self._reads[i] = self.s._io.read(key, self._buf(i))
+        self._next_read += 1
+
+    def pre_step(self) -> None:
+        while self._next_read < min(self.depth, len(self.keys)):
+            self._issue_read()
+
+    def pre_update(self, i: int) -> torch.Tensor:
+        """Wait for key ``i``'s buffer and start the next read; return the buffer."""
+        while self._next_read <= min(i + self.depth, len(self.keys) - 1):
+            self._issue_read()
+        key, buf = self.keys[i], self._buf(i)
+        if i in self._reads:
+            self.s._io.wait(self._reads.pop(i))
+            self.s._on_disk.discard(key)
+        elif key in self.s._resident:
+            buf.copy_(self.s._resident.pop(key))
+        else:
+            buf.zero_()
+        return buf
+
+    def post_update(self, i: int) -> None:
+        """Start writing key ``i``'s updated buffer back."""
+        self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
+        self.s._on_disk.add(self.keys[i])
+
+    def post_step(self) -> None:
+        """Block until every write is on disk; raise if any failed."""
+        for slot in list(self._writes):
+            self._finish_write(slot)
+        if self._errors:
+            raise NVMeWriteError(
+                f"nvme: {len(self._errors)} state write(s) to {self.s.workdir!r} failed; the step "
+                "completed and those states are kept in memory: " + "; ".join(self._errors)
+            )
