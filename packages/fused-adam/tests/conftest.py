@@ -103,8 +103,10 @@ def run_parity(
                 **PARAM_TOL[pdt],
                 msg=lambda m, i=i, s=step: f"step {s} p{i}: {m}",
             )
-    for p, r in zip(params, ref.params, strict=True):
-        st, rst = opt.state[p], ref.opt.state[r]
+    # Through state_dict(), which also brings back states kept on disk.
+    packed = opt.state_dict()["state"]
+    for idx, r in enumerate(ref.params):
+        st, rst = packed[idx], ref.opt.state[r]
         assert float(st["step"]) == float(rst["step"]) == STEPS
         if pdt == torch.float32:
             for k in ("exp_avg", "exp_avg_sq"):

@@ -17,7 +17,6 @@ import torch
 from zerostack.fused_adam import _kernels
 
 _SUPPORTED_DTYPES = tuple(_kernels.DTYPE_CODES)
-_NVME_PACKAGE = "zerostack-nvme"
 
 
 def _check_hyper(api: str, lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
@@ -39,11 +38,6 @@ def _check_nvme(api: str, fraction: float, directory: str | None) -> None:
         )
     if directory is not None and not isinstance(directory, str | os.PathLike):
         raise TypeError(f"{api}: nvme_offload_dir must be a path or None (got {directory!r})")
-    if fraction > 0.0:
-        raise NotImplementedError(
-            f"{api}: nvme_offload_fraction={fraction} needs the NVMe offload package "
-            f"({_NVME_PACKAGE}), which is not implemented yet; use nvme_offload_fraction=0.0"
-        )
 
 
 class _Adam(torch.optim.Optimizer):
@@ -63,6 +57,9 @@ class _Adam(torch.optim.Optimizer):
         bias_correction: bool = True,
         nvme_offload_fraction: float = 0.0,
         nvme_offload_dir: str | None = None,
+        *,
+        nvme_backend: str | None = None,
+        nvme_prefetch_depth: int = 2,
     ) -> None:
         _check_hyper(self._api, lr, betas, eps, weight_decay)
         _check_nvme(self._api, nvme_offload_fraction, nvme_offload_dir)
@@ -88,6 +85,17 @@ class _Adam(torch.optim.Optimizer):
             p.device.type == "cuda" for g in self.param_groups for p in g["params"]
         ):
             _kernels.require_cuda(self._api)
+        self._nvme = None
+        if nvme_offload_fraction > 0.0:
+            from zerostack.fused_adam._nvme import NVMeStates
+
+            self._nvme = NVMeStates(
+                self.param_groups,
+                nvme_offload_fraction,
+                nvme_offload_dir,
+                nvme_backend,
+                nvme_prefetch_depth,
+            )
 
     # -- validation --------------------------------------------------------
 
@@ -189,40 +197,22 @@ class _Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = 1.0 / div_scale if div_scale > 0 else 1.0
+        on_disk = self._nvme.keys if self._nvme is not None else {}
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            buckets: dict[tuple, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
-                g = self._check_grad(gi, pi, p)
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                out = self._copy_out.get(p)
-                key = (
-                    p.device,
-                    p.dtype,
-                    g.dtype,
-                    None if out is None else out.dtype,
-                    float(state["step"]),
-                )
-                buckets[key].append((p, g, state["exp_avg"], state["exp_avg_sq"], out))
-            for (_, _, _, out_dtype, step), items in buckets.items():
+
+            def launch(items, step, group=group, beta1=beta1, beta2=beta2):
+                ps, gs, ms, vs, outs = zip(*items, strict=True)
                 if group["bias_correction"]:
                     bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
                 else:
                     bc1 = bc2 = 1.0
-                ps, gs, ms, vs, outs = zip(*items, strict=True)
                 _kernels.launch(
                     ps,
                     gs,
                     ms,
                     vs,
-                    outs if out_dtype is not None else None,
+                    outs if outs[0] is not None else None,
                     lr=group["lr"],
                     beta1=beta1,
                     beta2=beta2,
@@ -233,9 +223,56 @@ class _Adam(torch.optim.Optimizer):
                     adamw_mode=group["adamw_mode"],
                     grad_scale=grad_scale,
                 )
+
+            buckets: dict[tuple, list[tuple]] = defaultdict(list)
+            disk_items: list[tuple[torch.Tensor, dict]] = []
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                g = self._check_grad(gi, pi, p)
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    if p not in on_disk:
+                        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                if p in on_disk:
+                    disk_items.append((p, state))
+                    continue
+                out = self._copy_out.get(p)
+                key = (
+                    p.device,
+                    p.dtype,
+                    g.dtype,
+                    None if out is None else out.dtype,
+                    float(state["step"]),
+                )
+                buckets[key].append((p, g, state["exp_avg"], state["exp_avg_sq"], out))
+            for key, items in buckets.items():
+                launch(items, key[-1])
+            if disk_items:
+                self._nvme.step(
+                    disk_items,
+                    lambda p, m, v, launch=launch: launch(
+                        [(p, p.grad, m, v, self._copy_out.get(p))], float(self.state[p]["step"])
+                    ),
+                )
         return loss
 
     # -- state dict --------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout; states kept on disk come back as file-backed
+        tensors (page cache, not RAM), read one parameter at a time."""
+        sd = super().state_dict()
+        if self._nvme is not None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            for idx, p in enumerate(params):
+                if p in self._nvme.keys and idx in sd["state"]:
+                    m, v = self._nvme.snapshot(p)
+                    sd["state"][idx] = {**sd["state"][idx], "exp_avg": m, "exp_avg_sq": v}
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
@@ -245,6 +282,7 @@ class _Adam(torch.optim.Optimizer):
         they are copies, never shared with the source optimizer.
         """
         super().load_state_dict(state_dict)
+        on_disk = self._nvme.keys if self._nvme is not None else {}
         for group in self.param_groups:
             group.setdefault("adamw_mode", self.defaults["adamw_mode"])
             group.setdefault("bias_correction", self.defaults["bias_correction"])
@@ -259,6 +297,15 @@ class _Adam(torch.optim.Optimizer):
                         f"{tuple(p.shape)} lacks {sorted(missing)}; is it an Adam state dict?"
                     )
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                if p in on_disk:
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        if state[k].shape != p.shape:
+                            raise ValueError(
+                                f"{self._api}.load_state_dict: {k} of shape {tuple(state[k].shape)} "
+                                f"does not match its parameter's shape {tuple(p.shape)}"
+                            )
+                    self._nvme.load(p, state.pop("exp_avg"), state.pop("exp_avg_sq"))
+                    continue
                 for k in ("exp_avg", "exp_avg_sq"):
                     t = state[k]
                     if t.shape != p.shape:
@@ -282,13 +329,19 @@ class CPUAdam(_Adam):
         weight_decay: decay coefficient. Default 0.
         adamw_mode: True for decoupled decay (AdamW), False for L2 (Adam). Default True.
         bias_correction: apply Adam's bias correction. Default True.
-        nvme_offload_fraction: share of states kept on disk. Default 0.0.
-        nvme_offload_dir: directory for those states. Default None.
+        nvme_offload_fraction: share of all parameter elements, in parameter
+            order, whose states live on disk; only CPU parameters are eligible.
+            Needs ``zerostack-fused-adam[nvme]``. Default 0.0.
+        nvme_offload_dir: directory for those states; a temporary directory,
+            removed with the optimizer, when None. Default None.
+        nvme_backend: "uring", "aio" or "threads"; None takes
+            $ZEROSTACK_NVME_BACKEND or the best available. Default None.
+        nvme_prefetch_depth: parameters read ahead while one is updated. Default 2.
 
     Raises:
         ValueError: a bad hyperparameter, or a parameter not on the CPU.
         TypeError: a parameter of an unsupported dtype.
-        NotImplementedError: a non-zero nvme_offload_fraction (needs zerostack-nvme).
+        ImportError: a non-zero nvme_offload_fraction without zerostack-nvme.
     """
 
     _api = "CPUAdam"

@@ -1,0 +1,182 @@
+"""CPUAdam / HybridAdam with states on disk (the [nvme] extra)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import sys
+
+import pytest
+import torch
+from conftest import HYPER, make_grads, make_params, run_parity, set_grad
+
+from zerostack.fused_adam import CPUAdam, HybridAdam
+
+nvme = pytest.importorskip("zerostack.nvme")
+BACKENDS = [b for b in nvme.BACKENDS if b == "threads" or b in nvme.tensornvme_backends()]
+SIZES = [4097, 7, 1, 300, 2048]
+
+
+def _nvme_opt(cls, fraction, directory, backend):
+    def make(params, **kw):
+        return cls(
+            params,
+            nvme_offload_fraction=fraction,
+            nvme_offload_dir=directory,
+            nvme_backend=backend,
+            **kw,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize("cls", [CPUAdam, HybridAdam], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("given_dir", [True, False], ids=["dir", "tmp"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_with_torch_and_with_states_in_ram(cls, fraction, given_dir, backend, tmp_path):
+    directory = str(tmp_path) if given_dir else None
+    make = _nvme_opt(cls, fraction, directory, backend)
+    # L2 mode with weight decay and a div_scale: gradient-scale bugs show.
+    run_parity(torch.float32, torch.float32, False, sizes=SIZES, div_scale=4.0, opt_cls=make)
+    run_parity(torch.bfloat16, torch.bfloat16, True, sizes=SIZES, div_scale=-1, opt_cls=make)
+    # Bit-identical to the same optimizer with every state in RAM.
+    on_disk, in_ram = make_params(SIZES, torch.float32), make_params(SIZES, torch.float32)
+    a, b = make(on_disk, **HYPER), cls(in_ram, **HYPER)
+    if fraction == 1.0:
+        assert len(a._nvme.keys) == len(SIZES)
+    for step in range(5):
+        for params in (on_disk, in_ram):
+            for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
+                p.grad = g
+        a.step(div_scale=2.0)
+        b.step(div_scale=2.0)
+    for x, y in zip(on_disk, in_ram, strict=True):
+        assert torch.equal(x, y)
+
+
+def test_fraction_picks_whole_cpu_params_in_order(tmp_path):
+    params = make_params([100, 100, 100, 100], torch.float32)
+    opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    assert list(opt._nvme.keys.values()) == ["0.0", "0.1"]
+    assert "exp_avg" not in opt.state.get(params[0], {})
+
+
+def test_states_on_disk_are_not_kept_in_the_state(tmp_path):
+    params = make_params([1000, 1000], torch.float32)
+    opt = CPUAdam(params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(set(opt.state[p]) == {"step"} for p in params)
+
+
+def test_temporary_directory_removed_with_the_optimizer():
+    params = make_params([100], torch.float32)
+    opt = CPUAdam(params, nvme_offload_fraction=1.0)
+    workdir = opt._nvme.swapper.workdir
+    params[0].grad = torch.ones(100)
+    opt.step()
+    assert os.path.isdir(workdir)
+    del opt
+    gc.collect()
+    assert not os.path.exists(workdir)
+
+
+def test_temporary_directory_removed_after_an_exception():
+    seen = {}
+
+    def train():
+        params = make_params([100], torch.float32)
+        opt = CPUAdam(params, nvme_offload_fraction=1.0)
+        seen["dir"] = opt._nvme.swapper.workdir
+        set_grad(params[0], torch.ones(100, dtype=torch.float64))
+        opt.step()  # raises: unsupported grad dtype
+
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        train()
+    gc.collect()
+    assert not os.path.exists(seen["dir"])
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def _train(model, opt, steps, seed):
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_state_dict_round_trip_and_resume(backend, tmp_path):
+    kw = dict(HYPER, nvme_offload_fraction=1.0, nvme_backend=backend)
+    straight = _model()
+    straight_opt = CPUAdam(straight.parameters(), **kw)
+    expected = _train(straight, straight_opt, 6, seed=1)
+
+    first = _model()
+    first_opt = CPUAdam(first.parameters(), **kw)
+    got = _train(first, first_opt, 3, seed=1)
+    path = tmp_path / "ckpt.pt"
+    sd = first_opt.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == (64, 16)
+    torch.save({"model": first.state_dict(), "optim": sd}, path)
+    del first, first_opt, sd
+    gc.collect()
+
+    ckpt = torch.load(path, mmap=True)
+    resumed = _model()
+    resumed.load_state_dict(ckpt["model"])
+    resumed_opt = CPUAdam(resumed.parameters(), **kw)
+    resumed_opt.load_state_dict(ckpt["optim"])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):  # replay the data stream to where it stopped
+        torch.randn(32, 16, generator=gen)
+    for _ in range(3):
+        x = torch.randn(32, 16, generator=gen)
+        resumed_opt.zero_grad()
+        loss = resumed(x).pow(2).mean()
+        loss.backward()
+        resumed_opt.step()
+        got.append(loss.item())
+    assert got == expected
+
+
+def test_state_dict_loads_into_an_in_ram_optimizer_and_back(tmp_path):
+    disk_model, ram_model = _model(), _model()
+    disk_opt = CPUAdam(disk_model.parameters(), nvme_offload_fraction=1.0, **HYPER)
+    _train(disk_model, disk_opt, 2, seed=3)
+    ram_model.load_state_dict(disk_model.state_dict())
+    ram_opt = torch.optim.AdamW(ram_model.parameters(), foreach=False, **HYPER)
+    ram_opt.load_state_dict(copy.deepcopy(disk_opt.state_dict()))  # torch aliases otherwise
+    a = _train(disk_model, disk_opt, 3, seed=4)
+    b = _train(ram_model, ram_opt, 3, seed=4)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_unwritable_directory_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"cannot create or write the offload directory"):
+        CPUAdam(
+            make_params([10], torch.float32),
+            nvme_offload_fraction=1.0,
+            nvme_offload_dir=str(blocker / "x"),
+        )
+
+
+def test_missing_package_names_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zerostack.nvme", None)
+    with pytest.raises(ImportError, match=r"pip install 'zerostack-fused-adam\[nvme\]'"):
+        CPUAdam(make_params([10], torch.float32), nvme_offload_fraction=0.5)

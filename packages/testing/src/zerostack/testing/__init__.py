@@ -1,0 +1,18 @@
+"""Dev-only test helpers for zerostack: never a runtime dependency of a package."""
+
+from zerostack.testing.__about__ import __version__
+from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
+from zerostack.testing._spawn import SpawnError, spawn
+from zerostack.testing._tolerance import assert_close, tolerance
+
+__all__ = [
+    "GPTConfig",
+    "SpawnError",
+    "TinyGPT",
+    "__version__",
+    "assert_close",
+    "make_batch",
+    "num_parameters",
+    "spawn",
+    "tolerance",
+]

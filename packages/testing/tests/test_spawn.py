@@ -1,0 +1,291 @@
+"""spawn(): real process groups, and every way a rank can fail.
+
+The CPU cases pass backend="gloo" so that they test the same thing on a GPU host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import functools
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerostack.testing import SpawnError, _spawn, spawn
+
+
+@dataclass(frozen=True)
+class _Case:
+    """A test-module class passed through args: the child must import this module first."""
+
+    base: float
+    backend: str = "gloo"
+
+
+def _record_group_state_at_exit(path: str, rank: int) -> None:
+    # Runs after spawn's worker returns: shows whether it destroyed the group.
+    def record() -> None:
+        with open(f"{path}.{rank}", "w") as f:
+            f.write("initialized" if dist.is_initialized() else "destroyed")
+
+    atexit.register(record)
+
+
+def _assert_groups_destroyed(path, world_size: int) -> None:
+    states = [path.with_name(f"{path.name}.{r}").read_text() for r in range(world_size)]
+    assert states == ["destroyed"] * world_size
+
+
+def _all_reduce_sums(rank: int, world_size: int, case: _Case, path: str = "") -> None:
+    if path:
+        _record_group_state_at_exit(path, rank)
+    if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise AssertionError(f"rank {rank}: group has rank {dist.get_rank()}")
+    if dist.get_backend() != case.backend:
+        raise AssertionError(f"rank {rank}: backend {dist.get_backend()}, not {case.backend}")
+    t = torch.full((3,), case.base + rank)
+    dist.all_reduce(t)
+    expected = sum(case.base + r for r in range(world_size))
+    if not torch.equal(t, torch.full((3,), expected)):
+        raise AssertionError(f"rank {rank}: all_reduce gave {t.tolist()}, expected {expected}")
+    if torch.get_num_threads() != max(1, len(os.sched_getaffinity(0)) // world_size):
+        raise AssertionError(f"rank {rank}: {torch.get_num_threads()} threads")
+
+
+def test_all_reduce_sums_across_two_ranks(tmp_path) -> None:
+    case = _Case(base=10.0)
+    spawn(_all_reduce_sums, 2, args=(case, str(tmp_path / "state")), backend=case.backend)
+    _assert_groups_destroyed(tmp_path / "state", 2)
+
+
+def test_world_size_one_is_a_real_group_and_partials_work() -> None:
+    spawn(functools.partial(_all_reduce_sums, case=_Case(base=3.0)), 1, backend="gloo")
+
+
+def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _spawn._default_backend(2) == "nccl"
+    assert _spawn._default_backend(3) == "gloo"
+    with pytest.raises(ValueError, match=r"spawn: backend 'nccl' needs one CUDA device per rank"):
+        spawn(_all_reduce_sums, 3, args=(_Case(base=0.0),), backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _spawn._default_backend(1) == "gloo"
+
+
+def _all_reduce_on_cuda(rank: int, world_size: int) -> None:
+    if dist.get_backend() != "nccl" or torch.cuda.current_device() != rank:
+        raise AssertionError(
+            f"rank {rank}: backend {dist.get_backend()}, device {torch.cuda.current_device()}"
+        )
+    t = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    expected = world_size * (world_size + 1) / 2
+    if t.tolist() != [expected] * 4:
+        raise AssertionError(f"rank {rank}: all_reduce gave {t.tolist()}, expected {expected}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_default_backend_on_gpus_is_nccl_with_one_device_per_rank() -> None:
+    spawn(_all_reduce_on_cuda, torch.cuda.device_count())
+
+
+def _raise_on_every_rank(rank: int, world_size: int, path: str) -> None:
+    _record_group_state_at_exit(path, rank)
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 fails first
+        raise KeyError("key of rank 0")
+    raise ValueError("bad value on rank 1")
+
+
+def test_exceptions_are_reported_with_ranks_and_tracebacks_first_failure_first(
+    tmp_path,
+) -> None:
+    with pytest.raises(SpawnError, match=r"^rank 1 failed") as info:
+        spawn(_raise_on_every_rank, 2, args=(str(tmp_path / "state"),), backend="gloo")
+    message = str(info.value)
+    assert "ValueError: bad value on rank 1" in message
+    assert "in _raise_on_every_rank" in message  # the child's traceback, not just the text
+    assert message.index("bad value on rank 1") < message.index("rank 0 failed")
+    assert message.index("rank 0 failed") < message.index("KeyError: 'key of rank 0'")
+    assert info.value.failed_ranks == (1, 0)
+    assert info.value.unfinished_ranks == ()
+    assert isinstance(info.value, RuntimeError)
+    _assert_groups_destroyed(tmp_path / "state", 2)
+
+
+def _hang_in_collective(rank: int, world_size: int) -> None:
+    if rank == 1:
+        time.sleep(3600)  # never joins the all_reduce
+    dist.all_reduce(torch.ones(1))
+
+
+def test_hung_collective_fails_within_the_timeout_and_names_the_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(SpawnError) as info:
+        spawn(_hang_in_collective, 2, backend="gloo", timeout_s=2.0)
+    elapsed = time.monotonic() - start
+    # timeout_s + 1 s slack, a stack dump and termination; rank 1 would sleep an hour.
+    assert elapsed < 10.0, elapsed
+    # Rank 0 fails in its all_reduce once the gloo timeout fires, unless a slow
+    # start-up on a loaded machine lets the parent's deadline come first.
+    assert re.search(r"ranks \[(0, )?1\] still running", str(info.value)), info.value
+    assert 1 in info.value.unfinished_ranks
+    # Rank 1's Python stack, dumped before it was terminated, shows where it hung.
+    assert "rank 1 stack when terminated" in str(info.value)
+    assert "_hang_in_collective" in str(info.value)
+
+
+def _record_pid_then_sleep_on_rank_1(rank: int, world_size: int, path: str) -> None:
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(str(os.getpid()))
+    if rank == 1:
+        time.sleep(3600)
+
+
+def test_timeout_names_the_ranks_still_running_and_reaps_them(tmp_path) -> None:
+    start = time.monotonic()
+    with pytest.raises(
+        SpawnError, match=r"^timed out after 2s .*; ranks \[1\] still running"
+    ) as info:
+        spawn(
+            _record_pid_then_sleep_on_rank_1,
+            2,
+            args=(str(tmp_path / "pid"),),
+            backend="gloo",
+            timeout_s=2.0,
+        )
+    assert time.monotonic() - start < 10.0
+    assert info.value.failed_ranks == ()
+    assert info.value.unfinished_ranks == (1,)
+    for rank in range(2):
+        pid = int((tmp_path / f"pid.{rank}").read_text())
+        # A reaped child no longer exists, not even as a zombie.
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def _die_in_three_ways(rank: int, world_size: int) -> None:
+    dist.barrier()  # every rank finishes connecting before any dies
+    if rank == 0:
+        ctypes.string_at(0)  # segfault
+    if rank == 1:
+        os._exit(3)
+    atexit.register(os._exit, 5)  # rank 2 returns, then exits badly
+
+
+def test_ranks_dying_give_their_exit_status() -> None:
+    with pytest.raises(SpawnError, match=r"^rank [012] failed") as info:
+        spawn(_die_in_three_ways, 3, backend="gloo")
+    message = str(info.value)
+    assert "rank 0 failed: the process died without reporting (killed by SIGSEGV)" in message
+    assert "rank 1 failed: the process died without reporting (exit code 3)" in message
+    assert "rank 2 failed: it returned, then exited with exit code 5" in message
+    # faulthandler's dump of the crashing rank.
+    assert "in _die_in_three_ways" in message
+    assert sorted(info.value.failed_ranks) == [0, 1, 2]
+
+
+def test_start_up_has_its_own_limit(monkeypatch) -> None:
+    monkeypatch.setattr(_spawn, "_STARTUP_TIMEOUT_S", 0.1)
+    with pytest.raises(
+        SpawnError, match=r"^timed out after 0.1s of start-up; ranks \[0, 1\] still running"
+    ):
+        spawn(_all_reduce_sums, 2, args=(_Case(base=0.0),), backend="gloo")
+
+
+def _check_arg(rank: int, world_size: int, expected: str) -> None:
+    if expected != "partial":
+        raise AssertionError(f"rank {rank}: got {expected!r}")
+
+
+@dataclass(frozen=True)
+class _Scale:
+    factor: int
+
+    def __call__(self, rank: int, world_size: int, x: int) -> int:
+        return self.factor * x
+
+
+def _offset(rank: int, world_size: int, x: int, *, offset: int) -> int:
+    return x + offset
+
+
+def test_callables_survive_the_trip_to_the_child() -> None:
+    # _pack/_load are what parent and child run; checked in-process to save spawns.
+    ref, payload = _spawn._pack(_Scale(3), (2,))
+    assert ref is None  # pickled whole
+    fn, args = _spawn._load(ref, payload)
+    assert fn(0, 1, *args) == 6
+    ref, payload = _spawn._pack(functools.partial(_offset, offset=10), [5])
+    assert ref is not None and (ref.module, ref.qualname) == (__name__, "_offset")
+    assert ref.file == __file__
+    fn, args = _spawn._load(ref, payload)
+    assert fn(0, 1, *args) == 15
+
+
+def test_local_function_is_refused_in_the_parent() -> None:
+    def local(rank: int, world_size: int) -> None:
+        pass
+
+    with pytest.raises(TypeError, match=r"spawn: fn must be defined at module top level"):
+        spawn(local, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, r"spawn: world_size must be a positive int \(got 0\)"),
+        ({"timeout_s": 0}, ValueError, r"spawn: timeout_s must be a positive number"),
+        ({"args": 5}, TypeError, r"spawn: args must be a tuple or list \(got int\)"),
+        ({"args": (lambda: 0,)}, TypeError, r"spawn: fn and args must be picklable"),
+    ],
+)
+def test_invalid_arguments_are_refused(kwargs, error, match) -> None:
+    kwargs = {"world_size": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        spawn(_check_arg, **kwargs)
+
+
+def test_child_loads_fn_by_path_when_its_module_name_is_not_importable(
+    tmp_path, monkeypatch
+) -> None:
+    # What a child does under pytest's --import-mode=importlib, where a test module
+    # is named after its path ("pkg.tests.test_q") but no sys.path entry leads there.
+    # Run in-process, as spawning would cost seconds.
+    source = tmp_path / "test_q.py"
+    source.write_text(
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class Box:\n"
+        "    v: int\n"
+        "def fn(rank, world_size, box):\n"
+        "    return box.v\n"
+    )
+    name = "zs_missing_pkg.tests.test_q"
+    names = [name, "zs_missing_pkg.tests", "zs_missing_pkg"]
+    for key in names:  # removed again at teardown
+        monkeypatch.delitem(sys.modules, key, raising=False)
+    module = _spawn._import_fn_module(_spawn._FnRef(name, "fn", str(source)))
+    # Pack a Box as the parent would, then load it as a fresh child does.
+    ref, payload = _spawn._pack(module.fn, (module.Box(5),))
+    assert ref == _spawn._FnRef(name, "fn", str(source))
+    for key in names:
+        del sys.modules[key]
+    fn, (box,) = _spawn._load(ref, payload)
+    assert fn(0, 1, box) == 5
+    assert type(box).__module__ == name
+    # Without the file there is no fallback, and the import error stands.
+    for key in names:
+        del sys.modules[key]
+    with pytest.raises(ModuleNotFoundError, match="zs_missing_pkg"):
+        _spawn._load(dataclasses.replace(ref, file=None), payload)
