@@ -29,13 +29,20 @@ def _dist_to_folder() -> dict[str, str]:
     return {_meta(f)["name"]: f for f in PACKAGES}
 
 
+def _requirements(folder: str) -> list[str]:
+    meta = _meta(folder)
+    extras = [r for group in meta.get("optional-dependencies", {}).values() for r in group]
+    return [*meta.get("dependencies", []), *extras]
+
+
 def _zerostack_deps(folder: str) -> list[str]:
-    """The package's declared zerostack dependencies, transitively, as folders."""
+    """The package's declared zerostack dependencies (extras included),
+    transitively, as folders."""
     by_name = _dist_to_folder()
     seen: list[str] = []
     todo = [folder]
     while todo:
-        for req in _meta(todo.pop()).get("dependencies", []):
+        for req in _requirements(todo.pop()):
             name = req.split(";")[0].split("[")[0]
             for op in "<>=!~ ":
                 name = name.split(op)[0]
@@ -46,8 +53,32 @@ def _zerostack_deps(folder: str) -> list[str]:
     return seen
 
 
+def _install_tensornvme(session: nox.Session) -> None:
+    """tensornvme builds from source against the installed torch and needs
+    liburing-dev/libaio-dev (.ci/run installs them). Built once per machine,
+    then installed from .nox/_wheels. Without it the nvme tests run on the
+    thread backend only, unless ZEROSTACK_REQUIRE_TENSORNVME=1 makes that fatal."""
+    wheels = ROOT / ".nox" / "_wheels"
+    if not list(wheels.glob("tensornvme-*.whl")):
+        session.install("setuptools", "wheel", "packaging", "click")
+        try:
+            session.run(
+                "pip", "wheel", "--no-build-isolation", "--no-deps", "tensornvme==0.1.0",
+                "--wheel-dir", str(wheels),
+                env={"WITH_ROOT": "1", "LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"},
+            )  # fmt: skip
+        except nox.command.CommandFailed:
+            if os.environ.get("ZEROSTACK_REQUIRE_TENSORNVME") == "1":
+                raise
+            session.warn("tensornvme did not build: nvme tests use the thread backend only")
+            return
+    session.install("packaging", "click", *[str(w) for w in wheels.glob("tensornvme-*.whl")])
+
+
 def _install_packages(session: nox.Session, folders: list[str], env: dict | None = None) -> None:
     session.install(TORCH)
+    if "nvme-offload" in folders:
+        _install_tensornvme(session)
     # zerostack-testing is a dev-only helper every suite uses; never a runtime dependency.
     paths = [f"packages/{f}" for f in dict.fromkeys(["testing", *folders])]
     session.install(*paths, env=CPU_ENV if env is None else env)

@@ -12,8 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from zerostack.nvme import NVMeSpaceError, NVMeWriteError, StateSwapper
-from zerostack.nvme import _backends
+from zerostack.nvme import NVMeWriteError, StateSwapper, _backends
 
 
 def _run_steps(swapper, sizes, steps):
@@ -117,7 +116,9 @@ def test_bad_prefetch_depth(depth):
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match=r"unknown backend \(got 'spdk'\); use one of uring, aio, threads"):
+    with pytest.raises(
+        ValueError, match=r"unknown backend \(got 'spdk'\); use one of uring, aio, threads"
+    ):
         StateSwapper(backend="spdk")
 
 
@@ -137,7 +138,9 @@ def test_environment_variable_picks_the_backend(monkeypatch):
 def test_unwritable_directory(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    with pytest.raises(ValueError, match=r"cannot create or write the offload directory .*a-file/states"):
+    with pytest.raises(
+        ValueError, match=r"cannot create or write the offload directory .*a-file/states"
+    ):
         StateSwapper(blocker / "states", backend="threads")
 
 
@@ -187,7 +190,10 @@ def test_failed_write_keeps_the_state_in_memory(tmp_path, monkeypatch):
         buf.add_(1.0)
         truth[k].add_(1.0)
         pipe.post_update(i)
-    with pytest.raises(NVMeWriteError, match=r"1 state write\(s\) to .* failed; the step completed.*k1 \(800 bytes\)"):
+    with pytest.raises(
+        NVMeWriteError,
+        match=r"1 state write\(s\) to .* failed; the step completed.*k1 \(800 bytes\)",
+    ):
         pipe.post_step()
     monkeypatch.setattr(_backends.ThreadBackend, "_pwrite", real)
     for k in keys:  # nothing lost: the next step sees every updated state

@@ -10,6 +10,7 @@ tensor's memory at execution time, not at submission.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -33,7 +34,10 @@ def tensornvme_backends() -> set[str]:
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    # A view of the tensor's own bytes (no numpy: torch's CPU wheel lacks it).
+    # The caller keeps the tensor alive while the view is in use.
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 class Backend(ABC):
@@ -187,7 +191,9 @@ def resolve_backend(name: str | None) -> str:
     if requested is None:
         return "uring" if "uring" in available else "aio" if "aio" in available else "threads"
     if requested not in BACKENDS:
-        raise ValueError(f"nvme: unknown backend (got {requested!r}); use one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"nvme: unknown backend (got {requested!r}); use one of {', '.join(BACKENDS)}"
+        )
     if requested != "threads" and requested not in available:
         hint = (
             "install tensornvme (see DEVELOPERS.md: apt-get install liburing-dev libaio-dev, then "

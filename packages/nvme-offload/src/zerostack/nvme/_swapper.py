@@ -68,7 +68,11 @@ class StateSwapper:
         backend: str | None = None,
         prefetch_depth: int = 2,
     ) -> None:
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        if (
+            isinstance(prefetch_depth, bool)
+            or not isinstance(prefetch_depth, int)
+            or prefetch_depth < 1
+        ):
             raise ValueError(f"nvme: prefetch_depth must be an int >= 1 (got {prefetch_depth!r})")
         self.backend = resolve_backend(backend)
         self.prefetch_depth = prefetch_depth
@@ -89,7 +93,12 @@ class StateSwapper:
         self._slots: list[torch.Tensor] = []
         if (self.backend, self.workdir) not in _logged_backends:
             _logged_backends.add((self.backend, self.workdir))
-            logger.info("nvme: backend %s, files in %s, prefetch depth %d", self.backend, self.workdir, prefetch_depth)
+            logger.info(
+                "nvme: backend %s, files in %s, prefetch depth %d",
+                self.backend,
+                self.workdir,
+                prefetch_depth,
+            )
 
     # -- registration and space ----------------------------------------------
 
@@ -160,8 +169,14 @@ class StateSwapper:
     def _check(self, key: str, tensor: torch.Tensor) -> None:
         if key not in self._numel:
             raise RuntimeError(f"nvme: key {key!r} was not registered")
-        if tensor.dtype != torch.float32 or tensor.numel() != self._numel[key] or not tensor.is_contiguous():
-            raise AssertionError(f"nvme: buffer for {key!r} must be contiguous fp32 of {self._numel[key]} elements")
+        if (
+            tensor.dtype != torch.float32
+            or tensor.numel() != self._numel[key]
+            or not tensor.is_contiguous()
+        ):
+            raise AssertionError(
+                f"nvme: buffer for {key!r} must be contiguous fp32 of {self._numel[key]} elements"
+            )
 
     # -- the pipeline ----------------------------------------------------------
 
@@ -172,7 +187,9 @@ class StateSwapper:
     def _slot_buffers(self, count: int, numel: int) -> list[torch.Tensor]:
         if len(self._slots) < count or self._slots[0].numel() < numel:
             pin = torch.cuda.is_available()
-            self._slots = [torch.empty(numel, dtype=torch.float32, pin_memory=pin) for _ in range(count)]
+            self._slots = [
+                torch.empty(numel, dtype=torch.float32, pin_memory=pin) for _ in range(count)
+            ]
         return self._slots
 
     def close(self) -> None:
