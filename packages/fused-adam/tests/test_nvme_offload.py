@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import HYPER, make_grads, make_params, run_parity, set_grad
 
+from zerostack.fused_adam import _nvme as nvme_bridge
+
 from zerostack.fused_adam import CPUAdam, HybridAdam
 
 nvme = pytest.importorskip("zerostack.nvme")
@@ -59,8 +61,22 @@ def test_parity_with_torch_and_with_states_in_ram(cls, fraction, given_dir, back
 def test_fraction_picks_whole_cpu_params_in_order(tmp_path):
     params = make_params([100, 100, 100, 100], torch.float32)
     opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
-    assert list(opt._nvme.keys.values()) == ["0.0", "0.1"]
+    keys = [key for pieces in opt._nvme.keys.values() for key, _, _ in pieces]
+    assert keys == ["0.0:0", "0.1:0"]
     assert "exp_avg" not in opt.state.get(params[0], {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_params_are_swapped_in_pieces(backend, monkeypatch, tmp_path):
+    monkeypatch.setattr(nvme_bridge, "PIECE_NUMEL", 1000)
+    make = _nvme_opt(CPUAdam, 1.0, str(tmp_path), backend)
+    opt = make(make_params([4097, 7], torch.float32))
+    assert [(s, e) for _, s, e in next(iter(opt._nvme.keys.values()))] == [
+        (0, 1000), (1000, 2000), (2000, 3000), (3000, 4000), (4000, 4097)
+    ]  # fmt: skip
+    # run_parity also reads every state back through state_dict().
+    run_parity(torch.float32, torch.float32, False, sizes=[4097, 7], div_scale=4.0, opt_cls=make)
+    run_parity(torch.bfloat16, torch.float32, True, sizes=[2500], div_scale=-1, opt_cls=make)
 
 
 def test_states_on_disk_are_not_kept_in_the_state(tmp_path):

@@ -252,12 +252,23 @@ class _Adam(torch.optim.Optimizer):
             for key, items in buckets.items():
                 launch(items, key[-1])
             if disk_items:
-                self._nvme.step(
-                    disk_items,
-                    lambda p, m, v, launch=launch: launch(
-                        [(p, p.grad, m, v, self._copy_out.get(p))], float(self.state[p]["step"])
-                    ),
-                )
+
+                def piece_update(p, start, end, m, v, launch=launch):
+                    out = self._copy_out.get(p)
+                    launch(
+                        [
+                            (
+                                p.view(-1)[start:end],
+                                p.grad.view(-1)[start:end],
+                                m,
+                                v,
+                                None if out is None else out.view(-1)[start:end],
+                            )
+                        ],
+                        float(self.state[p]["step"]),
+                    )
+
+                self._nvme.step([p for p, _ in disk_items], piece_update)
         return loss
 
     # -- state dict --------------------------------------------------------

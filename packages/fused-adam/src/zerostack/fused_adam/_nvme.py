@@ -28,12 +28,18 @@ def _import_nvme() -> Any:
     return nvme
 
 
+# Largest piece of a parameter swapped as one unit. Pieces bound the RAM of
+# the pipeline's slots ((prefetch_depth + 2) x 8 bytes x this) whatever the
+# largest parameter, e.g. 128 MiB at depth 2 next to a 38M-element embedding.
+PIECE_NUMEL = 1 << 22
+
+
 class NVMeStates:
     """Which parameters keep ``exp_avg``/``exp_avg_sq`` on disk, and their I/O.
 
-    Every chosen parameter has one key holding ``[exp_avg, exp_avg_sq]`` as
-    one fp32 buffer of ``2 * numel`` elements, so a parameter costs one read
-    and one write per step.
+    A parameter is cut into pieces of at most PIECE_NUMEL elements; each piece
+    is one key holding ``[exp_avg piece, exp_avg_sq piece]`` as one fp32
+    buffer, so a piece costs one read and one write per step.
     """
 
     def __init__(
@@ -50,14 +56,18 @@ class NVMeStates:
         target = fraction * sum(p.numel() for p in params)
         # As in the reference: a share of all parameter elements, in
         # parameter order, of which only CPU-resident ones are eligible.
-        self.keys: dict[torch.Tensor, str] = {}
+        self.keys: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
         offloaded = 0
         for gi, group in enumerate(param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.device.type == "cpu" and offloaded + p.numel() <= target:
-                    key = f"{gi}.{pi}"
-                    self.swapper.register(key, 2 * p.numel())
-                    self.keys[p] = key
+                    pieces = []
+                    for start in range(0, p.numel(), PIECE_NUMEL):
+                        end = min(p.numel(), start + PIECE_NUMEL)
+                        key = f"{gi}.{pi}:{start}"
+                        self.swapper.register(key, 2 * (end - start))
+                        pieces.append((key, start, end))
+                    self.keys[p] = pieces
                     offloaded += p.numel()
         logger.info(
             "nvme: Adam states of %d parameters (%d elements, %.1f MB) on disk in %s",
@@ -67,14 +77,16 @@ class NVMeStates:
             self.swapper.workdir,
         )
 
-    def step(self, items: list[tuple[torch.Tensor, dict]], update: Callable) -> None:
-        """Run ``update(param, exp_avg, exp_avg_sq)`` over ``items`` through the pipeline."""
-        pipe = self.swapper.pipeline([self.keys[p] for p, _ in items])
+    def step(self, params: list[torch.Tensor], update: Callable) -> None:
+        """Run ``update(param, start, end, exp_avg, exp_avg_sq)`` piece by piece
+        through the prefetch pipeline."""
+        pieces = [(p, *piece) for p in params for piece in self.keys[p]]
+        pipe = self.swapper.pipeline([key for _, key, _, _ in pieces])
         pipe.pre_step()
-        for i, (p, _) in enumerate(items):
+        for i, (p, _, start, end) in enumerate(pieces):
             buf = pipe.pre_update(i)
-            n = p.numel()
-            update(p, buf[:n], buf[n:])
+            n = end - start
+            update(p, start, end, buf[:n], buf[n:])
             pipe.post_update(i)
         pipe.post_step()
 
@@ -86,16 +98,23 @@ class NVMeStates:
         never needs them all in RAM at once.
         """
         path = os.path.join(self.swapper.workdir, f"snapshot-{uuid.uuid4().hex}")
-        buf = torch.from_file(path, shared=True, size=2 * p.numel(), dtype=torch.float32)
+        out = torch.from_file(path, shared=True, size=2 * p.numel(), dtype=torch.float32)
         os.unlink(path)
-        self.swapper.read(self.keys[p], buf)
         n = p.numel()
-        return buf[:n].view_as(p), buf[n:].view_as(p)
+        m, v = out[:n], out[n:]
+        scratch = torch.empty(2 * min(n, PIECE_NUMEL), dtype=torch.float32)
+        for key, start, end in self.keys[p]:
+            piece = self.swapper.read(key, scratch[: 2 * (end - start)])
+            m[start:end].copy_(piece[: end - start])
+            v[start:end].copy_(piece[end - start :])
+        return m.view_as(p), v.view_as(p)
 
     def load(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Write loaded states of one parameter to disk (one parameter in RAM at a time)."""
-        buf = torch.cat([exp_avg.reshape(-1).float(), exp_avg_sq.reshape(-1).float()]).cpu()
-        self.swapper.write(self.keys[p], buf)
+        """Write loaded states of one parameter to disk, a piece at a time."""
+        m, v = exp_avg.reshape(-1), exp_avg_sq.reshape(-1)
+        for key, start, end in self.keys[p]:
+            piece = torch.cat([m[start:end].float(), v[start:end].float()]).cpu()
+            self.swapper.write(key, piece)
 
     def close(self) -> None:
         self.swapper.close()
