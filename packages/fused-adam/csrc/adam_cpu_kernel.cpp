@@ -120,6 +120,22 @@ inline void storev(void* base, int64_t i, vf x) {
   }
 }
 
+// Non-temporal store for the copy-out buffer, which this pass only writes:
+// a plain store would first read each line in (write-allocate), 2 extra
+// bytes per param on a 28-byte step. Needs the vector's natural alignment.
+template <int DT>
+inline void streamv(void* base, int64_t i, vf x) {
+  if constexpr (DT == kF32) {
+    _mm512_stream_ps(static_cast<float*>(base) + i, x);
+  } else {
+    alignas(32) uint16_t tmp[16];
+    storev<DT>(tmp, 0, x);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(base) + i),
+                        _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)));
+  }
+}
+constexpr int kStreamAlign = 64;  // bytes of an fp32 vector; 16-bit vectors need half
+
 inline vf vset(float x) { return _mm512_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -169,6 +185,19 @@ inline void storev(void* base, int64_t i, vf x) {
   }
 }
 
+template <int DT>
+inline void streamv(void* base, int64_t i, vf x) {
+  if constexpr (DT == kF32) {
+    _mm256_stream_ps(static_cast<float*>(base) + i, x);
+  } else {
+    alignas(16) uint16_t tmp[8];
+    storev<DT>(tmp, 0, x);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(base) + i),
+                     _mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+}
+constexpr int kStreamAlign = 32;
+
 inline vf vset(float x) { return _mm256_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
@@ -191,6 +220,12 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   const vf vb1 = vset(b1), vb2 = vset(b2), v1b1 = vset(1.0f - b1), v1b2 = vset(1.0f - b2);
   const vf vgs = vset(gs), vwd = vset(wd), vdecay = vset(decay), veps = vset(eps);
   const vf vstep = vset(step_size), vibc2 = vset(inv_sqrt_bc2);
+  bool stream_out = false;
+  if constexpr (OT >= 0) {
+    constexpr int elem = OT == kF32 ? 4 : 2;
+    const uintptr_t first = reinterpret_cast<uintptr_t>(a.out) + begin * elem;
+    stream_out = first % (kStreamAlign * elem / 4) == 0;
+  }
   for (; i + kWidth <= end; i += kWidth) {
     vf g = vmul(loadv<GT>(a.grad, i), vgs);
     vf p = loadv<PT>(a.param, i);
@@ -203,8 +238,15 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
     storev<kF32>(m, i, mi);
     storev<kF32>(v, i, vi);
     storev<PT>(a.param, i, p);
-    if constexpr (OT >= 0) storev<OT>(a.out, i, p);
+    if constexpr (OT >= 0) {
+      if (stream_out) {
+        streamv<OT>(a.out, i, p);
+      } else {
+        storev<OT>(a.out, i, p);
+      }
+    }
   }
+  if (stream_out) _mm_sfence();  // order the streamed stores before returning
 #endif
   for (; i < end; ++i) {
     float g = load1<GT>(a.grad, i) * gs;

@@ -98,7 +98,7 @@ def run_parity(
         ref.step([g.cpu() for g in grads], div_scale=div_scale)
         for i, (p, r) in enumerate(zip(params, ref.params, strict=True)):
             torch.testing.assert_close(
-                p.double(),
+                p.cpu().double(),
                 r.detach(),
                 **PARAM_TOL[pdt],
                 msg=lambda m, i=i, s=step: f"step {s} p{i}: {m}",

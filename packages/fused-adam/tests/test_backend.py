@@ -79,9 +79,11 @@ def test_step_releases_the_gil():
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("pdt", [torch.float32, torch.bfloat16], ids=str)
-def test_copy_out_writes_the_updated_param(simd_level, pdt, out_dtype):
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_copy_out_writes_the_updated_param(simd_level, pdt, out_dtype, offset):
+    # Aligned buffers take the streaming-store path, misaligned ones the plain one.
     p = torch.randn(4099).to(pdt)
-    out = torch.full((4099,), 7.0, dtype=out_dtype)
+    out = torch.full((4099 + offset,), 7.0, dtype=out_dtype)[offset:]
     opt = HybridAdam([p], lr=0.1, weight_decay=0.01)
     opt.set_copy_out(p, out)
     for _ in range(3):

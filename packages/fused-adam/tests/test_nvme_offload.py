@@ -11,9 +11,8 @@ import pytest
 import torch
 from conftest import HYPER, make_grads, make_params, run_parity, set_grad
 
-from zerostack.fused_adam import _nvme as nvme_bridge
-
 from zerostack.fused_adam import CPUAdam, HybridAdam
+from zerostack.fused_adam import _nvme as nvme_bridge
 
 nvme = pytest.importorskip("zerostack.nvme")
 BACKENDS = [b for b in nvme.BACKENDS if b == "threads" or b in nvme.tensornvme_backends()]
