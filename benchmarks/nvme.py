@@ -1,0 +1,202 @@
+"""NVMe offload: raw disk bandwidth per backend, and the CPUAdam step with
+its states on disk against the same step with states in RAM, in one run.
+
+What is measured:
+
+* Raw bandwidth, per backend (tensornvme's uring/aio where installed, and
+  threads): ``--raw-gb`` GB written as 64 MiB tensors, all in flight, then
+  fsync; then read back. The page cache is dropped before the read when the
+  machine lets us (root); otherwise the read may come from RAM and the table
+  says so.
+* The step: CPUAdam over ``--params`` fp32 params (16 tensors) at
+  nvme_offload_fraction 0 (states in RAM) and 1 (states on disk), with
+  prefetch depths 1, 2 and 4. At fraction 1 a step moves 16 bytes/param
+  through the disk (8 read, 8 written), so its floor is
+  16 * params / disk bandwidth; the "I/O GB/s" column is that traffic over the
+  step time, and "% of raw" compares it with the raw read+write figure.
+
+    python benchmarks/nvme.py                      # 1B params, 8 GB raw test
+    python benchmarks/nvme.py --params 64M --raw-gb 1 --dir /mnt/nvme
+    python benchmarks/nvme.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from zerostack.fused_adam import CPUAdam, backend_info
+from zerostack.nvme import BACKENDS, tensornvme_backends
+from zerostack.nvme._backends import open_backend
+
+
+def parse_size(text: str) -> int:
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
+    return (
+        int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
+    )
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_bandwidth(backend: str, directory: str, total_bytes: int) -> dict:
+    """Write ``total_bytes`` as 64 MiB tensors, all in flight, then read them back.
+
+    Reported: buffered write (done when the backend says so: the pipeline's
+    own criterion), durable write (plus fsync), cached read (straight after)
+    and cold read (after dropping the page cache, where allowed).
+    """
+    chunk = 64 * 2**20
+    n = max(1, total_bytes // chunk)
+    bufs = [torch.full((chunk // 4,), float(i)) for i in range(min(n, 8))]
+    workdir = tempfile.mkdtemp(prefix="zs-nvme-raw-", dir=directory)
+    path = os.path.join(workdir, "raw.bin")
+    io = open_backend(backend, path)
+
+    def read_all() -> float:
+        out = [torch.empty(chunk // 4) for _ in range(len(bufs))]
+        start = time.perf_counter()
+        for base in range(0, n, len(out)):
+            handles = [
+                io.read(f"c{i}", out[i - base]) for i in range(base, min(n, base + len(out)))
+            ]
+            for h in handles:
+                io.wait(h)
+        elapsed = time.perf_counter() - start
+        for i in range(n):  # tensornvme frees a key on read: write it again
+            io.wait(io.write(f"c{i}", bufs[i % len(bufs)]))
+        return elapsed
+
+    try:
+        start = time.perf_counter()
+        handles = [io.write(f"c{i}", bufs[i % len(bufs)]) for i in range(n)]
+        for h in handles:
+            io.wait(h)
+        buffered_s = time.perf_counter() - start
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        durable_s = time.perf_counter() - start
+        cached_s = read_all()
+        dropped = drop_caches()
+        cold_s = read_all()
+    finally:
+        io.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    nbytes = n * chunk
+    return dict(
+        backend=backend, bytes=nbytes, write_gbps=nbytes / buffered_s / 1e9,
+        durable_write_gbps=nbytes / durable_s / 1e9, read_gbps=nbytes / cached_s / 1e9,
+        cold_read_gbps=nbytes / cold_s / 1e9, cache_dropped=dropped,
+    )  # fmt: skip
+
+
+def adam_step_time(params: list[torch.Tensor], repeats: int, **kw) -> list[float]:
+    opt = CPUAdam(params, lr=1e-3, weight_decay=0.01, **kw)
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        opt.step()
+        if i:  # the first step allocates (or reserves and first-writes) the states
+            times.append(time.perf_counter() - start)
+    del opt
+    gc.collect()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--params", default="1B")
+    ap.add_argument("--raw-gb", type=float, default=8.0)
+    ap.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    if a.smoke:
+        a.params, a.raw_gb, a.repeats = "4M", 0.25, 2
+    n = parse_size(a.params)
+    directory = a.dir or tempfile.gettempdir()
+    backends = [b for b in BACKENDS if b == "threads" or b in tensornvme_backends()]
+    print(f"[nvme-bench] backends {backends}, dir {directory}", file=sys.stderr)
+
+    raw = []
+    for b in backends:
+        print(f"[nvme-bench] raw {b} ...", file=sys.stderr)
+        raw_bandwidth(b, directory, 2**27)  # warm up the backend
+        raw.append(raw_bandwidth(b, directory, int(a.raw_gb * 1e9)))
+    best = max(raw, key=lambda r: r["write_gbps"] + r["read_gbps"])
+
+    num_tensors = 16
+    params = [torch.full((n // num_tensors,), 0.02) for _ in range(num_tensors)]
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    total = sum(p.numel() for p in params)
+    rows = []
+    print("[nvme-bench] step, states in RAM ...", file=sys.stderr)
+    ram = statistics.median(adam_step_time(params, a.repeats))
+    rows.append(("RAM", "-", "-", ram))
+    for depth in (1, 2, 4):
+        print(
+            f"[nvme-bench] step, states on disk, {best['backend']}, depth {depth} ...",
+            file=sys.stderr,
+        )
+        t = adam_step_time(
+            params, a.repeats, nvme_offload_fraction=1.0, nvme_offload_dir=directory,
+            nvme_backend=best["backend"], nvme_prefetch_depth=depth,
+        )  # fmt: skip
+        rows.append(("disk", best["backend"], str(depth), statistics.median(t)))
+
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print("\n## NVMe offload\n")
+    print(f"- date: {date}; command: `python {' '.join(sys.argv)}`")
+    print(f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {backend_info()['cpu_simd']}, {torch.get_num_threads()} threads")  # fmt: skip
+    print(
+        f"- directory: {directory} ({shutil.disk_usage(directory).total / 1e9:.0f} GB filesystem)\n"
+    )
+    print("| backend | bytes | write GB/s | write + fsync GB/s | read GB/s (just written) | "
+          "read GB/s (page cache dropped) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in raw:
+        cold = f"{r['cold_read_gbps']:.2f}" if r["cache_dropped"] else "n/a (cannot drop the cache)"
+        print(f"| {r['backend']} | {r['bytes'] / 1e9:.1f} GB | {r['write_gbps']:.2f} | "
+              f"{r['durable_write_gbps']:.2f} | {r['read_gbps']:.2f} | {cold} |")  # fmt: skip
+    print("\nThe optimizer's pipeline waits for writes as the backend reports them done (the "
+          "'write' column) and reads what it wrote one step earlier (the 'just written' column); "
+          "those two are its raw bandwidth here.")  # fmt: skip
+    raw_rw = 2 / (1 / best["write_gbps"] + 1 / best["read_gbps"])  # equal bytes each way
+    floor = 16 * total / (raw_rw * 1e9)
+    print(f"\nCPUAdam step, {total / 1e9:.2f}B fp32 params in {num_tensors} tensors, median of "
+          f"{a.repeats}; disk floor at fraction 1 = 16 B/param / {raw_rw:.2f} GB/s "
+          f"(raw read+write of {best['backend']}) = {floor * 1e3:.0f} ms\n")  # fmt: skip
+    print("| states | backend | prefetch depth | step ms | vs RAM step | I/O GB/s | % of raw |")
+    print("|---|---|---|---|---|---|---|")
+    for where, b, depth, t in rows:
+        io = f"{16 * total / t / 1e9:.2f}" if where == "disk" else "-"
+        pct = f"{100 * 16 * total / t / 1e9 / raw_rw:.0f}%" if where == "disk" else "-"
+        print(f"| {where} | {b} | {depth} | {t * 1e3:.1f} | {t / ram:.2f}x | {io} | {pct} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
