@@ -1,0 +1,21 @@
+"""Chunks: tensors packed into equal-sized contiguous buffers that are
+gathered, released, reduced and moved as one."""
+
+from zerostack.chunk.__about__ import __version__
+from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
+from zerostack.chunk._manager import ChunkManager
+from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
+from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
+
+__all__ = [
+    "TRANSITIONS",
+    "Chunk",
+    "ChunkFullError",
+    "ChunkManager",
+    "ChunkSearchResult",
+    "Handle",
+    "TensorInfo",
+    "TensorState",
+    "__version__",
+    "search_chunk_configuration",
+]

@@ -1,0 +1,418 @@
+"""Chunk: one contiguous buffer holding many tensors, gathered or sharded."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zerostack.chunk import _comm
+from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
+
+logger = logging.getLogger(__name__)
+_warned_pin = False
+
+
+class ChunkFullError(RuntimeError):
+    """The tensor does not fit in the space the chunk has left."""
+
+
+class Handle:
+    """An asynchronous chunk collective; ``wait()`` finishes it (idempotent)."""
+
+    def __init__(self, work, finish: Callable[[], None]) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> None:
+        if self._finish is None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        finish, self._finish = self._finish, None
+        finish()
+
+    def is_completed(self) -> bool:
+        return self._finish is None
+
+
+def _default_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def _empty_on(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    global _warned_pin
+    if pin and device.type == "cpu":
+        if torch.cuda.is_available():
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        if not _warned_pin:
+            _warned_pin = True
+            warnings.warn("Chunk: pin_memory=True has no effect without CUDA", stacklevel=3)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+class Chunk:
+    """``chunk_size`` elements of one dtype, holding tensors in the order they
+    were appended, shared by a process group.
+
+    Until ``close_chunk`` the chunk is a gathered buffer being filled. After it
+    the chunk is either kept gathered (``keep_gathered``: every rank holds the
+    whole buffer) or sharded: this rank keeps ``chunk_size / world`` elements
+    (its shard) on the compute device or the CPU, and ``access`` gathers the
+    whole buffer again when the tensors are needed.
+
+    Args:
+        chunk_size: elements; rounded up to a multiple of the group's size so
+            every shard is equal.
+        process_group: the group sharing the chunk (default: the default group,
+            or a single process when torch.distributed is not initialised).
+        dtype: the dtype of every tensor in the chunk.
+        index: a number that names the chunk in messages. Default 0.
+        compute_device: where the gathered buffer lives. Default: the current
+            CUDA device, else the CPU.
+        shard_device: where the shard lives after ``close_chunk``. Default:
+            the compute device.
+        keep_gathered: never shard. Default False.
+        pin_memory: pin the shard when it is on the CPU (needs CUDA). Default False.
+
+    Raises:
+        ValueError: chunk_size < 1, or a dtype that is not floating point.
+    """
+
+    def __init__(
+        self,
+        chunk_size: int,
+        process_group: dist.ProcessGroup | None,
+        dtype: torch.dtype,
+        *,
+        index: int = 0,
+        compute_device: torch.device | str | None = None,
+        shard_device: torch.device | str | None = None,
+        keep_gathered: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"Chunk: chunk_size must be an int >= 1 (got {chunk_size!r})")
+        if not dtype.is_floating_point:
+            raise ValueError(f"Chunk: dtype must be floating point (got {dtype})")
+        self.index = index
+        self.process_group = process_group
+        self.rank, self.world_size = _comm.group_rank_and_size(process_group)
+        self.shard_size = -(-chunk_size // self.world_size)
+        self.chunk_size = self.shard_size * self.world_size
+        self.dtype = dtype
+        self.compute_device = torch.device(compute_device) if compute_device else _default_device()
+        self.shard_device = torch.device(shard_device) if shard_device else self.compute_device
+        self.keep_gathered = keep_gathered
+        self.pin_memory = pin_memory
+        self.buffer: torch.Tensor | None = torch.zeros(
+            self.chunk_size, dtype=dtype, device=self.compute_device
+        )
+        self.shard: torch.Tensor | None = None
+        self.utilized_size = 0
+        self.closed = False
+        self.tensors_info: dict[torch.Tensor, TensorInfo] = {}
+        self.state_count: Counter[TensorState] = Counter()
+        self.paired_chunk: Chunk | None = None
+        self.grad_chunk: Chunk | None = None
+
+    # -- filling -----------------------------------------------------------
+
+    def append_tensor(self, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into the chunk and make its ``.data`` a view of it.
+
+        Raises:
+            RuntimeError: the chunk is closed.
+            TypeError: the tensor's dtype is not the chunk's.
+            ValueError: sparse, non-contiguous or already registered tensor.
+            ChunkFullError: not enough space left (the chunk is unchanged).
+        """
+        name = f"Chunk {self.index}.append_tensor"
+        if self.closed:
+            raise RuntimeError(f"{name}: the chunk is closed; append to a new chunk")
+        if tensor.dtype != self.dtype:
+            raise TypeError(f"{name}: dtype {tensor.dtype} does not match the chunk's {self.dtype}")
+        if tensor.is_sparse or not tensor.is_contiguous():
+            raise ValueError(
+                f"{name}: the tensor must be dense and contiguous (shape {tuple(tensor.shape)})"
+            )
+        if tensor in self.tensors_info:
+            raise ValueError(
+                f"{name}: the tensor (shape {tuple(tensor.shape)}) is already registered"
+            )
+        numel = tensor.numel()
+        if self.utilized_size + numel > self.chunk_size:
+            raise ChunkFullError(
+                f"{name}: a tensor of {numel} elements does not fit "
+                f"({self.chunk_size - self.utilized_size} of {self.chunk_size} left)"
+            )
+        view = self.buffer[self.utilized_size : self.utilized_size + numel]
+        if tensor.device.type != "meta":
+            view.copy_(tensor.detach().reshape(-1))
+        tensor.data = view.view(tensor.shape)
+        self.tensors_info[tensor] = TensorInfo(
+            self.utilized_size, self.utilized_size + numel, tensor.shape
+        )
+        self.state_count[TensorState.HOLD] += 1
+        self.utilized_size += numel
+
+    def close_chunk(self) -> None:
+        """Stop appending; shard the chunk unless it is kept gathered."""
+        if self.closed:
+            raise RuntimeError(f"Chunk {self.index}.close_chunk: already closed")
+        self.closed = True
+        if not self.keep_gathered:
+            mine = self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
+            self.shard = _empty_on(self.shard_size, self.dtype, self.shard_device, self.pin_memory)
+            self.shard.copy_(mine)
+            self._drop_buffer()
+
+    # -- gather / release --------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.buffer is not None
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.tensors_info)
+
+    def _rebind(self) -> None:
+        for t, info in self.tensors_info.items():
+            t.data = self.buffer[info.offset : info.end].view(info.shape)
+
+    def _drop_buffer(self) -> None:
+        self.buffer = None
+        for t in self.tensors_info:
+            t.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+
+    def access(self, async_op: bool = False) -> Handle | None:
+        """Gather the whole chunk on the compute device (all-gather of the shards).
+
+        With ``async_op`` returns a Handle; the tensors point into the chunk
+        once it is waited on. A gathered chunk returns None at once.
+        """
+        self._check_closed("access")
+        if self.is_gathered:
+            return None
+        shard = self.shard.to(self.compute_device, non_blocking=True)
+        self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
+        work = _comm.all_gather(self.buffer, shard, self.process_group, async_op)
+        handle = Handle(work, self._rebind)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    @property
+    def can_release(self) -> bool:
+        """True when no tensor is in use (all HOLD or FREE) and the chunk is sharded."""
+        idle = self.state_count[TensorState.HOLD] + self.state_count[TensorState.FREE]
+        return not self.keep_gathered and idle == self.num_tensors
+
+    def release(self) -> None:
+        """Drop the gathered copy; the shard stays.
+
+        Raises:
+            RuntimeError: a tensor is in use, or the chunk is kept gathered.
+        """
+        self._check_closed("release")
+        if not self.is_gathered:
+            return
+        if not self.can_release:
+            states = {s.name: c for s, c in self.state_count.items() if c}
+            raise RuntimeError(
+                f"Chunk {self.index}.release: cannot release (keep_gathered={self.keep_gathered}, "
+                f"tensor states {states})"
+            )
+        self._drop_buffer()
+
+    # -- gradients ---------------------------------------------------------
+
+    def init_grad_chunk(self) -> Chunk:
+        """A zeroed, gathered chunk laid out like this one, to hold gradients.
+
+        Created once and re-zeroed on later calls.
+        """
+        self._check_closed("init_grad_chunk")
+        grad = self.grad_chunk
+        if grad is None:
+            grad = Chunk(
+                self.chunk_size,
+                self.process_group,
+                self.dtype,
+                index=self.index,
+                compute_device=self.compute_device,
+                shard_device=self.shard_device,
+                keep_gathered=self.keep_gathered,
+            )
+            grad.closed = True
+            self.grad_chunk = grad
+        elif grad.buffer is None:
+            grad.buffer = torch.zeros(self.chunk_size, dtype=self.dtype, device=self.compute_device)
+        else:
+            grad.buffer.zero_()
+        return grad
+
+    def grad_view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s slot in the gradient chunk (shaped like the tensor)."""
+        info = self.tensors_info[tensor]
+        if self.grad_chunk is None or self.grad_chunk.buffer is None:
+            raise RuntimeError(f"Chunk {self.index}.grad_view: call init_grad_chunk first")
+        return self.grad_chunk.buffer[info.offset : info.end].view(info.shape)
+
+    @property
+    def can_reduce(self) -> bool:
+        return self.state_count[TensorState.READY_FOR_REDUCE] == self.num_tensors
+
+    def reduce(self, async_op: bool = False) -> Handle | None:
+        """Average the gradients over the group.
+
+        The gradients are the grad chunk's buffer, or, when there is no grad
+        chunk, this chunk's own gathered buffer (gradients written over the
+        parameters, `reuse_fp16_chunk`). Sharded chunks reduce-scatter, so each
+        rank keeps the mean of its shard in ``shard`` (of the grad chunk, or of
+        this chunk, replacing its parameter shard); kept-gathered chunks
+        all-reduce in place. Every tensor goes back to HOLD.
+
+        Raises:
+            RuntimeError: not every tensor is READY_FOR_REDUCE (the chunk is
+                left unchanged), or there is no gathered gradient buffer.
+        """
+        self._check_closed("reduce")
+        if not self.can_reduce:
+            states = {s.name: c for s, c in self.state_count.items() if c}
+            raise RuntimeError(
+                f"Chunk {self.index}.reduce: every tensor must be READY_FOR_REDUCE (states {states})"
+            )
+        target = self.grad_chunk if self.grad_chunk is not None else self
+        if target.buffer is None:
+            raise RuntimeError(f"Chunk {self.index}.reduce: no gathered gradient buffer to reduce")
+        for t in self.tensors_info:
+            self._transition(t, TensorState.HOLD)
+        full = target.buffer
+        if self.world_size > 1:
+            full.div_(self.world_size)  # before the sum, so fp16 cannot overflow
+        if self.keep_gathered:
+            work = _comm.all_reduce_sum(full, self.process_group, async_op)
+            handle = Handle(work, lambda: None)
+        else:
+            out = torch.empty(self.shard_size, dtype=self.dtype, device=self.compute_device)
+            work = _comm.reduce_scatter_sum(out, full, self.process_group, async_op)
+
+            def finish() -> None:
+                target.shard = (
+                    out if self.shard_device == self.compute_device else out.to(self.shard_device)
+                )
+                if target is self:
+                    self._drop_buffer()
+                else:
+                    target.buffer = None
+
+            handle = Handle(work, finish)
+        if not async_op:
+            handle.wait()
+            return None
+        return handle
+
+    # -- placement ---------------------------------------------------------
+
+    def shard_move(self, device: torch.device | str, non_blocking: bool = False) -> None:
+        """Move this rank's shard to ``device`` (pinned on the CPU when asked)."""
+        self._check_closed("shard_move")
+        device = torch.device(device)
+        if self.shard is None or self.shard.device == device:
+            self.shard_device = device
+            return
+        if device.type == "cpu":
+            moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory)
+            moved.copy_(self.shard, non_blocking=non_blocking)
+        else:
+            moved = self.shard.to(device, non_blocking=non_blocking)
+        self.shard, self.shard_device = moved, device
+
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes this chunk holds, by device type ("cpu", "cuda", ...)."""
+        usage: Counter[str] = Counter()
+        for t in (self.buffer, self.shard):
+            if t is not None:
+                usage[t.device.type] += t.numel() * t.element_size()
+        return dict(usage)
+
+    # -- numerics without host syncs ------------------------------------------
+
+    def _my_share(self) -> torch.Tensor:
+        if self.shard is not None and not self.is_gathered:
+            return self.shard
+        return self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
+
+    def has_inf_or_nan(self) -> torch.Tensor:
+        """A bool tensor on the data's device: any inf/nan in this rank's share."""
+        return ~torch.isfinite(self._my_share()).all()
+
+    def l2_norm_sq(self) -> torch.Tensor:
+        """fp32 squared L2 norm of this rank's share, on its device; summed over
+        the ranks it is the whole chunk's."""
+        return self._my_share().float().pow(2).sum()
+
+    # -- pairing with an fp32 master ---------------------------------------------
+
+    def pair(self, master: Chunk) -> None:
+        """Pair this fp16/bf16 chunk with its fp32 master chunk (same layout)."""
+        if master.chunk_size != self.chunk_size or master.world_size != self.world_size:
+            raise ValueError(f"Chunk {self.index}.pair: the master chunk has another size or group")
+        self.paired_chunk, master.paired_chunk = master, self
+
+    def copy_from_paired(self) -> None:
+        """Copy the paired master's data (shard, or whole buffer) into this chunk."""
+        master = self.paired_chunk
+        if master is None:
+            raise RuntimeError(f"Chunk {self.index}.copy_from_paired: no paired chunk")
+        if self.is_gathered and master.is_gathered:
+            self.buffer.copy_(master.buffer)
+        else:
+            self._my_share().copy_(master._my_share())
+
+    # -- states ------------------------------------------------------------------
+
+    def tensor_state(self, tensor: torch.Tensor) -> TensorState:
+        return self.tensors_info[tensor].state
+
+    def _transition(self, tensor: torch.Tensor, new: TensorState) -> None:
+        """The only place a tensor's state changes. See [Note: tensor state table]."""
+        info = self.tensors_info.get(tensor)
+        if info is None:
+            raise ValueError(
+                f"chunk {self.index}: tensor of shape {tuple(tensor.shape)} is not in this chunk"
+            )
+        old = info.state
+        if new not in TRANSITIONS[old]:
+            raise RuntimeError(
+                f"chunk {self.index}: illegal transition {old.name} -> {new.name} "
+                f"for tensor at offset {info.offset} (shape {tuple(info.shape)})"
+            )
+        info.state = new
+        self.state_count[old] -= 1
+        self.state_count[new] += 1
+
+    def trans_tensor_state(self, tensor: torch.Tensor, new: TensorState) -> None:
+        """Move ``tensor`` to ``new`` (checked against the transition table)."""
+        self._transition(tensor, new)
+
+    def _check_closed(self, api: str) -> None:
+        if not self.closed:
+            raise RuntimeError(f"Chunk {self.index}.{api}: call close_chunk first")
+
+    def __repr__(self) -> str:
+        where = "gathered" if self.is_gathered else f"sharded on {self.shard_device}"
+        return (
+            f"Chunk({self.index}, {self.num_tensors} tensors, {self.utilized_size}/{self.chunk_size} "
+            f"{self.dtype}, {where})"
+        )

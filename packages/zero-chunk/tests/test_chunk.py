@@ -1,0 +1,257 @@
+"""Chunk operations at 1, 2 and 4 ranks (gloo) against unsharded references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zerostack.chunk import Chunk, ChunkFullError, TensorState
+from zerostack.testing import spawn
+
+SIZES = [5, 1, 17, 8, 3]  # 34 elements in a 37-element chunk: padding at every world size
+
+
+def _tensors(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) for n in SIZES]
+
+
+def _filled(keep_gathered=False, **kw):
+    tensors = _tensors()
+    ref = [t.clone() for t in tensors]
+    chunk = Chunk(37, None, torch.float32, compute_device="cpu", keep_gathered=keep_gathered, **kw)
+    for t in tensors:
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    return chunk, tensors, ref
+
+
+def _to_ready(chunk, tensors):
+    for t in tensors:
+        for s in (TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD, TensorState.READY_FOR_REDUCE):
+            chunk.trans_tensor_state(t, s)
+
+
+def _check_gather_release(rank, world):
+    chunk, tensors, ref = _filled()
+    assert chunk.chunk_size % world == 0 and chunk.shard_size * world == chunk.chunk_size
+    assert not chunk.is_gathered and all(t.numel() == 0 for t in tensors)
+    flat = torch.cat(ref)
+    padded = torch.cat([flat, torch.zeros(chunk.chunk_size - flat.numel())])
+    assert torch.equal(chunk.shard, padded[rank * chunk.shard_size : (rank + 1) * chunk.shard_size])
+    chunk.access()
+    assert all(torch.equal(t, r) for t, r in zip(tensors, ref, strict=True))
+    chunk.release()
+    assert all(t.numel() == 0 for t in tensors)
+    handle = chunk.access(async_op=True)
+    handle.wait()
+    assert handle.is_completed()
+    assert all(torch.equal(t, r) for t, r in zip(tensors, ref, strict=True))
+    # A gathered copy serves every use until released: writes stay visible.
+    tensors[2].add_(1.0)
+    assert torch.equal(tensors[2], ref[2] + 1)
+
+
+def _check_reduce(rank, world, async_op, use_grad_chunk):
+    chunk, tensors, _ = _filled()
+    chunk.access()
+    target = chunk.init_grad_chunk() if use_grad_chunk else chunk
+    grads = [torch.full((n,), float(rank + 1)) * (i + 1) for i, n in enumerate(SIZES)]
+    for t, g in zip(tensors, grads, strict=True):
+        (chunk.grad_view(t) if use_grad_chunk else t).copy_(g)
+    _to_ready(chunk, tensors)
+    handle = chunk.reduce(async_op=async_op)
+    if async_op:
+        handle.wait()
+    mean_scale = sum(r + 1 for r in range(world)) / world
+    expected = torch.cat([torch.full((n,), mean_scale * (i + 1)) for i, n in enumerate(SIZES)])
+    expected = torch.cat([expected, torch.zeros(chunk.chunk_size - expected.numel())])
+    mine = expected[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
+    torch.testing.assert_close(target.shard, mine)
+    assert all(chunk.tensor_state(t) is TensorState.HOLD for t in tensors)
+    assert target.buffer is None
+    if not use_grad_chunk:
+        assert all(t.numel() == 0 for t in tensors)
+
+
+def _check_keep_gathered(rank, world):
+    chunk, tensors, ref = _filled(keep_gathered=True)
+    assert chunk.is_gathered and chunk.shard is None
+    assert all(torch.equal(t, r) for t, r in zip(tensors, ref, strict=True))
+    with pytest.raises(RuntimeError, match="cannot release"):
+        chunk.release()
+    for t in tensors:
+        t.fill_(float(rank))
+    _to_ready(chunk, tensors)
+    chunk.reduce()
+    expected = sum(range(world)) / world
+    assert all(torch.allclose(t, torch.full_like(t, expected)) for t in tensors)
+
+
+def _check_norms(rank, world):
+    chunk, tensors, ref = _filled()
+    total = chunk.l2_norm_sq()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, torch.cat(ref).pow(2).sum())
+    bad = dist.get_world_size() - 1 == rank
+    chunk.access()
+    if bad:
+        tensors[-1][0] = float("inf")  # the last element lives in the last rank's shard
+    chunk.release()  # the change was to the gathered copy only
+    assert not bool(chunk.has_inf_or_nan())
+    if bad:
+        chunk.shard[0] = float("nan")
+    flag = chunk.has_inf_or_nan().float()
+    dist.all_reduce(flag)
+    assert flag.item() == 1.0
+
+
+def _check_pairing(rank, world):
+    half, tensors, _ = _filled()
+    master_tensors = [t.clone() for t in _tensors(seed=1)]
+    master = Chunk(37, None, torch.float32, compute_device="cpu")
+    for t in master_tensors:
+        master.append_tensor(t)
+    master.close_chunk()
+    half.pair(master)
+    assert half.paired_chunk is master and master.paired_chunk is half
+    half.copy_from_paired()
+    half.access()
+    assert all(torch.equal(t, r) for t, r in zip(tensors, _tensors(seed=1), strict=True))
+
+
+def _all_cases(rank, world):
+    _check_gather_release(rank, world)
+    for async_op in (False, True):
+        for use_grad_chunk in (False, True):
+            _check_reduce(rank, world, async_op, use_grad_chunk)
+    _check_keep_gathered(rank, world)
+    _check_norms(rank, world)
+    _check_pairing(rank, world)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_chunk_operations_match_the_unsharded_reference(world_size):
+    spawn(_all_cases, world_size, backend="gloo")
+
+
+def test_without_a_process_group_the_chunk_is_one_rank():
+    _check_gather_release(0, 1)
+
+
+def test_shard_move_and_pin_memory_without_cuda(monkeypatch):
+    import zerostack.chunk._chunk as chunk_module
+
+    monkeypatch.setattr(chunk_module, "_warned_pin", False)
+    if torch.cuda.is_available():
+        chunk, _, _ = _filled(pin_memory=True)
+    else:
+        with pytest.warns(UserWarning, match=r"pin_memory=True has no effect without CUDA"):
+            chunk, _, _ = _filled(pin_memory=True)
+    chunk.shard_move("cpu")
+    assert chunk.shard_device.type == "cpu"
+    assert chunk.shard.is_pinned() == torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_shards_and_moves_on_cuda():
+    tensors = _tensors()
+    chunk = Chunk(
+        37, None, torch.float32, compute_device="cuda", shard_device="cpu", pin_memory=True
+    )
+    for t in tensors:
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    assert chunk.shard.is_pinned() and chunk.shard.device.type == "cpu"
+    chunk.access()
+    assert all(t.is_cuda for t in tensors)
+    assert all(torch.equal(t.cpu(), r) for t, r in zip(tensors, _tensors(), strict=True))
+    chunk.release()
+    chunk.shard_move("cuda")
+    assert chunk.shard.is_cuda
+    chunk.shard_move("cpu", non_blocking=True)
+    torch.cuda.synchronize()
+    assert chunk.shard.is_pinned()
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def test_bad_chunk_size_and_dtype():
+    with pytest.raises(ValueError, match=r"chunk_size must be an int >= 1 \(got 0\)"):
+        Chunk(0, None, torch.float32)
+    with pytest.raises(ValueError, match=r"dtype must be floating point \(got torch.int64\)"):
+        Chunk(4, None, torch.int64)
+
+
+def _open_chunk():
+    chunk = Chunk(10, None, torch.float32, compute_device="cpu")
+    chunk.append_tensor(torch.ones(4))
+    return chunk
+
+
+def _snapshot(chunk):
+    return (chunk.utilized_size, len(chunk.tensors_info), chunk.buffer.clone())
+
+
+@pytest.mark.parametrize(
+    ("tensor", "exc", "match"),
+    [
+        (
+            torch.zeros(3, dtype=torch.float16),
+            TypeError,
+            r"dtype torch.float16 does not match the chunk's torch.float32",
+        ),
+        (torch.zeros(4, 4).t(), ValueError, r"must be dense and contiguous"),
+        (torch.zeros(3).to_sparse(), ValueError, r"must be dense and contiguous"),
+        (torch.zeros(7), ChunkFullError, r"a tensor of 7 elements does not fit \(6 of 10 left\)"),
+    ],
+)
+def test_bad_appends_leave_the_chunk_unchanged(tensor, exc, match):
+    chunk = _open_chunk()
+    before = _snapshot(chunk)
+    with pytest.raises(exc, match=match):
+        chunk.append_tensor(tensor)
+    after = _snapshot(chunk)
+    assert before[:2] == after[:2] and torch.equal(before[2], after[2])
+
+
+def test_register_twice_and_after_close():
+    chunk = Chunk(10, None, torch.float32, compute_device="cpu")
+    t = torch.ones(2)
+    chunk.append_tensor(t)
+    with pytest.raises(ValueError, match=r"already registered"):
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    with pytest.raises(RuntimeError, match=r"Chunk 0.append_tensor: the chunk is closed"):
+        chunk.append_tensor(torch.ones(2))
+
+
+def test_reduce_before_every_tensor_is_ready_leaves_the_chunk_unchanged():
+    chunk, tensors, _ = _filled()
+    chunk.access()
+    chunk.init_grad_chunk().buffer.fill_(3.0)
+    _to_ready(chunk, tensors[:-1])
+    with pytest.raises(RuntimeError, match=r"every tensor must be READY_FOR_REDUCE"):
+        chunk.reduce()
+    assert chunk.state_count[TensorState.READY_FOR_REDUCE] == len(tensors) - 1
+    assert torch.equal(chunk.grad_chunk.buffer, torch.full((chunk.chunk_size,), 3.0))
+
+
+def test_operations_before_close():
+    chunk = _open_chunk()
+    with pytest.raises(RuntimeError, match=r"Chunk 0.access: call close_chunk first"):
+        chunk.access()
+    with pytest.raises(RuntimeError, match=r"Chunk 0.reduce: call close_chunk first"):
+        chunk.reduce()
+
+
+def test_release_while_in_use():
+    chunk, tensors, _ = _filled()
+    chunk.access()
+    chunk.trans_tensor_state(tensors[0], TensorState.COMPUTE)
+    with pytest.raises(RuntimeError, match=r"cannot release .*'COMPUTE': 1"):
+        chunk.release()
+    assert chunk.is_gathered
