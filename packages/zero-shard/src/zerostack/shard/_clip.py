@@ -1,0 +1,37 @@
+"""Gradient norm, overflow and usage over shards: one all-reduce, one host read."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerostack.shard._partition import all_reduce_sum
+
+
+def grad_stats(shards: list[torch.Tensor], extra: torch.Tensor, group) -> list[float]:
+    """Sum over ranks of [squared L2 norm of ``shards``, *extra], read once.
+
+    Per-shard norms stay on the device; they, and ``extra`` (e.g. per-parameter
+    "had a gradient" flags), travel in one all-reduce, and the result reaches
+    the host in one read. An inf or nan anywhere makes the norm non-finite on
+    every rank, which is how overflow is detected.
+    """
+    device = extra.device
+    if shards:
+        norm_sq = (
+            torch.stack([n.float() for n in torch._foreach_norm(shards)]).pow(2).sum().to(device)
+        )
+    else:
+        norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+    packed = torch.cat([norm_sq.view(1), extra.float()])
+    all_reduce_sum(packed, group)
+    return packed.tolist()
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """The factor that brings ``total_norm`` down to ``max_norm`` (1 when
+    clipping is off or not needed)."""
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

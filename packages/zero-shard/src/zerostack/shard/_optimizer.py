@@ -1,0 +1,520 @@
+"""ZeroOptimizer: ZeRO stage 1/2 around any torch optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerostack.shard import _partition as part
+from zerostack.shard._clip import clip_coefficient, grad_stats
+from zerostack.shard._loss_scaler import DynamicLossScaler
+
+logger = logging.getLogger(__name__)
+_API = "ZeroOptimizer"
+
+
+@dataclass(slots=True)
+class _Shard:
+    """One model parameter and this rank's piece of it.
+
+    [Note: per-parameter pieces] Every parameter is flattened, zero-padded to
+    a multiple of the group size and cut into equal pieces; rank r owns piece
+    r of every parameter (a parameter smaller than the group leaves some
+    ranks a piece of padding only). Padding stays zero through Adam, weight
+    decay and clipping, so it never changes a result.
+    """
+
+    param: torch.Tensor
+    index: int
+    name: str
+    piece: int  # elements per rank's piece
+    master: torch.Tensor  # this rank's piece, stepped by the inner optimizer
+    grad: torch.Tensor | None = None  # reduced gradient piece (accumulated)
+    ready: bool = False  # its gradient arrived in the current backward
+    used: bool = False  # it had a gradient at some point since the last step
+    copy_out: torch.Tensor | None = None  # low-precision pinned buffer (cpu_offload)
+
+
+class _Bucket:
+    def __init__(self, shards: list[_Shard]) -> None:
+        self.shards = shards
+        self.offsets = []
+        total = 0
+        for s in shards:
+            self.offsets.append(total)
+            total += s.piece
+        self.piece_total = total
+        self.launched = False
+        self.pending: tuple | None = None  # (work, buffer or output)
+
+
+class ZeroOptimizer:
+    """ZeRO stage 1 or 2 around a torch optimizer built on the model's params.
+
+    Each rank keeps an fp32 master copy of its piece of every parameter (see
+    [Note: per-parameter pieces]) and the inner optimizer's state for it: the
+    optimizer states are 1/N per rank (stage 1), and so are the reduced
+    gradients (stage 2). Gradients are reduced in buckets from
+    ``register_post_accumulate_grad_hook`` during backward, all-reduced
+    (stage 1) or reduce-scattered (stage 2), asynchronously and on a side
+    stream on CUDA. After the inner step the updated pieces are all-gathered
+    back into the parameters.
+
+    Args:
+        optimizer: a torch optimizer over the model's parameters, before its
+            first step (e.g. ``torch.optim.AdamW(model.parameters())``).
+        stage: 1 or 2. Default 2.
+        reduce_bucket_size: elements per gradient bucket. Default 2**24.
+        overlap_communication: reduce during backward (side stream on CUDA);
+            False reduces everything at ``step``. Default True.
+        communication_dtype: dtype gradients travel in. Default: the params'.
+        cpu_offload: keep masters and optimizer states on the CPU; Adam/AdamW
+            then steps through zerostack-fused-adam's CPU kernel. Default False.
+        master_weights: keep fp32 masters for fp16/bf16 params. Default True.
+        max_norm: clip the global gradient norm to this (0: off). Default 0.0.
+        initial_scale, min_scale, growth_factor, backoff_factor,
+        growth_interval, hysteresis, max_scale: the fp16 DynamicLossScaler
+            (used only when a parameter is fp16).
+        process_group: the data-parallel group. Default: the default group.
+        module: the model, optional; when given, every trainable parameter of
+            it must be in ``optimizer`` and messages use its parameter names.
+
+    Raises:
+        ValueError: stage not 1 or 2, an optimizer that already stepped, a
+            trainable module parameter missing from the optimizer, mixed devices.
+        ImportError: cpu_offload with Adam/AdamW but no zerostack-fused-adam.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int = 2,
+        reduce_bucket_size: int = 2**24,
+        overlap_communication: bool = True,
+        communication_dtype: torch.dtype | None = None,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        max_norm: float = 0.0,
+        initial_scale: float = 2.0**16,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2.0**32,
+        process_group: dist.ProcessGroup | None = None,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise ValueError(
+                f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3"
+            )
+        if reduce_bucket_size < 1:
+            raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
+        if max_norm < 0:
+            raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
+        if optimizer.state:
+            raise ValueError(
+                f"{_API}: wrap the optimizer before its first step (it already has state)"
+            )
+        self.stage = stage
+        self.group = process_group
+        self.rank, self.world = part.rank_and_world(process_group)
+        self.max_norm = max_norm
+        self.overlap = overlap_communication
+        self.cpu_offload = cpu_offload
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError(f"{_API}: the optimizer has no parameters")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(
+                f"{_API}: parameters on several devices (got {sorted(map(str, devices))})"
+            )
+        self.device = next(iter(devices))
+        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        if module is not None:
+            in_opt = {id(p) for p in params}
+            for n, p in module.named_parameters():
+                if p.requires_grad and id(p) not in in_opt:
+                    raise ValueError(
+                        f"{_API}: parameter {n!r} of the module is missing from the wrapped optimizer; "
+                        "build the optimizer on model.parameters()"
+                    )
+        self.fp16 = any(p.dtype == torch.float16 for p in params)
+        self.scaler = None
+        if self.fp16:
+            self.scaler = DynamicLossScaler(
+                initial_scale=initial_scale,
+                min_scale=min_scale,
+                growth_factor=growth_factor,
+                backoff_factor=backoff_factor,
+                growth_interval=growth_interval,
+                hysteresis=hysteresis,
+                max_scale=max_scale,
+            )
+        self.comm_dtype = communication_dtype
+        master_device = torch.device("cpu") if cpu_offload else self.device
+        pin = cpu_offload and torch.cuda.is_available()
+
+        # Masters replace the params inside the inner optimizer's groups.
+        self.shards: list[_Shard] = []
+        for group in optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                piece = part.shard_numel(p.numel(), self.world)
+                full = part.padded_flat(p.detach(), self.world)
+                mine = full[self.rank * piece : (self.rank + 1) * piece]
+                dtype = torch.float32 if master_weights else p.dtype
+                master = mine.to(device=master_device, dtype=dtype).clone()
+                shard = _Shard(
+                    p,
+                    len(self.shards),
+                    names.get(id(p), f"param {len(self.shards)}"),
+                    piece,
+                    master,
+                )
+                if cpu_offload and p.dtype != dtype:
+                    shard.copy_out = torch.empty(piece, dtype=p.dtype, pin_memory=pin)
+                    shard.copy_out.copy_(master)  # the step refreshes it; unused params keep this
+                self.shards.append(shard)
+                masters.append(master)
+            group["params"] = masters
+        self.optimizer = self._maybe_cpu_kernel(optimizer) if cpu_offload else optimizer
+        self._div_scale = "div_scale" in inspect.signature(self.optimizer.step).parameters
+        if self._div_scale and hasattr(self.optimizer, "set_copy_out"):
+            for s in self.shards:
+                if s.copy_out is not None:
+                    self.optimizer.set_copy_out(s.master, s.copy_out)
+
+        # Buckets in reverse parameter order, the order backward produces grads.
+        self.buckets: list[_Bucket] = []
+        current: list[_Shard] = []
+        size = 0
+        for s in reversed(self.shards):
+            if current and size + s.piece * self.world > reduce_bucket_size:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+            current.append(s)
+            size += s.piece * self.world
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._bucket_of = {id(s): b for b in self.buckets for s in b.shards}
+        self._next_bucket = 0
+        self._no_sync = False
+        self._scaled_backward = False
+        self._unscaled = False
+        self._stream = (
+            torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
+        )
+        self._hooks = [
+            s.param.register_post_accumulate_grad_hook(lambda p, s=s: self._on_grad(s))
+            for s in self.shards
+            if s.param.requires_grad
+        ]
+        state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
+        logger.info(
+            "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
+            stage, len(self.shards), len(self.buckets), self.rank, self.world, state_bytes / 2**20,
+            master_device, ", fp16 loss scaling" if self.fp16 else "",
+        )  # fmt: skip
+
+    # -- the inner optimizer ---------------------------------------------------
+
+    def _maybe_cpu_kernel(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Adam/AdamW on offloaded masters steps through fused-adam's CPU kernel."""
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            return optimizer
+        try:
+            from zerostack.fused_adam import CPUAdam
+        except ImportError:
+            raise ImportError(
+                f"{_API}: cpu_offload with {type(optimizer).__name__} steps through zerostack-fused-adam's "
+                "CPU kernel: pip install zerostack-fused-adam (or pass a CPU optimizer of your own)"
+            ) from None
+        adamw = type(optimizer) is torch.optim.AdamW
+        groups = []
+        for g in optimizer.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise NotImplementedError(
+                    f"{_API}: cpu_offload does not support amsgrad or maximize"
+                )
+            groups.append(
+                dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
+                     weight_decay=g["weight_decay"])
+            )  # fmt: skip
+        logger.info(
+            "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
+            type(optimizer).__name__,
+            adamw,
+        )
+        return CPUAdam(groups, adamw_mode=adamw)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    # -- gradients ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients in the parameters without reducing them
+        (gradient accumulation, at stage 1 and 2); the first backward outside
+        reduces the accumulated sum."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()``, scaled by the loss scale for fp16."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+            self._scaled_backward = True
+        loss.backward(retain_graph=retain_graph)
+
+    def _on_grad(self, s: _Shard) -> None:
+        if self.scaler is not None and not self._scaled_backward:
+            self._unscaled = True
+        if self._no_sync or not self.overlap:
+            return
+        s.ready = True
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self, flush: bool = False) -> None:
+        # Buckets launch strictly in order, so every rank issues the same
+        # collectives in the same order even when ranks differ in which
+        # parameters got gradients; `flush` launches the rest at step time.
+        while self._next_bucket < len(self.buckets):
+            bucket = self.buckets[self._next_bucket]
+            if not flush and not all(s.ready for s in bucket.shards):
+                return
+            self._launch(bucket)
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        dtype = self.comm_dtype or bucket.shards[0].param.dtype
+        stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with ctx:
+            buf = torch.zeros(self.world, bucket.piece_total, dtype=dtype, device=self.device)
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                g = s.param.grad
+                if g is not None:
+                    s.used = True
+                    n = g.numel()
+                    flat = buf.new_zeros(self.world * s.piece)
+                    flat[:n].copy_(g.reshape(-1))
+                    buf[:, off : off + s.piece].copy_(flat.view(self.world, s.piece))
+                    if stream is not None:
+                        g.record_stream(stream)
+                    s.param.grad = None  # the reduced piece replaces it
+                s.ready = False
+            if self.world > 1:
+                buf.div_(self.world)
+            if self.stage == 2:
+                out = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
+                work = part.reduce_scatter_sum(out, buf.view(-1), self.group, async_op=True)
+                bucket.pending = (work, out, buf)
+            else:
+                work = part.all_reduce_sum(buf, self.group, async_op=True)
+                bucket.pending = (work, buf, None)
+
+    def _finish_reduction(self) -> None:
+        self._launch_ready_buckets(flush=True)
+        self._next_bucket = 0
+        for bucket in self.buckets:
+            if bucket.pending is None:
+                continue
+            work, out, _ = bucket.pending
+            bucket.pending = None
+            if work is not None:
+                work.wait()
+            if self._stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            mine = out if self.stage == 2 else out[self.rank]
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                piece = mine[off : off + s.piece].to(
+                    device=s.master.device, dtype=s.master.dtype, non_blocking=True
+                )
+                s.grad = piece if s.grad is None else s.grad.add_(piece)
+
+    # -- the step -----------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Reduce what is left, clip, unscale, step the masters, all-gather the
+        parameters. Returns False when the step was skipped for overflow.
+
+        Raises:
+            RuntimeError: fp16 gradients that were not scaled through ``backward``.
+        """
+        if self._unscaled:
+            self._unscaled = False
+            self.zero_grad()
+            raise RuntimeError(
+                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+        self._scaled_backward = False
+        self._finish_reduction()
+        used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
+        grads = [s.grad for s in self.shards if s.grad is not None]
+        stats = grad_stats(grads, used, self.group)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        norm_sq, used_anywhere = stats[0], stats[1:]
+        found_inf = not math.isfinite(norm_sq)
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            logger.warning(
+                "ZeRO: gradient overflow, step skipped; loss scale now %s",
+                scale if self.scaler is None else self.scaler.scale,
+            )
+            self.zero_grad()
+            return False
+        self.last_grad_norm = norm_sq**0.5 / scale
+        combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
+        for s, u in zip(self.shards, used_anywhere, strict=True):
+            s.master.grad = s.grad if u > 0 else None
+        if self._div_scale:
+            self.optimizer.step(div_scale=1.0 / combined if combined != 1.0 else -1)
+        else:
+            if combined != 1.0:
+                torch._foreach_mul_(
+                    [s.master.grad for s in self.shards if s.master.grad is not None], combined
+                )
+            self.optimizer.step()
+        self._gather_params()
+        self.zero_grad()
+        return True
+
+    @torch.no_grad()
+    def _gather_params(self) -> None:
+        # The same buckets carry the pieces back (params, not grads, this time).
+        for bucket in self.buckets:
+            dtype = bucket.shards[0].param.dtype
+            mine = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                src = s.copy_out if s.copy_out is not None else s.master
+                mine[off : off + s.piece].copy_(src, non_blocking=True)
+            full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
+            part.all_gather_into(full.view(-1), mine, self.group)
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                n = s.param.numel()
+                s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the model's gradients and the reduced pieces."""
+        for s in self.shards:
+            s.param.grad = None
+            s.master.grad = None
+            s.grad = None
+            s.ready = s.used = False
+        self._next_bucket = 0
+
+    # -- state ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: the inner optimizer's state over the masters, the
+        masters themselves, the loss scaler, and what identifies the layout."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "masters": [s.master.detach().clone() for s in self.shards],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "layout": {
+                "world": self.world,
+                "rank": self.rank,
+                "numels": [s.param.numel() for s in self.shards],
+            },
+        }
+
+    def _check_layout(self, numels: list[int]) -> None:
+        mine = [s.param.numel() for s in self.shards]
+        if numels != mine:
+            raise ValueError(
+                f"{_API}.load_state_dict: the state is for another model ({len(numels)} params of sizes "
+                f"{numels[:4]}..., this one has {len(mine)} of sizes {mine[:4]}...)"
+            )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` saved by the same rank at the same world size.
+
+        Raises:
+            ValueError: another model, or another world size or rank (use
+                ``full_state_dict`` / ``load_full_state_dict`` for that).
+        """
+        layout = state["layout"]
+        self._check_layout(layout["numels"])
+        if (layout["world"], layout["rank"]) != (self.world, self.rank):
+            raise ValueError(
+                f"{_API}.load_state_dict: saved by rank {layout['rank']} of {layout['world']}, this is rank "
+                f"{self.rank} of {self.world}; save with full_state_dict() and load with load_full_state_dict()"
+            )
+        # A copy: torch's loaders alias the given tensors when dtype and device match.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        with torch.no_grad():
+            for s, m in zip(self.shards, state["masters"], strict=True):
+                s.master.copy_(m)
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self._gather_params()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every parameter's whole master and optimizer state, gathered on
+        every rank: loadable at any world size with ``load_full_state_dict``."""
+        packed = self.optimizer.state_dict()
+        per_param: list[dict[str, Any]] = []
+        for i, s in enumerate(self.shards):
+            entry: dict[str, Any] = {"master": self._gather_piece(s.master, s)}
+            for k, v in packed["state"].get(i, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == s.piece:
+                    entry[k] = self._gather_piece(v, s)
+                else:  # e.g. the step count: a copy, not the live tensor
+                    entry[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            per_param.append(entry)
+        return {
+            "params": per_param,
+            "param_groups": copy.deepcopy(packed["param_groups"]),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "numels": [s.param.numel() for s in self.shards],
+        }
+
+    def _gather_piece(self, t: torch.Tensor, s: _Shard) -> torch.Tensor:
+        src = t.detach().reshape(-1).to(self.device)
+        full = torch.empty(self.world * s.piece, dtype=src.dtype, device=self.device)
+        part.all_gather_into(full, src, self.group)
+        return full[: s.param.numel()].cpu()
+
+    def load_full_state_dict(self, full: dict[str, Any]) -> None:
+        """Load ``full_state_dict()`` output, saved at any world size."""
+        self._check_layout(full["numels"])
+        state: dict[int, dict[str, Any]] = {}
+        with torch.no_grad():
+            for i, (s, entry) in enumerate(zip(self.shards, full["params"], strict=True)):
+                mine = {}
+                for k, v in entry.items():
+                    if torch.is_tensor(v) and v.numel() == s.param.numel() and v.dim() == 1:
+                        v = part.padded_flat(v, self.world)[
+                            self.rank * s.piece : (self.rank + 1) * s.piece
+                        ]
+                    mine[k] = v
+                s.master.copy_(mine.pop("master"))
+                if mine:
+                    state[i] = mine
+        self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        if self.scaler is not None and full["scaler"] is not None:
+            self.scaler.load_state_dict(full["scaler"])
+        self._gather_params()

@@ -1,0 +1,251 @@
+"""ZeroOptimizer against DDP + torch optimizers, step by step (gloo, 1/2/4 ranks)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zerostack.shard import ZeroOptimizer
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+
+HAVE_FUSED_ADAM = importlib.util.find_spec("zerostack.fused_adam") is not None
+# No biases: softmax is blind to the key bias, whose gradient is rounding noise
+# that Adam inflates to lr-sized steps of random sign.
+CONFIG = GPTConfig(add_unused_param=True, bias=False)
+STEPS = 10
+
+# (id, stage, dtype, optimizer, cpu_offload, max_norm, micro_steps)
+CASES = [
+    ("s1-fp32-adamw", 1, torch.float32, "adamw", False, 0.0, 1),
+    ("s2-fp32-adamw", 2, torch.float32, "adamw", False, 0.0, 1),
+    ("s2-fp32-adam-l2", 2, torch.float32, "adam_l2", False, 0.0, 1),
+    ("s2-fp32-sgd", 2, torch.float32, "sgd", False, 0.0, 1),
+    ("s1-fp32-sgd-clip", 1, torch.float32, "sgd", False, 0.05, 1),
+    ("s2-fp32-adamw-clip", 2, torch.float32, "adamw", False, 0.05, 1),
+    ("s2-fp32-accum4", 2, torch.float32, "adam_l2", False, 0.0, 4),
+    ("s1-fp32-accum4", 1, torch.float32, "sgd", False, 0.0, 4),
+    ("s2-bf16-adamw", 2, torch.bfloat16, "adamw", False, 0.0, 1),
+    ("s2-fp16-adamw-clip", 2, torch.float16, "adamw", False, 1.0, 1),
+    ("s2-fp32-offload", 2, torch.float32, "adam_l2", True, 0.05, 1),
+    ("s1-bf16-offload-accum", 1, torch.bfloat16, "adamw", True, 0.0, 4),
+]
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=5e-6),
+    torch.bfloat16: dict(rtol=0, atol=2e-2),
+    torch.float16: dict(rtol=0, atol=5e-3),
+}
+
+
+def _make_opt(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
+    if kind == "adam_l2":
+        return torch.optim.Adam(params, lr=1e-3, weight_decay=0.1, foreach=False)
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
+
+
+def _run_case(rank, world, case):
+    name, stage, dtype, kind, offload, max_norm, micro = case
+    torch.manual_seed(0)
+    ref_model = TinyGPT(CONFIG)
+    model = copy.deepcopy(ref_model).to(dtype)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = _make_opt(kind, ref.parameters())
+    zero = ZeroOptimizer(
+        _make_opt(kind, model.parameters()),
+        stage=stage,
+        cpu_offload=offload,
+        max_norm=max_norm,
+        module=model,
+        reduce_bucket_size=20_000,
+    )
+    unused_before = model.unused.weight.detach().clone()
+    for step in range(STEPS):
+        for m in range(micro):
+            idx, tgt = make_batch(CONFIG, 4, 32, seed=1000 * step + 10 * m + rank)
+            last = m == micro - 1
+            ctx_ref = ref.no_sync() if not last else _null()
+            with ctx_ref:
+                (ref(idx, tgt) / micro).backward()
+            ctx = zero.no_sync() if not last else _null()
+            with ctx:
+                zero.backward(model(idx, tgt).float() / micro)
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        assert zero.step(), f"{name}: step {step} skipped"
+        for (pname, a), b in zip(model.named_parameters(), ref.module.parameters(), strict=True):
+            torch.testing.assert_close(
+                a.float(),
+                b,
+                **TOL[dtype],
+                msg=lambda msg, p=pname, s=step: f"{name} step {s} {p}: {msg}",
+            )
+    assert torch.equal(model.unused.weight, unused_before), (
+        f"{name}: a parameter with no gradient moved"
+    )
+    # Stage 1 and 2 hold the same optimizer-state bytes: 1/N pieces of every parameter.
+    pieces = sum(math.ceil(p.numel() / world) for p in model.parameters())
+    master_bytes = sum(s.master.numel() * s.master.element_size() for s in zero.shards)
+    assert master_bytes == pieces * 4
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _all_cases(rank, world, cases):
+    for case in cases:
+        _run_case(rank, world, case)
+
+
+def _cases():
+    return [c for c in CASES if HAVE_FUSED_ADAM or not c[4]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parity_with_ddp(world_size):
+    spawn(_all_cases, world_size, args=(_cases(),), backend="gloo", timeout_s=300)
+
+
+def _stage1_equals_stage2(rank, world):
+    results = []
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = TinyGPT(CONFIG)
+        zero = ZeroOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), stage=stage, reduce_bucket_size=5000
+        )
+        for step in range(5):
+            idx, tgt = make_batch(CONFIG, 4, 32, seed=step * 10 + rank)
+            zero.backward(model(idx, tgt))
+            zero.step()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    if world <= 2:
+        assert torch.equal(results[0], results[1])
+    else:
+        torch.testing.assert_close(results[0], results[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_stage1_and_stage2_give_the_same_parameters(world_size):
+    spawn(_stage1_equals_stage2, world_size, backend="gloo")
+
+
+def _overflow(rank, world):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG).half()
+    zero = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), hysteresis=1, initial_scale=1024.0
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    handle = model.lm_head.weight.register_hook(lambda g: g * float("inf") if rank == 0 else g)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=rank)
+    zero.backward(model(idx, tgt).float())
+    assert zero.step() is False
+    assert zero.scaler.scale == 512.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(
+        s.master.grad is None and p.grad is None
+        for s, p in zip(zero.shards, model.parameters(), strict=True)
+    )
+    handle.remove()
+    zero.backward(model(idx, tgt).float())
+    assert zero.step() is True
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    # Without optimizer.backward the fp16 loss is not scaled: a clear error.
+    model(idx, tgt).float().backward()
+    with pytest.raises(
+        RuntimeError, match=r"fp16 gradients were not scaled; call optimizer.backward\(loss\)"
+    ):
+        zero.step()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_overflow_on_one_rank_skips_the_step_everywhere(world_size):
+    spawn(_overflow, world_size, backend="gloo")
+
+
+def _global_batch(step, rank, world):
+    idx, tgt = make_batch(CONFIG, 8, 32, seed=step)  # the same 8 samples whatever the world size
+    per = 8 // world
+    return idx[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per]
+
+
+def _train(model, zero, steps, start, rank, world):
+    losses = []
+    for step in range(start, start + steps):
+        idx, tgt = _global_batch(step, rank, world)
+        loss = model(idx, tgt)
+        zero.backward(loss)
+        zero.step()
+        mean = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _save(rank, world, path):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), stage=2)
+    _train(model, zero, 3, 0, rank, world)
+    # Same world size: each rank's own shard.
+    mine = zero.state_dict()
+    fresh_model = TinyGPT(CONFIG)  # not a deepcopy: that would copy the grad hooks too
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = ZeroOptimizer(
+        torch.optim.AdamW(fresh_model.parameters(), lr=1e-3, weight_decay=0.1), stage=2
+    )
+    fresh.load_state_dict(mine)
+    full = zero.full_state_dict()
+    expected = _train(model, zero, 3, 3, rank, world)
+    assert _train(fresh_model, fresh, 3, 3, rank, world) == expected
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "full": full, "expected": expected}, path)
+
+
+def _resume(rank, world, path, saved_world):
+    ckpt = torch.load(path, weights_only=False)
+    torch.manual_seed(1)  # other weights: the checkpoint's masters must replace them
+    model = TinyGPT(CONFIG)
+    zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), stage=2)
+    zero.load_full_state_dict(ckpt["full"])
+    got = _train(model, zero, 3, 3, rank, world)
+    torch.testing.assert_close(got, ckpt["expected"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(
+        ValueError,
+        match=r"saved by rank 0 of 10, this is rank \d of \d; save with full_state_dict\(\)",
+    ):
+        zero.load_state_dict(
+            {
+                **zero.state_dict(),
+                "layout": {
+                    "world": saved_world + 8,
+                    "rank": 0,
+                    "numels": [p.numel() for p in model.parameters()],
+                },
+            }
+        )
+    other = ZeroOptimizer(torch.optim.AdamW(TinyGPT(GPTConfig(dim=32)).parameters()))
+    with pytest.raises(ValueError, match=r"the state is for another model"):
+        other.load_full_state_dict(ckpt["full"])
+
+
+def test_state_dict_round_trip_and_reload_at_another_world_size(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    spawn(_save, 2, args=(path,), backend="gloo")
+    spawn(_resume, 4, args=(path, 2), backend="gloo")
+    spawn(_resume, 1, args=(path, 2), backend="gloo")
