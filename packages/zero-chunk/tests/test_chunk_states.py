@@ -37,13 +37,13 @@ def _reach(chunk, t, state):
 
 def test_the_table_is_the_documented_one():
     S = TensorState
-    assert TRANSITIONS == {
+    assert {
         S.FREE: {S.HOLD, S.COMPUTE},
         S.HOLD: {S.FREE, S.COMPUTE},
         S.COMPUTE: {S.HOLD, S.HOLD_AFTER_BWD},
         S.HOLD_AFTER_BWD: {S.COMPUTE, S.READY_FOR_REDUCE},
         S.READY_FOR_REDUCE: {S.HOLD},
-    }
+    } == TRANSITIONS
 
 
 @pytest.mark.parametrize(("old", "new"), list(itertools.product(TensorState, TensorState)))
