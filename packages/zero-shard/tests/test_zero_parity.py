@@ -50,10 +50,10 @@ def _make_opt(kind, params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
 
 
-def _run_case(rank, world, case):
+def _run_case(rank, world, case, device="cpu"):
     name, stage, dtype, kind, offload, max_norm, micro = case
     torch.manual_seed(0)
-    ref_model = TinyGPT(CONFIG)
+    ref_model = TinyGPT(CONFIG).to(device)
     model = copy.deepcopy(ref_model).to(dtype)
     ref = DDP(ref_model, find_unused_parameters=True)
     ref_opt = _make_opt(kind, ref.parameters())
@@ -68,7 +68,7 @@ def _run_case(rank, world, case):
     unused_before = model.unused.weight.detach().clone()
     for step in range(STEPS):
         for m in range(micro):
-            idx, tgt = make_batch(CONFIG, 4, 32, seed=1000 * step + 10 * m + rank)
+            idx, tgt = make_batch(CONFIG, 4, 32, seed=1000 * step + 10 * m + rank, device=device)
             last = m == micro - 1
             ctx_ref = ref.no_sync() if not last else _null()
             with ctx_ref:
@@ -95,6 +95,21 @@ def _run_case(rank, world, case):
     pieces = sum(math.ceil(p.numel() / world) for p in model.parameters())
     master_bytes = sum(s.master.numel() * s.master.element_size() for s in zero.shards)
     assert master_bytes == pieces * 4
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for st in zero.optimizer.state.values()
+        for t in st.values()
+        if t.dim() > 0
+    )
+    used_pieces = sum(
+        math.ceil(p.numel() / world)
+        for n, p in model.named_parameters()
+        if not n.startswith("unused")
+    )
+    per_param = {"adamw": 2, "adam_l2": 2, "sgd": 1}[kind]  # exp_avg + exp_avg_sq, or momentum
+    assert state_bytes == used_pieces * 4 * per_param, (
+        f"{name}: optimizer state is not the 1/N share"
+    )
 
 
 class _null:
@@ -249,3 +264,16 @@ def test_state_dict_round_trip_and_reload_at_another_world_size(tmp_path):
     spawn(_save, 2, args=(path,), backend="gloo")
     spawn(_resume, 4, args=(path, 2), backend="gloo")
     spawn(_resume, 1, args=(path, 2), backend="gloo")
+
+
+def _gpu_cases(rank, world):
+    torch.cuda.set_device(rank)
+    for case in _cases():
+        _run_case(rank, world, case, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parity_with_ddp_on_cuda():
+    # NCCL, the side stream for reductions, pinned offload buffers.
+    spawn(_gpu_cases, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=300)
