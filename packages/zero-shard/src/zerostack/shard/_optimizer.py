@@ -53,8 +53,9 @@ class _Bucket:
             self.offsets.append(total)
             total += s.piece
         self.piece_total = total
-        self.launched = False
         self.pending: tuple | None = None  # (work, buffer or output)
+        self.host_grads: torch.Tensor | None = None  # cpu_offload: pinned, see _pin_offload_buffers
+        self.host_params: torch.Tensor | None = None
 
 
 class ZeroOptimizer:
@@ -177,6 +178,10 @@ class ZeroOptimizer:
                 mine = full[self.rank * piece : (self.rank + 1) * piece]
                 dtype = torch.float32 if master_weights else p.dtype
                 master = mine.to(device=master_device, dtype=dtype).clone()
+                if hasattr(master, "grad_dtype"):
+                    master.grad_dtype = (
+                        None  # torch >= 2.10: CPUAdam takes bf16/fp16 grads as they are
+                    )
                 shard = _Shard(
                     p,
                     len(self.shards),
@@ -184,18 +189,11 @@ class ZeroOptimizer:
                     piece,
                     master,
                 )
-                if cpu_offload and p.dtype != dtype:
-                    shard.copy_out = torch.empty(piece, dtype=p.dtype, pin_memory=pin)
-                    shard.copy_out.copy_(master)  # the step refreshes it; unused params keep this
                 self.shards.append(shard)
                 masters.append(master)
             group["params"] = masters
         self.optimizer = self._maybe_cpu_kernel(optimizer) if cpu_offload else optimizer
         self._div_scale = "div_scale" in inspect.signature(self.optimizer.step).parameters
-        if self._div_scale and hasattr(self.optimizer, "set_copy_out"):
-            for s in self.shards:
-                if s.copy_out is not None:
-                    self.optimizer.set_copy_out(s.master, s.copy_out)
 
         # Buckets in reverse parameter order, the order backward produces grads.
         self.buckets: list[_Bucket] = []
@@ -210,6 +208,8 @@ class ZeroOptimizer:
         if current:
             self.buckets.append(_Bucket(current))
         self._bucket_of = {id(s): b for b in self.buckets for s in b.shards}
+        if cpu_offload:
+            self._pin_offload_buffers(pin)
         self._next_bucket = 0
         self._no_sync = False
         self._scaled_backward = False
@@ -228,6 +228,24 @@ class ZeroOptimizer:
             stage, len(self.shards), len(self.buckets), self.rank, self.world, state_bytes / 2**20,
             master_device, ", fp16 loss scaling" if self.fp16 else "",
         )  # fmt: skip
+
+    def _pin_offload_buffers(self, pin: bool) -> None:
+        """One pinned host buffer per bucket each way, so a bucket crosses
+        PCIe as one copy: reduced gradients down in the communication dtype
+        (CPUAdam reads bf16/fp16 gradients as they are), updated parameters up
+        in the parameter dtype, written by the CPU kernel's fused copy-out."""
+        copy_out = self._div_scale and hasattr(self.optimizer, "set_copy_out")
+        for bucket in self.buckets:
+            p_dtype = bucket.shards[0].param.dtype
+            g_dtype = self.comm_dtype or p_dtype
+            bucket.host_grads = torch.empty(bucket.piece_total, dtype=g_dtype, pin_memory=pin)
+            bucket.host_params = torch.empty(bucket.piece_total, dtype=p_dtype, pin_memory=pin)
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                view = bucket.host_params[off : off + s.piece]
+                view.copy_(s.master)  # the step refreshes it; params without grads keep this
+                if copy_out:
+                    s.copy_out = view
+                    self.optimizer.set_copy_out(s.master, view)
 
     # -- the inner optimizer ---------------------------------------------------
 
@@ -336,6 +354,7 @@ class ZeroOptimizer:
     def _finish_reduction(self) -> None:
         self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
+        copied = False
         for bucket in self.buckets:
             if bucket.pending is None:
                 continue
@@ -346,11 +365,20 @@ class ZeroOptimizer:
             if self._stream is not None:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             mine = out if self.stage == 2 else out[self.rank]
+            master = bucket.shards[0].master
+            if bucket.host_grads is not None:
+                # One copy down per bucket; low-precision grads stay so for
+                # CPUAdam, other optimizers get the master dtype.
+                bucket.host_grads.copy_(mine, non_blocking=True)
+                copied = True
+                mine = bucket.host_grads if self._div_scale else bucket.host_grads.to(master.dtype)
+            else:
+                mine = mine.to(dtype=master.dtype)  # one cast per bucket, not per parameter
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                piece = mine[off : off + s.piece].to(
-                    device=s.master.device, dtype=s.master.dtype, non_blocking=True
-                )
-                s.grad = piece if s.grad is None else s.grad.add_(piece)
+                piece = mine[off : off + s.piece]
+                s.grad = piece if s.grad is None else s.grad + piece
+        if copied and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the CPU step reads them next
 
     # -- the step -----------------------------------------------------------------
 
@@ -406,10 +434,13 @@ class ZeroOptimizer:
         # The same buckets carry the pieces back (params, not grads, this time).
         for bucket in self.buckets:
             dtype = bucket.shards[0].param.dtype
-            mine = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                src = s.copy_out if s.copy_out is not None else s.master
-                mine[off : off + s.piece].copy_(src, non_blocking=True)
+            if bucket.host_params is not None:
+                if not self._div_scale or not hasattr(self.optimizer, "set_copy_out"):
+                    for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                        bucket.host_params[off : off + s.piece].copy_(s.master)
+                mine = bucket.host_params.to(self.device, non_blocking=True)
+            else:
+                mine = torch.cat([s.master for s in bucket.shards]).to(dtype)
             full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
             part.all_gather_into(full.view(-1), mine, self.group)
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
@@ -417,7 +448,14 @@ class ZeroOptimizer:
                 s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the model's gradients and the reduced pieces."""
+        """Drop the model's gradients and the reduced pieces (and finish any
+        reduction still in flight, so no collective is left pending)."""
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                work = bucket.pending[0]
+                bucket.pending = None
+                if work is not None:
+                    work.wait()
         for s in self.shards:
             s.param.grad = None
             s.master.grad = None
