@@ -9,16 +9,21 @@ import torch
 from zerostack.shard._partition import all_reduce_sum
 
 
-def grad_stats(shards: list[torch.Tensor], extra: torch.Tensor, group) -> list[float]:
+def grad_stats(
+    shards: list[torch.Tensor], extra: torch.Tensor, group, norm_sq: torch.Tensor | None = None
+) -> list[float]:
     """Sum over ranks of [squared L2 norm of ``shards``, *extra], read once.
 
     Per-shard norms stay on the device; they, and ``extra`` (e.g. per-parameter
     "had a gradient" flags), travel in one all-reduce, and the result reaches
     the host in one read. An inf or nan anywhere makes the norm non-finite on
-    every rank, which is how overflow is detected.
+    every rank, which is how overflow is detected. ``norm_sq``, when given, is
+    this rank's squared norm already summed on the device (``shards`` unused).
     """
     device = extra.device
-    if shards:
+    if norm_sq is not None:
+        norm_sq = norm_sq.float().to(device)
+    elif shards:
         norm_sq = (
             torch.stack([n.float() for n in torch._foreach_norm(shards)]).pow(2).sum().to(device)
         )

@@ -54,6 +54,8 @@ class _Bucket:
             total += s.piece
         self.piece_total = total
         self.pending: tuple | None = None  # (work, buffer or output)
+        self.norm_sq: torch.Tensor | None = None  # squared norm of this rank's reduced piece
+        self.on_host = False  # cpu_offload: the reduced piece is already queued to host_grads
         self.host_grads: torch.Tensor | None = None  # cpu_offload: pinned, see _pin_offload_buffers
         self.host_params: torch.Tensor | None = None
 
@@ -214,6 +216,7 @@ class ZeroOptimizer:
         self._no_sync = False
         self._scaled_backward = False
         self._unscaled = False
+        self._accumulated = False
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
@@ -333,10 +336,16 @@ class ZeroOptimizer:
                 g = s.param.grad
                 if g is not None:
                     s.used = True
-                    n = g.numel()
-                    flat = buf.new_zeros(self.world * s.piece)
-                    flat[:n].copy_(g.reshape(-1))
-                    buf[:, off : off + s.piece].copy_(flat.view(self.world, s.piece))
+                    # Rank r's piece of this gradient goes to row r: whole rows
+                    # in one copy, the padded tail in another (buf is zeroed).
+                    flat, n = g.reshape(-1), g.numel()
+                    rows = n // s.piece
+                    if rows:
+                        buf[:rows, off : off + s.piece].copy_(
+                            flat[: rows * s.piece].view(rows, s.piece)
+                        )
+                    if n - rows * s.piece:
+                        buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
                     if stream is not None:
                         g.record_stream(stream)
                     s.param.grad = None  # the reduced piece replaces it
@@ -346,15 +355,33 @@ class ZeroOptimizer:
             if self.stage == 2:
                 out = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
                 work = part.reduce_scatter_sum(out, buf.view(-1), self.group, async_op=True)
-                bucket.pending = (work, out, buf)
+                mine = out
             else:
                 work = part.all_reduce_sum(buf, self.group, async_op=True)
-                bucket.pending = (work, buf, None)
+                out, mine = buf, buf[self.rank]
+            bucket.norm_sq = None
+            if self.device.type == "cuda":
+                # NCCL's wait only orders this stream after the collective, so
+                # the bucket's norm and its copy to the host queue up here and
+                # run while backward goes on.
+                if work is not None:
+                    work.wait()
+                    work = None
+                bucket.norm_sq = mine.float().pow(2).sum()
+                if bucket.host_grads is not None:
+                    bucket.host_grads.copy_(mine, non_blocking=True)
+                    bucket.on_host = True
+            bucket.pending = (work, out, buf)
 
-    def _finish_reduction(self) -> None:
+    def _finish_reduction(self) -> torch.Tensor | None:
+        """Wait for every bucket; give each shard its reduced piece. Returns
+        the squared gradient norm summed on the device, or None when it has to
+        be computed from the pieces (gradients accumulated over several
+        reductions, or no device-side norm)."""
         self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
-        copied = False
+        norm_parts: list[torch.Tensor] | None = []
+        synced = False
         for bucket in self.buckets:
             if bucket.pending is None:
                 continue
@@ -362,23 +389,35 @@ class ZeroOptimizer:
             bucket.pending = None
             if work is not None:
                 work.wait()
-            if self._stream is not None:
+            if self._stream is not None and not synced:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
             mine = out if self.stage == 2 else out[self.rank]
             master = bucket.shards[0].master
             if bucket.host_grads is not None:
-                # One copy down per bucket; low-precision grads stay so for
-                # CPUAdam, other optimizers get the master dtype.
-                bucket.host_grads.copy_(mine, non_blocking=True)
-                copied = True
+                if not bucket.on_host:
+                    bucket.host_grads.copy_(mine, non_blocking=True)
+                bucket.on_host = False
+                if self.device.type == "cuda" and not synced:
+                    torch.cuda.current_stream(self.device).synchronize()  # the CPU reads them next
+                    synced = True
+                # Low-precision grads stay so for CPUAdam; others get the master dtype.
                 mine = bucket.host_grads if self._div_scale else bucket.host_grads.to(master.dtype)
             else:
                 mine = mine.to(dtype=master.dtype)  # one cast per bucket, not per parameter
+            if norm_parts is not None and bucket.norm_sq is not None:
+                norm_parts.append(bucket.norm_sq)
+            else:
+                norm_parts = None
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 piece = mine[off : off + s.piece]
-                s.grad = piece if s.grad is None else s.grad + piece
-        if copied and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the CPU step reads them next
+                if s.grad is None:
+                    s.grad = piece
+                else:  # a second reduction in one step: the norm must come from the sum
+                    s.grad = s.grad + piece
+                    self._accumulated = True
+        if norm_parts is None or self._accumulated or not norm_parts:
+            return None
+        return torch.stack(norm_parts).sum()
 
     # -- the step -----------------------------------------------------------------
 
@@ -397,10 +436,10 @@ class ZeroOptimizer:
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
         self._scaled_backward = False
-        self._finish_reduction()
+        device_norm_sq = self._finish_reduction()
         used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
         grads = [s.grad for s in self.shards if s.grad is not None]
-        stats = grad_stats(grads, used, self.group)
+        stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         norm_sq, used_anywhere = stats[0], stats[1:]
         found_inf = not math.isfinite(norm_sq)
@@ -461,7 +500,11 @@ class ZeroOptimizer:
             s.master.grad = None
             s.grad = None
             s.ready = s.used = False
+        for bucket in self.buckets:
+            bucket.on_host = False
+            bucket.norm_sq = None
         self._next_bucket = 0
+        self._accumulated = False
 
     # -- state ---------------------------------------------------------------------
 
