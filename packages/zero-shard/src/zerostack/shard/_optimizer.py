@@ -360,17 +360,17 @@ class ZeroOptimizer:
                 work = part.all_reduce_sum(buf, self.group, async_op=True)
                 out, mine = buf, buf[self.rank]
             bucket.norm_sq = None
-            if self.device.type == "cuda":
-                # NCCL's wait only orders this stream after the collective, so
-                # the bucket's norm and its copy to the host queue up here and
-                # run while backward goes on.
+            if self.device.type == "cuda" and bucket.host_grads is not None:
+                # cpu_offload: NCCL's wait only orders this stream after the
+                # collective, so the bucket's norm and its copy to the host
+                # queue up here and run while backward goes on (a norm of the
+                # pieces on the host would cost a CPU pass over all of them).
                 if work is not None:
                     work.wait()
                     work = None
                 bucket.norm_sq = mine.float().pow(2).sum()
-                if bucket.host_grads is not None:
-                    bucket.host_grads.copy_(mine, non_blocking=True)
-                    bucket.on_host = True
+                bucket.host_grads.copy_(mine, non_blocking=True)
+                bucket.on_host = True
             bucket.pending = (work, out, buf)
 
     def _finish_reduction(self) -> torch.Tensor | None:
