@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import functools
@@ -334,6 +335,14 @@ def _worker(
     # A SimpleQueue writes synchronously, so the report is in the pipe before the
     # process exits; the parent relies on that to tell "died" from "reported".
     queue.put((_DONE, rank, error))
+    # Run the atexit handlers, then leave without interpreter and C++ teardown:
+    # the report is sent, and backend destructors at exit have aborted ranks
+    # that had finished cleanly (SIGABRT, seen with gloo on 2-core machines).
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stack_file.flush()
+    os._exit(0)
 
 
 def _supervise(
