@@ -47,6 +47,19 @@ def build(config: GPTConfig, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
+def torch_step(opt):
+    """The step function of a plain torch optimizer for ``run``."""
+
+    def step(loss, backward_only):
+        if backward_only:
+            loss.backward()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def run(name, model, step_fn, batch, steps, warmup, autocast):
     idx, tgt = batch
     fb, opt = [], []
@@ -119,18 +132,10 @@ def main() -> int:
     def plain():
         model = build(config, torch.float32)
         opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
-
-        def step(loss, backward_only):
-            if backward_only:
-                loss.backward()
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
         return run(
             "plain PyTorch (fp32 params, bf16 autocast, fused AdamW)",
             model,
-            step,
+            torch_step(opt),
             batch,
             a.steps,
             a.warmup,
@@ -165,18 +170,10 @@ def main() -> int:
             fully_shard(block, mp_policy=mp, offload_policy=CPUOffloadPolicy())
         fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
         opt = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
-
-        def step(loss, backward_only):
-            if backward_only:
-                loss.backward()
-            else:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
         return run(
             "FSDP2 + CPUOffloadPolicy (torch fused AdamW on CPU)",
             model,
-            step,
+            torch_step(opt),
             batch,
             a.steps,
             a.warmup,

@@ -111,3 +111,26 @@ def run_parity(
         if pdt == torch.float32:
             for k in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(st[k].cpu().double(), rst[k], **STATE_TOL)
+
+
+def small_model():
+    """A seeded 16 -> 64 -> 8 MLP for state-dict and resume tests."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+
+
+def train_steps(model, opt, steps, seed, skip=0):
+    """``steps`` optimizer steps on a seeded data stream, after skipping
+    ``skip`` batches of it (to resume where a run stopped); returns the losses."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(skip):
+        torch.randn(32, 16, generator=gen)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=gen)
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import HYPER, make_grads, make_params, run_parity, set_grad
+from conftest import HYPER, make_grads, make_params, run_parity, set_grad, small_model, train_steps
 
 from zerostack.fused_adam import CPUAdam, HybridAdam
 from zerostack.fused_adam import _nvme as nvme_bridge
@@ -115,34 +115,16 @@ def test_temporary_directory_removed_after_an_exception():
     assert not os.path.exists(seen["dir"])
 
 
-def _model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-
-
-def _train(model, opt, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=gen)
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_dict_round_trip_and_resume(backend, tmp_path):
     kw = dict(HYPER, nvme_offload_fraction=1.0, nvme_backend=backend)
-    straight = _model()
+    straight = small_model()
     straight_opt = CPUAdam(straight.parameters(), **kw)
-    expected = _train(straight, straight_opt, 6, seed=1)
+    expected = train_steps(straight, straight_opt, 6, seed=1)
 
-    first = _model()
+    first = small_model()
     first_opt = CPUAdam(first.parameters(), **kw)
-    got = _train(first, first_opt, 3, seed=1)
+    got = train_steps(first, first_opt, 3, seed=1)
     path = tmp_path / "ckpt.pt"
     sd = first_opt.state_dict()
     assert sd["state"][0]["exp_avg"].shape == (64, 16)
@@ -151,32 +133,23 @@ def test_state_dict_round_trip_and_resume(backend, tmp_path):
     gc.collect()
 
     ckpt = torch.load(path, mmap=True)
-    resumed = _model()
+    resumed = small_model()
     resumed.load_state_dict(ckpt["model"])
     resumed_opt = CPUAdam(resumed.parameters(), **kw)
     resumed_opt.load_state_dict(ckpt["optim"])
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):  # replay the data stream to where it stopped
-        torch.randn(32, 16, generator=gen)
-    for _ in range(3):
-        x = torch.randn(32, 16, generator=gen)
-        resumed_opt.zero_grad()
-        loss = resumed(x).pow(2).mean()
-        loss.backward()
-        resumed_opt.step()
-        got.append(loss.item())
+    got += train_steps(resumed, resumed_opt, 3, seed=1, skip=3)  # the data stream resumes too
     assert got == expected
 
 
 def test_state_dict_loads_into_an_in_ram_optimizer_and_back(tmp_path):
-    disk_model, ram_model = _model(), _model()
+    disk_model, ram_model = small_model(), small_model()
     disk_opt = CPUAdam(disk_model.parameters(), nvme_offload_fraction=1.0, **HYPER)
-    _train(disk_model, disk_opt, 2, seed=3)
+    train_steps(disk_model, disk_opt, 2, seed=3)
     ram_model.load_state_dict(disk_model.state_dict())
     ram_opt = torch.optim.AdamW(ram_model.parameters(), foreach=False, **HYPER)
     ram_opt.load_state_dict(copy.deepcopy(disk_opt.state_dict()))  # torch aliases otherwise
-    a = _train(disk_model, disk_opt, 3, seed=4)
-    b = _train(ram_model, ram_opt, 3, seed=4)
+    a = train_steps(disk_model, disk_opt, 3, seed=4)
+    b = train_steps(ram_model, ram_opt, 3, seed=4)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -6,37 +6,20 @@ import copy
 
 import pytest
 import torch
+from conftest import small_model, train_steps
 
 from zerostack.fused_adam import CPUAdam, HybridAdam
 
 HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 
 
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
-
-
-def _train(model, opt, steps, seed):
-    gen = torch.Generator().manual_seed(seed)
-    losses = []
-    for _ in range(steps):
-        x = torch.randn(32, 8, generator=gen)
-        opt.zero_grad()
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("cls", [CPUAdam, HybridAdam])
 def test_torch_adamw_state_loads_into_ours_and_continues_identically(cls):
-    ref_model = _model()
+    ref_model = small_model()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), foreach=False, **HYPER)
-    _train(ref_model, ref_opt, 3, seed=1)
+    train_steps(ref_model, ref_opt, 3, seed=1)
 
-    ours_model = _model()
+    ours_model = small_model()
     ours_model.load_state_dict(ref_model.state_dict())
     ours_opt = cls(ours_model.parameters(), **HYPER)
     ours_opt.load_state_dict(ref_opt.state_dict())
@@ -44,36 +27,36 @@ def test_torch_adamw_state_loads_into_ours_and_continues_identically(cls):
         assert st["step"].device.type == "cpu" and st["step"].dtype == torch.float32
         assert float(st["step"]) == 3
 
-    ref_losses = _train(ref_model, ref_opt, 5, seed=2)
-    ours_losses = _train(ours_model, ours_opt, 5, seed=2)
+    ref_losses = train_steps(ref_model, ref_opt, 5, seed=2)
+    ours_losses = train_steps(ours_model, ours_opt, 5, seed=2)
     torch.testing.assert_close(ours_losses, ref_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(ours_model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_our_state_loads_into_torch_adamw():
-    ours_model = _model()
+    ours_model = small_model()
     ours_opt = CPUAdam(ours_model.parameters(), **HYPER)
-    _train(ours_model, ours_opt, 3, seed=1)
+    train_steps(ours_model, ours_opt, 3, seed=1)
 
-    ref_model = _model()
+    ref_model = small_model()
     ref_model.load_state_dict(ours_model.state_dict())
     ref_opt = torch.optim.AdamW(ref_model.parameters(), foreach=False, **HYPER)
     ref_opt.load_state_dict(copy.deepcopy(ours_opt.state_dict()))  # torch aliases otherwise
 
-    ref_losses = _train(ref_model, ref_opt, 5, seed=2)
-    ours_losses = _train(ours_model, ours_opt, 5, seed=2)
+    ref_losses = train_steps(ref_model, ref_opt, 5, seed=2)
+    ours_losses = train_steps(ours_model, ours_opt, 5, seed=2)
     torch.testing.assert_close(ours_losses, ref_losses, rtol=1e-5, atol=1e-6)
 
 
 def test_round_trip_through_our_own_state_dict():
-    a_model, b_model = _model(), _model()
+    a_model, b_model = small_model(), small_model()
     a_opt = CPUAdam(a_model.parameters(), **HYPER)
-    _train(a_model, a_opt, 3, seed=1)
+    train_steps(a_model, a_opt, 3, seed=1)
     b_model.load_state_dict(a_model.state_dict())
     b_opt = CPUAdam(b_model.parameters(), **HYPER)
     b_opt.load_state_dict(a_opt.state_dict())
-    assert _train(a_model, a_opt, 4, seed=3) == _train(b_model, b_opt, 4, seed=3)
+    assert train_steps(a_model, a_opt, 4, seed=3) == train_steps(b_model, b_opt, 4, seed=3)
 
 
 def test_bf16_param_with_bf16_torch_states_loads_as_fp32():
