@@ -1,0 +1,336 @@
+"""GeminiDDP: ZeRO-3 over chunks, gathered and released by module hooks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerostack.chunk import Chunk, ChunkManager, TensorState, search_chunk_configuration
+from zerostack.shard import rank_and_world
+
+logger = logging.getLogger(__name__)
+_API = "GeminiDDP"
+S = TensorState
+
+
+class GeminiDDP(nn.Module):
+    """Wrap ``module`` for ZeRO-3 data parallelism over chunks.
+
+    Parameters are cast to ``mixed_precision`` and packed into chunks
+    (``fp16_param``), each paired with an fp32 master chunk (``fp32_param``)
+    that ``GeminiOptimizer`` steps. A chunk is gathered by the forward
+    pre-hook of the first module that uses it and serves every use until it
+    can be released; before a module's backward it is gathered again. Each
+    parameter's gradient is written over its slot of the gathered chunk once
+    it is complete (``reuse_fp16_chunk``); a chunk whose tensors are all
+    READY_FOR_REDUCE is reduce-scattered, and the reduced shard replaces the
+    parameter shard until the optimizer writes the updated parameters back.
+
+    Args:
+        module: the model (on the compute device or the CPU).
+        placement_policy: "static"; "auto" is not implemented yet. Default "static".
+        shard_param_frac: 1.0 shards every parameter chunk (ZeRO-3), 0.0 keeps
+            them whole (ZeRO-2); values in between are not implemented yet. Default 1.0.
+        offload_optim_frac: share of fp32 master chunks (and so of optimizer
+            states) on the CPU, in compute order. Default 0.0.
+        offload_param_frac: share of parameter shards kept on the CPU between
+            uses. Default 0.0.
+        search_range_m, hidden_dim, min_chunk_size_m: the chunk-size search
+            (see zerostack.chunk.search_chunk_configuration). Defaults 32, None, 32.
+        pin_memory: pin CPU shards. Default False.
+        mixed_precision: torch.float16, torch.bfloat16 (or torch.float32, for
+            exact tests). Default torch.float16.
+        chunk_config_dict: skip the search and use this configuration.
+        process_group: the data-parallel group. Default: the default group.
+        compute_device: where gathered chunks live. Default: the current CUDA
+            device, else the CPU.
+
+    Raises:
+        ValueError: a bad fraction or dtype.
+        NotImplementedError: placement_policy="auto", a partial shard_param_frac.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        placement_policy: str = "static",
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        search_range_m: int = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        pin_memory: bool = False,
+        mixed_precision: torch.dtype = torch.float16,
+        chunk_config_dict: dict | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        compute_device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("shard_param_frac", shard_param_frac),
+            ("offload_optim_frac", offload_optim_frac),
+            ("offload_param_frac", offload_param_frac),
+        ):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{_API}: {name} must be in [0, 1] (got {value})")
+        if placement_policy == "auto":
+            raise NotImplementedError(
+                f"{_API}: placement_policy='auto' (warm-up statistics, eviction by next use) is not "
+                "implemented yet; use placement_policy='static'"
+            )
+        if placement_policy != "static":
+            raise ValueError(
+                f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
+            )
+        if shard_param_frac not in (0.0, 1.0):
+            raise NotImplementedError(
+                f"{_API}: shard_param_frac={shard_param_frac}: only 1.0 (ZeRO-3) and 0.0 (ZeRO-2) are "
+                "implemented"
+            )
+        if mixed_precision not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"{_API}: mixed_precision must be float16, bfloat16 or float32 (got {mixed_precision})"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.rank, self.world_size = rank_and_world(process_group)
+        self.mixed_precision = mixed_precision
+        self.compute_device = torch.device(compute_device) if compute_device else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )  # fmt: skip
+
+        if chunk_config_dict is None:
+            chunk_config_dict = search_chunk_configuration(
+                module,
+                search_range_m=search_range_m,
+                search_interval=hidden_dim or 1024,
+                min_chunk_size_m=min_chunk_size_m,
+                process_group=process_group,
+            ).config
+        key = next(iter(chunk_config_dict))
+        config = {k: dict(v) for k, v in chunk_config_dict.items()}
+        if shard_param_frac == 0.0:
+            config[key]["keep_gathered"] = True
+        master_config = {key: {**config[key], "keep_gathered": False}}
+        self.chunk_manager = ChunkManager({**{("p", k): v for k, v in config.items()},
+                                           **{("m", k): v for k, v in master_config.items()}},
+                                          compute_device=self.compute_device)  # fmt: skip
+
+        # Register parameters in creation order; tied ones once.
+        self.params: list[nn.Parameter] = []
+        self.param_names: dict[nn.Parameter, str] = {}
+        for name, p in module.named_parameters():
+            if p in self.param_names:
+                continue
+            self.param_names[p] = name
+            self.params.append(p)
+        self.masters: dict[nn.Parameter, torch.Tensor] = {}
+        total = sum(p.numel() for p in self.params)
+        offload_param_target = offload_param_frac * total
+        offload_optim_target = offload_optim_frac * total
+        seen = 0
+        for p in self.params:
+            with torch.no_grad():
+                p.data = p.data.to(device=self.compute_device, dtype=mixed_precision)
+            cpu_param = seen < offload_param_target
+            cpu_optim = seen < offload_optim_target
+            seen += p.numel()
+            group = "fp16_param" if p.requires_grad else "frozen_param"
+            self.chunk_manager.register_tensor(
+                p, group, ("p", key), process_group, cpu_offload=cpu_param, pin_memory=pin_memory
+            )
+            if p.requires_grad:
+                master = p.detach().to(torch.float32).clone()
+                self.chunk_manager.register_tensor(
+                    master,
+                    "fp32_param",
+                    ("m", key),
+                    process_group,
+                    cpu_offload=cpu_optim,
+                    pin_memory=pin_memory,
+                )
+                self.masters[p] = master
+        self.chunk_manager.close_all_groups()
+        for p, master in self.masters.items():
+            chunk, mchunk = self.chunk_manager.get_chunk(p), self.chunk_manager.get_chunk(master)
+            if chunk.paired_chunk is None:
+                chunk.pair(mchunk)
+        # Buffers live whole on the compute device.
+        for b in module.buffers():
+            b.data = b.data.to(self.compute_device)
+
+        self.grad_chunks = [c for c in self.chunk_manager.chunks("fp16_param")]
+        # Chunks reduce strictly in reverse order of creation (the order
+        # backward produces them), so every rank issues the same collectives
+        # even when ranks differ in which parameters got gradients.
+        self._reduce_order = list(reversed(self.grad_chunks))
+        self._next_reduce = 0
+        self._pending: list[Any] = []
+        self._backward_started = False
+        self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
+        self._register_hooks()
+        chunk_size = config[key]["chunk_size"]
+        logger.info(
+            "GeminiDDP: %d params (%.1fM elements) in %d %s chunks of %d elements (%s); "
+            "%d fp32 master chunks, %d of them on the CPU; rank %d/%d",
+            len(self.params), total / 1e6, len(self.chunk_manager.chunks()) - len(self.chunk_manager.chunks("fp32")),
+            mixed_precision, chunk_size, "sharded" if shard_param_frac else "kept gathered",
+            len(self.chunk_manager.chunks("fp32")),
+            sum(c.shard_device.type == "cpu" for c in self.chunk_manager.chunks("fp32")),
+            self.rank, self.world_size,
+        )  # fmt: skip
+
+    # -- hooks -------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        self._handles = []
+        for p in self.params:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for m in self.module.modules():
+            direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
+            if not direct:
+                continue
+            self._handles.append(
+                m.register_forward_pre_hook(lambda mod, args, ps=direct: self._pre_forward(ps))
+            )
+            self._handles.append(
+                m.register_forward_hook(
+                    lambda mod, args, out, ps=direct: self._post_forward(ps, out)
+                )
+            )
+
+    def _chunks(self, params: Iterable[torch.Tensor]) -> list[Chunk]:
+        return self.chunk_manager.get_chunks(params)
+
+    def _gather(self, params: list[torch.Tensor], state: TensorState) -> None:
+        for chunk in self._chunks(params):
+            self.chunk_manager.access_chunk(chunk)
+        for p in params:
+            chunk = self.chunk_manager.get_chunk(p)
+            current = chunk.tensor_state(p)
+            if current in (S.HOLD, S.FREE, S.HOLD_AFTER_BWD):
+                self.chunk_manager.trans_tensor_state(p, state)
+
+    def _release(self, params: list[torch.Tensor], state: TensorState) -> None:
+        for p in params:
+            chunk = self.chunk_manager.get_chunk(p)
+            if chunk.tensor_state(p) is S.COMPUTE:
+                self.chunk_manager.trans_tensor_state(p, state)
+        for chunk in self._chunks(params):
+            if chunk.can_release and not chunk.keep_gathered:
+                self.chunk_manager.release_chunk(chunk)
+
+    def _pre_forward(self, params: list[torch.Tensor]) -> None:
+        self._gather(params, S.COMPUTE)
+
+    def _post_forward(self, params: list[torch.Tensor], out: Any) -> Any:
+        self._release(params, S.HOLD)
+        if not torch.is_grad_enabled():
+            return None
+        tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            # Before this module's backward, gather its chunks again.
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda grads, ps=params: self._pre_backward(ps), mode="any"
+            )
+        return None
+
+    def _pre_backward(self, params: list[torch.Tensor]) -> None:
+        if not self._backward_started:
+            self._backward_started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._gather(params, S.COMPUTE)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        chunk = self.chunk_manager.get_chunk(p)
+        grad = p.grad
+        self.used.add(p)
+        # The parameter's value is no longer needed: its slot takes the gradient.
+        info = chunk.tensors_info[p]
+        chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
+        p.grad = None
+        if chunk.tensor_state(p) is S.HOLD:
+            self.chunk_manager.trans_tensor_state(p, S.COMPUTE)
+        self.chunk_manager.trans_tensor_state(p, S.HOLD_AFTER_BWD)
+        self.chunk_manager.trans_tensor_state(p, S.READY_FOR_REDUCE)
+        self._reduce_ready()
+
+    def _reduce_ready(self, flush: bool = False) -> None:
+        while self._next_reduce < len(self._reduce_order):
+            chunk = self._reduce_order[self._next_reduce]
+            if not chunk.can_reduce:
+                if not flush:
+                    return
+                self._zero_fill_unused(chunk)
+            self._pending.append(self.chunk_manager.reduce_chunk(chunk, async_op=True))
+            self._next_reduce += 1
+
+    def _zero_fill_unused(self, chunk: Chunk) -> None:
+        # Parameters that got no gradient this step contribute zeros.
+        self.chunk_manager.access_chunk(chunk)
+        for t, info in chunk.tensors_info.items():
+            if info.state is S.READY_FOR_REDUCE:
+                continue
+            chunk.buffer[info.offset : info.end].zero_()
+            for s in _path_to_ready(info.state):
+                self.chunk_manager.trans_tensor_state(t, s)
+
+    def _finish_backward(self) -> None:
+        self._reduce_ready(flush=True)
+        for handle in self._pending:
+            if handle is not None:
+                handle.wait()
+        self._pending.clear()
+        self._next_reduce = 0
+        self._backward_started = False
+
+    # -- forward ------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(a.to(self.compute_device) if isinstance(a, torch.Tensor) else a for a in args)
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The whole model's parameters (fp32, from the masters) and buffers, on the CPU, on every rank."""
+        out: dict[str, torch.Tensor] = {}
+        for p in self.params:
+            chunk = self.chunk_manager.get_chunk(self.masters.get(p, p))
+            out[self.param_names[p]] = self._gathered_copy(chunk, self.masters.get(p, p))
+        for name, b in self.module.named_buffers():
+            out[name] = b.detach().cpu().clone()
+        return out
+
+    def _gathered_copy(self, chunk: Chunk, t: torch.Tensor) -> torch.Tensor:
+        was = chunk.is_gathered
+        self.chunk_manager.access_chunk(chunk)
+        value = t.detach().cpu().clone()
+        if not was and chunk.can_release:
+            self.chunk_manager.release_chunk(chunk)
+        return value
+
+
+def _path_to_ready(state: TensorState) -> list[TensorState]:
+    return {
+        S.HOLD: [S.COMPUTE, S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
+        S.FREE: [S.COMPUTE, S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
+        S.COMPUTE: [S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
+        S.HOLD_AFTER_BWD: [S.READY_FOR_REDUCE],
+    }[state]
+
+
+def _flatten(out: Any) -> list[Any]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _flatten(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _flatten(o)]
+    return []

@@ -1,0 +1,69 @@
+"""GeminiDDP / GeminiOptimizer: clear errors for what is bad or not built yet."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.fused_adam import HybridAdam
+from zerostack.gemini import GeminiDDP, GeminiOptimizer
+from zerostack.testing import GPTConfig, TinyGPT
+
+CFG = {1: {"chunk_size": 4096, "keep_gathered": False}}
+
+
+def _model():
+    return TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2))
+
+
+@pytest.mark.parametrize("field", ["shard_param_frac", "offload_optim_frac", "offload_param_frac"])
+def test_fractions_must_be_in_0_1(field):
+    with pytest.raises(ValueError, match=rf"{field} must be in \[0, 1\] \(got 1.5\)"):
+        GeminiDDP(_model(), **{field: 1.5}, chunk_config_dict=CFG, compute_device="cpu")
+
+
+def test_auto_placement_is_not_implemented_yet():
+    with pytest.raises(
+        NotImplementedError, match=r"placement_policy='auto'.*use placement_policy='static'"
+    ):
+        GeminiDDP(_model(), placement_policy="auto")
+
+
+def test_partial_sharding_is_not_implemented_yet():
+    with pytest.raises(
+        NotImplementedError, match=r"shard_param_frac=0.5: only 1.0 \(ZeRO-3\) and 0.0"
+    ):
+        GeminiDDP(_model(), shard_param_frac=0.5)
+
+
+def test_bad_dtype_and_policy():
+    with pytest.raises(ValueError, match=r"mixed_precision must be float16, bfloat16 or float32"):
+        GeminiDDP(
+            _model(), mixed_precision=torch.float64, chunk_config_dict=CFG, compute_device="cpu"
+        )
+    with pytest.raises(
+        ValueError, match=r"placement_policy must be 'static' or 'auto' \(got 'cpu'\)"
+    ):
+        GeminiDDP(_model(), placement_policy="cpu")
+
+
+def test_optimizer_must_cover_the_module():
+    model = GeminiDDP(
+        _model(), mixed_precision=torch.float32, chunk_config_dict=CFG, compute_device="cpu"
+    )
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"the optimizer lacks parameters of the module"):
+        GeminiOptimizer(HybridAdam(params[:2]), model)
+    with pytest.raises(NotImplementedError, match=r"2 parameter groups"):
+        GeminiOptimizer(HybridAdam([{"params": params[:2]}, {"params": params[2:]}]), model)
+
+
+def test_parameters_are_sharded_after_wrapping():
+    model = GeminiDDP(
+        _model(), mixed_precision=torch.bfloat16, chunk_config_dict=CFG, compute_device="cpu"
+    )
+    assert all(p.numel() == 0 for p in model.module.parameters())
+    full = model.state_dict()
+    assert (
+        full["lm_head.weight"].shape == (256, 16) and full["lm_head.weight"].dtype == torch.float32
+    )

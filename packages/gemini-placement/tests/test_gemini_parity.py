@@ -1,0 +1,92 @@
+"""GeminiDDP + GeminiOptimizer against DDP + torch optimizers, step by step (gloo)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zerostack.fused_adam import HybridAdam
+from zerostack.gemini import GeminiDDP, GeminiOptimizer
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+
+# No biases: softmax is blind to the key bias, whose gradient is rounding noise
+# that Adam inflates to lr-sized steps of random sign.
+CONFIG = GPTConfig(add_unused_param=True, bias=False)
+STEPS = 8
+# Small chunks, so a model this size still spans several of them.
+CHUNKS = {"chunk_size": 20_000, "keep_gathered": False}
+# (id, mixed_precision, adamw_mode, shard_param_frac, offload_optim_frac, max_norm, freeze)
+CASES = [
+    ("fp32-adamw", torch.float32, True, 1.0, 0.0, 0.0, False),
+    ("fp32-adam-l2-clip", torch.float32, False, 1.0, 0.0, 0.05, False),
+    ("fp32-zero2", torch.float32, True, 0.0, 0.0, 0.0, False),
+    ("fp32-frozen-embedding", torch.float32, True, 1.0, 0.5, 0.0, True),
+    ("bf16-adamw", torch.bfloat16, True, 1.0, 1.0, 0.0, False),
+]
+TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
+
+
+def _run_case(rank, world, case):
+    name, dtype, adamw, frac, optim_frac, max_norm, freeze = case
+    torch.manual_seed(0)
+    ref_model = TinyGPT(CONFIG)
+    model = copy.deepcopy(ref_model)
+    if freeze:
+        ref_model.tok_emb.weight.requires_grad_(False)
+        model.tok_emb.weight.requires_grad_(False)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref_opt = ref_cls(
+        [p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, foreach=False
+    )
+    ddp = GeminiDDP(
+        model,
+        mixed_precision=dtype,
+        shard_param_frac=frac,
+        offload_optim_frac=optim_frac,
+        chunk_config_dict={world: CHUNKS},
+        compute_device="cpu",
+    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = GeminiOptimizer(
+        HybridAdam(trainable, lr=1e-3, weight_decay=0.1, adamw_mode=adamw), ddp, max_norm=max_norm
+    )
+    unused_before = ddp.state_dict()["unused.weight"]
+    for step in range(STEPS):
+        idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + rank)
+        ref_loss = ref(idx, tgt)
+        ref_loss.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        loss = ddp(idx, tgt)
+        opt.backward(loss.float())
+        assert opt.step()
+        torch.testing.assert_close(
+            loss.float(), ref_loss, **TOL[dtype], msg=lambda m, s=step: f"{name} step {s} loss: {m}"
+        )
+        full = ddp.state_dict()
+        for pname, b in ref.module.named_parameters():
+            torch.testing.assert_close(
+                full[pname],
+                b.detach(),
+                **TOL[dtype],
+                msg=lambda m, p=pname, s=step: f"{name} step {s} {p}: {m}",
+            )
+    assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
+        f"{name}: unused param moved"
+    )
+
+
+def _all(rank, world, cases):
+    for case in cases:
+        _run_case(rank, world, case)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parity_with_ddp(world_size):
+    spawn(_all, world_size, args=(CASES,), backend="gloo", timeout_s=300)
