@@ -3,6 +3,7 @@ gathered, released, reduced and moved as one."""
 
 from zerostack.chunk.__about__ import __version__
 from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
+from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
@@ -14,6 +15,7 @@ __all__ = [
     "ChunkManager",
     "ChunkSearchResult",
     "Handle",
+    "LazyInitContext",
     "TensorInfo",
     "TensorState",
     "__version__",
