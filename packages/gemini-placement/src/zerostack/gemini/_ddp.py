@@ -224,15 +224,29 @@ class GeminiDDP(nn.Module):
             chunk = self.chunk_manager.get_chunk(p)
             if chunk.tensor_state(p) is S.COMPUTE:
                 self.chunk_manager.trans_tensor_state(p, state)
-        for chunk in self._chunks(params):
-            if chunk.can_release and not chunk.keep_gathered:
+        self._release_idle(self._chunks(params))
+
+    def _release_idle(self, chunks: Iterable[Chunk]) -> None:
+        for chunk in chunks:
+            if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
 
     def _pre_forward(self, params: list[torch.Tensor]) -> None:
+        if not self._backward_started:
+            # Forward has moved past the chunks this module does not use:
+            # release those (a chunk shared by consecutive modules is gathered
+            # once). Inside backward (a recomputed forward under activation
+            # checkpointing) chunks stay until their gradients are reduced.
+            needed = set(self._chunks(params))
+            self._release_idle(
+                c for c in list(self.chunk_manager.accessed_chunks) if c not in needed
+            )
         self._gather(params, S.COMPUTE)
 
     def _post_forward(self, params: list[torch.Tensor], out: Any) -> Any:
-        self._release(params, S.HOLD)
+        for p in params:
+            if self.chunk_manager.get_chunk(p).tensor_state(p) is S.COMPUTE:
+                self.chunk_manager.trans_tensor_state(p, S.HOLD)
         if not torch.is_grad_enabled():
             return None
         tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -291,12 +305,19 @@ class GeminiDDP(nn.Module):
         self._pending.clear()
         self._next_reduce = 0
         self._backward_started = False
+        # Frozen parameters were gathered for backward too; release them now.
+        frozen = [p for p in self.params if not p.requires_grad]
+        if frozen:
+            self._release(frozen, S.HOLD)
 
     # -- forward ------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(a.to(self.compute_device) if isinstance(a, torch.Tensor) else a for a in args)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        # The end of forward: nothing is in use until backward gathers again.
+        self._release_idle(list(self.chunk_manager.accessed_chunks))
+        return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The whole model's parameters (fp32, from the masters) and buffers, on the CPU, on every rank."""
@@ -307,6 +328,51 @@ class GeminiDDP(nn.Module):
         for name, b in self.module.named_buffers():
             out[name] = b.detach().cpu().clone()
         return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> Any:  # type: ignore[override]
+        """Load a whole-model state dict (e.g. from ``state_dict()`` or an
+        unwrapped model) into the chunks: masters and parameters alike.
+
+        Raises:
+            KeyError: ``strict`` and a parameter or buffer is missing or unexpected.
+            ValueError: a shape does not match.
+        """
+        names = {n: p for p, n in self.param_names.items()}
+        buffers = dict(self.module.named_buffers())
+        if strict:
+            missing = sorted((set(names) | set(buffers)) - set(state_dict))
+            unexpected = sorted(set(state_dict) - set(names) - set(buffers))
+            if missing or unexpected:
+                raise KeyError(
+                    f"{_API}.load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
+        for name, value in state_dict.items():
+            if name in buffers:
+                buffers[name].copy_(value)
+                continue
+            p = names.get(name)
+            if p is None:
+                continue
+            info = self.chunk_manager.get_chunk(p).tensors_info[p]
+            if tuple(value.shape) != tuple(info.shape):
+                raise ValueError(
+                    f"{_API}.load_state_dict: {name} has shape {tuple(value.shape)}, the model's is {tuple(info.shape)}"
+                )
+            for t in (self.masters.get(p), p):
+                if t is None:
+                    continue
+                chunk = self.chunk_manager.get_chunk(t)
+                was = chunk.is_gathered
+                self.chunk_manager.access_chunk(chunk)
+                t.copy_(value)
+                if not chunk.keep_gathered:
+                    # Write this rank's share back into its shard before releasing.
+                    lo = chunk.rank * chunk.shard_size
+                    chunk.shard.copy_(chunk.buffer[lo : lo + chunk.shard_size])
+                    if not was and chunk.can_release:
+                        self.chunk_manager.release_chunk(chunk)
+        return None
 
     def _gathered_copy(self, chunk: Chunk, t: torch.Tensor) -> torch.Tensor:
         was = chunk.is_gathered
