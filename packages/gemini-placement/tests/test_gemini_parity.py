@@ -87,6 +87,6 @@ def _all(rank, world, cases):
         _run_case(rank, world, case)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_ddp(world_size):
     spawn(_all, world_size, args=(CASES,), backend="gloo", timeout_s=300)
