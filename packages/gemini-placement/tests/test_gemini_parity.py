@@ -18,19 +18,21 @@ CONFIG = GPTConfig(add_unused_param=True, bias=False)
 STEPS = 8
 # Small chunks, so a model this size still spans several of them.
 CHUNKS = {"chunk_size": 20_000, "keep_gathered": False}
-# (id, mixed_precision, adamw_mode, shard_param_frac, offload_optim_frac, max_norm, freeze)
+# (id, mixed_precision, adamw_mode, shard_param_frac, offload_optim_frac, max_norm, freeze, micro_steps)
 CASES = [
-    ("fp32-adamw", torch.float32, True, 1.0, 0.0, 0.0, False),
-    ("fp32-adam-l2-clip", torch.float32, False, 1.0, 0.0, 0.05, False),
-    ("fp32-zero2", torch.float32, True, 0.0, 0.0, 0.0, False),
-    ("fp32-frozen-embedding", torch.float32, True, 1.0, 0.5, 0.0, True),
-    ("bf16-adamw", torch.bfloat16, True, 1.0, 1.0, 0.0, False),
+    ("fp32-adamw", torch.float32, True, 1.0, 0.0, 0.0, False, 1),
+    ("fp32-adam-l2-clip", torch.float32, False, 1.0, 0.0, 0.05, False, 1),
+    ("fp32-zero2", torch.float32, True, 0.0, 0.0, 0.0, False, 1),
+    ("fp32-frozen-embedding", torch.float32, True, 1.0, 0.5, 0.0, True, 1),
+    ("bf16-adamw", torch.bfloat16, True, 1.0, 1.0, 0.0, False, 1),
+    ("fp32-l2-accum4", torch.float32, False, 1.0, 0.0, 0.0, False, 4),
+    ("fp32-zero2-accum4", torch.float32, True, 0.0, 0.0, 0.05, False, 4),
 ]
 TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
 
 
 def _run_case(rank, world, case):
-    name, dtype, adamw, frac, optim_frac, max_norm, freeze = case
+    name, dtype, adamw, frac, optim_frac, max_norm, freeze, micro = case
     torch.manual_seed(0)
     ref_model = TinyGPT(CONFIG)
     model = copy.deepcopy(ref_model)
@@ -49,6 +51,7 @@ def _run_case(rank, world, case):
         offload_optim_frac=optim_frac,
         chunk_config_dict={world: CHUNKS},
         compute_device="cpu",
+        enable_gradient_accumulation=micro > 1,
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = GeminiOptimizer(
@@ -56,15 +59,21 @@ def _run_case(rank, world, case):
     )
     unused_before = ddp.state_dict()["unused.weight"]
     for step in range(STEPS):
+        for m in range(micro - 1):  # gradient accumulation: all but the last micro-step
+            idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + 10 * m + rank + 50)
+            with ref.no_sync():
+                (ref(idx, tgt) / micro).backward()
+            with ddp.no_sync():
+                opt.backward(ddp(idx, tgt).float() / micro)
         idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + rank)
         ref_loss = ref(idx, tgt)
-        ref_loss.backward()
+        (ref_loss / micro).backward()
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         loss = ddp(idx, tgt)
-        opt.backward(loss.float())
+        opt.backward(loss.float() / micro)
         assert opt.step()
         torch.testing.assert_close(
             loss.float(), ref_loss, **TOL[dtype], msg=lambda m, s=step: f"{name} step {s} loss: {m}"

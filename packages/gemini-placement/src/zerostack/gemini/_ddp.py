@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +47,9 @@ class GeminiDDP(nn.Module):
         mixed_precision: torch.float16, torch.bfloat16 (or torch.float32, for
             exact tests). Default torch.float16.
         chunk_config_dict: skip the search and use this configuration.
+        enable_gradient_accumulation: keep gradients in chunks of their own
+            (instead of over the parameters) so that ``no_sync()`` can
+            accumulate several backward passes before one reduction. Default False.
         process_group: the data-parallel group. Default: the default group.
         compute_device: where gathered chunks live. Default: the current CUDA
             device, else the CPU.
@@ -69,6 +73,7 @@ class GeminiDDP(nn.Module):
         pin_memory: bool = False,
         mixed_precision: torch.dtype = torch.float16,
         chunk_config_dict: dict | None = None,
+        enable_gradient_accumulation: bool = False,
         process_group: dist.ProcessGroup | None = None,
         compute_device: torch.device | str | None = None,
     ) -> None:
@@ -121,7 +126,10 @@ class GeminiDDP(nn.Module):
         master_config = {key: {**config[key], "keep_gathered": False}}
         self.chunk_manager = ChunkManager({**{("p", k): v for k, v in config.items()},
                                            **{("m", k): v for k, v in master_config.items()}},
-                                          compute_device=self.compute_device)  # fmt: skip
+                                          compute_device=self.compute_device,
+                                          reuse_fp16_chunk=not enable_gradient_accumulation)  # fmt: skip
+        self.accumulate = enable_gradient_accumulation
+        self._no_sync = False
 
         # Register parameters in creation order; tied ones once.
         self.params: list[nn.Parameter] = []
@@ -186,6 +194,21 @@ class GeminiDDP(nn.Module):
             sum(c.shard_device.type == "cpu" for c in self.chunk_manager.chunks("fp32")),
             self.rank, self.world_size,
         )  # fmt: skip
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients over backward passes without reducing them;
+        the first backward outside reduces the sum. Needs
+        ``enable_gradient_accumulation=True``."""
+        if not self.accumulate:
+            raise RuntimeError(
+                f"{_API}.no_sync: build GeminiDDP with enable_gradient_accumulation=True"
+            )
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
 
     # -- hooks -------------------------------------------------------------------
 
@@ -267,13 +290,20 @@ class GeminiDDP(nn.Module):
         chunk = self.chunk_manager.get_chunk(p)
         grad = p.grad
         self.used.add(p)
-        # The parameter's value is no longer needed: its slot takes the gradient.
         info = chunk.tensors_info[p]
-        chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
+        if self.accumulate:
+            if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
+                self.chunk_manager.init_grad_chunk(chunk)
+            chunk.grad_view(p).add_(grad)
+        else:
+            # The parameter's value is no longer needed: its slot takes the gradient.
+            chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
         p.grad = None
         if chunk.tensor_state(p) is S.HOLD:
             self.chunk_manager.trans_tensor_state(p, S.COMPUTE)
         self.chunk_manager.trans_tensor_state(p, S.HOLD_AFTER_BWD)
+        if self._no_sync:
+            return  # HOLD_AFTER_BWD -> COMPUTE in the next forward, -> READY in the last backward
         self.chunk_manager.trans_tensor_state(p, S.READY_FOR_REDUCE)
         self._reduce_ready()
 
@@ -288,16 +318,23 @@ class GeminiDDP(nn.Module):
             self._next_reduce += 1
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
-        # Parameters that got no gradient this step contribute zeros.
+        # Parameters that got no gradient in this backward: their accumulated
+        # gradient (zeros, or what earlier no_sync passes left) is reduced.
         self.chunk_manager.access_chunk(chunk)
+        if self.accumulate and (chunk.grad_chunk is None or chunk.grad_chunk.buffer is None):
+            self.chunk_manager.init_grad_chunk(chunk)
         for t, info in chunk.tensors_info.items():
             if info.state is S.READY_FOR_REDUCE:
                 continue
-            chunk.buffer[info.offset : info.end].zero_()
+            if not self.accumulate:
+                chunk.buffer[info.offset : info.end].zero_()
             for s in _path_to_ready(info.state):
                 self.chunk_manager.trans_tensor_state(t, s)
 
     def _finish_backward(self) -> None:
+        if self._no_sync:
+            self._backward_started = False
+            return
         self._reduce_ready(flush=True)
         for handle in self._pending:
             if handle is not None:

@@ -103,7 +103,11 @@ class GeminiOptimizer:
     def step(self) -> bool:
         """Clip, unscale, step the masters, write the parameters back into
         their chunks. Returns False when skipped for fp16 overflow."""
-        grads = [c.shard if not c.keep_gathered else c._my_share() for c, _ in self.pairs]
+        # The reduced gradients: in the grad chunk (gradient accumulation) or
+        # over the parameter shard.
+        grads = [
+            _grad_share(c.grad_chunk if c.grad_chunk is not None else c) for c, _ in self.pairs
+        ]
         device = self.module.compute_device
         trainable = [p for p in self.module.params if p.requires_grad]
         used = torch.tensor([float(p in self.module.used) for p in trainable], device=device)
@@ -162,7 +166,14 @@ class GeminiOptimizer:
     def _write_back(self) -> None:
         """Updated masters become the parameter shards (cast) again."""
         for chunk, _ in self.pairs:
+            if chunk.is_gathered and chunk.can_release:
+                self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
             chunk.copy_from_paired()
+            grad = chunk.grad_chunk
+            if grad is not None:  # the reduced gradient is consumed
+                self.manager._apply(chunk, setattr, grad, "shard", None)
+                if grad.buffer is not None:
+                    grad.buffer.zero_()
             if chunk.keep_gathered and chunk.world_size > 1:
                 share = chunk._my_share().clone()
                 dist.all_gather_into_tensor(chunk.buffer, share, group=chunk.process_group)
@@ -178,3 +189,7 @@ class GeminiOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _grad_share(chunk) -> torch.Tensor:
+    return chunk._my_share() if chunk.keep_gathered else chunk.shard
