@@ -131,7 +131,7 @@ class Chunk:
         Raises:
             RuntimeError: the chunk is closed.
             TypeError: the tensor's dtype is not the chunk's.
-            ValueError: sparse, non-contiguous or already registered tensor.
+            ValueError: sparse, non-contiguous, meta or already registered tensor.
             ChunkFullError: not enough space left (the chunk is unchanged).
         """
         name = f"Chunk {self.index}.append_tensor"
@@ -153,9 +153,13 @@ class Chunk:
                 f"{name}: a tensor of {numel} elements does not fit "
                 f"({self.chunk_size - self.utilized_size} of {self.chunk_size} left)"
             )
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"{name}: the tensor (shape {tuple(tensor.shape)}) is on the meta device; build the model "
+                "under LazyInitContext and use LazyInitContext.distribute"
+            )
         view = self.buffer[self.utilized_size : self.utilized_size + numel]
-        if tensor.device.type != "meta":
-            view.copy_(tensor.detach().reshape(-1))
+        view.copy_(tensor.detach().reshape(-1))
         tensor.data = view.view(tensor.shape)
         self.tensors_info[tensor] = TensorInfo(
             self.utilized_size, self.utilized_size + numel, tensor.shape
