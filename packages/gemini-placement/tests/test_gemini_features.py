@@ -88,6 +88,11 @@ def _fp16_overflow(rank, world):
     opt.backward(ddp(idx, tgt).float())
     assert opt.step() is True
     assert not all(torch.equal(before[k], ddp.state_dict()[k]) for k in before)
+    ddp(idx, tgt).float().backward()
+    with pytest.raises(
+        RuntimeError, match=r"run backward as optimizer.backward\(loss\), not loss.backward\(\)"
+    ):
+        opt.step()
 
 
 def _eval_without_grad(rank, world):

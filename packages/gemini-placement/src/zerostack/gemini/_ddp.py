@@ -183,6 +183,7 @@ class GeminiDDP(nn.Module):
         self._pending: list[Any] = []
         self._backward_started = False
         self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
+        self.backward_via_optimizer = False  # set by GeminiOptimizer.backward, checked by step
         self._register_hooks()
         chunk_size = config[key]["chunk_size"]
         logger.info(

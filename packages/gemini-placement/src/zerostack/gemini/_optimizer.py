@@ -94,6 +94,7 @@ class GeminiOptimizer:
         """``loss.backward()``, scaled for fp16."""
         if self.scaler is not None:
             loss = loss * self.scaler.scale
+        self.module.backward_via_optimizer = True
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -105,6 +106,13 @@ class GeminiOptimizer:
         their chunks. Returns False when skipped for fp16 overflow."""
         # The reduced gradients: in the grad chunk (gradient accumulation) or
         # over the parameter shard.
+        if self.module.used and not self.module.backward_via_optimizer:
+            self.module.used.clear()
+            raise RuntimeError(
+                f"{_API}.step: run backward as optimizer.backward(loss), not loss.backward() "
+                "(it scales fp16 losses and marks the step's gradients)"
+            )
+        self.module.backward_via_optimizer = False
         grads = [
             _grad_share(c.grad_chunk if c.grad_chunk is not None else c) for c, _ in self.pairs
         ]
