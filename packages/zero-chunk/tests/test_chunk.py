@@ -207,7 +207,11 @@ def _snapshot(chunk):
         (torch.zeros(4, 4).t(), ValueError, r"must be dense and contiguous"),
         (torch.zeros(3).to_sparse(), ValueError, r"must be dense and contiguous"),
         (torch.zeros(7), ChunkFullError, r"a tensor of 7 elements does not fit \(6 of 10 left\)"),
-        (torch.zeros(2, device="meta"), ValueError, r"is on the meta device; build the model under LazyInitContext"),
+        (
+            torch.zeros(2, device="meta"),
+            ValueError,
+            r"is on the meta device; build the model under LazyInitContext",
+        ),
     ],
 )
 def test_bad_appends_leave_the_chunk_unchanged(tensor, exc, match):
