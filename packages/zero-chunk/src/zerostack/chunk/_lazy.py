@@ -190,7 +190,9 @@ class LazyInitContext:
             _, world = _comm.group_rank_and_size(process_group)
             if world == 1:
                 return
-            digest = hashlib.sha1(record.rng_state.numpy().tobytes()).hexdigest()
+            digest = hashlib.sha1(
+                bytes(record.rng_state.tolist())
+            ).hexdigest()  # no numpy: not a torch dependency
             digests: list[str] = [""] * world
             dist.all_gather_object(digests, digest, group=process_group)
             if len(set(digests)) > 1:
