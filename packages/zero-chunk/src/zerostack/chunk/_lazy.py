@@ -190,11 +190,14 @@ class LazyInitContext:
             _, world = _comm.group_rank_and_size(process_group)
             if world == 1:
                 return
-            digest = hashlib.sha1(
-                bytes(record.rng_state.tolist())
-            ).hexdigest()  # no numpy: not a torch dependency
-            digests: list[str] = [""] * world
-            dist.all_gather_object(digests, digest, group=process_group)
+            # A tensor collective, not all_gather_object, which needs numpy.
+            mine = torch.tensor(
+                list(hashlib.sha1(bytes(record.rng_state.tolist())).digest()), dtype=torch.int64
+            )
+            device = _comm_device(process_group)
+            gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+            _comm.all_gather(gathered, mine.to(device), process_group, async_op=False)
+            digests = [tuple(row) for row in gathered.view(world, -1).tolist()]
             if len(set(digests)) > 1:
                 raise RuntimeError(
                     f"{api}: ranks entered LazyInitContext with different CPU RNG states "
@@ -306,3 +309,11 @@ def _materialize(
                         slots[name] = t
                 place_new(m)
     _MATERIALIZED.update(modules)
+
+
+def _comm_device(process_group) -> torch.device:
+    """Where the group's collectives take tensors (NCCL: the current GPU)."""
+    backend = dist.get_backend(process_group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
