@@ -65,14 +65,19 @@ def _run(cmd: list[str]) -> None:
 
 def compile_cpu(out_dir: Path) -> Path:
     """Compile the CPU kernel into ``out_dir``; return the module's path."""
+    with tempfile.TemporaryDirectory(prefix="zerostack-fused-adam-obj-") as obj_dir:
+        return _compile_cpu(out_dir, Path(obj_dir))
+
+
+def _compile_cpu(out_dir: Path, obj_dir: Path) -> Path:
     cxx = os.environ.get("CXX", "g++")
     base = [cxx, "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-Wall", *_includes()]
     jobs = []
     for level, flags in SIMD_LEVELS.items():
-        obj = out_dir / f"adam_cpu_kernel_l{level}.o"
+        obj = obj_dir / f"adam_cpu_kernel_l{level}.o"
         src = CSRC / "adam_cpu_kernel.cpp"
         jobs.append((obj, [*base, f"-DZS_LEVEL={level}", *flags, "-c", str(src), "-o", str(obj)]))
-    binding = out_dir / "adam_cpu.o"
+    binding = obj_dir / "adam_cpu.o"
     jobs.append(
         (binding, [*base, "-fopenmp", "-c", str(CSRC / "adam_cpu.cpp"), "-o", str(binding)])
     )
