@@ -77,6 +77,8 @@ def main() -> int:
     losses, start = [], time.perf_counter()
     bar = tqdm(range(a.steps), desc="gemini", disable=rank != 0 or None)
     for _ in bar:
+        if a.smoke:  # one batch over and over: a few steps must lower its loss
+            gen.manual_seed(1 + rank)
         idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len + 1), generator=gen)
         loss = model(idx[:, :-1], idx[:, 1:])
         opt.backward(loss.float())
