@@ -209,7 +209,6 @@ class ZeroOptimizer:
             size += s.piece * self.world
         if current:
             self.buckets.append(_Bucket(current))
-        self._bucket_of = {id(s): b for b in self.buckets for s in b.shards}
         if cpu_offload:
             self._pin_offload_buffers(pin)
         self._next_bucket = 0
