@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerostack.chunk import Chunk, ChunkManager, TensorState, search_chunk_configuration
+from zerostack.chunk import (
+    Chunk,
+    ChunkManager,
+    LazyInitContext,
+    TensorState,
+    search_chunk_configuration,
+)
 from zerostack.shard import rank_and_world
 
 logger = logging.getLogger(__name__)
@@ -33,7 +39,10 @@ class GeminiDDP(nn.Module):
     parameter shard until the optimizer writes the updated parameters back.
 
     Args:
-        module: the model (on the compute device or the CPU).
+        module: the model (on the compute device or the CPU), or one built
+            under ``LazyInitContext``: then each module's ``reset_parameters``
+            runs as its parameters go into the chunks, and the model never
+            exists whole.
         placement_policy: "static"; "auto" is not implemented yet. Default "static".
         shard_param_frac: 1.0 shards every parameter chunk (ZeRO-3), 0.0 keeps
             them whole (ZeRO-2); values in between are not implemented yet. Default 1.0.
@@ -144,7 +153,9 @@ class GeminiDDP(nn.Module):
         offload_param_target = offload_param_frac * total
         offload_optim_target = offload_optim_frac * total
         seen = 0
-        for p in self.params:
+
+        def register(p: torch.Tensor) -> None:
+            nonlocal seen
             with torch.no_grad():
                 p.data = p.data.to(device=self.compute_device, dtype=mixed_precision)
             cpu_param = seen < offload_param_target
@@ -165,7 +176,18 @@ class GeminiDDP(nn.Module):
                     pin_memory=pin_memory,
                 )
                 self.masters[p] = master
-        self.chunk_manager.close_all_groups()
+
+        if any(p.is_meta for p in self.params):
+            # Built under LazyInitContext: materialized one module at a time
+            # straight into the chunks, never whole.
+            LazyInitContext.distribute(
+                module, self.chunk_manager, config_key=("p", key), process_group=process_group,
+                dtype=mixed_precision, register_fn=register,
+            )  # fmt: skip
+        else:
+            for p in self.params:
+                register(p)
+            self.chunk_manager.close_all_groups()
         for p, master in self.masters.items():
             chunk, mchunk = self.chunk_manager.get_chunk(p), self.chunk_manager.get_chunk(master)
             if chunk.paired_chunk is None:

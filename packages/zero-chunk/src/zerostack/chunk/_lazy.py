@@ -137,6 +137,7 @@ class LazyInitContext:
         init_fn: Callable[[nn.Module], None] | None = None,
         cpu_offload: bool = False,
         pin_memory: bool = False,
+        register_fn: Callable[[torch.Tensor], None] | None = None,
     ) -> nn.Module:
         """Materialize a lazily built model one module at a time into chunks.
 
@@ -158,6 +159,10 @@ class LazyInitContext:
             init_fn: as in ``materialize``. Default None.
             cpu_offload: keep the shards on the CPU. Default False.
             pin_memory: pin CPU shards. Default False.
+            register_fn: called with each materialized (and cast) parameter
+                instead of ``chunk_manager.register_tensor``, for callers that
+                register more than the parameter (GeminiDDP adds its fp32
+                master). Default None.
 
         Returns:
             ``model``, its parameters now views into the chunks.
@@ -182,6 +187,9 @@ class LazyInitContext:
                     t.data = t.data.to(dtype)
                 num_params += 1
                 num_bytes += t.numel() * t.element_size()
+                if register_fn is not None:
+                    register_fn(t)
+                    continue
                 chunk_manager.register_tensor(
                     t, group_type, config_key, process_group, cpu_offload, pin_memory
                 )
