@@ -27,14 +27,17 @@ CASES = [
     ("bf16-adamw", torch.bfloat16, True, 1.0, 1.0, 0.0, False, 1),
     ("fp32-l2-accum4", torch.float32, False, 1.0, 0.0, 0.0, False, 4),
     ("fp32-zero2-accum4", torch.float32, True, 0.0, 0.0, 0.05, False, 4),
+    ("fp32-tied-embeddings", torch.float32, True, 1.0, 0.0, 0.0, False, 1),
 ]
+TIED = GPTConfig(add_unused_param=True, bias=False, tie_embeddings=True)
 TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
 
 
 def _run_case(rank, world, case):
     name, dtype, adamw, frac, optim_frac, max_norm, freeze, micro = case
+    config = TIED if "tied" in name else CONFIG
     torch.manual_seed(0)
-    ref_model = TinyGPT(CONFIG)
+    ref_model = TinyGPT(config)
     model = copy.deepcopy(ref_model)
     if freeze:
         ref_model.tok_emb.weight.requires_grad_(False)
@@ -60,12 +63,12 @@ def _run_case(rank, world, case):
     unused_before = ddp.state_dict()["unused.weight"]
     for step in range(STEPS):
         for m in range(micro - 1):  # gradient accumulation: all but the last micro-step
-            idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + 10 * m + rank + 50)
+            idx, tgt = make_batch(config, 4, 32, seed=100 * step + 10 * m + rank + 50)
             with ref.no_sync():
                 (ref(idx, tgt) / micro).backward()
             with ddp.no_sync():
                 opt.backward(ddp(idx, tgt).float() / micro)
-        idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + rank)
+        idx, tgt = make_batch(config, 4, 32, seed=100 * step + rank)
         ref_loss = ref(idx, tgt)
         (ref_loss / micro).backward()
         if max_norm > 0:
