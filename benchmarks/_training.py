@@ -1,0 +1,147 @@
+"""What the training benchmarks share: the GPT-2 XL-shaped model with
+activation checkpointing, the timed loop, the plain-PyTorch and FSDP2 peers,
+and the result table. Imported by zero_shard.py and gemini.py."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from zerostack.testing import GPTConfig, TinyGPT
+
+HYPER = dict(lr=1e-4, weight_decay=0.1)
+
+
+def init_single_process() -> None:
+    """A one-rank NCCL group when not started by torchrun."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    torch.cuda.set_device(0)
+
+
+def checkpoint_blocks(model: TinyGPT) -> TinyGPT:
+    for block in model.blocks:
+        forward = block.forward
+        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+    return model
+
+
+def build(config: GPTConfig, dtype: torch.dtype, device: str = "cuda") -> TinyGPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TinyGPT(config).to(dtype)
+    return checkpoint_blocks(model)
+
+
+def torch_step(opt: torch.optim.Optimizer) -> Callable:
+    """The step function of a plain torch optimizer for ``run``."""
+
+    def step(loss, backward_only):
+        if backward_only:
+            loss.backward()
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
+    """Median step time split into forward+backward and the optimizer step."""
+    idx, tgt = batch
+    fb, opt = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx, tgt)
+        step_fn(loss, backward_only=True)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        step_fn(loss, backward_only=False)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            fb.append(t1 - t0)
+            opt.append(t2 - t1)
+    total = [a + b for a, b in zip(fb, opt, strict=True)]
+    return dict(
+        name=name,
+        tokens_s=idx.numel() / statistics.median(total),
+        step_s=statistics.median(total),
+        fwd_bwd_s=statistics.median(fb),
+        opt_s=statistics.median(opt),
+        peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+        loss=loss.item(),
+    )
+
+
+def plain(config, batch, steps, warmup) -> dict:
+    model = build(config, torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    label = "plain PyTorch (fp32 params, bf16 autocast, fused AdamW)"
+    return run(label, model, torch_step(opt), batch, steps, warmup, True)
+
+
+def fsdp2_offload(config, batch, steps, warmup) -> dict:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model = build(config, torch.float32)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    label = "FSDP2 + CPUOffloadPolicy (torch fused AdamW on CPU)"
+    return run(label, model, torch_step(opt), batch, steps, warmup, False)
+
+
+def measure(results: list[dict], wanted: list[str], name: str, fn: Callable[[], dict]) -> None:
+    """Run one configuration if asked for; an OOM becomes a row, not a crash."""
+    if name not in wanted:
+        return
+    print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+    try:
+        results.append(fn())
+    except torch.OutOfMemoryError as exc:
+        results.append(dict(name=name, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def print_table(title: str, results: list[dict], setup: str) -> None:
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"\n## {title}\n")
+    print(f"- date: {date}; command: `python {' '.join(sys.argv)}`")
+    print(
+        f"- GPU {torch.cuda.get_device_name()}, {os.cpu_count()} host cores, torch {torch.__version__}"
+    )
+    print(f"- {setup}\n")
+    ok = [r for r in results if "error" not in r]
+    plain_r = next((r for r in ok if r["name"].startswith("plain")), None)
+    fsdp_r = next((r for r in ok if r["name"].startswith("FSDP2")), None)
+    print(
+        "| configuration | tokens/s | vs plain | vs FSDP2 offload | step s | fwd+bwd s | optimizer s | peak GPU GB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['name']} | {r['error']} | | | | | | |")
+            continue
+        vp = f"{r['tokens_s'] / plain_r['tokens_s']:.2f}x" if plain_r else "n/a"
+        vf = f"{r['tokens_s'] / fsdp_r['tokens_s']:.2f}x" if fsdp_r else "n/a"
+        print(f"| {r['name']} | {r['tokens_s']:,.0f} | {vp} | {vf} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
+              f"{r['opt_s']:.3f} | {r['peak_gb']:.1f} |")  # fmt: skip
