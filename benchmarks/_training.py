@@ -4,6 +4,7 @@ and the result table. Imported by zero_shard.py and gemini.py."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import os
@@ -19,6 +20,42 @@ from torch.utils.checkpoint import checkpoint
 from zerostack.testing import GPTConfig, TinyGPT
 
 HYPER = dict(lr=1e-4, weight_decay=0.1)
+
+
+def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """The benchmarks' common arguments, a one-rank NCCL group and the batch.
+
+    Returns ``(args, (config, batch, steps, warmup))``, or None
+    without a CUDA device (after saying so).
+    """
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--only", default=only)
+    if extra is not None:
+        extra(ap)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{os.path.basename(sys.argv[0])}: needs a CUDA device", file=sys.stderr)
+        return None
+    init_single_process()
+    config = GPTConfig.gpt2_xl(num_layers=a.layers, max_seq_len=a.seq_len, tie_embeddings=True)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len), generator=gen)
+    batch = (idx.cuda(), torch.roll(idx, -1, dims=1).cuda())
+    return a, (config, batch, a.steps, a.warmup)
+
+
+def describe(a) -> str:
+    return (
+        f"GPT-2 XL shape, {a.layers} layers, batch {a.batch_size} x {a.seq_len}, bf16, activation "
+        f"checkpointing; median of {a.steps} steps after {a.warmup}"
+    )
 
 
 def init_single_process() -> None:

@@ -18,7 +18,6 @@ Configurations:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import _training as T
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
-from zerostack.testing import GPTConfig, TinyGPT
+from zerostack.testing import TinyGPT
 
 
 def gemini(config, batch, steps, warmup, offload_optim_frac: float, label: str) -> dict:
@@ -52,27 +51,14 @@ def gemini(config, batch, steps, warmup, offload_optim_frac: float, label: str) 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ready = T.setup(
+        __doc__,
+        "plain,fsdp2_offload,gemini_gpu,gemini_capped",
+        lambda ap: ap.add_argument("--cap-gib", type=float, default=24.0),
     )
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--cap-gib", type=float, default=24.0)
-    ap.add_argument("--only", default="plain,fsdp2_offload,gemini_gpu,gemini_capped")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("gemini: needs a CUDA device", file=sys.stderr)
+    if ready is None:
         return 2
-    T.init_single_process()
-    config = GPTConfig.gpt2_xl(num_layers=a.layers, max_seq_len=a.seq_len, tie_embeddings=True)
-    idx = torch.randint(
-        0, config.vocab_size, (a.batch_size, a.seq_len), generator=torch.Generator().manual_seed(0)
-    )
-    batch = (idx.cuda(), torch.roll(idx, -1, dims=1).cuda())
-    args = (config, batch, a.steps, a.warmup)
+    a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
     T.measure(results, wanted, "plain", lambda: T.plain(*args))
@@ -88,8 +74,7 @@ def main() -> int:
     T.print_table(
         "Gemini on one GPU",
         results,
-        f"GPT-2 XL shape, {a.layers} layers, batch {a.batch_size} x {a.seq_len}, bf16, activation "
-        f"checkpointing; median of {a.steps} steps after {a.warmup}",
+        T.describe(a),
     )
     dist.destroy_process_group()
     return 0

@@ -21,7 +21,6 @@ and optimizer step (synchronised between them). Median of --steps after
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import _training as T
@@ -29,7 +28,6 @@ import torch
 import torch.distributed as dist
 
 from zerostack.shard import ZeroOptimizer
-from zerostack.testing import GPTConfig
 
 
 def zero(config, batch, steps, warmup, offload: bool) -> dict:
@@ -51,26 +49,10 @@ def zero(config, batch, steps, warmup, offload: bool) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", default="plain,zero2,zero2_offload,fsdp2_offload")
-    a = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("zero_shard: needs a CUDA device", file=sys.stderr)
+    ready = T.setup(__doc__, "plain,zero2,zero2_offload,fsdp2_offload")
+    if ready is None:
         return 2
-    T.init_single_process()
-    config = GPTConfig.gpt2_xl(num_layers=a.layers, max_seq_len=a.seq_len, tie_embeddings=True)
-    idx = torch.randint(
-        0, config.vocab_size, (a.batch_size, a.seq_len), generator=torch.Generator().manual_seed(0)
-    )
-    batch = (idx.cuda(), torch.roll(idx, -1, dims=1).cuda())
-    args = (config, batch, a.steps, a.warmup)
+    a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
     T.measure(results, wanted, "plain", lambda: T.plain(*args))
@@ -80,8 +62,7 @@ def main() -> int:
     T.print_table(
         "ZeRO-2 on one GPU",
         results,
-        f"GPT-2 XL shape, {a.layers} layers, batch {a.batch_size} x {a.seq_len}, bf16, activation "
-        f"checkpointing; median of {a.steps} steps after {a.warmup}",
+        T.describe(a),
     )
     dist.destroy_process_group()
     return 0
