@@ -63,6 +63,7 @@ def test_write_then_read_whole_buffers(backend, tmp_path):
 
 
 def test_temporary_directory_removed_on_delete_and_close(backend):
+    fds_before = len(os.listdir("/proc/self/fd"))
     swapper = StateSwapper(None, backend=backend)
     workdir = swapper.workdir
     _run_steps(swapper, [100, 200], steps=1)
@@ -70,6 +71,7 @@ def test_temporary_directory_removed_on_delete_and_close(backend):
     del swapper
     gc.collect()
     assert not os.path.exists(workdir)
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # no file descriptor leaks either
     other = StateSwapper(None, backend=backend)
     other.close()
     assert not os.path.exists(other.workdir)

@@ -196,7 +196,7 @@ class GeminiDDP(nn.Module):
         for b in module.buffers():
             b.data = b.data.to(self.compute_device)
 
-        self.grad_chunks = [c for c in self.chunk_manager.chunks("fp16_param")]
+        self.grad_chunks = self.chunk_manager.chunks("fp16_param")
         # Chunks reduce strictly in reverse order of creation (the order
         # backward produces them), so every rank issues the same collectives
         # even when ranks differ in which parameters got gradients.

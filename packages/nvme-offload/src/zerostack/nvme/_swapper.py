@@ -23,9 +23,10 @@ class NVMeSpaceError(OSError):
     """The offload directory cannot hold the states (full disk or file size limit)."""
 
 
-def _cleanup(io: Backend, workdir: str) -> None:
+def _cleanup(io: Backend, fd: int, workdir: str) -> None:
     try:
         io.close()
+        os.close(fd)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -84,7 +85,8 @@ class StateSwapper:
         except Exception:
             shutil.rmtree(self.workdir, ignore_errors=True)
             raise
-        self._finalizer = weakref.finalize(self, _cleanup, self._io, self.workdir)
+        # Runs on close(), on garbage collection and at exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _cleanup, self._io, self._fd, self.workdir)
         self._numel: dict[str, int] = {}
         self._on_disk: set[str] = set()
         self._resident: dict[str, torch.Tensor] = {}  # keys whose last write failed
@@ -194,8 +196,6 @@ class StateSwapper:
 
     def close(self) -> None:
         """Wait for pending I/O, remove the files. Idempotent."""
-        os.close(self._fd) if self._fd >= 0 else None
-        self._fd = -1
         self._finalizer()
 
 
