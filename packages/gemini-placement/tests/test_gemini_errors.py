@@ -22,18 +22,26 @@ def test_fractions_must_be_in_0_1(field):
         GeminiDDP(_model(), **{field: 1.5}, chunk_config_dict=CFG, compute_device="cpu")
 
 
-def test_auto_placement_is_not_implemented_yet():
-    with pytest.raises(
-        NotImplementedError, match=r"placement_policy='auto'.*use placement_policy='static'"
-    ):
-        GeminiDDP(_model(), placement_policy="auto")
+def test_auto_placement_needs_a_capacity_on_cpu_and_no_static_fractions():
+    with pytest.raises(ValueError, match=r"'auto' on a cpu compute device needs gpu_capacity_bytes"):
+        GeminiDDP(_model(), placement_policy="auto", chunk_config_dict=CFG, compute_device="cpu")
+    with pytest.raises(ValueError, match=r"are for placement_policy='static'"):
+        GeminiDDP(
+            _model(),
+            placement_policy="auto",
+            offload_optim_frac=0.5,
+            gpu_capacity_bytes=1 << 20,
+            compute_device="cpu",
+        )
 
 
-def test_partial_sharding_is_not_implemented_yet():
-    with pytest.raises(
-        NotImplementedError, match=r"shard_param_frac=0.5: only 1.0 \(ZeRO-3\) and 0.0"
-    ):
-        GeminiDDP(_model(), shard_param_frac=0.5)
+def test_unbuilt_options_say_so():
+    with pytest.raises(NotImplementedError, match=r"master_weights=False"):
+        GeminiDDP(_model(), master_weights=False, chunk_config_dict=CFG, compute_device="cpu")
+    with pytest.raises(ValueError, match=r"max_prefetch must be >= 0"):
+        GeminiDDP(_model(), max_prefetch=-1, chunk_config_dict=CFG, compute_device="cpu")
+    with pytest.raises(ValueError, match=r"steady_cuda_cap_ratio must be in \[0, 1\]"):
+        GeminiDDP(_model(), steady_cuda_cap_ratio=2.0, chunk_config_dict=CFG, compute_device="cpu")
 
 
 def test_bad_dtype_and_policy():

@@ -1,7 +1,8 @@
-"""ZeRO-3 over chunks with static GPU/CPU placement."""
+"""ZeRO-3 over chunks with static and automatic GPU/CPU placement."""
 
 from zerostack.gemini.__about__ import __version__
 from zerostack.gemini._ddp import GeminiDDP
 from zerostack.gemini._optimizer import GeminiOptimizer
+from zerostack.gemini._placement import AutoPlacement, MemStats
 
-__all__ = ["GeminiDDP", "GeminiOptimizer", "__version__"]
+__all__ = ["AutoPlacement", "GeminiDDP", "GeminiOptimizer", "MemStats", "__version__"]

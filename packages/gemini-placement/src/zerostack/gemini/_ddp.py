@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ from zerostack.chunk import (
     TensorState,
     search_chunk_configuration,
 )
+from zerostack.gemini._placement import AutoPlacement
 from zerostack.shard import rank_and_world
 
 logger = logging.getLogger(__name__)
@@ -43,13 +45,32 @@ class GeminiDDP(nn.Module):
             under ``LazyInitContext``: then each module's ``reset_parameters``
             runs as its parameters go into the chunks, and the model never
             exists whole.
-        placement_policy: "static"; "auto" is not implemented yet. Default "static".
-        shard_param_frac: 1.0 shards every parameter chunk (ZeRO-3), 0.0 keeps
-            them whole (ZeRO-2); values in between are not implemented yet. Default 1.0.
+        placement_policy: "static" (the three fractions below) or "auto"
+            (see zerostack.gemini.AutoPlacement: a warm-up iteration
+            measures, then GPU memory goes to param shards and optimizer
+            chunks, gathered chunks are cached and evicted by farthest next
+            use). Default "static".
+        shard_param_frac: share of parameter bytes, in registration order,
+            in sharded chunks (ZeRO-3); the rest stay whole on every rank
+            (ZeRO-2). Static only. Default 1.0.
         offload_optim_frac: share of fp32 master chunks (and so of optimizer
-            states) on the CPU, in compute order. Default 0.0.
+            states) on the CPU, in registration order. Static only. Default 0.0.
         offload_param_frac: share of parameter shards kept on the CPU between
-            uses. Default 0.0.
+            uses. Static only. Default 0.0.
+        warmup_non_model_data_ratio: auto: share of the capacity left to
+            activations during the warm-up iteration. Default 0.8.
+        steady_cuda_cap_ratio: auto: share of the capacity the placement may
+            use after warm-up (less the measured non-model peak). Default 0.9.
+        gpu_capacity_bytes: auto: the device memory to plan for. Default: the
+            CUDA device's total memory; required on a CPU compute device
+            (where placement is bookkeeping, for tests).
+        max_prefetch: auto: gather up to this many chunks ahead of use,
+            asynchronously. Default 0.
+        enable_async_reduce: reduce chunks asynchronously during backward.
+            Default True.
+        scatter_after_inference: release gathered chunks after a forward
+            without grad. Default True.
+        master_weights: keep fp32 master chunks. Only True is implemented.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk-size search
             (see zerostack.chunk.search_chunk_configuration). Defaults 32, None, 32.
         pin_memory: pin CPU shards. Default False.
@@ -64,8 +85,9 @@ class GeminiDDP(nn.Module):
             device, else the CPU.
 
     Raises:
-        ValueError: a bad fraction or dtype.
-        NotImplementedError: placement_policy="auto", a partial shard_param_frac.
+        ValueError: a bad fraction, policy name or dtype; "auto" with static
+            fractions or without a capacity on a CPU device.
+        NotImplementedError: master_weights=False.
     """
 
     def __init__(
@@ -85,28 +107,40 @@ class GeminiDDP(nn.Module):
         enable_gradient_accumulation: bool = False,
         process_group: dist.ProcessGroup | None = None,
         compute_device: torch.device | str | None = None,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        gpu_capacity_bytes: int | None = None,
+        max_prefetch: int = 0,
+        enable_async_reduce: bool = True,
+        scatter_after_inference: bool = True,
+        master_weights: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (
             ("shard_param_frac", shard_param_frac),
             ("offload_optim_frac", offload_optim_frac),
             ("offload_param_frac", offload_param_frac),
+            ("warmup_non_model_data_ratio", warmup_non_model_data_ratio),
+            ("steady_cuda_cap_ratio", steady_cuda_cap_ratio),
         ):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{_API}: {name} must be in [0, 1] (got {value})")
-        if placement_policy == "auto":
-            raise NotImplementedError(
-                f"{_API}: placement_policy='auto' (warm-up statistics, eviction by next use) is not "
-                "implemented yet; use placement_policy='static'"
-            )
-        if placement_policy != "static":
+        if placement_policy not in ("static", "auto"):
             raise ValueError(
                 f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
             )
-        if shard_param_frac not in (0.0, 1.0):
+        if not master_weights:
             raise NotImplementedError(
-                f"{_API}: shard_param_frac={shard_param_frac}: only 1.0 (ZeRO-3) and 0.0 (ZeRO-2) are "
-                "implemented"
+                f"{_API}: master_weights=False (stepping the fp16/bf16 chunks directly) is not "
+                "implemented; use master_weights=True"
+            )
+        if max_prefetch < 0:
+            raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {max_prefetch})")
+        auto = placement_policy == "auto"
+        if auto and (shard_param_frac, offload_optim_frac, offload_param_frac) != (1.0, 0.0, 0.0):
+            raise ValueError(
+                f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
+                "placement_policy='static'; 'auto' decides placement itself"
             )
         if mixed_precision not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(
@@ -119,6 +153,17 @@ class GeminiDDP(nn.Module):
         self.compute_device = torch.device(compute_device) if compute_device else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )  # fmt: skip
+        self.async_reduce = enable_async_reduce
+        self.scatter_after_inference = scatter_after_inference
+        cuda = self.compute_device.type == "cuda"
+        if auto and gpu_capacity_bytes is None:
+            if not cuda:
+                raise ValueError(
+                    f"{_API}: placement_policy='auto' on a {self.compute_device.type} compute device "
+                    "needs gpu_capacity_bytes (the memory to plan for)"
+                )
+            gpu_capacity_bytes = torch.cuda.get_device_properties(self.compute_device).total_memory
+        pin_memory = pin_memory or (auto and cuda)
 
         if chunk_config_dict is None:
             chunk_config_dict = search_chunk_configuration(
@@ -129,14 +174,19 @@ class GeminiDDP(nn.Module):
                 process_group=process_group,
             ).config
         key = next(iter(chunk_config_dict))
-        config = {k: dict(v) for k, v in chunk_config_dict.items()}
-        if shard_param_frac == 0.0:
-            config[key]["keep_gathered"] = True
-        master_config = {key: {**config[key], "keep_gathered": False}}
-        self.chunk_manager = ChunkManager({**{("p", k): v for k, v in config.items()},
-                                           **{("m", k): v for k, v in master_config.items()}},
-                                          compute_device=self.compute_device,
-                                          reuse_fp16_chunk=not enable_gradient_accumulation)  # fmt: skip
+        base = dict(chunk_config_dict[key])
+        # Sharded ("s") and kept-gathered ("g") parameter chunks, each with
+        # fp32 master chunks laid out the same way ("ms", "mg").
+        self.chunk_manager = ChunkManager(
+            {
+                ("s", key): {**base, "keep_gathered": False},
+                ("g", key): {**base, "keep_gathered": True},
+                ("ms", key): {**base, "keep_gathered": False},
+                ("mg", key): {**base, "keep_gathered": False},
+            },
+            compute_device=self.compute_device,
+            reuse_fp16_chunk=not enable_gradient_accumulation,
+        )
         self.accumulate = enable_gradient_accumulation
         self._no_sync = False
 
@@ -152,36 +202,49 @@ class GeminiDDP(nn.Module):
         total = sum(p.numel() for p in self.params)
         offload_param_target = offload_param_frac * total
         offload_optim_target = offload_optim_frac * total
+        shard_target = shard_param_frac * total
+        # auto: param shards on the device while they fit the warm-up share
+        # (exactly re-checked per chunk by AutoPlacement.initial_placement).
+        warmup_room = (1.0 - warmup_non_model_data_ratio) * (gpu_capacity_bytes or 0)
+        item = torch.empty((), dtype=mixed_precision).element_size()
         seen = 0
+        self.offloaded_masters: set[Chunk] = set()  # stepped on the CPU
 
         def register(p: torch.Tensor) -> None:
             nonlocal seen
             with torch.no_grad():
                 p.data = p.data.to(device=self.compute_device, dtype=mixed_precision)
-            cpu_param = seen < offload_param_target
-            cpu_optim = seen < offload_optim_target
+            if auto:
+                cpu_param = cuda and (seen + p.numel()) * item / self.world_size > warmup_room
+                cpu_optim = True
+            else:
+                cpu_param = seen < offload_param_target
+                cpu_optim = seen < offload_optim_target
+            part = "s" if seen < shard_target or shard_target == total else "g"
             seen += p.numel()
             group = "fp16_param" if p.requires_grad else "frozen_param"
             self.chunk_manager.register_tensor(
-                p, group, ("p", key), process_group, cpu_offload=cpu_param, pin_memory=pin_memory
+                p, group, (part, key), process_group, cpu_offload=cpu_param, pin_memory=pin_memory
             )
             if p.requires_grad:
                 master = p.detach().to(torch.float32).clone()
-                self.chunk_manager.register_tensor(
+                mchunk = self.chunk_manager.register_tensor(
                     master,
                     "fp32_param",
-                    ("m", key),
+                    ("m" + part, key),
                     process_group,
                     cpu_offload=cpu_optim,
                     pin_memory=pin_memory,
                 )
+                if cpu_optim:
+                    self.offloaded_masters.add(mchunk)
                 self.masters[p] = master
 
         if any(p.is_meta for p in self.params):
             # Built under LazyInitContext: materialized one module at a time
             # straight into the chunks, never whole.
             LazyInitContext.distribute(
-                module, self.chunk_manager, config_key=("p", key), process_group=process_group,
+                module, self.chunk_manager, config_key=("s", key), process_group=process_group,
                 dtype=mixed_precision, register_fn=register,
             )  # fmt: skip
         else:
@@ -196,7 +259,21 @@ class GeminiDDP(nn.Module):
         for b in module.buffers():
             b.data = b.data.to(self.compute_device)
 
-        self.grad_chunks = self.chunk_manager.chunks("fp16_param")
+        # chunk -> finishes its pending update (a CPU step still running);
+        # run before the chunk is next used.
+        self.pending_updates: dict[Chunk, Any] = {}
+        self.grad_chunks = sorted(self.chunk_manager.chunks("fp16_param"), key=lambda c: c.index)
+        self.auto: AutoPlacement | None = None
+        if auto:
+            param_chunks = sorted(
+                self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
+            )
+            self.auto = AutoPlacement(
+                self.chunk_manager, param_chunks, self.compute_device, int(gpu_capacity_bytes),
+                warmup_non_model_data_ratio, steady_cuda_cap_ratio, max_prefetch, process_group,
+                busy=self.pending_updates,
+            )  # fmt: skip
+            self.auto.initial_placement()
         # Chunks reduce strictly in reverse order of creation (the order
         # backward produces them), so every rank issues the same collectives
         # even when ranks differ in which parameters got gradients.
@@ -204,17 +281,23 @@ class GeminiDDP(nn.Module):
         self._next_reduce = 0
         self._pending: list[Any] = []
         self._backward_started = False
+        self._training = False
         self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
         self.backward_via_optimizer = False  # set by GeminiOptimizer.backward, checked by step
+        # Called at the end of every reducing backward (GeminiOptimizer stages
+        # gradients of CPU-stepped chunks to the host there).
+        self.backward_end_callbacks: list[Any] = []
+        self.update_wait_s = 0.0  # time forward spent waiting for CPU updates
         self._register_hooks()
-        chunk_size = config[key]["chunk_size"]
+        params = [c for c in self.chunk_manager.chunks() if c not in self.chunk_manager.chunks("fp32")]
         logger.info(
-            "GeminiDDP: %d params (%.1fM elements) in %d %s chunks of %d elements (%s); "
-            "%d fp32 master chunks, %d of them on the CPU; rank %d/%d",
-            len(self.params), total / 1e6, len(self.chunk_manager.chunks()) - len(self.chunk_manager.chunks("fp32")),
-            mixed_precision, chunk_size, "sharded" if shard_param_frac else "kept gathered",
-            len(self.chunk_manager.chunks("fp32")),
-            sum(c.shard_device.type == "cpu" for c in self.chunk_manager.chunks("fp32")),
+            "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks of %d elements, %d sharded, "
+            "%d kept gathered, %d shards on the CPU; %d fp32 master chunks, %d on the CPU; rank %d/%d",
+            placement_policy, len(self.params), total / 1e6, len(params), mixed_precision,
+            base["chunk_size"], sum(not c.keep_gathered for c in params),
+            sum(c.keep_gathered for c in params),
+            sum(c.shard is not None and c.shard.device.type == "cpu" for c in params),
+            len(self.chunk_manager.chunks("fp32")), len(self.offloaded_masters),
             self.rank, self.world_size,
         )  # fmt: skip
 
@@ -256,9 +339,28 @@ class GeminiDDP(nn.Module):
     def _chunks(self, params: Iterable[torch.Tensor]) -> list[Chunk]:
         return self.chunk_manager.get_chunks(params)
 
+    def await_update(self, chunk: Chunk) -> None:
+        """Finish ``chunk``'s pending optimizer update (a CPU step) if any."""
+        finish = self.pending_updates.pop(chunk, None)
+        if finish is not None:
+            t0 = time.perf_counter()
+            finish()
+            self.update_wait_s += time.perf_counter() - t0
+
+    def wait_updates(self) -> None:
+        """Finish every pending optimizer update."""
+        for chunk in list(self.pending_updates):
+            self.await_update(chunk)
+
     def _gather(self, params: list[torch.Tensor], state: TensorState) -> None:
-        for chunk in self._chunks(params):
+        chunks = self._chunks(params)
+        if self.auto is not None:
+            self.auto.before_access(chunks, self._training)
+        for chunk in chunks:
+            self.await_update(chunk)
             self.chunk_manager.access_chunk(chunk)
+        if self.auto is not None:
+            self.auto.after_access(chunks, self._training)
         for p in params:
             chunk = self.chunk_manager.get_chunk(p)
             current = chunk.tensor_state(p)
@@ -273,6 +375,8 @@ class GeminiDDP(nn.Module):
         self._release_idle(self._chunks(params))
 
     def _release_idle(self, chunks: Iterable[Chunk]) -> None:
+        if self.auto is not None and not self.auto.warming_up:
+            return  # auto keeps gathered chunks as a cache, trimmed by next use
         for chunk in chunks:
             if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
@@ -337,12 +441,15 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
-            self._pending.append(self.chunk_manager.reduce_chunk(chunk, async_op=True))
+            self._pending.append(
+                self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce)
+            )
             self._next_reduce += 1
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated
         # gradient (zeros, or what earlier no_sync passes left) is reduced.
+        self.await_update(chunk)
         self.chunk_manager.access_chunk(chunk)
         if self.accumulate and (chunk.grad_chunk is None or chunk.grad_chunk.buffer is None):
             self.chunk_manager.init_grad_chunk(chunk)
@@ -355,6 +462,8 @@ class GeminiDDP(nn.Module):
                 self.chunk_manager.trans_tensor_state(t, s)
 
     def _finish_backward(self) -> None:
+        if self.auto is not None and self._training:
+            self.auto.end_warmup()
         if self._no_sync:
             self._backward_started = False
             return
@@ -369,18 +478,33 @@ class GeminiDDP(nn.Module):
         frozen = [p for p in self.params if not p.requires_grad]
         if frozen:
             self._release(frozen, S.HOLD)
+        for callback in self.backward_end_callbacks:
+            callback()
 
     # -- forward ------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(a.to(self.compute_device) if isinstance(a, torch.Tensor) else a for a in args)
+        training = torch.is_grad_enabled()
+        # auto counts gather points of training iterations only (an
+        # evaluation forward has a different order).
+        self._training = training and not self._backward_started
+        if self.auto is not None and self._training:
+            self.auto.start_iteration()
         out = self.module(*args, **kwargs)
         # The end of forward: nothing is in use until backward gathers again.
-        self._release_idle(list(self.chunk_manager.accessed_chunks))
+        if training or self.scatter_after_inference:
+            idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]
+            if self.auto is not None and not training:
+                for c in idle:
+                    self.chunk_manager.release_chunk(c)
+            else:
+                self._release_idle(idle)
         return out
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The whole model's parameters (fp32, from the masters) and buffers, on the CPU, on every rank."""
+        self.wait_updates()
         out: dict[str, torch.Tensor] = {}
         for p in self.params:
             chunk = self.chunk_manager.get_chunk(self.masters.get(p, p))
@@ -398,6 +522,7 @@ class GeminiDDP(nn.Module):
             KeyError: ``strict`` and a parameter or buffer is missing or unexpected.
             ValueError: a shape does not match.
         """
+        self.wait_updates()
         names = {n: p for p, n in self.param_names.items()}
         buffers = dict(self.module.named_buffers())
         if strict:

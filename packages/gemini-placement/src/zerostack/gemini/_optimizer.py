@@ -5,11 +5,15 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zerostack.chunk import Chunk
 from zerostack.gemini._ddp import GeminiDDP
 from zerostack.shard import DynamicLossScaler, clip_coefficient, grad_stats
 
@@ -22,13 +26,25 @@ class GeminiOptimizer:
 
     ``optimizer`` is built on the model's parameters (one parameter group);
     its parameters are replaced by this rank's fp32 master shards, one per
-    chunk, so its states are sharded like the chunks (CPU shards step on the
-    CPU kernel, GPU shards on the CUDA kernel when it is a HybridAdam).
+    chunk, so its states are sharded like the chunks.
+
+    A step first updates the master chunks on the compute device (CUDA
+    kernel, launched asynchronously), then the CPU-held ones (CPU kernel).
+    Gradients of CPU-held chunks are copied to pinned host buffers when
+    backward ends; with ``overlap_cpu_step`` the CPU updates run on a worker
+    thread, chunk by chunk in compute order, while the next forward starts:
+    each chunk's forward waits only for that chunk's update, and its new
+    fp16/bf16 values go to the device then. The math is the same as a
+    synchronous step, never a step late.
 
     Args:
-        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``.
+        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``. Step
+            learning-rate schedulers on this object (its ``param_groups``),
+            not on ``optimizer``: the worker thread reads the inner groups.
         module: the GeminiDDP model.
         max_norm: clip the global gradient norm (0: off). Default 0.0.
+        overlap_cpu_step: run the CPU part of the step on a worker thread,
+            overlapped with the next forward. Default True.
         initial_scale ... max_scale: the fp16 loss scaler (fp16 models only),
             with zerostack.shard's defaults.
 
@@ -43,6 +59,7 @@ class GeminiOptimizer:
         module: GeminiDDP,
         *,
         max_norm: float = 0.0,
+        overlap_cpu_step: bool = True,
         initial_scale: float = 2.0**16,
         min_scale: float = 1.0,
         growth_factor: float = 2.0,
@@ -66,13 +83,12 @@ class GeminiOptimizer:
         self.module = module
         self.manager = module.chunk_manager
         self.max_norm = max_norm
-        self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
-        self.masters = [m.shard for _, m in self.pairs]
-        for m in self.masters:
-            if hasattr(m, "grad_dtype"):
-                m.grad_dtype = None  # torch >= 2.10: fp16/bf16 grads stepped as they are
-        optimizer.param_groups[0]["params"] = self.masters
         self.optimizer = optimizer
+        self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
+        # What users (and lr schedulers) see and change; copied into the
+        # inner group at each step, when no worker is reading it.
+        self.param_groups = [{**optimizer.param_groups[0], "params": trainable}]
+        self._bind_masters()
         self.scaler = None
         if module.mixed_precision == torch.float16:
             self.scaler = DynamicLossScaler(
@@ -85,10 +101,34 @@ class GeminiOptimizer:
                 max_scale=max_scale,
             )
         self._div_scale = "div_scale" in inspect.signature(optimizer.step).parameters
+        self._copy_out = hasattr(optimizer, "set_copy_out")
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step") if overlap_cpu_step else None
+        )
+        self._host_grads: dict[Chunk, torch.Tensor] = {}
+        self._grads_staged: torch.cuda.Event | None = None
+        self.cpu_step_s = 0.0  # worker time in CPU updates (hidden unless forward waits)
+        module.backward_end_callbacks.append(self._stage_grads)
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+    def _bind_masters(self) -> None:
+        """Point the inner optimizer at the master shards where they now are."""
+        self.masters = [m.shard for _, m in self.pairs]
+        for m in self.masters:
+            if hasattr(m, "grad_dtype"):
+                m.grad_dtype = None  # torch >= 2.10: fp16/bf16 grads stepped as they are
+        self.optimizer.param_groups[0]["params"] = self.masters
+        offloaded = self.module.offloaded_masters
+        self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
+        self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
+        # fp16/bf16 results of CPU-held masters, on their way to the chunks.
+        pin = self.module.compute_device.type == "cuda"
+        self._host_params = {}
+        for i in self._host:
+            chunk, master = self.pairs[i]
+            buf = torch.empty(chunk.shard_size, dtype=chunk.dtype, pin_memory=pin)
+            self._host_params[i] = buf
+            if hasattr(self.optimizer, "set_copy_out"):
+                self.optimizer.set_copy_out(master.shard, buf)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
@@ -98,64 +138,166 @@ class GeminiOptimizer:
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for m in self.masters:
-            m.grad = None
+        """Nothing to do: gradients live in the chunks and are consumed by
+        ``step`` (kept for the torch.optim interface)."""
+
+    # -- gradients of CPU-held chunks ------------------------------------------------
+
+    def _stage_grads(self) -> None:
+        """End of backward: start copying the reduced gradients of CPU-held
+        chunks into pinned host buffers (the CPU step waits for them)."""
+        if self.module.compute_device.type != "cuda":
+            return
+        for i in self._host:
+            chunk = self.pairs[i][0]
+            share = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
+            if share.device.type == "cpu":
+                continue
+            buf = self._host_grads.get(chunk)
+            if buf is None:
+                buf = torch.empty(share.numel(), dtype=share.dtype, pin_memory=True)
+                self._host_grads[chunk] = buf
+            buf.copy_(share, non_blocking=True)
+        self._grads_staged = torch.cuda.Event()
+        self._grads_staged.record()
+
+    def _host_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        return grad if grad.device.type == "cpu" else self._host_grads[self.pairs[i][0]]
+
+    # -- the step ---------------------------------------------------------------------
 
     def step(self) -> bool:
         """Clip, unscale, step the masters, write the parameters back into
         their chunks. Returns False when skipped for fp16 overflow."""
-        # The reduced gradients: in the grad chunk (gradient accumulation) or
-        # over the parameter shard.
-        if self.module.used and not self.module.backward_via_optimizer:
-            self.module.used.clear()
+        module = self.module
+        module.wait_updates()  # the previous step's CPU updates, where forward did not wait
+        if module.auto is not None and not module.auto.planned:
+            if self.optimizer.state:
+                raise RuntimeError(f"{_API}.step: the auto plan must come before any optimizer state")
+            masters = dict(self.pairs)
+            module.auto.plan(masters, _state_bytes_per_element(self.optimizer))
+            module.offloaded_masters = {m for m in masters.values() if m not in module.auto.on_device}
+            self._bind_masters()
+        if module.used and not module.backward_via_optimizer:
+            module.used.clear()
             raise RuntimeError(
                 f"{_API}.step: run backward as optimizer.backward(loss), not loss.backward() "
                 "(it scales fp16 losses and marks the step's gradients)"
             )
-        self.module.backward_via_optimizer = False
+        module.backward_via_optimizer = False
+        # The reduced gradients: in the grad chunk (gradient accumulation) or
+        # over the parameter shard.
         grads = [
             _grad_share(c.grad_chunk if c.grad_chunk is not None else c) for c, _ in self.pairs
         ]
-        device = self.module.compute_device
-        trainable = [p for p in self.module.params if p.requires_grad]
-        used = torch.tensor([float(p in self.module.used) for p in trainable], device=device)
-        stats = grad_stats(grads, used, self.module.process_group)
-        self.module.used.clear()
+        device = module.compute_device
+        trainable = [p for p in module.params if p.requires_grad]
+        used = torch.tensor([float(p in module.used) for p in trainable], device=device)
+        stats = grad_stats(grads, used, module.process_group)
+        module.used.clear()
         found_inf = not math.isfinite(stats[0])
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+        if found_inf:
+            logger.warning(
+                "Gemini: gradient overflow, step skipped; loss scale now %s", self.scaler.scale
+            )
+            for i in range(len(self.pairs)):
+                self._write_back(i, None)
+            return False
+        self.last_grad_norm = stats[0] ** 0.5 / scale
+        combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
+        div_scale = 1.0 / combined if combined != 1.0 else -1.0
+        inner = self.optimizer.param_groups[0]
+        inner.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if not found_inf:
-            self.last_grad_norm = stats[0] ** 0.5 / scale
-            combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
-            for m, g in zip(self.masters, grads, strict=True):
-                m.grad = g.to(m.device, non_blocking=True) if g.device != m.device else g
-            saved = self._save_slices(unused)
-            if self._div_scale:
-                self.optimizer.step(div_scale=1.0 / combined if combined != 1.0 else -1)
-            else:
-                if combined != 1.0:
-                    torch._foreach_mul_([m.grad for m in self.masters], combined)
-                self.optimizer.step()
-            for t, sl, value in saved:
-                t[sl].copy_(value)
-        else:
-            logger.warning(
-                "Gemini: gradient overflow, step skipped; loss scale now %s", self.scaler.scale
-            )
-        self.zero_grad()
-        self._write_back()
-        return not found_inf
+        saved = self._save_slices(unused)
 
-    def _save_slices(
-        self, params: list[torch.Tensor]
-    ) -> list[tuple[torch.Tensor, slice, torch.Tensor]]:
-        """Copies of ``params``' elements in this rank's master shards and states."""
-        saved = []
+        # Device-held masters: one launch, asynchronous on the device.
+        for i in self._device:
+            self.masters[i].grad = grads[i]
+        self._step_inner(div_scale)
+        for i in self._device:
+            self.masters[i].grad = None
+            _restore(saved.get(i))
+            self._write_back(i, None)
+
+        # CPU-held masters, chunk by chunk in compute order.
+        for i in self._cpu_order():
+            grad = grads[i]
+            if self._executor is None:
+                self._cpu_update(i, grad, div_scale, saved.get(i))
+                self._write_back(i, self._host_params[i])
+            else:
+                future = self._executor.submit(self._cpu_update, i, grad, div_scale, saved.get(i))
+                chunk = self.pairs[i][0]
+                module.pending_updates[chunk] = partial(self._finish_async, i, future)
+        return True
+
+    def _cpu_order(self) -> list[int]:
+        auto = self.module.auto
+        if auto is None or not auto.stats.order:
+            return list(self._host)
+        first = {idx: k for k, idx in enumerate(auto.stats.chunk_order())}
+        return sorted(self._host, key=lambda i: first.get(self.pairs[i][0].index, 1 << 30))
+
+    def _step_inner(self, div_scale: float) -> None:
+        if self._div_scale:
+            self.optimizer.step(div_scale=div_scale)
+            return
+        if div_scale > 0:
+            grads = [m.grad for m in self.masters if m.grad is not None]
+            torch._foreach_mul_(grads, 1.0 / div_scale)
+        self.optimizer.step()
+
+    def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved) -> None:
+        """Step one CPU-held master (on the worker thread when overlapping)."""
+        t0 = time.perf_counter()
+        if grad.device.type != "cpu" and self._grads_staged is not None:
+            self._grads_staged.synchronize()
+        master = self.masters[i]
+        host_grad = self._host_grad(i, grad)
+        master.grad = host_grad if div_scale <= 0 or self._div_scale else host_grad.clone()
+        self._step_inner(div_scale)
+        master.grad = None
+        _restore(saved)
+        if not self._copy_out:
+            self._host_params[i].copy_(master)
+        self.cpu_step_s += time.perf_counter() - t0
+
+    def _finish_async(self, i: int, future) -> None:
+        future.result()  # re-raises the worker's exception
+        self._write_back(i, self._host_params[i])
+
+    @torch.no_grad()
+    def _write_back(self, i: int, host_values: torch.Tensor | None) -> None:
+        """Updated master ``i`` becomes its chunk's parameter shard (cast) again:
+        from ``host_values`` (the CPU step's fp16/bf16 output) or the master."""
+        chunk, _ = self.pairs[i]
+        if chunk.is_gathered and chunk.can_release:
+            self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
+        if host_values is None:
+            chunk.copy_from_paired()
+        else:
+            chunk._my_share().copy_(host_values, non_blocking=True)
+        grad = chunk.grad_chunk
+        if grad is not None:  # the reduced gradient is consumed
+            self.manager._apply(chunk, setattr, grad, "shard", None)
+            if grad.buffer is not None:
+                grad.buffer.zero_()
+        if chunk.keep_gathered and chunk.world_size > 1:
+            share = chunk._my_share().clone()
+            dist.all_gather_into_tensor(chunk.buffer, share, group=chunk.process_group)
+
+    def _save_slices(self, params: list[torch.Tensor]) -> dict[int, list]:
+        """Copies of ``params``' elements in this rank's master shards and
+        states, by pair index."""
+        index = {c: i for i, (c, _) in enumerate(self.pairs)}
+        saved: dict[int, list] = {}
         for p in params:
             chunk = self.manager.get_chunk(p)
             info = chunk.tensors_info[p]
@@ -167,36 +309,38 @@ class GeminiOptimizer:
             sl = slice(start, end)
             state = self.optimizer.state.get(master, {})
             for t in (master, *(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)):
-                saved.append((t, sl, t[sl].clone()))
+                saved.setdefault(index[chunk], []).append((t, sl, t[sl].clone()))
         return saved
-
-    @torch.no_grad()
-    def _write_back(self) -> None:
-        """Updated masters become the parameter shards (cast) again."""
-        for chunk, _ in self.pairs:
-            if chunk.is_gathered and chunk.can_release:
-                self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
-            chunk.copy_from_paired()
-            grad = chunk.grad_chunk
-            if grad is not None:  # the reduced gradient is consumed
-                self.manager._apply(chunk, setattr, grad, "shard", None)
-                if grad.buffer is not None:
-                    grad.buffer.zero_()
-            if chunk.keep_gathered and chunk.world_size > 1:
-                share = chunk._my_share().clone()
-                dist.all_gather_into_tensor(chunk.buffer, share, group=chunk.process_group)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (over the master chunks)."""
+        self.module.wait_updates()
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def _restore(saved) -> None:
+    for t, sl, value in saved or ():
+        t[sl].copy_(value)
+
+
+def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer state bytes per fp32 master element: two moments for
+    Adam-like optimizers, one momentum buffer for SGD with momentum."""
+    defaults = optimizer.defaults
+    if "betas" in defaults:
+        return 8
+    if defaults.get("momentum", 0):
+        return 4
+    return 0 if isinstance(optimizer, torch.optim.SGD) else 8
 
 
 def _grad_share(chunk) -> torch.Tensor:

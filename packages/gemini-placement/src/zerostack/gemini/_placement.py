@@ -1,0 +1,341 @@
+"""Automatic placement: what a warm-up iteration measured, and the decisions
+taken from it (which shards and optimizer chunks live on the GPU, which
+gathered chunks to drop when memory runs short)."""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zerostack.chunk import Chunk, ChunkManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MemStats:
+    """What the warm-up iteration (the first forward + backward) recorded.
+
+    A *moment* is one gather point: a module's forward pre-hook or the hook
+    before its backward. ``order[i]`` are the indices of the chunks moment i
+    needed, ``non_model_bytes[i]`` the peak memory of the compute device that
+    was not model data (activations, temporaries) from moment i to moment
+    i + 1, and ``gathered_bytes[i]`` the gathered chunk buffers at moment i.
+    On a CPU compute device there is no allocator to ask and non-model bytes
+    are recorded as 0.
+    """
+
+    order: list[tuple[int, ...]] = field(default_factory=list)
+    non_model_bytes: list[int] = field(default_factory=list)
+    gathered_bytes: list[int] = field(default_factory=list)
+    _uses: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    @property
+    def max_non_model_bytes(self) -> int:
+        return max(self.non_model_bytes, default=0)
+
+    @property
+    def max_gathered_bytes(self) -> int:
+        return max(self.gathered_bytes, default=0)
+
+    def chunk_order(self) -> list[int]:
+        """Chunk indices in the order of first use."""
+        return list(dict.fromkeys(i for moment in self.order for i in moment))
+
+    def finish(self) -> None:
+        self._uses = {}
+        for m, moment in enumerate(self.order):
+            for i in moment:
+                self._uses.setdefault(i, []).append(m)
+
+    def next_use(self, chunk_index: int, moment: int) -> int:
+        """The first moment after ``moment`` that needs the chunk; uses in the
+        next iteration count as ``len(order)`` further on; a chunk never used
+        is infinitely far."""
+        uses = self._uses.get(chunk_index)
+        if not uses:
+            return 1 << 62
+        k = bisect.bisect_right(uses, moment)
+        return uses[k] if k < len(uses) else uses[0] + len(self.order)
+
+
+class AutoPlacement:
+    """``placement_policy="auto"`` of GeminiDDP.
+
+    During the warm-up iteration parameter shards sit on the GPU while they
+    fit in ``(1 - warmup_non_model_data_ratio)`` of the capacity, the rest and
+    every optimizer chunk on the CPU, and ``MemStats`` are recorded. ``plan``
+    (at the first optimizer step, when the optimizer's bytes per element are
+    known) then gives the GPU's room, ``steady_cuda_cap_ratio`` of the
+    capacity less the peak non-model memory and the peak of gathered chunks,
+    first to parameter shards and then to optimizer chunks (master + states),
+    in compute order; the rest step on the CPU. Afterwards gathered chunks
+    stay on the GPU after use, a cache that ``before_access`` trims by
+    farthest next use whenever a gather would not fit, and the next
+    ``max_prefetch`` chunks are gathered ahead asynchronously.
+
+    On a CPU compute device the capacity is a number (``capacity``) and the
+    placement is bookkeeping only: nothing moves, but every decision and the
+    byte counts are the same.
+    """
+
+    def __init__(
+        self,
+        manager: ChunkManager,
+        param_chunks: list[Chunk],
+        compute_device: torch.device,
+        capacity: int,
+        warmup_non_model_data_ratio: float,
+        steady_cuda_cap_ratio: float,
+        max_prefetch: int,
+        process_group=None,
+        busy: Container[Chunk] = (),
+    ) -> None:
+        self.manager = manager
+        self.busy = busy  # chunks with an update still pending: not prefetched
+        self.process_group = process_group
+        self.param_chunks = param_chunks
+        self.device = compute_device
+        self.capacity = capacity
+        self.warmup_ratio = warmup_non_model_data_ratio
+        self.steady_ratio = steady_cuda_cap_ratio
+        self.max_prefetch = max_prefetch
+        self.stats = MemStats()
+        self.warming_up = True
+        self.planned = False
+        self.moment = 0
+        self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
+        self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
+        self.evictions = 0
+        self.prefetches = 0
+        self.peak_model_bytes = 0
+        self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
+        self._prefetched: dict[Chunk, object] = {}
+        self._period_open: int | None = None
+        self._model_after_gather = 0
+        self._cuda = compute_device.type == "cuda"
+
+    # -- byte accounting ---------------------------------------------------------
+
+    @staticmethod
+    def shard_bytes(chunk: Chunk) -> int:
+        return chunk.shard_size * chunk.dtype.itemsize
+
+    @staticmethod
+    def chunk_bytes(chunk: Chunk) -> int:
+        return chunk.chunk_size * chunk.dtype.itemsize
+
+    def gathered_bytes(self) -> int:
+        return sum(self.chunk_bytes(c) for c in self.param_chunks if c.is_gathered)
+
+    def model_bytes(self) -> int:
+        """Model data on the compute device by this placement's books: param
+        shards there, gathered buffers, optimizer chunks there with states."""
+        shards = sum(self.shard_bytes(c) for c in self.param_chunks if c in self.on_device)
+        return shards + self.gathered_bytes() + self.optim_bytes_on_device
+
+    def warmup_limit(self) -> int:
+        return int((1.0 - self.warmup_ratio) * self.capacity)
+
+    def steady_limit(self) -> int:
+        return int(self.steady_ratio * self.capacity) - self.non_model_reserve
+
+    # -- placement moves ---------------------------------------------------------
+
+    def move(self, chunk: Chunk, to_device: bool) -> None:
+        """Put ``chunk``'s shard on the compute device or the CPU (books only on a CPU device)."""
+        if to_device:
+            self.on_device.add(chunk)
+        else:
+            self.on_device.discard(chunk)
+        if self._cuda:
+            self.manager.move_chunk(chunk, self.device if to_device else torch.device("cpu"))
+
+    def initial_placement(self) -> None:
+        """Warm-up placement: param shards on the device while they fit."""
+        room = self.warmup_limit()
+        for chunk in self.param_chunks:
+            fits = self.shard_bytes(chunk) + self.chunk_bytes(chunk) <= room
+            if fits:
+                room -= self.shard_bytes(chunk)
+            self.move(chunk, fits)
+
+    # -- hooks -------------------------------------------------------------------
+
+    def start_iteration(self) -> None:
+        self.moment = 0
+
+    def before_access(self, chunks: list[Chunk], training: bool) -> None:
+        """Called before ``chunks`` are gathered: record (warm-up) or make
+        room. Only gathers of training iterations are moments."""
+        if not self.warming_up:
+            self._make_room(chunks)
+        elif training:
+            self._record(chunks)
+        if training:
+            self.moment += 1
+
+    def after_access(self, chunks: list[Chunk], training: bool) -> None:
+        """Called once ``chunks`` are gathered: account, and prefetch what comes next."""
+        if self.warming_up:
+            if training:
+                self._model_after_gather = self._cuda_model_bytes()
+                self.stats.gathered_bytes.append(self.gathered_bytes())
+        elif training and self.max_prefetch > 0:
+            self._prefetch()
+        self.peak_model_bytes = max(self.peak_model_bytes, self.model_bytes())
+
+    def wait_prefetched(self, chunk: Chunk) -> None:
+        handle = self._prefetched.pop(chunk, None)
+        if handle is not None:
+            handle.wait()
+
+    def end_warmup(self) -> None:
+        """The end of the first backward: close the last period and stop recording."""
+        if not self.warming_up:
+            return
+        self._close_period()
+        self.stats.finish()
+        self.non_model_reserve = self.stats.max_non_model_bytes
+        self._agree()
+        self.warming_up = False
+        logger.info(
+            "Gemini auto: warm-up recorded %d moments over %d chunks; peak non-model memory %.2f GB, "
+            "peak gathered chunks %.2f GB",
+            len(self.stats.order), len(self.stats.chunk_order()),
+            self.stats.max_non_model_bytes / 1e9, self.stats.max_gathered_bytes / 1e9,
+        )  # fmt: skip
+
+    # -- warm-up recording ---------------------------------------------------------
+
+    def _agree(self) -> None:
+        """Every rank must take the same decisions (a gather is a collective):
+        plan with the largest non-model peak and the smallest capacity of any rank."""
+        if not dist.is_initialized():
+            return
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        mine = torch.tensor(
+            [float(self.stats.max_non_model_bytes), -float(self.capacity)], device=device
+        )
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group)
+        worst, neg_capacity = mine.tolist()
+        self.non_model_reserve = int(worst)
+        self.capacity = int(-neg_capacity)
+
+    def _cuda_model_bytes(self) -> int:
+        return self.manager.total_mem.get("cuda", 0) if self._cuda else 0
+
+    def _close_period(self) -> None:
+        if self._period_open is None:
+            return
+        if self._cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.stats.non_model_bytes.append(max(0, peak - self._model_after_gather))
+        else:
+            self.stats.non_model_bytes.append(0)
+        self._period_open = None
+
+    def _record(self, chunks: list[Chunk]) -> None:
+        self._close_period()
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.stats.order.append(tuple(c.index for c in chunks))
+        self._period_open = len(self.stats.order) - 1
+
+    # -- steady state ------------------------------------------------------------
+
+    def _make_room(self, chunks: list[Chunk]) -> None:
+        for c in chunks:
+            self.wait_prefetched(c)
+        incoming = sum(self.chunk_bytes(c) for c in chunks if not c.is_gathered)
+        limit = self.steady_limit()
+        while self.model_bytes() + incoming > limit:
+            victim = self._farthest(exclude=set(chunks))
+            if victim is None:
+                break  # only chunks in use are gathered: nothing to give back
+            self.manager.release_chunk(victim)
+            self.evictions += 1
+
+    def _farthest(self, exclude: set[Chunk]) -> Chunk | None:
+        """The idle gathered chunk whose next use is farthest away."""
+        best, best_use = None, -1
+        for c in self.manager.accessed_chunks:
+            if c in exclude or c in self._prefetched or not c.can_release:
+                continue
+            use = self.stats.next_use(c.index, self.moment)
+            if use > best_use:
+                best, best_use = c, use
+        return best
+
+    def _prefetch(self) -> None:
+        """Gather, asynchronously, the chunks of the next moments (up to
+        ``max_prefetch`` not yet gathered) when they fit without evicting."""
+        order = self.stats.order
+        wanted: list[Chunk] = []
+        by_index = {c.index: c for c in self.param_chunks}
+        for m in range(self.moment, min(len(order), self.moment + 4 * self.max_prefetch)):
+            for i in order[m]:
+                c = by_index.get(i)
+                if c is not None and not c.is_gathered and c not in wanted and c not in self.busy:
+                    wanted.append(c)
+            if len(wanted) >= self.max_prefetch:
+                break
+        limit = self.steady_limit()
+        for c in wanted[: self.max_prefetch]:
+            if self.model_bytes() + self.chunk_bytes(c) > limit:
+                break
+            handle = self.manager.access_chunk(c, async_op=True)
+            if handle is not None:
+                self._prefetched[c] = handle
+            self.prefetches += 1
+
+    # -- the plan ------------------------------------------------------------------
+
+    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> None:
+        """Decide, once, where param shards and optimizer chunks live.
+
+        Args:
+            masters: param chunk -> its fp32 master chunk.
+            optim_bytes_per_element: bytes of optimizer state per master
+                element (8 for Adam's two fp32 moments).
+        """
+        if self.planned:
+            return
+        self.end_warmup()
+        self.planned = True
+        room = self.steady_limit() - self.stats.max_gathered_bytes
+        order = {i: k for k, i in enumerate(self.stats.chunk_order())}
+        ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
+        params_on = 0
+        for c in ordered:
+            fits = self.shard_bytes(c) <= room
+            if fits:
+                room -= self.shard_bytes(c)
+                params_on += 1
+            self.move(c, fits)
+        optim_on = 0
+        if params_on == len(ordered):
+            for c in ordered:
+                master = masters.get(c)
+                if master is None:
+                    continue
+                need = master.shard_size * (4 + optim_bytes_per_element)
+                if need > room:
+                    break
+                room -= need
+                self.move(master, True)
+                self.optim_bytes_on_device += need
+                optim_on += 1
+        n_masters = len(masters)
+        logger.info(
+            "Gemini auto placement: capacity %.2f GB, steady limit %.2f GB (ratio %.2f less %.2f GB "
+            "non-model); %d/%d param chunks and %d/%d optimizer chunks on %s, the rest on the CPU",
+            self.capacity / 1e9, self.steady_limit() / 1e9, self.steady_ratio,
+            self.non_model_reserve / 1e9, params_on, len(ordered), optim_on, n_masters,
+            self.device,
+        )  # fmt: skip
