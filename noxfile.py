@@ -16,6 +16,13 @@ TORCH = os.environ.get("ZEROSTACK_TORCH", "torch==2.13.0")
 # CPU sessions skip the CUDA kernel (it cannot run there); `build` and `gpu`
 # compile it wherever nvcc is found.
 CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
+# Test-only third-party requirements of a package's unit session; its tests
+# importorskip them, so a bare install of the package still passes. transformers
+# 5.24.0 (torch >= 2.6, Python >= 3.11) installs in ~15 s: pure-Python plus
+# tokenizers, safetensors, hf-xet and regex wheels; torch is not among its deps.
+TEST_REQUIREMENTS = {
+    "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
+}
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -96,8 +103,11 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("package", PACKAGES)
 def unit(session: nox.Session, package: str) -> None:
     """One package's tests, with only that package and its declared zerostack
-    dependencies installed: an undeclared import fails here."""
+    dependencies installed (plus its TEST_REQUIREMENTS): an undeclared import
+    fails here."""
     _install_packages(session, [*_zerostack_deps(package), package])
+    if package in TEST_REQUIREMENTS:
+        session.install(*TEST_REQUIREMENTS[package])
     session.run(
         "python", "-m", "pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs
     )

@@ -23,7 +23,9 @@ def test_fractions_must_be_in_0_1(field):
 
 
 def test_auto_placement_needs_a_capacity_on_cpu_and_no_static_fractions():
-    with pytest.raises(ValueError, match=r"'auto' on a cpu compute device needs gpu_capacity_bytes"):
+    with pytest.raises(
+        ValueError, match=r"'auto' on a cpu compute device needs gpu_capacity_bytes"
+    ):
         GeminiDDP(_model(), placement_policy="auto", chunk_config_dict=CFG, compute_device="cpu")
     with pytest.raises(ValueError, match=r"are for placement_policy='static'"):
         GeminiDDP(

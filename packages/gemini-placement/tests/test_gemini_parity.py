@@ -18,24 +18,35 @@ CONFIG = GPTConfig(add_unused_param=True, bias=False)
 STEPS = 8
 # Small chunks, so a model this size still spans several of them.
 CHUNKS = {"chunk_size": 20_000, "keep_gathered": False}
-# (id, mixed_precision, adamw_mode, shard_param_frac, offload_optim_frac, max_norm, freeze, micro_steps)
+# auto with a capacity (set per case by _capacity) that holds every param
+# shard but only part of the optimizer chunks and of the gathered-chunk cache.
+AUTO = dict(placement_policy="auto", steady_cuda_cap_ratio=1.0)
+# (id, mixed_precision, optimizer, max_norm, freeze, micro_steps, GeminiDDP arguments)
 CASES = [
-    ("fp32-adamw", torch.float32, True, 1.0, 0.0, 0.0, False, 1),
-    ("fp32-adam-l2-clip", torch.float32, False, 1.0, 0.0, 0.05, False, 1),
-    ("fp32-zero2", torch.float32, True, 0.0, 0.0, 0.0, False, 1),
-    ("fp32-frozen-embedding", torch.float32, True, 1.0, 0.5, 0.0, True, 1),
-    ("bf16-adamw", torch.bfloat16, True, 1.0, 1.0, 0.0, False, 1),
-    ("fp32-l2-accum4", torch.float32, False, 1.0, 0.0, 0.0, False, 4),
-    ("fp32-zero2-accum4", torch.float32, True, 0.0, 0.0, 0.05, False, 4),
-    ("fp32-tied-embeddings", torch.float32, True, 1.0, 0.0, 0.0, False, 1),
+    ("fp32-adamw", torch.float32, "adamw", 0.0, False, 1, {}),
+    ("fp32-adam-l2-clip", torch.float32, "adam", 0.05, False, 1, {}),
+    ("fp32-sgd-clip-offload", torch.float32, "sgd", 0.05, False, 1, dict(offload_optim_frac=0.5)),
+    ("fp32-zero2", torch.float32, "adamw", 0.0, False, 1, dict(shard_param_frac=0.0)),
+    ("fp32-half-sharded", torch.float32, "adam", 0.0, False, 1, dict(shard_param_frac=0.5)),
+    ("fp32-frozen-embedding", torch.float32, "adamw", 0.0, True, 1, dict(offload_optim_frac=0.5)),
+    ("bf16-adamw", torch.bfloat16, "adamw", 0.0, False, 1, dict(offload_optim_frac=1.0)),
+    ("fp32-l2-accum4", torch.float32, "adam", 0.0, False, 4, {}),
+    ("fp32-zero2-accum4", torch.float32, "adamw", 0.05, False, 4, dict(shard_param_frac=0.0)),
+    ("fp32-tied-embeddings", torch.float32, "adamw", 0.0, False, 1, {}),
+    ("fp32-auto-evicting", torch.float32, "adam", 0.05, False, 1, dict(AUTO, max_prefetch=2)),
+    ("bf16-auto-evicting", torch.bfloat16, "adamw", 0.0, False, 1, AUTO),
 ]
 TIED = GPTConfig(add_unused_param=True, bias=False, tie_embeddings=True)
+# Chunks reduce in a fixed order, so the unused parameter's chunk (the last
+# one created, the first to reduce) holds every gradient chunk until the end
+# of backward: the auto cases leave it out to see the cache trimmed.
+ALL_USED = GPTConfig(bias=False)
 TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
 
 
 def _run_case(rank, world, case):
-    name, dtype, adamw, frac, optim_frac, max_norm, freeze, micro = case
-    config = TIED if "tied" in name else CONFIG
+    name, dtype, kind, max_norm, freeze, micro, kwargs = case
+    config = TIED if "tied" in name else ALL_USED if "auto" in name else CONFIG
     torch.manual_seed(0)
     ref_model = TinyGPT(config)
     model = copy.deepcopy(ref_model)
@@ -43,24 +54,27 @@ def _run_case(rank, world, case):
         ref_model.tok_emb.weight.requires_grad_(False)
         model.tok_emb.weight.requires_grad_(False)
     ref = DDP(ref_model, find_unused_parameters=True)
-    ref_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    ref_opt = ref_cls(
-        [p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1, foreach=False
-    )
+    ref_trainable = [p for p in ref.parameters() if p.requires_grad]
+    if kwargs.get("placement_policy") == "auto":
+        kwargs = dict(kwargs, gpu_capacity_bytes=_capacity(model, dtype, world))
     ddp = GeminiDDP(
         model,
         mixed_precision=dtype,
-        shard_param_frac=frac,
-        offload_optim_frac=optim_frac,
         chunk_config_dict={world: CHUNKS},
         compute_device="cpu",
         enable_gradient_accumulation=micro > 1,
+        **kwargs,
     )
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = GeminiOptimizer(
-        HybridAdam(trainable, lr=1e-3, weight_decay=0.1, adamw_mode=adamw), ddp, max_norm=max_norm
-    )
-    unused_before = ddp.state_dict()["unused.weight"]
+    if kind == "sgd":  # gradient scale shows through SGD, not through Adam
+        ref_opt = torch.optim.SGD(ref_trainable, lr=0.5, momentum=0.9, foreach=False)
+        inner = torch.optim.SGD(trainable, lr=0.5, momentum=0.9, foreach=False)
+    else:
+        ref_cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        ref_opt = ref_cls(ref_trainable, lr=1e-3, weight_decay=0.1, foreach=False)
+        inner = HybridAdam(trainable, lr=1e-3, weight_decay=0.1, adamw_mode=kind == "adamw")
+    opt = GeminiOptimizer(inner, ddp, max_norm=max_norm)
+    unused_before = ddp.state_dict().get("unused.weight")
     for step in range(STEPS):
         for m in range(micro - 1):  # gradient accumulation: all but the last micro-step
             idx, tgt = make_batch(config, 4, 32, seed=100 * step + 10 * m + rank + 50)
@@ -89,9 +103,24 @@ def _run_case(rank, world, case):
                 **TOL[dtype],
                 msg=lambda m, p=pname, s=step: f"{name} step {s} {p}: {m}",
             )
-    assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
-        f"{name}: unused param moved"
-    )
+    if unused_before is not None:
+        assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
+            f"{name}: unused param moved"
+        )
+    if ddp.auto is not None:
+        auto = ddp.auto
+        assert auto.evictions > 0, f"{name}: the capacity should force evictions"
+        assert 0 < len(ddp.offloaded_masters) < len(ddp.grad_chunks), name
+        assert auto.peak_model_bytes <= auto.steady_limit(), (
+            f"{name}: {auto.peak_model_bytes} model bytes over the limit {auto.steady_limit()}"
+        )
+
+
+def _capacity(model, dtype, world):
+    """Param shards + three gathered chunks + half of masters and Adam states."""
+    n = sum(p.numel() for p in model.parameters())
+    item = torch.empty((), dtype=dtype).element_size()
+    return n * item // world + 3 * CHUNKS["chunk_size"] * item + n * 12 // world // 2
 
 
 def _all(rank, world, cases):

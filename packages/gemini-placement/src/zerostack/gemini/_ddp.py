@@ -71,6 +71,10 @@ class GeminiDDP(nn.Module):
         scatter_after_inference: release gathered chunks after a forward
             without grad. Default True.
         master_weights: keep fp32 master chunks. Only True is implemented.
+        init_fn: for a model built under LazyInitContext without
+            ``reset_parameters`` on every module (e.g. transformers models):
+            a model-level initialiser (``lambda m: m.initialize_weights()``),
+            see LazyInitContext.distribute. Default None.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk-size search
             (see zerostack.chunk.search_chunk_configuration). Defaults 32, None, 32.
         pin_memory: pin CPU shards. Default False.
@@ -114,6 +118,7 @@ class GeminiDDP(nn.Module):
         enable_async_reduce: bool = True,
         scatter_after_inference: bool = True,
         master_weights: bool = True,
+        init_fn: Any = None,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -193,7 +198,9 @@ class GeminiDDP(nn.Module):
         # Register parameters in creation order; tied ones once.
         self.params: list[nn.Parameter] = []
         self.param_names: dict[nn.Parameter, str] = {}
-        for name, p in module.named_parameters():
+        self.aliases: dict[str, nn.Parameter] = {}  # every name, tied ones included
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.aliases[name] = p
             if p in self.param_names:
                 continue
             self.param_names[p] = name
@@ -245,7 +252,7 @@ class GeminiDDP(nn.Module):
             # straight into the chunks, never whole.
             LazyInitContext.distribute(
                 module, self.chunk_manager, config_key=("s", key), process_group=process_group,
-                dtype=mixed_precision, register_fn=register,
+                dtype=mixed_precision, register_fn=register, init_fn=init_fn,
             )  # fmt: skip
         else:
             for p in self.params:
@@ -289,7 +296,9 @@ class GeminiDDP(nn.Module):
         self.backward_end_callbacks: list[Any] = []
         self.update_wait_s = 0.0  # time forward spent waiting for CPU updates
         self._register_hooks()
-        params = [c for c in self.chunk_manager.chunks() if c not in self.chunk_manager.chunks("fp32")]
+        params = [
+            c for c in self.chunk_manager.chunks() if c not in self.chunk_manager.chunks("fp32")
+        ]
         logger.info(
             "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks of %d elements, %d sharded, "
             "%d kept gathered, %d shards on the CPU; %d fp32 master chunks, %d on the CPU; rank %d/%d",
@@ -441,10 +450,14 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
-            self._pending.append(
-                self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce)
-            )
+            self._pending.append(self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce))
             self._next_reduce += 1
+            # Finish all but the last two reductions: finishing frees the
+            # gathered gradient buffer, so backward holds a few chunks, not all.
+            while len(self._pending) > 2:
+                handle = self._pending.pop(0)
+                if handle is not None:
+                    handle.wait()
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated
@@ -485,6 +498,10 @@ class GeminiDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args = tuple(a.to(self.compute_device) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {
+            k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v
+            for k, v in kwargs.items()
+        }
         training = torch.is_grad_enabled()
         # auto counts gather points of training iterations only (an
         # evaluation forward has a different order).
@@ -506,10 +523,13 @@ class GeminiDDP(nn.Module):
         """The whole model's parameters (fp32, from the masters) and buffers, on the CPU, on every rank."""
         self.wait_updates()
         out: dict[str, torch.Tensor] = {}
+        values = {}
         for p in self.params:
             chunk = self.chunk_manager.get_chunk(self.masters.get(p, p))
-            out[self.param_names[p]] = self._gathered_copy(chunk, self.masters.get(p, p))
-        for name, b in self.module.named_buffers():
+            values[p] = self._gathered_copy(chunk, self.masters.get(p, p))
+        for name, p in self.aliases.items():  # tied names share one tensor, as in nn.Module
+            out[name] = values[p]
+        for name, b in _persistent_buffers(self.module).items():
             out[name] = b.detach().cpu().clone()
         return out
 
@@ -518,15 +538,22 @@ class GeminiDDP(nn.Module):
         """Load a whole-model state dict (e.g. from ``state_dict()`` or an
         unwrapped model) into the chunks: masters and parameters alike.
 
+        A tied parameter needs only one of its names (checkpoints often
+        leave out the tied copy).
+
         Raises:
             KeyError: ``strict`` and a parameter or buffer is missing or unexpected.
             ValueError: a shape does not match.
         """
         self.wait_updates()
-        names = {n: p for p, n in self.param_names.items()}
-        buffers = dict(self.module.named_buffers())
+        names = self.aliases
+        buffers = _persistent_buffers(self.module)
         if strict:
-            missing = sorted((set(names) | set(buffers)) - set(state_dict))
+            present = {names[n] for n in state_dict if n in names}
+            missing = sorted(
+                [n for n, p in names.items() if p not in present]
+                + [n for n in buffers if n not in state_dict]
+            )
             unexpected = sorted(set(state_dict) - set(names) - set(buffers))
             if missing or unexpected:
                 raise KeyError(
@@ -566,6 +593,16 @@ class GeminiDDP(nn.Module):
         if not was and chunk.can_release:
             self.chunk_manager.release_chunk(chunk)
         return value
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` would hold (not the non-persistent ones)."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
 
 
 def _path_to_ready(state: TensorState) -> list[TensorState]:

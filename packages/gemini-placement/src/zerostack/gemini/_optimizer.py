@@ -103,7 +103,9 @@ class GeminiOptimizer:
         self._div_scale = "div_scale" in inspect.signature(optimizer.step).parameters
         self._copy_out = hasattr(optimizer, "set_copy_out")
         self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step") if overlap_cpu_step else None
+            ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step")
+            if overlap_cpu_step
+            else None
         )
         self._host_grads: dict[Chunk, torch.Tensor] = {}
         self._grads_staged: torch.cuda.Event | None = None
@@ -173,10 +175,14 @@ class GeminiOptimizer:
         module.wait_updates()  # the previous step's CPU updates, where forward did not wait
         if module.auto is not None and not module.auto.planned:
             if self.optimizer.state:
-                raise RuntimeError(f"{_API}.step: the auto plan must come before any optimizer state")
+                raise RuntimeError(
+                    f"{_API}.step: the auto plan must come before any optimizer state"
+                )
             masters = dict(self.pairs)
             module.auto.plan(masters, _state_bytes_per_element(self.optimizer))
-            module.offloaded_masters = {m for m in masters.values() if m not in module.auto.on_device}
+            module.offloaded_masters = {
+                m for m in masters.values() if m not in module.auto.on_device
+            }
             self._bind_masters()
         if module.used and not module.backward_via_optimizer:
             module.used.clear()
