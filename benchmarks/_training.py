@@ -20,6 +20,14 @@ from torch.utils.checkpoint import checkpoint
 from zerostack.testing import GPTConfig, TinyGPT
 
 HYPER = dict(lr=1e-4, weight_decay=0.1)
+FLOPS_PER_TOKEN = [0.0]  # set by setup: 6N + 12 L d s (model FLOPs, recomputation not counted)
+
+
+def _rss_gb() -> float:
+    """Resident memory of this process now (VmRSS), GB."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb * 1024 / 1e9
 
 
 def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
@@ -45,6 +53,10 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         return None
     init_single_process()
     config = GPTConfig.gpt2_xl(num_layers=a.layers, max_seq_len=a.seq_len, tie_embeddings=True)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in TinyGPT(config).parameters())
+    FLOPS_PER_TOKEN[0] = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
+    print(f"[bench] model: {n / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len), generator=gen)
     batch = (idx.cuda(), torch.roll(idx, -1, dims=1).cuda())
@@ -117,6 +129,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     total = [a + b for a, b in zip(fb, opt, strict=True)]
     return dict(
         name=name,
+        tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
+        rss_gb=_rss_gb(),
         tokens_s=idx.numel() / statistics.median(total),
         step_s=statistics.median(total),
         fwd_bwd_s=statistics.median(fb),
@@ -150,10 +164,12 @@ def measure(results: list[dict], wanted: list[str], name: str, fn: Callable[[], 
     """Run one configuration if asked for; an OOM becomes a row, not a crash."""
     if name not in wanted:
         return
-    print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+    left = torch.cuda.memory_allocated() / 1e9
+    print(f"[bench] {name} ... ({left:.2f} GB still allocated)", file=sys.stderr, flush=True)
     try:
         results.append(fn())
     except torch.OutOfMemoryError as exc:
+        print(f"[bench] {name}: {exc}", file=sys.stderr, flush=True)
         results.append(dict(name=name, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
     gc.collect()
     torch.cuda.empty_cache()
@@ -171,14 +187,18 @@ def print_table(title: str, results: list[dict], setup: str) -> None:
     plain_r = next((r for r in ok if r["name"].startswith("plain")), None)
     fsdp_r = next((r for r in ok if r["name"].startswith("FSDP2")), None)
     print(
-        "| configuration | tokens/s | vs plain | vs FSDP2 offload | step s | fwd+bwd s | optimizer s | peak GPU GB |"
+        "| configuration | tokens/s | TFLOPS | vs plain | vs FSDP2 offload | step s | fwd+bwd s | "
+        "optimizer s | CPU-update wait s | CPU step s | peak GPU GB | host RSS GB |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} | | | | | | |")
+            print(f"| {r['name']} | {r['error']} | | | | | | | | | | |")
             continue
         vp = f"{r['tokens_s'] / plain_r['tokens_s']:.2f}x" if plain_r else "n/a"
         vf = f"{r['tokens_s'] / fsdp_r['tokens_s']:.2f}x" if fsdp_r else "n/a"
-        print(f"| {r['name']} | {r['tokens_s']:,.0f} | {vp} | {vf} | {r['step_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
-              f"{r['opt_s']:.3f} | {r['peak_gb']:.1f} |")  # fmt: skip
+        wait = f"{r['wait_s']:.3f}" if "wait_s" in r else ""
+        cpu = f"{r['cpu_step_s']:.3f}" if "cpu_step_s" in r else ""
+        print(f"| {r['name']} | {r['tokens_s']:,.0f} | {r['tflops']:.0f} | {vp} | {vf} | {r['step_s']:.3f} | "
+              f"{r['fwd_bwd_s']:.3f} | {r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | "
+              f"{r['rss_gb']:.1f} |")  # fmt: skip

@@ -1,6 +1,5 @@
 """Gemini (ZeRO-3 over chunks) on one GPU, against plain PyTorch and FSDP2
-with CPU offload, in one run. Not yet run on a GPU (written at the end of the
-session that built gemini-placement; the next device session runs it).
+with CPU offload, in one run.
 
 GPT-2 1.5B from config, bf16, activation checkpointing, batch 8 x 1024.
 Configurations:
@@ -8,9 +7,14 @@ Configurations:
 * plain PyTorch (autocast + fused AdamW) with the whole GPU: the ceiling;
 * FSDP2 + CPUOffloadPolicy: the peer;
 * Gemini static, everything on the GPU;
-* Gemini static with GPU memory capped (``--cap-gib``, default 24, through
-  torch.cuda.set_per_process_memory_fraction) and optimizer states on the
-  CPU (offload_optim_frac=1.0). Run last: the cap stays for the process.
+* with GPU memory capped (``--cap-gib``, default 24, through
+  torch.cuda.set_per_process_memory_fraction; run last, the cap stays for the
+  process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
+  ``--static-fracs``.
+
+Besides time, each Gemini row gives the exposed CPU-update wait (time the
+forward spent waiting for a chunk's CPU step) and the worker's CPU step time
+per iteration, of which the rest was hidden behind GPU work.
 
     python benchmarks/gemini.py
     python benchmarks/gemini.py --layers 4 --steps 3     # quick
@@ -18,6 +22,7 @@ Configurations:
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import _training as T
@@ -29,33 +34,47 @@ from zerostack.gemini import GeminiDDP, GeminiOptimizer
 from zerostack.testing import TinyGPT
 
 
-def gemini(config, batch, steps, warmup, offload_optim_frac: float, label: str) -> dict:
+def gemini(config, batch, steps, warmup, label: str, **kwargs) -> dict:
     torch.manual_seed(0)
     with torch.device("cuda"):
         base = T.checkpoint_blocks(TinyGPT(config))
-    model = GeminiDDP(
-        base,
-        mixed_precision=torch.bfloat16,
-        offload_optim_frac=offload_optim_frac,
-        hidden_dim=config.dim,
-    )
+    model = GeminiDDP(base, mixed_precision=torch.bfloat16, hidden_dim=config.dim, **kwargs)
     opt = GeminiOptimizer(HybridAdam(list(base.parameters()), **T.HYPER), model)
+    done = [0]
 
     def step(loss, backward_only):
         if backward_only:
             opt.backward(loss)
-        else:
-            opt.step()
+            return
+        opt.step()
+        done[0] += 1
+        if done[0] == warmup:  # count the timed steps only
+            model.update_wait_s, opt.cpu_step_s = 0.0, 0.0
 
-    return T.run(label, model, step, batch, steps, warmup, False)
+    result = T.run(label, model, step, batch, steps, warmup, False)
+    model.wait_updates()
+    result["wait_s"] = model.update_wait_s / steps
+    result["cpu_step_s"] = opt.cpu_step_s / steps
+    if model.auto is not None:
+        a = model.auto
+        result["name"] += (
+            f" ({len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
+            f"optimizer chunks on the GPU, {a.evictions} evictions)"
+        )
+    else:
+        result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
+    opt._executor.shutdown()
+    return result
 
 
 def main() -> int:
-    ready = T.setup(
-        __doc__,
-        "plain,fsdp2_offload,gemini_gpu,gemini_capped",
-        lambda ap: ap.add_argument("--cap-gib", type=float, default=24.0),
-    )
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+
+    def extra(ap):
+        ap.add_argument("--cap-gib", type=float, default=24.0)
+        ap.add_argument("--static-fracs", default="0.5,1.0")
+
+    ready = T.setup(__doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_static", extra)
     if ready is None:
         return 2
     a, args = ready
@@ -63,14 +82,26 @@ def main() -> int:
     wanted = a.only.split(",")
     T.measure(results, wanted, "plain", lambda: T.plain(*args))
     T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args))
-    T.measure(
-        results, wanted, "gemini_gpu", lambda: gemini(*args, 0.0, "Gemini static, all on the GPU")
-    )
-    if "gemini_capped" in wanted:
+    T.measure(results, wanted, "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU"))
+    if "gemini_auto" in wanted or "gemini_static" in wanted:
+        cap = int(a.cap_gib * 2**30)
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 2**30 / total))
-        label = f"Gemini static, GPU capped at {a.cap_gib:g} GiB, optimizer on the CPU"
-        T.measure(results, wanted, "gemini_capped", lambda: gemini(*args, 1.0, label))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB"
+        T.measure(
+            results,
+            wanted,
+            "gemini_auto",
+            lambda: gemini(*args, label, placement_policy="auto", gpu_capacity_bytes=cap),
+        )
+        for frac in [float(f) for f in a.static_fracs.split(",") if f]:
+            label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
+            T.measure(
+                results,
+                wanted,
+                "gemini_static",
+                lambda frac=frac, label=label: gemini(*args, label, offload_optim_frac=frac),
+            )
     T.print_table(
         "Gemini on one GPU",
         results,

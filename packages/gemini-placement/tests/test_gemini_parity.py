@@ -44,7 +44,7 @@ ALL_USED = GPTConfig(bias=False)
 TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
 
 
-def _run_case(rank, world, case):
+def _run_case(rank, world, case, device="cpu"):
     name, dtype, kind, max_norm, freeze, micro, kwargs = case
     config = TIED if "tied" in name else ALL_USED if "auto" in name else CONFIG
     torch.manual_seed(0)
@@ -53,6 +53,7 @@ def _run_case(rank, world, case):
     if freeze:
         ref_model.tok_emb.weight.requires_grad_(False)
         model.tok_emb.weight.requires_grad_(False)
+    ref_model.to(device)
     ref = DDP(ref_model, find_unused_parameters=True)
     ref_trainable = [p for p in ref.parameters() if p.requires_grad]
     if kwargs.get("placement_policy") == "auto":
@@ -61,7 +62,7 @@ def _run_case(rank, world, case):
         model,
         mixed_precision=dtype,
         chunk_config_dict={world: CHUNKS},
-        compute_device="cpu",
+        compute_device=device,
         enable_gradient_accumulation=micro > 1,
         **kwargs,
     )
@@ -77,12 +78,15 @@ def _run_case(rank, world, case):
     unused_before = ddp.state_dict().get("unused.weight")
     for step in range(STEPS):
         for m in range(micro - 1):  # gradient accumulation: all but the last micro-step
-            idx, tgt = make_batch(config, 4, 32, seed=100 * step + 10 * m + rank + 50)
+            idx, tgt = (
+                t.to(device)
+                for t in make_batch(config, 4, 32, seed=100 * step + 10 * m + rank + 50)
+            )
             with ref.no_sync():
                 (ref(idx, tgt) / micro).backward()
             with ddp.no_sync():
                 opt.backward(ddp(idx, tgt).float() / micro)
-        idx, tgt = make_batch(config, 4, 32, seed=100 * step + rank)
+        idx, tgt = (t.to(device) for t in make_batch(config, 4, 32, seed=100 * step + rank))
         ref_loss = ref(idx, tgt)
         (ref_loss / micro).backward()
         if max_norm > 0:
@@ -99,7 +103,7 @@ def _run_case(rank, world, case):
         for pname, b in ref.module.named_parameters():
             torch.testing.assert_close(
                 full[pname],
-                b.detach(),
+                b.detach().cpu(),
                 **TOL[dtype],
                 msg=lambda m, p=pname, s=step: f"{name} step {s} {p}: {m}",
             )
@@ -107,7 +111,7 @@ def _run_case(rank, world, case):
         assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
             f"{name}: unused param moved"
         )
-    if ddp.auto is not None:
+    if ddp.auto is not None and device == "cpu":  # on a GPU, real non-model memory counts too
         auto = ddp.auto
         assert auto.evictions > 0, f"{name}: the capacity should force evictions"
         assert 0 < len(ddp.offloaded_masters) < len(ddp.grad_chunks), name

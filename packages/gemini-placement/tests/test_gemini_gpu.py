@@ -1,0 +1,36 @@
+"""Gemini on a CUDA device (one rank, NCCL): the parity cases whose paths
+exist only there (pinned gradient staging, the CPU step on a worker thread
+with asynchronous copies back, auto placement with measured memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.testing import spawn
+
+pytestmark = pytest.mark.gpu
+
+GPU_CASES = [
+    "fp32-adamw",
+    "fp32-sgd-clip-offload",
+    "fp32-half-sharded",
+    "bf16-adamw",
+    "fp32-zero2-accum4",
+    "fp32-auto-evicting",
+    "bf16-auto-evicting",
+]
+
+
+def _all_cuda(rank, world, names):
+    from test_gemini_parity import CASES, _run_case
+
+    torch.cuda.set_device(rank)
+    for case in CASES:
+        if case[0] in names:
+            _run_case(rank, world, case, device=f"cuda:{rank}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_parity_with_ddp_on_cuda():
+    spawn(_all_cuda, 1, args=(GPU_CASES,), backend="nccl", timeout_s=300)
