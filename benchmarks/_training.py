@@ -40,6 +40,8 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--dim", type=int, default=1600)
+    ap.add_argument("--heads", type=int, default=25)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5)
@@ -52,7 +54,13 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         print(f"{os.path.basename(sys.argv[0])}: needs a CUDA device", file=sys.stderr)
         return None
     init_single_process()
-    config = GPTConfig.gpt2_xl(num_layers=a.layers, max_seq_len=a.seq_len, tie_embeddings=True)
+    config = GPTConfig.gpt2_xl(
+        num_layers=a.layers,
+        dim=a.dim,
+        num_heads=a.heads,
+        max_seq_len=a.seq_len,
+        tie_embeddings=True,
+    )
     with torch.device("meta"):
         n = sum(p.numel() for p in TinyGPT(config).parameters())
     FLOPS_PER_TOKEN[0] = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
@@ -65,7 +73,7 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
 
 def describe(a) -> str:
     return (
-        f"GPT-2 XL shape, {a.layers} layers, batch {a.batch_size} x {a.seq_len}, bf16, activation "
+        f"GPT-2 XL shape, {a.layers} layers, dim {a.dim}, batch {a.batch_size} x {a.seq_len}, bf16, activation "
         f"checkpointing; median of {a.steps} steps after {a.warmup}"
     )
 

@@ -29,15 +29,21 @@ import _training as T
 import torch
 import torch.distributed as dist
 
+from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
 from zerostack.testing import TinyGPT
 
 
-def gemini(config, batch, steps, warmup, label: str, **kwargs) -> dict:
+def gemini(config, batch, steps, warmup, label: str, lazy: bool = False, **kwargs) -> dict:
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = T.checkpoint_blocks(TinyGPT(config))
+    if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
+        with LazyInitContext():
+            base = T.checkpoint_blocks(TinyGPT(config))
+        kwargs["init_fn"] = TinyGPT.reset_parameters
+    else:
+        with torch.device("cuda"):
+            base = T.checkpoint_blocks(TinyGPT(config))
     model = GeminiDDP(base, mixed_precision=torch.bfloat16, hidden_dim=config.dim, **kwargs)
     opt = GeminiOptimizer(HybridAdam(list(base.parameters()), **T.HYPER), model)
     done = [0]
@@ -73,6 +79,7 @@ def main() -> int:
     def extra(ap):
         ap.add_argument("--cap-gib", type=float, default=24.0)
         ap.add_argument("--static-fracs", default="0.5,1.0")
+        ap.add_argument("--lazy", action="store_true", help="build the Gemini models lazily")
 
     ready = T.setup(__doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_static", extra)
     if ready is None:
@@ -92,7 +99,7 @@ def main() -> int:
             results,
             wanted,
             "gemini_auto",
-            lambda: gemini(*args, label, placement_policy="auto", gpu_capacity_bytes=cap),
+            lambda: gemini(*args, label, a.lazy, placement_policy="auto", gpu_capacity_bytes=cap),
         )
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
@@ -100,7 +107,9 @@ def main() -> int:
                 results,
                 wanted,
                 "gemini_static",
-                lambda frac=frac, label=label: gemini(*args, label, offload_optim_frac=frac),
+                lambda frac=frac, label=label: gemini(
+                    *args, label, a.lazy, offload_optim_frac=frac
+                ),
             )
     T.print_table(
         "Gemini on one GPU",

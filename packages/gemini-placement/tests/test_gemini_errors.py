@@ -77,3 +77,27 @@ def test_parameters_are_sharded_after_wrapping():
     assert (
         full["lm_head.weight"].shape == (256, 16) and full["lm_head.weight"].dtype == torch.float32
     )
+
+
+def test_a_dropped_model_and_optimizer_are_freed():
+    # Tensor hooks hold only weak references: nothing keeps chunks alive.
+    import gc
+    import weakref
+
+    from zerostack.testing import make_batch
+
+    model = GeminiDDP(
+        _model(),
+        mixed_precision=torch.float32,
+        chunk_config_dict=CFG,
+        compute_device="cpu",
+        offload_optim_frac=1.0,
+    )
+    opt = GeminiOptimizer(HybridAdam(list(model.module.parameters())), model)
+    idx, tgt = make_batch(model.module.config, 2, 8, seed=0)
+    opt.backward(model(idx, tgt))
+    opt.step()
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.chunk_manager.chunks()[0])]
+    del model, opt
+    gc.collect()
+    assert all(r() is None for r in refs)

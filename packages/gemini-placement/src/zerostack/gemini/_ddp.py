@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -54,7 +55,9 @@ class GeminiDDP(nn.Module):
             in sharded chunks (ZeRO-3); the rest stay whole on every rank
             (ZeRO-2). Static only. Default 1.0.
         offload_optim_frac: share of fp32 master chunks (and so of optimizer
-            states) on the CPU, in registration order. Static only. Default 0.0.
+            states) on the CPU: the last ones in registration order, whose
+            CPU updates overlap the forward of the others. Static only.
+            Default 0.0.
         offload_param_frac: share of parameter shards kept on the CPU between
             uses. Static only. Default 0.0.
         warmup_non_model_data_ratio: auto: share of the capacity left to
@@ -226,7 +229,9 @@ class GeminiDDP(nn.Module):
                 cpu_optim = True
             else:
                 cpu_param = seen < offload_param_target
-                cpu_optim = seen < offload_optim_target
+                # The last chunks in compute order: their CPU updates then
+                # have the forward of every earlier chunk to hide behind.
+                cpu_optim = seen + p.numel() > total - offload_optim_target
             part = "s" if seen < shard_target or shard_target == total else "g"
             seen += p.numel()
             group = "fp16_param" if p.requires_grad else "frozen_param"
@@ -294,6 +299,9 @@ class GeminiDDP(nn.Module):
         # Called at the end of every reducing backward (GeminiOptimizer stages
         # gradients of CPU-stepped chunks to the host there).
         self.backward_end_callbacks: list[Any] = []
+        # Called with (chunk, complete) as each chunk's reduced gradient is
+        # ready (complete: every tensor got a gradient in this backward).
+        self.chunk_reduced_callbacks: list[Any] = []
         self.update_wait_s = 0.0  # time forward spent waiting for CPU updates
         self._register_hooks()
         params = [
@@ -329,9 +337,15 @@ class GeminiDDP(nn.Module):
 
     def _register_hooks(self) -> None:
         self._handles = []
+        # A tensor hook lives in autograd's C++ graph, out of the garbage
+        # collector's sight: through a strong reference it would keep this
+        # module (and all its chunks) alive forever.
+        me = weakref.ref(self)
         for p in self.params:
             if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(lambda t, me=me: me()._on_grad(t))
+                )
         for m in self.module.modules():
             direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
             if not direct:
@@ -446,18 +460,24 @@ class GeminiDDP(nn.Module):
     def _reduce_ready(self, flush: bool = False) -> None:
         while self._next_reduce < len(self._reduce_order):
             chunk = self._reduce_order[self._next_reduce]
-            if not chunk.can_reduce:
+            complete = chunk.can_reduce
+            if not complete:
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
-            self._pending.append(self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce))
+            handle = self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce)
+            self._pending.append((chunk, handle, complete))
             self._next_reduce += 1
             # Finish all but the last two reductions: finishing frees the
             # gathered gradient buffer, so backward holds a few chunks, not all.
             while len(self._pending) > 2:
-                handle = self._pending.pop(0)
-                if handle is not None:
-                    handle.wait()
+                self._finish_reduce(*self._pending.pop(0))
+
+    def _finish_reduce(self, chunk: Chunk, handle: Any, complete: bool) -> None:
+        if handle is not None:
+            handle.wait()
+        for callback in self.chunk_reduced_callbacks:
+            callback(chunk, complete)
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated
@@ -481,9 +501,8 @@ class GeminiDDP(nn.Module):
             self._backward_started = False
             return
         self._reduce_ready(flush=True)
-        for handle in self._pending:
-            if handle is not None:
-                handle.wait()
+        for entry in self._pending:
+            self._finish_reduce(*entry)
         self._pending.clear()
         self._next_reduce = 0
         self._backward_started = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -108,9 +109,14 @@ class GeminiOptimizer:
             else None
         )
         self._host_grads: dict[Chunk, torch.Tensor] = {}
-        self._grads_staged: torch.cuda.Event | None = None
+        self._staged: dict[int, torch.cuda.Event] = {}
+        self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
+        # CPU-held chunks whose update started during this backward.
+        self._early: set[int] = set()
+        self._lock = threading.Lock()  # one optimizer.step() at a time
         self.cpu_step_s = 0.0  # worker time in CPU updates (hidden unless forward waits)
         module.backward_end_callbacks.append(self._stage_grads)
+        module.chunk_reduced_callbacks.append(self._on_chunk_reduced)
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
@@ -121,6 +127,7 @@ class GeminiOptimizer:
         self.optimizer.param_groups[0]["params"] = self.masters
         offloaded = self.module.offloaded_masters
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
+        self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
         # fp16/bf16 results of CPU-held masters, on their way to the chunks.
         pin = self.module.compute_device.type == "cuda"
@@ -148,20 +155,52 @@ class GeminiOptimizer:
     def _stage_grads(self) -> None:
         """End of backward: start copying the reduced gradients of CPU-held
         chunks into pinned host buffers (the CPU step waits for them)."""
-        if self.module.compute_device.type != "cuda":
-            return
         for i in self._host:
-            chunk = self.pairs[i][0]
-            share = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
-            if share.device.type == "cpu":
-                continue
-            buf = self._host_grads.get(chunk)
-            if buf is None:
-                buf = torch.empty(share.numel(), dtype=share.dtype, pin_memory=True)
-                self._host_grads[chunk] = buf
-            buf.copy_(share, non_blocking=True)
-        self._grads_staged = torch.cuda.Event()
-        self._grads_staged.record()
+            if i not in self._early:
+                self._stage_one(i)
+
+    def _stage_one(self, i: int) -> None:
+        chunk = self.pairs[i][0]
+        share = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
+        if share.device.type == "cpu":
+            return
+        buf = self._host_grads.get(chunk)
+        if buf is None:
+            buf = torch.empty(share.numel(), dtype=share.dtype, pin_memory=True)
+            self._host_grads[chunk] = buf
+        buf.copy_(share, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staged[i] = event
+
+    def _on_chunk_reduced(self, chunk: Chunk, complete: bool) -> None:
+        """Start a CPU-held chunk's update during backward, as soon as its
+        gradient is reduced, when nothing global can change it: no clipping,
+        no fp16 loss scale, every tensor of the chunk had a gradient."""
+        i = self._index.get(chunk)
+        module = self.module
+        if (
+            i is None
+            or not complete
+            or i not in self._host_set
+            or self.max_norm > 0
+            or self.scaler is not None
+            or self._executor is None
+            or module._no_sync
+            or (module.auto is not None and not module.auto.planned)
+        ):
+            return
+        if not self._early:  # the first of this backward: this step's hyperparameters
+            self._sync_hyper()
+        self._stage_one(i)
+        grad = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
+        future = self._executor.submit(self._cpu_update, i, grad, -1.0, None)
+        module.pending_updates[chunk] = partial(self._finish_async, i, future)
+        self._early.add(i)
+
+    def _sync_hyper(self) -> None:
+        inner = self.optimizer.param_groups[0]
+        inner.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
 
     def _host_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         return grad if grad.device.type == "cpu" else self._host_grads[self.pairs[i][0]]
@@ -172,7 +211,11 @@ class GeminiOptimizer:
         """Clip, unscale, step the masters, write the parameters back into
         their chunks. Returns False when skipped for fp16 overflow."""
         module = self.module
-        module.wait_updates()  # the previous step's CPU updates, where forward did not wait
+        early = self._early
+        self._early = set()
+        for chunk in list(module.pending_updates):  # the previous step's CPU updates
+            if self._index.get(chunk) not in early:
+                module.await_update(chunk)
         if module.auto is not None and not module.auto.planned:
             if self.optimizer.state:
                 raise RuntimeError(
@@ -207,33 +250,41 @@ class GeminiOptimizer:
             self.scaler.update(found_inf)
         if found_inf:
             logger.warning(
-                "Gemini: gradient overflow, step skipped; loss scale now %s", self.scaler.scale
+                "Gemini: inf/nan gradient, step skipped%s",
+                f"; loss scale now {self.scaler.scale}" if self.scaler is not None else "",
             )
             for i in range(len(self.pairs)):
-                self._write_back(i, None)
+                if i not in early:  # those were stepped during backward (no scaler)
+                    self._write_back(i, None)
             return False
         self.last_grad_norm = stats[0] ** 0.5 / scale
         combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
         div_scale = 1.0 / combined if combined != 1.0 else -1.0
-        inner = self.optimizer.param_groups[0]
-        inner.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+        self._sync_hyper()
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
         saved = self._save_slices(unused)
 
-        # Device-held masters: one launch, asynchronous on the device.
+        # Device-held masters: one launch, asynchronous on the device. (The
+        # lock: a CPU update started during backward may be running; each
+        # call steps exactly the masters that have a grad.)
+        with self._lock:
+            for i in self._device:
+                self.masters[i].grad = grads[i]
+            self._step_inner(div_scale)
+            for i in self._device:
+                self.masters[i].grad = None
         for i in self._device:
-            self.masters[i].grad = grads[i]
-        self._step_inner(div_scale)
-        for i in self._device:
-            self.masters[i].grad = None
             _restore(saved.get(i))
             self._write_back(i, None)
 
-        # CPU-held masters, chunk by chunk in compute order.
+        # CPU-held masters, chunk by chunk in compute order (those started
+        # during backward are running already).
         for i in self._cpu_order():
+            if i in early:
+                continue
             grad = grads[i]
             if self._executor is None:
                 self._cpu_update(i, grad, div_scale, saved.get(i))
@@ -263,13 +314,15 @@ class GeminiOptimizer:
     def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved) -> None:
         """Step one CPU-held master (on the worker thread when overlapping)."""
         t0 = time.perf_counter()
-        if grad.device.type != "cpu" and self._grads_staged is not None:
-            self._grads_staged.synchronize()
+        staged = self._staged.get(i)
+        if grad.device.type != "cpu" and staged is not None:
+            staged.synchronize()
         master = self.masters[i]
         host_grad = self._host_grad(i, grad)
-        master.grad = host_grad if div_scale <= 0 or self._div_scale else host_grad.clone()
-        self._step_inner(div_scale)
-        master.grad = None
+        with self._lock:
+            master.grad = host_grad if div_scale <= 0 or self._div_scale else host_grad.clone()
+            self._step_inner(div_scale)
+            master.grad = None
         _restore(saved)
         if not self._copy_out:
             self._host_params[i].copy_(master)

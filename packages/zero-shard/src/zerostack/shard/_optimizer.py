@@ -7,6 +7,7 @@ import copy
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -219,8 +220,12 @@ class ZeroOptimizer:
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
+        # Tensor hooks live in autograd's C++ graph, out of the garbage
+        # collector's sight: a strong reference would keep this optimizer
+        # (masters, states, buckets) alive as long as the model.
+        me = weakref.ref(self)
         self._hooks = [
-            s.param.register_post_accumulate_grad_hook(lambda p, s=s: self._on_grad(s))
+            s.param.register_post_accumulate_grad_hook(lambda p, s=s, me=me: me()._on_grad(s))
             for s in self.shards
             if s.param.requires_grad
         ]
