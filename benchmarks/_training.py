@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -179,6 +180,9 @@ def measure(results: list[dict], wanted: list[str], name: str, fn: Callable[[], 
     except torch.OutOfMemoryError as exc:
         print(f"[bench] {name}: {exc}", file=sys.stderr, flush=True)
         results.append(dict(name=name, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
+    except Exception as exc:  # one broken configuration must not hide the others
+        traceback.print_exc()
+        results.append(dict(name=name, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -248,7 +248,7 @@ class GeminiDDP(nn.Module):
                     cpu_offload=cpu_optim,
                     pin_memory=pin_memory,
                 )
-                if cpu_optim:
+                if cpu_optim and mchunk.num_tensors == 1:  # a chunk is placed when created
                     self.offloaded_masters.add(mchunk)
                 self.masters[p] = master
 

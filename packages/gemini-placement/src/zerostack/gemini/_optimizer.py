@@ -227,6 +227,7 @@ class GeminiOptimizer:
                 m for m in masters.values() if m not in module.auto.on_device
             }
             self._bind_masters()
+            self._stage_grads()  # the plan moved shards: stage from where the gradients are now
         if module.used and not module.backward_via_optimizer:
             module.used.clear()
             raise RuntimeError(
