@@ -1,11 +1,13 @@
 """GPT-2 trained with Gemini (ZeRO-3 over chunks), one process per GPU.
 
-    torchrun --nproc-per-node 8 examples/gpt2_gemini.py            # GPT-2 medium, bf16
-    python examples/gpt2_gemini.py --smoke                         # a tiny GPT on the CPU (CI)
+    torchrun --nproc-per-node 8 examples/gpt2_gemini.py                    # GPT-2 medium, bf16
+    torchrun --nproc-per-node 1 examples/gpt2_gemini.py --placement auto
+    python examples/gpt2_gemini.py --smoke                                 # a tiny GPT on the CPU (CI)
 
-Parameters are cast to bf16 and packed into chunks; each rank keeps 1/N of
+The model is built under LazyInitContext (nothing allocated) and
+materialized module by module into bf16 chunks; each rank keeps 1/N of
 every chunk and of the fp32 master chunks, whose optimizer states live on
-the CPU (`--offload-optim 1.0`) or the GPU. Every block is activation
+the CPU (`--offload-optim 1.0`), the GPU, or where auto placement puts them. Every block is activation
 checkpointed; a chunk gathered for a block serves its recomputation too.
 The data is random tokens: the point is the memory and the speed, and the
 loss falls towards the uniform-token entropy.
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
 from zerostack.testing import GPTConfig, TinyGPT
@@ -36,7 +39,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--offload-optim", type=float, default=1.0, help="offload_optim_frac")
+    ap.add_argument("--offload-optim", type=float, default=1.0, help="offload_optim_frac (static)")
+    ap.add_argument("--placement", choices=["static", "auto"], default="static")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -58,17 +62,26 @@ def main() -> int:
         config = GPTConfig.gpt2_medium(max_seq_len=a.seq_len, tie_embeddings=True)
         chunks, dtype = None, torch.bfloat16
     torch.manual_seed(0)
-    model = TinyGPT(config)
+    with LazyInitContext():  # nothing allocated: GeminiDDP materializes it into the chunks
+        model = TinyGPT(config)
     for block in model.blocks:
         forward = block.forward
         block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+    placement = (
+        dict(placement_policy="auto")
+        if a.placement == "auto"
+        else dict(offload_optim_frac=a.offload_optim)
+    )
+    if a.placement == "auto" and device == "cpu":
+        placement["gpu_capacity_bytes"] = 1 << 20  # bookkeeping only on a CPU
     model = GeminiDDP(
         model,
         mixed_precision=dtype,
-        offload_optim_frac=a.offload_optim,
         chunk_config_dict=chunks,
         compute_device=device,
         min_chunk_size_m=0.5 if a.smoke else 32,
+        init_fn=TinyGPT.reset_parameters,
+        **placement,
     )
     opt = GeminiOptimizer(
         HybridAdam(list(model.module.parameters()), lr=3e-4, weight_decay=0.1), model, max_norm=1.0
@@ -76,7 +89,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1 + rank)
     losses, start = [], time.perf_counter()
     bar = tqdm(range(a.steps), desc="gemini", disable=rank != 0 or None)
-    for _ in bar:
+    for step in bar:
         if a.smoke:  # one batch over and over: a few steps must lower its loss
             gen.manual_seed(1 + rank)
         idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len + 1), generator=gen)
@@ -85,6 +98,8 @@ def main() -> int:
         opt.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if rank == 0:
+            bar.write(f"step {step}: loss {losses[-1]:.4f}")
     elapsed = time.perf_counter() - start
     if rank == 0:
         tokens = (
