@@ -217,16 +217,20 @@ class GeminiOptimizer:
             if self._index.get(chunk) not in early:
                 module.await_update(chunk)
         if module.auto is not None and not module.auto.planned:
-            if self.optimizer.state:
-                raise RuntimeError(
-                    f"{_API}.step: the auto plan must come before any optimizer state"
-                )
             masters = dict(self.pairs)
+            before = list(self.masters)
             module.auto.plan(masters, _state_bytes_per_element(self.optimizer))
             module.offloaded_masters = {
                 m for m in masters.values() if m not in module.auto.on_device
             }
             self._bind_masters()
+            # State loaded before the plan (a resumed run) moves with its master.
+            for old, new in zip(before, self.masters, strict=True):
+                if old is not new and old in self.optimizer.state:
+                    self.optimizer.state[new] = {
+                        k: v.to(new.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                        for k, v in self.optimizer.state.pop(old).items()
+                    }
             self._stage_grads()  # the plan moved shards: stage from where the gradients are now
         if module.used and not module.backward_via_optimizer:
             module.used.clear()
@@ -381,10 +385,113 @@ class GeminiOptimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load ``state_dict()`` output of the same rank and world size."""
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+    # -- whole-model optimizer state, any world size ---------------------------------
+
+    def _trainable(self) -> list[torch.Tensor]:
+        return [p for p in self.module.params if p.requires_grad]
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Any]:
+        """Every trainable parameter's whole fp32 master and optimizer state
+        (flat, on the CPU), gathered on every rank, keyed by parameter name:
+        loadable at any world size and chunk size with ``load_full_state_dict``."""
+        self.module.wait_updates()
+        per_chunk: dict[Chunk, dict[str, Any]] = {}
+        for (chunk, master_chunk), master in zip(self.pairs, self.masters, strict=True):
+            state = self.optimizer.state.get(master, {})
+            whole = {"master": _gather_chunk(master, master_chunk)}
+            for k, v in state.items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
+                    whole[k] = _gather_chunk(v, master_chunk)
+                else:  # e.g. the step count
+                    whole[k] = v.detach().clone() if torch.is_tensor(v) else v
+            per_chunk[chunk] = whole
+        params = {}
+        for p in self._trainable():
+            chunk = self.manager.get_chunk(p)
+            info = chunk.tensors_info[p]
+            params[self.module.param_names[p]] = {
+                k: v[info.offset : info.end].clone() if _is_chunk_tensor(v, chunk) else v
+                for k, v in per_chunk[chunk].items()
+            }
+        return {
+            "params": params,
+            "param_group": {k: v for k, v in self.param_groups[0].items() if k != "params"},
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: dict[str, Any]) -> None:
+        """Load ``full_state_dict()`` output saved at any world size: masters,
+        optimizer states and parameters (cast from the masters).
+
+        Raises:
+            KeyError: a trainable parameter is missing from ``full``.
+            ValueError: a parameter's size differs.
+        """
+        module = self.module
+        module.wait_updates()
+        names = [module.param_names[p] for p in self._trainable()]
+        missing = [n for n in names if n not in full["params"]]
+        if missing:
+            raise KeyError(f"{_API}.load_full_state_dict: no state for {missing[:5]}")
+        state: dict[int, dict[str, Any]] = {}
+        for i, (chunk, _) in enumerate(self.pairs):
+            master = self.masters[i]
+            whole: dict[str, Any] = {}
+            for t, info in chunk.tensors_info.items():
+                entry = full["params"][module.param_names[t]]
+                for k, v in entry.items():
+                    if not (torch.is_tensor(v) and v.dim() == 1):
+                        whole.setdefault(k, v.clone() if torch.is_tensor(v) else v)
+                        continue
+                    if v.numel() != info.end - info.offset:
+                        raise ValueError(
+                            f"{_API}.load_full_state_dict: {module.param_names[t]} has {v.numel()} "
+                            f"elements in the state, {info.end - info.offset} in the model"
+                        )
+                    buf = whole.setdefault(k, torch.zeros(chunk.chunk_size, dtype=v.dtype))
+                    buf[info.offset : info.end].copy_(v)
+            lo, hi = chunk.rank * chunk.shard_size, (chunk.rank + 1) * chunk.shard_size
+            mine = {
+                k: v[lo:hi].to(master.device) if _is_chunk_tensor(v, chunk) else v
+                for k, v in whole.items()
+            }
+            master.copy_(mine.pop("master"))
+            if mine:
+                state[i] = mine
+        hyper = dict(full["param_group"])
+        self.param_groups[0].update(hyper)
+        inner = {
+            **self.optimizer.param_groups[0],
+            **hyper,
+            "params": list(range(len(self.masters))),
+        }
+        self.optimizer.load_state_dict({"state": state, "param_groups": [inner]})
+        if self.scaler is not None and full["scaler"] is not None:
+            self.scaler.load_state_dict(full["scaler"])
+        for i in range(len(self.pairs)):
+            self._write_back(i, None)
+
+
+def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The whole chunk from every rank's shard ``t``, on the CPU."""
+    if chunk.world_size == 1 or not dist.is_initialized():
+        return t.detach().cpu().clone()
+    device = chunk.compute_device
+    out = torch.empty(chunk.chunk_size, dtype=t.dtype, device=device)
+    dist.all_gather_into_tensor(out, t.detach().to(device), group=chunk.process_group)
+    return out.cpu()
+
+
+def _is_chunk_tensor(v: Any, chunk: Chunk) -> bool:
+    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == chunk.chunk_size
 
 
 def _restore(saved) -> None:
