@@ -93,7 +93,7 @@ def test_full_optimizer_state_reloads_at_any_world_size(tmp_path, world, kwargs)
 
 
 def test_missing_parameter_state_is_named():
-    ddp, opt = _build(1)
+    _, opt = _build(1)
     full = opt.full_state_dict()
     del full["params"]["lm_head.weight"]
     with pytest.raises(KeyError, match=r"no state for \['lm_head.weight'\]"):
