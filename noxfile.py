@@ -118,6 +118,12 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests (integration_tests/) with every package installed."""
     _install_packages(session, PACKAGES)
     session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
+    # The torchrun runner of the multi-GPU checks, in its CPU (gloo) mode.
+    runner = ["torchrun", "--nproc-per-node"]
+    script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
+    session.run(*runner, "2", script, "parity", "--cpu", env=CPU_ENV)
+    session.run(*runner, "2", script, "save", "--cpu", "--path", ckpt, env=CPU_ENV)
+    session.run(*runner, "4", script, "load", "--cpu", "--path", ckpt, env=CPU_ENV)
 
 
 @nox.session

@@ -66,7 +66,8 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         n = sum(p.numel() for p in TinyGPT(config).parameters())
     FLOPS_PER_TOKEN[0] = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
     print(f"[bench] model: {n / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
-    gen = torch.Generator().manual_seed(0)
+    # Per rank: batch_size sequences of its own (rank 0's are the one-GPU batch).
+    gen = torch.Generator().manual_seed(dist.get_rank())
     idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len), generator=gen)
     batch = (idx.cuda(), torch.roll(idx, -1, dims=1).cuda())
     return a, (config, batch, a.steps, a.warmup)
@@ -80,13 +81,14 @@ def describe(a) -> str:
 
 
 def init_single_process() -> None:
-    """A one-rank NCCL group when not started by torchrun."""
+    """The NCCL group of torchrun's environment, or a one-rank one without it."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29512")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    torch.cuda.set_device(0)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
 
 
 def checkpoint_blocks(model: TinyGPT) -> TinyGPT:
@@ -187,7 +189,13 @@ def measure(results: list[dict], wanted: list[str], name: str, fn: Callable[[], 
     torch.cuda.empty_cache()
 
 
-def print_table(title: str, results: list[dict], setup: str) -> None:
+def print_table(
+    title: str,
+    results: list[dict],
+    setup: str,
+    peer: str = "FSDP2 + CPUOffloadPolicy",
+    peer_label: str = "FSDP2 offload",
+) -> None:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(f"\n## {title}\n")
     print(f"- date: {date}; command: `python {' '.join(sys.argv)}`")
@@ -197,9 +205,9 @@ def print_table(title: str, results: list[dict], setup: str) -> None:
     print(f"- {setup}\n")
     ok = [r for r in results if "error" not in r]
     plain_r = next((r for r in ok if r["name"].startswith("plain")), None)
-    fsdp_r = next((r for r in ok if r["name"].startswith("FSDP2")), None)
+    fsdp_r = next((r for r in ok if r["name"].startswith(peer)), None)
     print(
-        "| configuration | tokens/s | TFLOPS | vs plain | vs FSDP2 offload | step s | fwd+bwd s | "
+        f"| configuration | tokens/s | TFLOPS | vs plain | vs {peer_label} | step s | fwd+bwd s | "
         "optimizer s | CPU-update wait s | CPU step s | peak GPU GB | host RSS GB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -1,11 +1,13 @@
 """GeminiOptimizer.full_state_dict / load_full_state_dict: saved at one world
-size, loaded at the same one (training resumes bitwise), at others (the state
-round-trips bitwise), and under auto placement (the state follows the plan)."""
+size and loaded at others, under static and auto placement. The global batch
+is split over the ranks, so training resumed at any world size gives the
+losses the saving run went on to give."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
@@ -15,39 +17,43 @@ CONFIG = GPTConfig(bias=False)
 CHUNKS = {"chunk_size": 20_000, "keep_gathered": False}
 
 
-def _build(world, **kwargs):
+def _build(world, device="cpu", **kwargs):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(
         model,
         mixed_precision=torch.float32,
         chunk_config_dict={world: CHUNKS},
-        compute_device="cpu",
+        compute_device=device,
         **kwargs,
     )
     opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-2, weight_decay=0.1), ddp)
     return ddp, opt
 
 
-def _train(ddp, opt, steps, rank, start):
+def _train(ddp, opt, steps, rank, world, start):
+    """Mean losses over the ranks; the same 8 samples per step at any world size."""
     losses = []
     for step in range(start, start + steps):
-        idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + rank)
-        loss = ddp(idx, tgt)
+        idx, tgt = make_batch(CONFIG, 8, 32, seed=step)
+        per = 8 // world
+        loss = ddp(idx[rank * per : (rank + 1) * per], tgt[rank * per : (rank + 1) * per])
         opt.backward(loss)
         opt.step()
-        losses.append(loss.item())
+        mean = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(mean)
+        losses.append(mean.item() / world)
     return losses
 
 
-def _save(rank, world, path):
-    ddp, opt = _build(world)
-    _train(ddp, opt, 3, rank, 0)
+def _save(rank, world, path, device="cpu"):
+    ddp, opt = _build(world, device)
+    _train(ddp, opt, 3, rank, world, 0)
     checkpoint = {"model": ddp.state_dict(), "optim": opt.full_state_dict()}
-    after = _train(ddp, opt, 2, rank, 3)
+    checkpoint["after"] = _train(ddp, opt, 2, rank, world, 3)
     if rank == 0:
         torch.save(checkpoint, path)
-    torch.save(after, f"{path}.after{rank}")  # each rank's losses after the checkpoint
 
 
 def _same(a, b, where=""):
@@ -61,17 +67,14 @@ def _same(a, b, where=""):
         assert a == b, where
 
 
-def _load(rank, world, path, saved_world, kwargs):
+def _load(rank, world, path, kwargs, device="cpu"):
     checkpoint = torch.load(path, weights_only=False)
-    ddp, opt = _build(world, **kwargs)
+    ddp, opt = _build(world, device, **kwargs)
     ddp.load_state_dict(checkpoint["model"])
     opt.load_full_state_dict(checkpoint["optim"])
     _same(opt.full_state_dict(), checkpoint["optim"])
-    losses = _train(ddp, opt, 2, rank, 3)
-    if world == saved_world:
-        after = torch.load(f"{path}.after{rank}")
-        assert losses == after, (losses, after)
-    assert all(torch.isfinite(torch.tensor(losses)))
+    losses = _train(ddp, opt, 2, rank, world, 3)
+    torch.testing.assert_close(losses, checkpoint["after"], rtol=1e-5, atol=1e-6)
     if "placement_policy" in kwargs:  # the plan moved masters with their loaded states
         assert len(ddp.offloaded_masters) < len(ddp.grad_chunks)
 
@@ -89,7 +92,7 @@ def _load(rank, world, path, saved_world, kwargs):
 def test_full_optimizer_state_reloads_at_any_world_size(tmp_path, world, kwargs):
     path = str(tmp_path / "ckpt.pt")
     spawn(_save, 2, args=(path,), backend="gloo")
-    spawn(_load, world, args=(path, 2, kwargs), backend="gloo")
+    spawn(_load, world, args=(path, kwargs), backend="gloo")
 
 
 def test_missing_parameter_state_is_named():
