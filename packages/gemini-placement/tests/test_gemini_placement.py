@@ -1,0 +1,99 @@
+"""Placement bookkeeping on a CPU compute device: what static fractions and
+the auto plan put where, MemStats, eviction and prefetch counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.fused_adam import HybridAdam
+from zerostack.gemini import GeminiDDP, GeminiOptimizer, MemStats
+from zerostack.testing import GPTConfig, TinyGPT, make_batch
+
+CONFIG = GPTConfig(bias=False)
+CHUNKS = {1: {"chunk_size": 20_000, "keep_gathered": False}}
+
+
+def _wrap(**kwargs):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model,
+        mixed_precision=torch.float32,
+        chunk_config_dict=CHUNKS,
+        compute_device="cpu",
+        **kwargs,
+    )
+    return ddp, GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-3), ddp)
+
+
+def _steps(ddp, opt, n):
+    for step in range(n):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=step)
+        opt.backward(ddp(idx, tgt))
+        opt.step()
+
+
+def _bytes(chunks):
+    return sum(c.chunk_size * c.dtype.itemsize for c in chunks)
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.3, 0.5, 1.0])
+def test_static_fractions_are_shares_of_bytes(frac):
+    ddp, _ = _wrap(offload_optim_frac=frac, shard_param_frac=1.0 - frac)
+    masters = ddp.chunk_manager.chunks("fp32")
+    offloaded = [m for m in masters if m in ddp.offloaded_masters]
+    # Whole chunks: the share is met to within one chunk, and it is the last chunks.
+    assert abs(_bytes(offloaded) - frac * _bytes(masters)) <= _bytes(masters[:1])
+    assert offloaded == masters[len(masters) - len(offloaded) :]
+    gathered = [c for c in ddp.grad_chunks if c.keep_gathered]
+    assert abs(_bytes(gathered) - frac * _bytes(ddp.grad_chunks)) <= _bytes(ddp.grad_chunks[:1])
+    # Exact books: the manager's total is the sum over chunks.
+    total = sum(sum(c.memory_usage().values()) for c in ddp.chunk_manager.chunks())
+    assert ddp.chunk_manager.total_mem["cpu"] == total
+
+
+def test_auto_records_plans_evicts_and_prefetches():
+    n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
+    capacity = 4 * n + 3 * 20_000 * 4 + 6 * n  # shards, a few gathered chunks, half the optimizer
+    ddp, opt = _wrap(
+        placement_policy="auto",
+        gpu_capacity_bytes=capacity,
+        steady_cuda_cap_ratio=1.0,
+        max_prefetch=2,
+    )
+    auto = ddp.auto
+    assert auto.warming_up and not auto.planned
+    _steps(ddp, opt, 3)
+    stats = auto.stats
+    assert isinstance(stats, MemStats)
+    # Forward then backward: every chunk appears, first uses in creation order.
+    assert sorted(stats.chunk_order()) == sorted(c.index for c in ddp.grad_chunks)
+    assert stats.chunk_order() == sorted(stats.chunk_order())
+    first = stats.order[0][0]
+    assert stats.next_use(first, 0) > 0
+    assert stats.next_use(first, len(stats.order) - 1) >= len(stats.order) - 1
+    assert stats.max_non_model_bytes == 0  # no allocator to ask on a CPU
+    # The plan: every shard on the "device", part of the optimizer chunks.
+    assert auto.planned and len(auto.on_device & set(ddp.grad_chunks)) == len(ddp.grad_chunks)
+    on = len(ddp.grad_chunks) - len(ddp.offloaded_masters)
+    assert 0 < on < len(ddp.grad_chunks)
+    assert auto.optim_bytes_on_device == on * 20_000 * (4 + 8)
+    assert auto.evictions > 0 and auto.prefetches > 0
+    assert auto.peak_model_bytes <= auto.steady_limit()
+
+
+def test_auto_with_no_room_keeps_everything_on_the_cpu_and_trains():
+    ddp, opt = _wrap(placement_policy="auto", gpu_capacity_bytes=1)
+    _steps(ddp, opt, 2)
+    assert not ddp.auto.on_device
+    assert len(ddp.offloaded_masters) == len(ddp.grad_chunks)
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_scatter_after_inference(scatter):
+    ddp, _ = _wrap(scatter_after_inference=scatter)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    with torch.no_grad():
+        ddp(idx, tgt)
+    assert (not ddp.chunk_manager.accessed_chunks) == scatter
