@@ -97,6 +97,7 @@ def test_a_dropped_model_and_optimizer_are_freed():
     idx, tgt = make_batch(model.module.config, 2, 8, seed=0)
     opt.backward(model(idx, tgt))
     opt.step()
+    model.wait_updates()  # the CPU update runs on a worker thread, holding the optimizer meanwhile
     refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(model.chunk_manager.chunks()[0])]
     del model, opt
     gc.collect()
