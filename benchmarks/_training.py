@@ -123,7 +123,10 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     idx, tgt = batch
     fb, opt = [], []
     torch.cuda.reset_peak_memory_stats()
+    retries = 0
     for i in range(warmup + steps):
+        if i == warmup:  # allocator retries (a cudaFree and a sync each) in the timed steps
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -142,6 +145,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         name=name,
         tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
         rss_gb=_rss_gb(),
+        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
         tokens_s=idx.numel() / statistics.median(total),
         step_s=statistics.median(total),
         fwd_bwd_s=statistics.median(fb),
@@ -208,12 +212,12 @@ def print_table(
     fsdp_r = next((r for r in ok if r["name"].startswith(peer)), None)
     print(
         f"| configuration | tokens/s | TFLOPS | vs plain | vs {peer_label} | step s | fwd+bwd s | "
-        "optimizer s | CPU-update wait s | CPU step s | peak GPU GB | host RSS GB |"
+        "optimizer s | CPU-update wait s | CPU step s | peak GPU GB | host RSS GB | alloc retries |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} | | | | | | | | | | |")
+            print(f"| {r['name']} | {r['error']} | | | | | | | | | | | |")
             continue
         vp = f"{r['tokens_s'] / plain_r['tokens_s']:.2f}x" if plain_r else "n/a"
         vf = f"{r['tokens_s'] / fsdp_r['tokens_s']:.2f}x" if fsdp_r else "n/a"
@@ -221,4 +225,4 @@ def print_table(
         cpu = f"{r['cpu_step_s']:.3f}" if "cpu_step_s" in r else ""
         print(f"| {r['name']} | {r['tokens_s']:,.0f} | {r['tflops']:.0f} | {vp} | {vf} | {r['step_s']:.3f} | "
               f"{r['fwd_bwd_s']:.3f} | {r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | "
-              f"{r['rss_gb']:.1f} |")  # fmt: skip
+              f"{r['rss_gb']:.1f} | {r['alloc_retries']} |")  # fmt: skip
