@@ -132,7 +132,7 @@ class GeminiDDP(nn.Module):
             ("steady_cuda_cap_ratio", steady_cuda_cap_ratio),
         ):
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{_API}: {name} must be in [0, 1] (got {value})")
+                raise ValueError(f"{_API}: {name} must be in [0, 1] (got {value}); pass a share")
         if placement_policy not in ("static", "auto"):
             raise ValueError(
                 f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
@@ -288,7 +288,9 @@ class GeminiDDP(nn.Module):
             self.auto.initial_placement()
         # Chunks reduce strictly in reverse order of creation (the order
         # backward produces them), so every rank issues the same collectives
-        # even when ranks differ in which parameters got gradients.
+        # even when ranks differ in which parameters got gradients. (Gathers
+        # are collectives too: every rank must run forward and backward
+        # through the same modules.)
         self._reduce_order = list(reversed(self.grad_chunks))
         self._next_reduce = 0
         self._pending: list[Any] = []
@@ -482,10 +484,15 @@ class GeminiDDP(nn.Module):
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated
         # gradient (zeros, or what earlier no_sync passes left) is reduced.
+        # No gather (a collective this rank may reach at another time than
+        # the others): a chunk no tensor of which got a gradient here needs
+        # only a zero buffer.
         self.await_update(chunk)
-        self.chunk_manager.access_chunk(chunk)
-        if self.accumulate and (chunk.grad_chunk is None or chunk.grad_chunk.buffer is None):
-            self.chunk_manager.init_grad_chunk(chunk)
+        if self.accumulate:
+            if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
+                self.chunk_manager.init_grad_chunk(chunk)
+        elif not chunk.is_gathered:
+            self.chunk_manager._apply(chunk, _zero_buffer, chunk)
         for t, info in chunk.tensors_info.items():
             if info.state is S.READY_FOR_REDUCE:
                 continue
@@ -524,6 +531,11 @@ class GeminiDDP(nn.Module):
         training = torch.is_grad_enabled()
         # auto counts gather points of training iterations only (an
         # evaluation forward has a different order).
+        # Pending updates of kept-gathered chunks end in an all-gather: finish
+        # them here, in chunk order, where every rank is at the same point.
+        for chunk in sorted(self.pending_updates, key=lambda c: c.index):
+            if chunk.keep_gathered:
+                self.await_update(chunk)
         self._training = training and not self._backward_started
         if self.auto is not None and self._training:
             self.auto.start_iteration()
@@ -576,7 +588,8 @@ class GeminiDDP(nn.Module):
             unexpected = sorted(set(state_dict) - set(names) - set(buffers))
             if missing or unexpected:
                 raise KeyError(
-                    f"{_API}.load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                    f"{_API}.load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+                    "pass strict=False to load what matches"
                 )
         for name, value in state_dict.items():
             if name in buffers:
@@ -612,6 +625,10 @@ class GeminiDDP(nn.Module):
         if not was and chunk.can_release:
             self.chunk_manager.release_chunk(chunk)
         return value
+
+
+def _zero_buffer(chunk: Chunk) -> None:
+    chunk.buffer = torch.zeros(chunk.chunk_size, dtype=chunk.dtype, device=chunk.compute_device)
 
 
 def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

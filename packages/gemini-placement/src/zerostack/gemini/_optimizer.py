@@ -36,7 +36,9 @@ class GeminiOptimizer:
     thread, chunk by chunk in compute order, while the next forward starts:
     each chunk's forward waits only for that chunk's update, and its new
     fp16/bf16 values go to the device then. The math is the same as a
-    synchronous step, never a step late.
+    synchronous step, never a step late. Only the fp16 loss scaler skips
+    steps on overflow; bf16 and fp32 gradients are applied as torch's
+    optimizers would, inf/nan included.
 
     Args:
         optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``. Step
@@ -45,7 +47,10 @@ class GeminiOptimizer:
         module: the GeminiDDP model.
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
-            overlapped with the next forward. Default True.
+            overlapped with the next forward; without clipping and without an
+            fp16 loss scale, a CPU-held chunk's update starts during backward,
+            with the hyperparameters ``param_groups`` hold then (step lr
+            schedulers after ``step()``, as usual). Default True.
         initial_scale ... max_scale: the fp16 loss scaler (fp16 models only),
             with zerostack.shard's defaults.
 
@@ -187,6 +192,7 @@ class GeminiOptimizer:
             or self.scaler is not None
             or self._executor is None
             or module._no_sync
+            or chunk.keep_gathered  # its write-back is a collective: at a fixed point
             or (module.auto is not None and not module.auto.planned)
         ):
             return
@@ -249,23 +255,25 @@ class GeminiOptimizer:
         used = torch.tensor([float(p in module.used) for p in trainable], device=device)
         stats = grad_stats(grads, used, module.process_group)
         module.used.clear()
-        found_inf = not math.isfinite(stats[0])
+        # Only an fp16 loss scale skips steps; bf16/fp32 gradients are applied
+        # as they are, inf/nan included, as torch's optimizers do (chunks
+        # started during backward could not be taken back anyway).
+        found_inf = self.scaler is not None and not math.isfinite(stats[0])
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.scaler is not None:
             self.scaler.update(found_inf)
         if found_inf:
             logger.warning(
-                "Gemini: inf/nan gradient, step skipped%s",
-                f"; loss scale now {self.scaler.scale}" if self.scaler is not None else "",
+                "Gemini: gradient overflow, step skipped; loss scale now %s", self.scaler.scale
             )
             for i in range(len(self.pairs)):
-                if i not in early:  # those were stepped during backward (no scaler)
-                    self._write_back(i, None)
+                self._write_back(i, None)
             return False
         self.last_grad_norm = stats[0] ** 0.5 / scale
         combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
         div_scale = 1.0 / combined if combined != 1.0 else -1.0
-        self._sync_hyper()
+        if not early:  # else the hyperparameters read when backward started the CPU updates
+            self._sync_hyper()
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
@@ -329,6 +337,10 @@ class GeminiOptimizer:
             self._step_inner(div_scale)
             master.grad = None
         _restore(saved)
+        if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
+            for t, sl, value in saved or ():
+                if t is master:
+                    self._host_params[i][sl].copy_(value)
         if not self._copy_out:
             self._host_params[i].copy_(master)
         self.cpu_step_s += time.perf_counter() - t0

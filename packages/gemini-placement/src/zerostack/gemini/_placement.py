@@ -264,7 +264,8 @@ class AutoPlacement:
     def _farthest(self, exclude: set[Chunk]) -> Chunk | None:
         """The idle gathered chunk whose next use is farthest away."""
         best, best_use = None, -1
-        for c in self.manager.accessed_chunks:
+        # In chunk order, ties to the lowest index: every rank picks the same.
+        for c in sorted(self.manager.accessed_chunks, key=lambda c: c.index):
             if c in exclude or c in self._prefetched or not c.can_release:
                 continue
             use = self.stats.next_use(c.index, self.moment)
