@@ -102,3 +102,14 @@ def test_a_dropped_model_and_optimizer_are_freed():
     del model, opt
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_gemini_adam_optimizer_builds_hybrid_adam_over_the_trainable_params():
+    from zerostack.gemini import GeminiAdamOptimizer
+
+    model = GeminiDDP(
+        _model(), mixed_precision=torch.float32, chunk_config_dict=CFG, compute_device="cpu"
+    )
+    opt = GeminiAdamOptimizer(model, lr=2e-3, weight_decay=0.1, max_norm=1.0)
+    assert type(opt.optimizer).__name__ == "HybridAdam" and opt.max_norm == 1.0
+    assert opt.param_groups[0]["lr"] == 2e-3 and opt.param_groups[0]["weight_decay"] == 0.1

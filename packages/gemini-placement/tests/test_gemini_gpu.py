@@ -16,6 +16,8 @@ GPU_CASES = [
     "fp32-sgd-clip-offload",
     "fp32-half-sharded",
     "bf16-adamw",
+    "bf16-clip-offload",
+    "fp16-clip-offload",
     "fp32-zero2-accum4",
     "fp32-auto-evicting",
     "bf16-auto-evicting",

@@ -30,6 +30,8 @@ CASES = [
     ("fp32-half-sharded", torch.float32, "adam", 0.0, False, 1, dict(shard_param_frac=0.5)),
     ("fp32-frozen-embedding", torch.float32, "adamw", 0.0, True, 1, dict(offload_optim_frac=0.5)),
     ("bf16-adamw", torch.bfloat16, "adamw", 0.0, False, 1, dict(offload_optim_frac=1.0)),
+    ("bf16-clip-offload", torch.bfloat16, "adam", 0.05, False, 1, dict(offload_optim_frac=0.5)),
+    ("fp16-clip-offload", torch.float16, "adamw", 0.05, False, 1, dict(offload_optim_frac=0.5)),
     ("fp32-l2-accum4", torch.float32, "adam", 0.0, False, 4, {}),
     ("fp32-zero2-accum4", torch.float32, "adamw", 0.05, False, 4, dict(shard_param_frac=0.0)),
     ("fp32-tied-embeddings", torch.float32, "adamw", 0.0, False, 1, {}),
@@ -41,7 +43,11 @@ TIED = GPTConfig(add_unused_param=True, bias=False, tie_embeddings=True)
 # one created, the first to reduce) holds every gradient chunk until the end
 # of backward: the auto cases leave it out to see the cache trimmed.
 ALL_USED = GPTConfig(bias=False)
-TOL = {torch.float32: dict(rtol=1e-5, atol=5e-6), torch.bfloat16: dict(rtol=0, atol=2e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=5e-6),
+    torch.bfloat16: dict(rtol=0, atol=2e-2),
+    torch.float16: dict(rtol=0, atol=5e-3),
+}
 
 
 def _run_case(rank, world, case, device="cpu"):

@@ -2,7 +2,14 @@
 
 from zerostack.gemini.__about__ import __version__
 from zerostack.gemini._ddp import GeminiDDP
-from zerostack.gemini._optimizer import GeminiOptimizer
+from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
 from zerostack.gemini._placement import AutoPlacement, MemStats
 
-__all__ = ["AutoPlacement", "GeminiDDP", "GeminiOptimizer", "MemStats", "__version__"]
+__all__ = [
+    "AutoPlacement",
+    "GeminiAdamOptimizer",
+    "GeminiDDP",
+    "GeminiOptimizer",
+    "MemStats",
+    "__version__",
+]

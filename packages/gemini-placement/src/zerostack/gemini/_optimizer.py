@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zerostack.chunk import Chunk
+from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._ddp import GeminiDDP
 from zerostack.shard import DynamicLossScaler, clip_coefficient, grad_stats
 
@@ -524,3 +525,36 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 
 def _grad_share(chunk) -> torch.Tensor:
     return chunk._my_share() if chunk.keep_gathered else chunk.shard
+
+
+class GeminiAdamOptimizer(GeminiOptimizer):
+    """``GeminiOptimizer(HybridAdam(module's trainable parameters, ...), module, ...)``.
+
+    Args:
+        module: the GeminiDDP model.
+        lr, betas, eps, weight_decay, adamw_mode, bias_correction: HybridAdam's.
+        **kwargs: GeminiOptimizer's (max_norm, overlap_cpu_step, the scaler's).
+    """
+
+    def __init__(
+        self,
+        module: GeminiDDP,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        bias_correction: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        params = [p for p in module.params if p.requires_grad]
+        adam = HybridAdam(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            adamw_mode=adamw_mode,
+            bias_correction=bias_correction,
+        )
+        super().__init__(adam, module, **kwargs)
