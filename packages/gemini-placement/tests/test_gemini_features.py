@@ -113,6 +113,10 @@ def _state_round_trip(rank, world):
     a, a_opt = _wrap(TinyGPT(CONFIG), world)
     _train(a, a_opt, 3, rank)
     model_state = a.state_dict()
+    on_rank_0 = a.state_dict(only_rank_0=True)
+    assert (on_rank_0 == {}) == (rank != 0)
+    if rank == 0:
+        assert all(torch.equal(on_rank_0[k], v) for k, v in model_state.items())
     opt_state = copy.deepcopy(a_opt.state_dict())
     torch.manual_seed(1)  # other weights: loading must replace them
     b, b_opt = _wrap(TinyGPT(CONFIG), world)

@@ -550,16 +550,31 @@ class GeminiDDP(nn.Module):
                 self._release_idle(idle)
         return out
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """The whole model's parameters (fp32, from the masters) and buffers, on the CPU, on every rank."""
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, only_rank_0: bool = False, **kwargs: Any
+    ) -> dict[str, torch.Tensor]:
+        """The whole model's parameters (fp32, from the masters) and buffers,
+        on the CPU: on every rank, or with ``only_rank_0`` on rank 0 (the
+        others still take part in the gathers and get an empty dict)."""
         self.wait_updates()
-        out: dict[str, torch.Tensor] = {}
-        values = {}
+        keep = not only_rank_0 or self.rank == 0
+        by_chunk: dict[Chunk, list[nn.Parameter]] = {}
         for p in self.params:
-            chunk = self.chunk_manager.get_chunk(self.masters.get(p, p))
-            values[p] = self._gathered_copy(chunk, self.masters.get(p, p))
-        for name, p in self.aliases.items():  # tied names share one tensor, as in nn.Module
-            out[name] = values[p]
+            by_chunk.setdefault(self.chunk_manager.get_chunk(self.masters.get(p, p)), []).append(p)
+        values = {}
+        for chunk in sorted(
+            by_chunk, key=lambda c: c.index
+        ):  # one gather per chunk, same order everywhere
+            was = chunk.is_gathered
+            self.chunk_manager.access_chunk(chunk)
+            for p in by_chunk[chunk]:
+                if keep:
+                    values[p] = self.masters.get(p, p).detach().cpu().clone()
+            if not was and chunk.can_release:
+                self.chunk_manager.release_chunk(chunk)
+        if not keep:
+            return {}
+        out = {name: values[p] for name, p in self.aliases.items()}  # tied names share a tensor
         for name, b in _persistent_buffers(self.module).items():
             out[name] = b.detach().cpu().clone()
         return out
@@ -617,14 +632,6 @@ class GeminiDDP(nn.Module):
                     if not was and chunk.can_release:
                         self.chunk_manager.release_chunk(chunk)
         return None
-
-    def _gathered_copy(self, chunk: Chunk, t: torch.Tensor) -> torch.Tensor:
-        was = chunk.is_gathered
-        self.chunk_manager.access_chunk(chunk)
-        value = t.detach().cpu().clone()
-        if not was and chunk.can_release:
-            self.chunk_manager.release_chunk(chunk)
-        return value
 
 
 def _zero_buffer(chunk: Chunk) -> None:
