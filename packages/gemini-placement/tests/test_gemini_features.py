@@ -149,3 +149,51 @@ def _all(rank, world):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_gemini_features(world_size):
     spawn(_all, world_size, backend="gloo", timeout_s=300)
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        self.c = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x, skip_b):
+        h = self.a(x)
+        return self.c(h if skip_b else self.b(h)).pow(2).mean()
+
+
+def _rank_dependent_branch(rank, world, kwargs):
+    # Rank 1 skips module b; the write-backs of kept-gathered chunks after a
+    # CPU update (all-gathers) must still happen where every rank is.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _Branchy()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = GeminiDDP(
+        model,
+        mixed_precision=torch.float32,
+        chunk_config_dict={world: {"chunk_size": 64, "keep_gathered": False}},
+        compute_device="cpu",
+        **kwargs,
+    )
+    opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-2), ddp)
+    ref_opt = HybridAdam(list(ref.parameters()), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.backward(ddp(x, rank == 1))
+        opt.step()
+        ref(x, rank == 1).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = ddp.state_dict()
+    for name, p in ref.module.named_parameters():
+        torch.testing.assert_close(full[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_module_skipped_on_one_rank_at_zero2_with_offload():
+    # ZeRO-2 only: at ZeRO-3 every gather is a collective, so every rank must
+    # run the same modules (documented).
+    kwargs = dict(shard_param_frac=0.0, offload_optim_frac=1.0)
+    spawn(_rank_dependent_branch, 2, args=(kwargs,), backend="gloo", timeout_s=60)

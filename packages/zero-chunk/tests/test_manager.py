@@ -104,3 +104,17 @@ def test_bad_input():
         manager.get_chunk(torch.zeros(2))
     with pytest.raises(RuntimeError, match=r"reuse_fp16_chunk=True"):
         manager.init_grad_chunk(manager.get_chunk(t))
+
+
+def test_zero_chunk_gives_a_zeroed_buffer_without_gathering_and_counts_it():
+    manager = ChunkManager(CONFIG, compute_device="cpu")
+    for _ in range(2):
+        manager.register_tensor(torch.randn(30), "fp32_param", "dp")
+    manager.close_all_groups()
+    chunk = manager.chunks()[0]
+    before = manager.total_mem["cpu"]
+    manager.zero_chunk(chunk)
+    assert chunk.is_gathered and not chunk.buffer.any()
+    assert manager.total_mem["cpu"] == before + chunk.chunk_size * 4
+    with pytest.raises(RuntimeError, match=r"zero_buffer: the chunk is gathered"):
+        manager.zero_chunk(chunk)

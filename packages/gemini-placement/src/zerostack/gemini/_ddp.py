@@ -275,11 +275,12 @@ class GeminiDDP(nn.Module):
         # run before the chunk is next used.
         self.pending_updates: dict[Chunk, Any] = {}
         self.grad_chunks = sorted(self.chunk_manager.chunks("fp16_param"), key=lambda c: c.index)
+        # Every fp16/bf16 (or fp32) parameter chunk, trainable and frozen.
+        param_chunks = sorted(
+            self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
+        )
         self.auto: AutoPlacement | None = None
         if auto:
-            param_chunks = sorted(
-                self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
-            )
             self.auto = AutoPlacement(
                 self.chunk_manager, param_chunks, self.compute_device, int(gpu_capacity_bytes),
                 warmup_non_model_data_ratio, steady_cuda_cap_ratio, max_prefetch, process_group,
@@ -306,9 +307,7 @@ class GeminiDDP(nn.Module):
         self.chunk_reduced_callbacks: list[Any] = []
         self.update_wait_s = 0.0  # time forward spent waiting for CPU updates
         self._register_hooks()
-        params = [
-            c for c in self.chunk_manager.chunks() if c not in self.chunk_manager.chunks("fp32")
-        ]
+        params = param_chunks
         logger.info(
             "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks of %d elements, %d sharded, "
             "%d kept gathered, %d shards on the CPU; %d fp32 master chunks, %d on the CPU; rank %d/%d",
@@ -492,7 +491,7 @@ class GeminiDDP(nn.Module):
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
         elif not chunk.is_gathered:
-            self.chunk_manager._apply(chunk, _zero_buffer, chunk)
+            self.chunk_manager.zero_chunk(chunk)
         for t, info in chunk.tensors_info.items():
             if info.state is S.READY_FOR_REDUCE:
                 continue
@@ -632,10 +631,6 @@ class GeminiDDP(nn.Module):
                     if not was and chunk.can_release:
                         self.chunk_manager.release_chunk(chunk)
         return None
-
-
-def _zero_buffer(chunk: Chunk) -> None:
-    chunk.buffer = torch.zeros(chunk.chunk_size, dtype=chunk.dtype, device=chunk.compute_device)
 
 
 def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

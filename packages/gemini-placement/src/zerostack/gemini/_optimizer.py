@@ -373,7 +373,6 @@ class GeminiOptimizer:
     def _save_slices(self, params: list[torch.Tensor]) -> dict[int, list]:
         """Copies of ``params``' elements in this rank's master shards and
         states, by pair index."""
-        index = {c: i for i, (c, _) in enumerate(self.pairs)}
         saved: dict[int, list] = {}
         for p in params:
             chunk = self.manager.get_chunk(p)
@@ -386,7 +385,7 @@ class GeminiOptimizer:
             sl = slice(start, end)
             state = self.optimizer.state.get(master, {})
             for t in (master, *(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)):
-                saved.setdefault(index[chunk], []).append((t, sl, t[sl].clone()))
+                saved.setdefault(self._index[chunk], []).append((t, sl, t[sl].clone()))
         return saved
 
     def state_dict(self) -> dict[str, Any]:

@@ -116,6 +116,7 @@ class AutoPlacement:
         self.peak_model_bytes = 0
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
         self._prefetched: dict[Chunk, object] = {}
+        self._by_index = {c.index: c for c in param_chunks}
         self._period_open: int | None = None
         self._model_after_gather = 0
         self._cuda = compute_device.type == "cuda"
@@ -278,10 +279,9 @@ class AutoPlacement:
         ``max_prefetch`` not yet gathered) when they fit without evicting."""
         order = self.stats.order
         wanted: list[Chunk] = []
-        by_index = {c.index: c for c in self.param_chunks}
         for m in range(self.moment, min(len(order), self.moment + 4 * self.max_prefetch)):
             for i in order[m]:
-                c = by_index.get(i)
+                c = self._by_index.get(i)
                 if c is not None and not c.is_gathered and c not in wanted and c not in self.busy:
                     wanted.append(c)
             if len(wanted) >= self.max_prefetch:

@@ -238,6 +238,19 @@ class Chunk:
             )
         self._drop_buffer()
 
+    def zero_buffer(self) -> None:
+        """A zeroed whole buffer in place of a gather, for a chunk whose values
+        are not needed (gradients, none of them computed on this rank). Local:
+        no collective. The tensors stay unbound until the next ``access``.
+
+        Raises:
+            RuntimeError: the chunk is gathered already.
+        """
+        self._check_closed("zero_buffer")
+        if self.is_gathered:
+            raise RuntimeError(f"Chunk {self.index}.zero_buffer: the chunk is gathered")
+        self.buffer = torch.zeros(self.chunk_size, dtype=self.dtype, device=self.compute_device)
+
     # -- gradients ---------------------------------------------------------
 
     def init_grad_chunk(self) -> Chunk:

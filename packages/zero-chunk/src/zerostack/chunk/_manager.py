@@ -176,6 +176,10 @@ class ChunkManager:
         self._apply(chunk, chunk.release)
         self.accessed_chunks.discard(chunk)
 
+    def zero_chunk(self, chunk: Chunk) -> None:
+        """Give ``chunk`` a zeroed buffer without gathering (see Chunk.zero_buffer)."""
+        self._apply(chunk, chunk.zero_buffer)
+
     def move_chunk(
         self, chunk: Chunk, device: torch.device | str, non_blocking: bool = False
     ) -> None:
