@@ -21,7 +21,7 @@ from zerostack.chunk import (
     search_chunk_configuration,
 )
 from zerostack.gemini._placement import AutoPlacement
-from zerostack.shard import rank_and_world
+from zerostack.chunk import rank_and_world
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"

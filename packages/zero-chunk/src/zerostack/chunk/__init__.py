@@ -3,6 +3,13 @@ gathered, released, reduced and moved as one."""
 
 from zerostack.chunk.__about__ import __version__
 from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
+from zerostack.chunk._comm import (
+    all_gather_into,
+    all_reduce_max,
+    all_reduce_sum,
+    rank_and_world,
+    reduce_scatter_sum,
+)
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
@@ -19,5 +26,10 @@ __all__ = [
     "TensorInfo",
     "TensorState",
     "__version__",
+    "all_gather_into",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "rank_and_world",
+    "reduce_scatter_sum",
     "search_chunk_configuration",
 ]

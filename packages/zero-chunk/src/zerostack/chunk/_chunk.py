@@ -104,7 +104,7 @@ class Chunk:
             raise ValueError(f"Chunk: dtype must be floating point (got {dtype})")
         self.index = index
         self.process_group = process_group
-        self.rank, self.world_size = _comm.group_rank_and_size(process_group)
+        self.rank, self.world_size = _comm.rank_and_world(process_group)
         self.shard_size = -(-chunk_size // self.world_size)
         self.chunk_size = self.shard_size * self.world_size
         self.dtype = dtype
@@ -208,7 +208,7 @@ class Chunk:
             return None
         shard = self.shard.to(self.compute_device, non_blocking=True)
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
-        work = _comm.all_gather(self.buffer, shard, self.process_group, async_op)
+        work = _comm.all_gather_into(self.buffer, shard, self.process_group, async_op)
         handle = Handle(work, self._rebind)
         if not async_op:
             handle.wait()

@@ -195,7 +195,7 @@ class LazyInitContext:
                 )
 
         def check_ranks(record: _Record) -> None:
-            _, world = _comm.group_rank_and_size(process_group)
+            _, world = _comm.rank_and_world(process_group)
             if world == 1:
                 return
             # A tensor collective, not all_gather_object, which needs numpy.
@@ -204,7 +204,7 @@ class LazyInitContext:
             )
             device = _comm_device(process_group)
             gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-            _comm.all_gather(gathered, mine.to(device), process_group, async_op=False)
+            _comm.all_gather_into(gathered, mine.to(device), process_group, async_op=False)
             digests = [tuple(row) for row in gathered.view(world, -1).tolist()]
             if len(set(digests)) > 1:
                 raise RuntimeError(

@@ -3,16 +3,27 @@
 from zerostack.shard.__about__ import __version__
 from zerostack.shard._clip import clip_coefficient, grad_stats
 from zerostack.shard._loss_scaler import DynamicLossScaler
+from zerostack.shard._mixed_precision import (
+    StepPlan,
+    make_loss_scaler,
+    plan_step,
+    step_with_div_scale,
+    takes_div_scale,
+)
 from zerostack.shard._optimizer import ZeroOptimizer
-from zerostack.shard._partition import rank_and_world, shard_bounds, shard_numel
+from zerostack.shard._partition import shard_bounds, shard_numel
 
 __all__ = [
     "DynamicLossScaler",
+    "StepPlan",
     "ZeroOptimizer",
     "__version__",
     "clip_coefficient",
     "grad_stats",
-    "rank_and_world",
+    "make_loss_scaler",
+    "plan_step",
     "shard_bounds",
     "shard_numel",
+    "step_with_div_scale",
+    "takes_div_scale",
 ]

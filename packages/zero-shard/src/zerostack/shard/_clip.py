@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zerostack.shard._partition import all_reduce_sum
+from zerostack.chunk import all_reduce_sum
 
 
 def grad_stats(

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerostack.chunk import all_gather_into, all_reduce_sum, rank_and_world, reduce_scatter_sum
 from zerostack.shard import _partition as part
 from zerostack.shard._clip import clip_coefficient, grad_stats
 from zerostack.shard._loss_scaler import DynamicLossScaler
@@ -133,7 +134,7 @@ class ZeroOptimizer:
             )
         self.stage = stage
         self.group = process_group
-        self.rank, self.world = part.rank_and_world(process_group)
+        self.rank, self.world = rank_and_world(process_group)
         self.max_norm = max_norm
         self.overlap = overlap_communication
         self.cpu_offload = cpu_offload
@@ -358,10 +359,10 @@ class ZeroOptimizer:
                 buf.div_(self.world)
             if self.stage == 2:
                 out = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
-                work = part.reduce_scatter_sum(out, buf.view(-1), self.group, async_op=True)
+                work = reduce_scatter_sum(out, buf.view(-1), self.group, async_op=True)
                 mine = out
             else:
-                work = part.all_reduce_sum(buf, self.group, async_op=True)
+                work = all_reduce_sum(buf, self.group, async_op=True)
                 out, mine = buf, buf[self.rank]
             bucket.norm_sq = None
             if self.device.type == "cuda" and bucket.host_grads is not None:
@@ -485,7 +486,7 @@ class ZeroOptimizer:
             else:
                 mine = torch.cat([s.master for s in bucket.shards]).to(dtype)
             full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
-            part.all_gather_into(full.view(-1), mine, self.group)
+            all_gather_into(full.view(-1), mine, self.group)
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 n = s.param.numel()
                 s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
@@ -580,7 +581,7 @@ class ZeroOptimizer:
     def _gather_piece(self, t: torch.Tensor, s: _Shard) -> torch.Tensor:
         src = t.detach().reshape(-1).to(self.device)
         full = torch.empty(self.world * s.piece, dtype=src.dtype, device=self.device)
-        part.all_gather_into(full, src, self.group)
+        all_gather_into(full, src, self.group)
         return full[: s.param.numel()].cpu()
 
     def load_full_state_dict(self, full: dict[str, Any]) -> None:

@@ -1,0 +1,113 @@
+"""The mixed-precision step every ZeRO stage shares: the loss scaler, the
+decision taken from the all-reduced gradient statistics, and ``div_scale``
+applied to optimizers that lack it.
+
+[Note: overflow policy] Only the fp16 loss scaler skips steps. With an fp16
+scaler a non-finite global gradient norm is an overflow: the step is skipped
+and the scale backs off (torch.amp.GradScaler, DeepSpeed and ColossalAI do
+the same). bf16 and fp32 gradients are applied as they are, inf/nan
+included, as torch's optimizers, DDP and FSDP apply them (and ColossalAI's
+bf16 paths): no scale can be at fault there, and skipping would hide the
+problem. A warning names the non-finite norm either way. ZeroOptimizer and
+GeminiOptimizer both decide through ``plan_step``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerostack.shard._clip import clip_coefficient
+from zerostack.shard._loss_scaler import DynamicLossScaler
+
+logger = logging.getLogger(__name__)
+
+
+def make_loss_scaler(
+    api: str, fp16: bool, loss_scaler: DynamicLossScaler | None, scaler_kwargs: dict[str, Any]
+) -> DynamicLossScaler | None:
+    """The fp16 loss scaler of a wrapper: ``loss_scaler`` as given, or one built
+    from the seed's keyword names (``initial_scale``, ``min_scale``, ...);
+    None for bf16/fp32 models (which need none).
+
+    Raises:
+        TypeError: an unknown scaler keyword, or both an instance and keywords.
+    """
+    unknown = sorted(set(scaler_kwargs) - set(DynamicLossScaler.__dataclass_fields__) - {"scale"})
+    if unknown or "scale" in scaler_kwargs:
+        raise TypeError(
+            f"{api}: unknown keyword arguments {unknown or ['scale']}; the loss scaler takes "
+            "initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, "
+            "max_scale"
+        )
+    if loss_scaler is not None and scaler_kwargs:
+        raise TypeError(
+            f"{api}: pass either loss_scaler or its keyword arguments (got both: "
+            f"{sorted(scaler_kwargs)}); set them on the DynamicLossScaler"
+        )
+    if not fp16:
+        return None
+    return loss_scaler if loss_scaler is not None else DynamicLossScaler(**scaler_kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What one optimizer step does, decided from the global gradient statistics."""
+
+    skip: bool
+    """The step is skipped (fp16 overflow, see [Note: overflow policy])."""
+    grad_norm: float
+    """The global L2 norm of the unscaled gradients (inf/nan when non-finite)."""
+    div_scale: float
+    """Divide every gradient by this before the update (loss scale and
+    clipping together); -1.0 when there is nothing to divide."""
+
+
+def plan_step(
+    api: str, norm_sq: float, scaler: DynamicLossScaler | None, max_norm: float
+) -> StepPlan:
+    """Turn the all-reduced squared gradient norm (of the scaled gradients)
+    into the step's plan, and update the loss scaler. See [Note: overflow policy]."""
+    scale = scaler.scale if scaler is not None else 1.0
+    finite = math.isfinite(norm_sq)
+    grad_norm = math.sqrt(norm_sq) / scale if finite else norm_sq
+    if scaler is not None:
+        scaler.update(not finite)
+        if not finite:
+            logger.warning(
+                "%s: gradient overflow (norm %s), step skipped; loss scale now %s",
+                api, norm_sq, scaler.scale,
+            )  # fmt: skip
+            return StepPlan(skip=True, grad_norm=grad_norm, div_scale=-1.0)
+    elif not finite:
+        logger.warning(
+            "%s: the gradient norm is %s; applied as torch's optimizers would (only fp16 "
+            "loss scaling skips steps)", api, norm_sq,
+        )  # fmt: skip
+    combined = clip_coefficient(grad_norm, max_norm) / scale
+    return StepPlan(
+        skip=False, grad_norm=grad_norm, div_scale=1.0 / combined if combined != 1.0 else -1.0
+    )
+
+
+def takes_div_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """True when ``optimizer.step`` divides gradients itself (fused-adam's)."""
+    return "div_scale" in inspect.signature(optimizer.step).parameters
+
+
+def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> None:
+    """``optimizer.step()`` on gradients divided by ``div_scale`` (-1: as they
+    are): passed through where the optimizer takes it, else the gradients
+    are divided in place first (one foreach call)."""
+    if takes_div_scale(optimizer):
+        optimizer.step(div_scale=div_scale)
+        return
+    if div_scale > 0:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch._foreach_mul_(grads, 1.0 / div_scale)
+    optimizer.step()
