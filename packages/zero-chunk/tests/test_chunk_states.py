@@ -69,3 +69,21 @@ def test_unknown_tensor():
     chunk, _ = _chunk_with_tensor()
     with pytest.raises(ValueError, match=r"chunk 0: tensor of shape \(3,\) is not in this chunk"):
         chunk.trans_tensor_state(torch.zeros(3), TensorState.FREE)
+
+
+def test_path_between_follows_the_table():
+    from zerostack.chunk import TRANSITIONS, path_between
+
+    for old in TensorState:
+        for new in TensorState:
+            path = path_between(old, new)
+            state = old
+            for step in path:  # every move legal, ends at new
+                assert step in TRANSITIONS[state]
+                state = step
+            assert state is new
+    assert path_between(TensorState.HOLD, TensorState.READY_FOR_REDUCE) == [
+        TensorState.COMPUTE,
+        TensorState.HOLD_AFTER_BWD,
+        TensorState.READY_FOR_REDUCE,
+    ]

@@ -1,15 +1,34 @@
 """ZeRO-3 over chunks with static and automatic GPU/CPU placement."""
 
 from zerostack.gemini.__about__ import __version__
-from zerostack.gemini._ddp import GeminiDDP
+from zerostack.gemini._config import (
+    AutoPlacementConfig,
+    ChunkConfig,
+    GeminiConfig,
+    MixedPrecision,
+    StaticPlacementConfig,
+)
+from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline
+from zerostack.gemini._ddp import ChunkGroup, GeminiDDP, TrainingState
 from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
-from zerostack.gemini._placement import AutoPlacement, MemStats
+from zerostack.gemini._placement import AutoPlacement, MemStats, Placement, StaticPlacement
 
 __all__ = [
     "AutoPlacement",
+    "AutoPlacementConfig",
+    "ChunkConfig",
+    "ChunkGroup",
+    "CpuStepError",
+    "CpuStepPipeline",
     "GeminiAdamOptimizer",
+    "GeminiConfig",
     "GeminiDDP",
     "GeminiOptimizer",
     "MemStats",
+    "MixedPrecision",
+    "Placement",
+    "StaticPlacement",
+    "StaticPlacementConfig",
+    "TrainingState",
     "__version__",
 ]

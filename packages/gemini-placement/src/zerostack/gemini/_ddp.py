@@ -4,320 +4,324 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
+import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from zerostack.chunk import (
     Chunk,
     ChunkManager,
     LazyInitContext,
     TensorState,
+    path_between,
+    rank_and_world,
     search_chunk_configuration,
 )
-from zerostack.gemini._placement import AutoPlacement
-from zerostack.chunk import rank_and_world
+from zerostack.gemini._config import GeminiConfig
+from zerostack.gemini._cpu_step import CpuStepPipeline
+from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
 S = TensorState
 
 
+class ChunkGroup(Enum):
+    """The chunk sequences of a GeminiDDP model (ChunkManager config keys)."""
+
+    SHARDED = "sharded"  # parameter chunks, each rank holding 1/N (ZeRO-3)
+    GATHERED = "gathered"  # parameter chunks kept whole on every rank (ZeRO-2)
+    SHARDED_MASTER = "sharded_master"  # fp32 masters of SHARDED chunks, 1/N per rank
+    GATHERED_MASTER = "gathered_master"  # fp32 masters of GATHERED chunks, 1/N per rank
+
+
+class TrainingState(Enum):
+    """Where GeminiDDP is in a training iteration (changed only by ``_transition``)."""
+
+    IDLE = 0  # between iterations: chunks hold parameters (or updates about to be written back)
+    FORWARD = 1  # a forward with grad runs: chunks are gathered as modules start
+    AWAIT_BACKWARD = 2  # a forward with grad ended: its activations wait for backward
+    BACKWARD = 3  # backward runs; a forward inside it recomputes a checkpointed module
+    ACCUMULATED = 4  # a backward under no_sync ended: gradients wait in the grad chunks
+    REDUCED = 5  # a backward ended, every chunk reduced: reduced gradients sit in the shards
+
+
+T = TrainingState
+# [Note: training state table] Inference forwards (no grad) do not move the
+# state. REDUCED -> IDLE is the optimizer's step (or a step skipped).
+_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    T.IDLE: frozenset({T.FORWARD}),
+    T.FORWARD: frozenset({T.AWAIT_BACKWARD}),
+    T.AWAIT_BACKWARD: frozenset({T.FORWARD, T.BACKWARD}),
+    T.BACKWARD: frozenset({T.ACCUMULATED, T.REDUCED}),
+    T.ACCUMULATED: frozenset({T.FORWARD, T.BACKWARD}),
+    T.REDUCED: frozenset({T.IDLE}),
+}
+
+
 class GeminiDDP(nn.Module):
     """Wrap ``module`` for ZeRO-3 data parallelism over chunks.
 
-    Parameters are cast to ``mixed_precision`` and packed into chunks
+    Parameters are cast to the compute dtype and packed into chunks
     (``fp16_param``), each paired with an fp32 master chunk (``fp32_param``)
     that ``GeminiOptimizer`` steps. A chunk is gathered by the forward
     pre-hook of the first module that uses it and serves every use until it
     can be released; before a module's backward it is gathered again. Each
     parameter's gradient is written over its slot of the gathered chunk once
-    it is complete (``reuse_fp16_chunk``); a chunk whose tensors are all
-    READY_FOR_REDUCE is reduce-scattered, and the reduced shard replaces the
-    parameter shard until the optimizer writes the updated parameters back.
+    it is complete; a chunk whose tensors are all READY_FOR_REDUCE is
+    reduce-scattered, and the reduced shard replaces the parameter shard until
+    the optimizer writes the updated parameters back.
+
+    Settings come as a :class:`GeminiConfig` (``config=``) or as the seed's
+    keyword arguments, which build one (not both):
 
     Args:
         module: the model (on the compute device or the CPU), or one built
-            under ``LazyInitContext``: then each module's ``reset_parameters``
-            runs as its parameters go into the chunks, and the model never
-            exists whole.
-        placement_policy: "static" (the three fractions below) or "auto"
-            (see zerostack.gemini.AutoPlacement: a warm-up iteration
-            measures, then GPU memory goes to param shards and optimizer
-            chunks, gathered chunks are cached and evicted by farthest next
-            use). Default "static".
-        shard_param_frac: share of parameter bytes, in registration order,
-            in sharded chunks (ZeRO-3); the rest stay whole on every rank
-            (ZeRO-2). Static only. Default 1.0.
-        offload_optim_frac: share of fp32 master chunks (and so of optimizer
-            states) on the CPU: the last ones in registration order, whose
-            CPU updates overlap the forward of the others. Static only.
-            Default 0.0.
-        offload_param_frac: share of parameter shards kept on the CPU between
-            uses. Static only. Default 0.0.
-        warmup_non_model_data_ratio: auto: share of the capacity left to
-            activations during the warm-up iteration. Default 0.8.
-        steady_cuda_cap_ratio: auto: share of the capacity the placement may
-            use after warm-up (less the measured non-model peak). Default 0.9.
-        gpu_capacity_bytes: auto: the device memory to plan for. Default: the
-            CUDA device's total memory; required on a CPU compute device
-            (where placement is bookkeeping, for tests).
-        max_prefetch: auto: gather up to this many chunks ahead of use,
-            asynchronously. Default 0.
-        enable_async_reduce: reduce chunks asynchronously during backward.
-            Default True.
-        scatter_after_inference: release gathered chunks after a forward
-            without grad. Default True.
-        master_weights: keep fp32 master chunks. Only True is implemented.
-        init_fn: for a model built under LazyInitContext without
-            ``reset_parameters`` on every module (e.g. transformers models):
-            a model-level initialiser (``lambda m: m.initialize_weights()``),
-            see LazyInitContext.distribute. Default None.
-        search_range_m, hidden_dim, min_chunk_size_m: the chunk-size search
-            (see zerostack.chunk.search_chunk_configuration). Defaults 32, None, 32.
-        pin_memory: pin CPU shards. Default False.
-        mixed_precision: torch.float16, torch.bfloat16 (or torch.float32, for
-            exact tests). Default torch.float16.
-        chunk_config_dict: skip the search and use this configuration.
-        enable_gradient_accumulation: keep gradients in chunks of their own
-            (instead of over the parameters) so that ``no_sync()`` can
-            accumulate several backward passes before one reduction. Default False.
+            under ``LazyInitContext``: then it is materialized module by
+            module straight into the chunks and never exists whole.
+        config: every setting at once. Default None (from the keywords).
         process_group: the data-parallel group. Default: the default group.
         compute_device: where gathered chunks live. Default: the current CUDA
             device, else the CPU.
+        init_fn: for a model built under LazyInitContext without
+            ``reset_parameters`` on every module (e.g. transformers models):
+            a model-level initialiser, see LazyInitContext.distribute.
+        placement_policy: "static" (shard_param_frac, offload_optim_frac,
+            offload_param_frac) or "auto" (see AutoPlacement and
+            warmup_non_model_data_ratio, steady_cuda_cap_ratio,
+            gpu_capacity_bytes, max_prefetch). Default "static".
+        search_range_m, hidden_dim, min_chunk_size_m, chunk_config_dict,
+            pin_memory, enable_gradient_accumulation: see ChunkConfig.
+        mixed_precision: the compute dtype, torch.float16 (default),
+            torch.bfloat16 or torch.float32; cast_forward_inputs: see
+            MixedPrecision.
+        enable_async_reduce, scatter_after_inference, master_weights: see
+            GeminiConfig (master_weights=False is not implemented).
 
     Raises:
-        ValueError: a bad fraction, policy name or dtype; "auto" with static
-            fractions or without a capacity on a CPU device.
+        ValueError: a bad share, policy name or dtype; "auto" with static
+            fractions or without a capacity on a CPU device; no entry in
+            chunk_config_dict for the group's size.
+        TypeError: ``config`` together with keyword settings, or an unknown keyword.
         NotImplementedError: master_weights=False.
     """
 
     def __init__(
         self,
         module: nn.Module,
+        config: GeminiConfig | None = None,
         *,
-        placement_policy: str = "static",
-        shard_param_frac: float = 1.0,
-        offload_optim_frac: float = 0.0,
-        offload_param_frac: float = 0.0,
-        search_range_m: int = 32,
-        hidden_dim: int | None = None,
-        min_chunk_size_m: float = 32,
-        pin_memory: bool = False,
-        mixed_precision: torch.dtype = torch.float16,
-        chunk_config_dict: dict | None = None,
-        enable_gradient_accumulation: bool = False,
         process_group: dist.ProcessGroup | None = None,
         compute_device: torch.device | str | None = None,
-        warmup_non_model_data_ratio: float = 0.8,
-        steady_cuda_cap_ratio: float = 0.9,
-        gpu_capacity_bytes: int | None = None,
-        max_prefetch: int = 0,
-        enable_async_reduce: bool = True,
-        scatter_after_inference: bool = True,
-        master_weights: bool = True,
-        init_fn: Any = None,
+        init_fn: Callable[[nn.Module], None] | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("shard_param_frac", shard_param_frac),
-            ("offload_optim_frac", offload_optim_frac),
-            ("offload_param_frac", offload_param_frac),
-            ("warmup_non_model_data_ratio", warmup_non_model_data_ratio),
-            ("steady_cuda_cap_ratio", steady_cuda_cap_ratio),
-        ):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{_API}: {name} must be in [0, 1] (got {value}); pass a share")
-        if placement_policy not in ("static", "auto"):
-            raise ValueError(
-                f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
+        if config is not None and settings:
+            raise TypeError(
+                f"{_API}: pass either config or keyword settings (got both: {sorted(settings)})"
             )
-        if not master_weights:
-            raise NotImplementedError(
-                f"{_API}: master_weights=False (stepping the fp16/bf16 chunks directly) is not "
-                "implemented; use master_weights=True"
-            )
-        if max_prefetch < 0:
-            raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {max_prefetch})")
-        auto = placement_policy == "auto"
-        if auto and (shard_param_frac, offload_optim_frac, offload_param_frac) != (1.0, 0.0, 0.0):
-            raise ValueError(
-                f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
-                "placement_policy='static'; 'auto' decides placement itself"
-            )
-        if mixed_precision not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(
-                f"{_API}: mixed_precision must be float16, bfloat16 or float32 (got {mixed_precision})"
-            )
+        self.config = config = config or GeminiConfig.from_kwargs(**settings)
         self.module = module
         self.process_group = process_group
         self.rank, self.world_size = rank_and_world(process_group)
-        self.mixed_precision = mixed_precision
+        self.mixed_precision = config.precision.param_dtype
         self.compute_device = torch.device(compute_device) if compute_device else (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         )  # fmt: skip
-        self.async_reduce = enable_async_reduce
-        self.scatter_after_inference = scatter_after_inference
-        cuda = self.compute_device.type == "cuda"
-        if auto and gpu_capacity_bytes is None:
-            if not cuda:
-                raise ValueError(
-                    f"{_API}: placement_policy='auto' on a {self.compute_device.type} compute device "
-                    "needs gpu_capacity_bytes (the memory to plan for)"
-                )
-            gpu_capacity_bytes = torch.cuda.get_device_properties(self.compute_device).total_memory
-        pin_memory = pin_memory or (auto and cuda)
+        self.accumulate = config.chunk.enable_gradient_accumulation
+        self._register_params(module, init_fn)
+        self._state = T.IDLE
+        self._no_sync = False  # the no_sync() mode (the state records its effect)
+        self._reduce_order = list(reversed(self.grad_chunks))  # the order backward produces them
+        self._next_reduce = 0
+        self._pending: list[Any] = []
+        self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
+        # Called at the end of every reducing backward (GeminiOptimizer stages
+        # gradients of CPU-stepped chunks to the host there).
+        self.backward_end_callbacks: list[Callable[[], None]] = []
+        # Called with (chunk, complete) as each chunk's reduced gradient is
+        # ready (complete: every tensor got a gradient in this backward).
+        self.chunk_reduced_callbacks: list[Callable[[Chunk, bool], None]] = []
+        self._register_hooks()
+        self._log_layout()
 
-        if chunk_config_dict is None:
-            chunk_config_dict = search_chunk_configuration(
+    # -- construction ------------------------------------------------------------
+
+    def _chunk_layout(self, module: nn.Module) -> tuple[int, bool]:
+        """(chunk_size, keep_gathered): the configured entry for this group's
+        size, or the search's answer."""
+        cfg = self.config.chunk
+        table = cfg.chunk_config_dict
+        if table is None:
+            table = search_chunk_configuration(
                 module,
-                search_range_m=search_range_m,
-                search_interval=hidden_dim or 1024,
-                min_chunk_size_m=min_chunk_size_m,
-                process_group=process_group,
+                search_range_m=cfg.search_range_m,
+                search_interval=cfg.hidden_dim or 1024,
+                min_chunk_size_m=cfg.min_chunk_size_m,
+                process_group=self.process_group,
             ).config
-        key = next(iter(chunk_config_dict))
-        base = dict(chunk_config_dict[key])
-        # Sharded ("s") and kept-gathered ("g") parameter chunks, each with
-        # fp32 master chunks laid out the same way ("ms", "mg").
-        self.chunk_manager = ChunkManager(
-            {
-                ("s", key): {**base, "keep_gathered": False},
-                ("g", key): {**base, "keep_gathered": True},
-                ("ms", key): {**base, "keep_gathered": False},
-                ("mg", key): {**base, "keep_gathered": False},
-            },
-            compute_device=self.compute_device,
-            reuse_fp16_chunk=not enable_gradient_accumulation,
-        )
-        self.accumulate = enable_gradient_accumulation
-        self._no_sync = False
+        if self.world_size not in table:
+            raise ValueError(
+                f"{_API}: chunk_config_dict has no entry for the data-parallel size {self.world_size} "
+                f"(got keys {sorted(table)}); key each entry by the process group's size"
+            )
+        entry = table[self.world_size]
+        return int(entry["chunk_size"]), bool(entry.get("keep_gathered", False))
 
-        # Register parameters in creation order; tied ones once.
+    def _make_placement(self, keep_gathered: bool) -> Placement:
+        placement = self.config.placement
+        if self.config.auto:
+            item = torch.empty((), dtype=self.mixed_precision).element_size()
+            return AutoPlacement(
+                placement, self.compute_device, keep_gathered, item, self.world_size,
+                self.process_group,
+            )  # fmt: skip
+        return StaticPlacement(placement, keep_gathered)
+
+    def _register_params(self, module: nn.Module, init_fn: Callable | None) -> None:
+        """Pack every parameter (tied ones once) and its fp32 master into chunks."""
         self.params: list[nn.Parameter] = []
         self.param_names: dict[nn.Parameter, str] = {}
         self.aliases: dict[str, nn.Parameter] = {}  # every name, tied ones included
         for name, p in module.named_parameters(remove_duplicate=False):
             self.aliases[name] = p
-            if p in self.param_names:
-                continue
-            self.param_names[p] = name
-            self.params.append(p)
+            if p not in self.param_names:
+                self.param_names[p] = name
+                self.params.append(p)
+        chunk_size, keep_gathered = self._chunk_layout(module)
+        self.placement = self._make_placement(keep_gathered)
+        cfg = {"chunk_size": chunk_size}
+        self.chunk_manager = ChunkManager(
+            {
+                ChunkGroup.SHARDED: {**cfg, "keep_gathered": False},
+                ChunkGroup.GATHERED: {**cfg, "keep_gathered": True},
+                ChunkGroup.SHARDED_MASTER: {**cfg, "keep_gathered": False},
+                ChunkGroup.GATHERED_MASTER: {**cfg, "keep_gathered": False},
+            },
+            compute_device=self.compute_device,
+            reuse_fp16_chunk=not self.accumulate,
+        )
         self.masters: dict[nn.Parameter, torch.Tensor] = {}
-        total = sum(p.numel() for p in self.params)
-        offload_param_target = offload_param_frac * total
-        offload_optim_target = offload_optim_frac * total
-        shard_target = shard_param_frac * total
-        # auto: param shards on the device while they fit the warm-up share
-        # (exactly re-checked per chunk by AutoPlacement.initial_placement).
-        warmup_room = (1.0 - warmup_non_model_data_ratio) * (gpu_capacity_bytes or 0)
-        item = torch.empty((), dtype=mixed_precision).element_size()
-        seen = 0
-        self.offloaded_masters: set[Chunk] = set()  # stepped on the CPU
-
-        def register(p: torch.Tensor) -> None:
-            nonlocal seen
-            with torch.no_grad():
-                p.data = p.data.to(device=self.compute_device, dtype=mixed_precision)
-            if auto:
-                cpu_param = cuda and (seen + p.numel()) * item / self.world_size > warmup_room
-                cpu_optim = True
-            else:
-                cpu_param = seen < offload_param_target
-                # The last chunks in compute order: their CPU updates then
-                # have the forward of every earlier chunk to hide behind.
-                cpu_optim = seen + p.numel() > total - offload_optim_target
-            part = "s" if seen < shard_target or shard_target == total else "g"
-            seen += p.numel()
-            group = "fp16_param" if p.requires_grad else "frozen_param"
-            self.chunk_manager.register_tensor(
-                p, group, (part, key), process_group, cpu_offload=cpu_param, pin_memory=pin_memory
-            )
-            if p.requires_grad:
-                master = p.detach().to(torch.float32).clone()
-                mchunk = self.chunk_manager.register_tensor(
-                    master,
-                    "fp32_param",
-                    ("m" + part, key),
-                    process_group,
-                    cpu_offload=cpu_optim,
-                    pin_memory=pin_memory,
-                )
-                if cpu_optim and mchunk.num_tensors == 1:  # a chunk is placed when created
-                    self.offloaded_masters.add(mchunk)
-                self.masters[p] = master
-
+        self._total_numel = sum(p.numel() for p in self.params)
+        self._seen = 0
+        pin = self.config.chunk.pin_memory or (
+            self.config.auto and self.compute_device.type == "cuda"
+        )
+        register = _WeakCall(self, "_register_one", pin)
         if any(p.is_meta for p in self.params):
             # Built under LazyInitContext: materialized one module at a time
             # straight into the chunks, never whole.
             LazyInitContext.distribute(
-                module, self.chunk_manager, config_key=("s", key), process_group=process_group,
-                dtype=mixed_precision, register_fn=register, init_fn=init_fn,
+                module, self.chunk_manager, config_key=ChunkGroup.SHARDED,
+                process_group=self.process_group, dtype=self.mixed_precision,
+                register_fn=register, init_fn=init_fn,
             )  # fmt: skip
         else:
+            if init_fn is not None:
+                warnings.warn(
+                    f"{_API}: init_fn has no effect on a model that is not built under "
+                    "LazyInitContext (its parameters exist already)",
+                    UserWarning,
+                    stacklevel=3,
+                )
             for p in self.params:
                 register(p)
             self.chunk_manager.close_all_groups()
+        self._pair_and_place_buffers(module)
+
+    def _register_one(self, pin: bool, p: torch.Tensor) -> None:
+        where = self.placement.decide(self._seen, p.numel(), self._total_numel)
+        self._seen += p.numel()
+        with torch.no_grad():
+            p.data = p.data.to(device=self.compute_device, dtype=self.mixed_precision)
+        group = ChunkGroup.SHARDED if where.sharded else ChunkGroup.GATHERED
+        self.chunk_manager.register_tensor(
+            p, "fp16_param" if p.requires_grad else "frozen_param", group, self.process_group,
+            cpu_offload=where.param_on_cpu, pin_memory=pin,
+        )  # fmt: skip
+        if not p.requires_grad:
+            return
+        master = p.detach().to(torch.float32).clone()
+        master_group = ChunkGroup.SHARDED_MASTER if where.sharded else ChunkGroup.GATHERED_MASTER
+        mchunk = self.chunk_manager.register_tensor(
+            master, "fp32_param", master_group, self.process_group,
+            cpu_offload=where.master_on_cpu, pin_memory=pin,
+        )  # fmt: skip
+        if where.master_on_cpu and mchunk.num_tensors == 1:  # a chunk is placed when created
+            self.placement.offloaded_masters.add(mchunk)
+        self.masters[p] = master
+
+    def _pair_and_place_buffers(self, module: nn.Module) -> None:
         for p, master in self.masters.items():
             chunk, mchunk = self.chunk_manager.get_chunk(p), self.chunk_manager.get_chunk(master)
             if chunk.paired_chunk is None:
                 chunk.pair(mchunk)
-        # Buffers live whole on the compute device.
-        for b in module.buffers():
-            b.data = b.data.to(self.compute_device)
-
-        # chunk -> finishes its pending update (a CPU step still running);
-        # run before the chunk is next used.
-        self.pending_updates: dict[Chunk, Any] = {}
+        precision = self.config.precision
+        for b in module.buffers():  # buffers live whole on the compute device
+            cast = precision.cast_buffers and b.is_floating_point()
+            b.data = b.data.to(self.compute_device, self.mixed_precision if cast else b.dtype)
         self.grad_chunks = sorted(self.chunk_manager.chunks("fp16_param"), key=lambda c: c.index)
         # Every fp16/bf16 (or fp32) parameter chunk, trainable and frozen.
-        param_chunks = sorted(
+        self.param_chunks = sorted(
             self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
         )
-        self.auto: AutoPlacement | None = None
-        if auto:
-            self.auto = AutoPlacement(
-                self.chunk_manager, param_chunks, self.compute_device, int(gpu_capacity_bytes),
-                warmup_non_model_data_ratio, steady_cuda_cap_ratio, max_prefetch, process_group,
-                busy=self.pending_updates,
-            )  # fmt: skip
-            self.auto.initial_placement()
-        # Chunks reduce strictly in reverse order of creation (the order
-        # backward produces them), so every rank issues the same collectives
-        # even when ranks differ in which parameters got gradients. (Gathers
-        # are collectives too: every rank must run forward and backward
-        # through the same modules.)
-        self._reduce_order = list(reversed(self.grad_chunks))
-        self._next_reduce = 0
-        self._pending: list[Any] = []
-        self._backward_started = False
-        self._training = False
-        self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
-        self.backward_via_optimizer = False  # set by GeminiOptimizer.backward, checked by step
-        # Called at the end of every reducing backward (GeminiOptimizer stages
-        # gradients of CPU-stepped chunks to the host there).
-        self.backward_end_callbacks: list[Any] = []
-        # Called with (chunk, complete) as each chunk's reduced gradient is
-        # ready (complete: every tensor got a gradient in this backward).
-        self.chunk_reduced_callbacks: list[Any] = []
-        self.update_wait_s = 0.0  # time forward spent waiting for CPU updates
-        self._register_hooks()
-        params = param_chunks
+        self.cpu_step = CpuStepPipeline(self.chunk_manager, self.compute_device)
+        self.placement.attach(self.chunk_manager, self.param_chunks, busy=self.cpu_step)
+
+    def _log_layout(self) -> None:
+        chunks = self.param_chunks
+        policy = "auto" if self.config.auto else "static"
         logger.info(
             "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks of %d elements, %d sharded, "
             "%d kept gathered, %d shards on the CPU; %d fp32 master chunks, %d on the CPU; rank %d/%d",
-            placement_policy, len(self.params), total / 1e6, len(params), mixed_precision,
-            base["chunk_size"], sum(not c.keep_gathered for c in params),
-            sum(c.keep_gathered for c in params),
-            sum(c.shard is not None and c.shard.device.type == "cpu" for c in params),
+            policy, len(self.params), self._total_numel / 1e6, len(chunks), self.mixed_precision,
+            chunks[0].chunk_size if chunks else 0, sum(not c.keep_gathered for c in chunks),
+            sum(c.keep_gathered for c in chunks),
+            sum(c.shard is not None and c.shard.device.type == "cpu" for c in chunks),
             len(self.chunk_manager.chunks("fp32")), len(self.offloaded_masters),
             self.rank, self.world_size,
         )  # fmt: skip
+
+    # -- public state ------------------------------------------------------------
+
+    @property
+    def auto(self) -> AutoPlacement | None:
+        """The auto placement (None under "static")."""
+        return self.placement if isinstance(self.placement, AutoPlacement) else None
+
+    @property
+    def offloaded_masters(self) -> set[Chunk]:
+        """The fp32 master chunks stepped on the CPU."""
+        return self.placement.offloaded_masters
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._state
+
+    @property
+    def update_wait_s(self) -> float:
+        """Seconds spent waiting for CPU updates (the exposed CPU step)."""
+        return self.cpu_step.wait_s
+
+    def _transition(self, new: TrainingState) -> None:
+        """The only place the training state changes. See [Note: training state table]."""
+        if new not in _MOVES[self._state]:
+            raise RuntimeError(
+                f"{_API} rank {self.rank}: illegal transition {self._state.name} -> {new.name}"
+            )
+        self._state = new
+
+    def finish_step(self) -> None:
+        """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
+        self._transition(T.IDLE)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -334,79 +338,72 @@ class GeminiDDP(nn.Module):
         finally:
             self._no_sync = before
 
+    def await_update(self, chunk: Chunk) -> None:
+        """Finish ``chunk``'s pending optimizer update (a CPU step) if any."""
+        self.cpu_step.await_chunk(chunk)
+
+    def wait_updates(self) -> None:
+        """Finish every pending optimizer update."""
+        self.cpu_step.await_all()
+
     # -- hooks -------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
+        # Hooks hold this module weakly: a tensor hook lives in autograd's C++
+        # graph, out of the garbage collector's sight, and would keep the
+        # model (and all its chunks) alive forever through a strong reference.
         self._handles = []
-        # A tensor hook lives in autograd's C++ graph, out of the garbage
-        # collector's sight: through a strong reference it would keep this
-        # module (and all its chunks) alive forever.
-        me = weakref.ref(self)
+        on_grad = _WeakCall(self, "_on_grad")
         for p in self.params:
             if p.requires_grad:
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(lambda t, me=me: me()._on_grad(t))
-                )
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
         for m in self.module.modules():
             direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
             if not direct:
                 continue
-            self._handles.append(
-                m.register_forward_pre_hook(lambda mod, args, ps=direct: self._pre_forward(ps))
-            )
-            self._handles.append(
-                m.register_forward_hook(
-                    lambda mod, args, out, ps=direct: self._post_forward(ps, out)
-                )
-            )
+            hooks = _ModuleHooks(self, direct)
+            self._handles.append(m.register_forward_pre_hook(hooks.pre_forward))
+            self._handles.append(m.register_forward_hook(hooks.post_forward))
 
     def _chunks(self, params: Iterable[torch.Tensor]) -> list[Chunk]:
         return self.chunk_manager.get_chunks(params)
 
-    def await_update(self, chunk: Chunk) -> None:
-        """Finish ``chunk``'s pending optimizer update (a CPU step) if any."""
-        finish = self.pending_updates.pop(chunk, None)
-        if finish is not None:
-            t0 = time.perf_counter()
-            finish()
-            self.update_wait_s += time.perf_counter() - t0
-
-    def wait_updates(self) -> None:
-        """Finish every pending optimizer update."""
-        for chunk in list(self.pending_updates):
-            self.await_update(chunk)
+    @property
+    def _training(self) -> bool:
+        # Gathers of training iterations are auto placement's moments (an
+        # evaluation forward has another order).
+        return self._state in (T.FORWARD, T.BACKWARD)
 
     def _gather(self, params: list[torch.Tensor], state: TensorState) -> None:
-        chunks = self._chunks(params)
-        if self.auto is not None:
-            self.auto.before_access(chunks, self._training)
-        for chunk in chunks:
-            self.await_update(chunk)
-            self.chunk_manager.access_chunk(chunk)
-        if self.auto is not None:
-            self.auto.after_access(chunks, self._training)
+        with record_function("zerostack::gather"):
+            chunks = self._chunks(params)
+            training = self._training
+            self.placement.before_access(chunks, training)
+            for chunk in chunks:
+                self.cpu_step.await_chunk(chunk)
+                self.chunk_manager.access_chunk(chunk)
+            self.placement.after_access(chunks, training)
         for p in params:
             chunk = self.chunk_manager.get_chunk(p)
-            current = chunk.tensor_state(p)
-            if current in (S.HOLD, S.FREE, S.HOLD_AFTER_BWD):
-                self.chunk_manager.trans_tensor_state(p, state)
+            if chunk.tensor_state(p) in (S.HOLD, S.FREE, S.HOLD_AFTER_BWD):
+                chunk.trans_tensor_state(p, state)
 
     def _release(self, params: list[torch.Tensor], state: TensorState) -> None:
         for p in params:
             chunk = self.chunk_manager.get_chunk(p)
             if chunk.tensor_state(p) is S.COMPUTE:
-                self.chunk_manager.trans_tensor_state(p, state)
+                chunk.trans_tensor_state(p, state)
         self._release_idle(self._chunks(params))
 
     def _release_idle(self, chunks: Iterable[Chunk]) -> None:
-        if self.auto is not None and not self.auto.warming_up:
+        if self.placement.keeps_cache:
             return  # auto keeps gathered chunks as a cache, trimmed by next use
         for chunk in chunks:
             if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
 
     def _pre_forward(self, params: list[torch.Tensor]) -> None:
-        if not self._backward_started:
+        if self._state is not T.BACKWARD:
             # Forward has moved past the chunks this module does not use:
             # release those (a chunk shared by consecutive modules is gathered
             # once). Inside backward (a recomputed forward under activation
@@ -417,48 +414,51 @@ class GeminiDDP(nn.Module):
             )
         self._gather(params, S.COMPUTE)
 
-    def _post_forward(self, params: list[torch.Tensor], out: Any) -> Any:
+    def _post_forward(self, params: list[torch.Tensor], pre_backward: Callable, out: Any) -> None:
         for p in params:
-            if self.chunk_manager.get_chunk(p).tensor_state(p) is S.COMPUTE:
-                self.chunk_manager.trans_tensor_state(p, S.HOLD)
+            chunk = self.chunk_manager.get_chunk(p)
+            if chunk.tensor_state(p) is S.COMPUTE:
+                chunk.trans_tensor_state(p, S.HOLD)
         if not torch.is_grad_enabled():
-            return None
+            return
         tensors = [t for t in _flatten(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             # Before this module's backward, gather its chunks again.
-            torch.autograd.graph.register_multi_grad_hook(
-                tensors, lambda grads, ps=params: self._pre_backward(ps), mode="any"
-            )
-        return None
+            torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def _pre_backward(self, params: list[torch.Tensor]) -> None:
-        if not self._backward_started:
-            self._backward_started = True
+    def _pre_backward(self, params: list[torch.Tensor], grads: Any = None) -> None:
+        if self._state is not T.BACKWARD:
+            self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._gather(params, S.COMPUTE)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         chunk = self.chunk_manager.get_chunk(p)
-        grad = p.grad
         self.used.add(p)
-        info = chunk.tensors_info[p]
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
-            chunk.grad_view(p).add_(grad)
+            chunk.grad_view(p).add_(p.grad)
         else:
-            # The parameter's value is no longer needed: its slot takes the gradient.
-            chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
+            chunk.copy_into_slot(
+                p, p.grad
+            )  # the value is no longer needed: its slot takes the gradient
         p.grad = None
         if chunk.tensor_state(p) is S.HOLD:
-            self.chunk_manager.trans_tensor_state(p, S.COMPUTE)
-        self.chunk_manager.trans_tensor_state(p, S.HOLD_AFTER_BWD)
+            chunk.trans_tensor_state(p, S.COMPUTE)
+        chunk.trans_tensor_state(p, S.HOLD_AFTER_BWD)
         if self._no_sync:
             return  # HOLD_AFTER_BWD -> COMPUTE in the next forward, -> READY in the last backward
-        self.chunk_manager.trans_tensor_state(p, S.READY_FOR_REDUCE)
+        chunk.trans_tensor_state(p, S.READY_FOR_REDUCE)
         self._reduce_ready()
 
+    # -- reduction -----------------------------------------------------------------
+
     def _reduce_ready(self, flush: bool = False) -> None:
+        """Reduce chunks strictly in reverse order of creation, so every rank
+        issues the same collectives even when ranks differ in which parameters
+        got gradients. (Gathers are collectives too: every rank must run
+        forward and backward through the same modules.)"""
         while self._next_reduce < len(self._reduce_order):
             chunk = self._reduce_order[self._next_reduce]
             complete = chunk.can_reduce
@@ -466,7 +466,10 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
-            handle = self.chunk_manager.reduce_chunk(chunk, async_op=self.async_reduce)
+            with record_function("zerostack::reduce"):
+                handle = self.chunk_manager.reduce_chunk(
+                    chunk, async_op=self.config.enable_async_reduce
+                )
             self._pending.append((chunk, handle, complete))
             self._next_reduce += 1
             # Finish all but the last two reductions: finishing frees the
@@ -486,7 +489,7 @@ class GeminiDDP(nn.Module):
         # No gather (a collective this rank may reach at another time than
         # the others): a chunk no tensor of which got a gradient here needs
         # only a zero buffer.
-        self.await_update(chunk)
+        self.cpu_step.await_chunk(chunk)
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
@@ -496,22 +499,21 @@ class GeminiDDP(nn.Module):
             if info.state is S.READY_FOR_REDUCE:
                 continue
             if not self.accumulate:
-                chunk.buffer[info.offset : info.end].zero_()
-            for s in _path_to_ready(info.state):
-                self.chunk_manager.trans_tensor_state(t, s)
+                chunk.copy_into_slot(t, None)
+            for s in path_between(info.state, S.READY_FOR_REDUCE):
+                chunk.trans_tensor_state(t, s)
 
     def _finish_backward(self) -> None:
-        if self.auto is not None and self._training:
-            self.auto.end_warmup()
+        self.placement.end_warmup()
         if self._no_sync:
-            self._backward_started = False
+            self._transition(T.ACCUMULATED)
             return
         self._reduce_ready(flush=True)
         for entry in self._pending:
             self._finish_reduce(*entry)
         self._pending.clear()
         self._next_reduce = 0
-        self._backward_started = False
+        self._transition(T.REDUCED)
         # Frozen parameters were gathered for backward too; release them now.
         frozen = [p for p in self.params if not p.requires_grad]
         if frozen:
@@ -521,26 +523,36 @@ class GeminiDDP(nn.Module):
 
     # -- forward ------------------------------------------------------------------
 
+    def _cast_inputs(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            cast = self.config.precision.cast_forward_inputs and obj.is_floating_point()
+            return obj.to(self.compute_device, self.mixed_precision if cast else obj.dtype)
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._cast_inputs(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._cast_inputs(v) for k, v in obj.items()}
+        return obj
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(a.to(self.compute_device) if isinstance(a, torch.Tensor) else a for a in args)
-        kwargs = {
-            k: v.to(self.compute_device) if isinstance(v, torch.Tensor) else v
-            for k, v in kwargs.items()
-        }
+        self.cpu_step.check()  # a failed CPU update: the model cannot go on
+        if self._state is T.REDUCED:
+            raise RuntimeError(
+                f"{_API}.forward: the reduced gradients of the last backward sit where the "
+                "parameters belong; call optimizer.step() before the next forward"
+            )
+        args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         training = torch.is_grad_enabled()
-        # auto counts gather points of training iterations only (an
-        # evaluation forward has a different order).
-        # Pending updates of kept-gathered chunks end in an all-gather: finish
-        # them here, in chunk order, where every rank is at the same point.
-        for chunk in sorted(self.pending_updates, key=lambda c: c.index):
-            if chunk.keep_gathered:
-                self.await_update(chunk)
-        self._training = training and not self._backward_started
-        if self.auto is not None and self._training:
-            self.auto.start_iteration()
-        out = self.module(*args, **kwargs)
+        self.cpu_step.await_kept_gathered()  # See [Note: write-back order]
+        if training:
+            self._transition(T.FORWARD)
+            self.placement.start_iteration()
+        try:
+            out = self.module(*args, **kwargs)
+        finally:
+            if training:
+                self._transition(T.AWAIT_BACKWARD)
         # The end of forward: nothing is in use until backward gathers again.
-        if training or self.scatter_after_inference:
+        if training or self.config.scatter_after_inference:
             idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]
             if self.auto is not None and not training:
                 for c in idle:
@@ -555,6 +567,7 @@ class GeminiDDP(nn.Module):
         """The whole model's parameters (fp32, from the masters) and buffers,
         on the CPU: on every rank, or with ``only_rank_0`` on rank 0 (the
         others still take part in the gathers and get an empty dict)."""
+        self.cpu_step.check()
         self.wait_updates()
         keep = not only_rank_0 or self.rank == 0
         by_chunk: dict[Chunk, list[nn.Parameter]] = {}
@@ -625,9 +638,7 @@ class GeminiDDP(nn.Module):
                 self.chunk_manager.access_chunk(chunk)
                 t.copy_(value)
                 if not chunk.keep_gathered:
-                    # Write this rank's share back into its shard before releasing.
-                    lo = chunk.rank * chunk.shard_size
-                    chunk.shard.copy_(chunk.buffer[lo : lo + chunk.shard_size])
+                    chunk.commit_share()  # this rank's share into its shard before releasing
                     if not was and chunk.can_release:
                         self.chunk_manager.release_chunk(chunk)
         return None
@@ -643,13 +654,52 @@ def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _path_to_ready(state: TensorState) -> list[TensorState]:
-    return {
-        S.HOLD: [S.COMPUTE, S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
-        S.FREE: [S.COMPUTE, S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
-        S.COMPUTE: [S.HOLD_AFTER_BWD, S.READY_FOR_REDUCE],
-        S.HOLD_AFTER_BWD: [S.READY_FOR_REDUCE],
-    }[state]
+class _WeakCall:
+    """``getattr(target, name)(*args, *call_args)``, holding ``target``
+    weakly; built once, so a step creates no closure."""
+
+    __slots__ = ("_args", "_name", "_ref")
+
+    def __init__(self, target: Any, name: str, *args: Any) -> None:
+        self._ref, self._name, self._args = weakref.ref(target), name, args
+
+    def __call__(self, *call_args: Any) -> Any:
+        target = self._ref()
+        if target is not None:
+            return getattr(target, self._name)(*self._args, *call_args)
+        return None
+
+
+class _ModuleHooks:
+    """The forward and pre-backward hooks of one module with parameters of
+    its own; holds the GeminiDDP weakly and is built once."""
+
+    __slots__ = ("_ddp", "_pre_backward", "params")
+
+    def __init__(self, ddp: GeminiDDP, params: list[torch.Tensor]) -> None:
+        self._ddp = weakref.ref(ddp)
+        self.params = params
+        self._pre_backward = _WeakCall(ddp, "_pre_backward", params)
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._pre_forward(self.params)
+
+    def post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
+        ddp = self._ddp()
+        if ddp is not None:
+            ddp._post_forward(self.params, self._pre_backward, out)
+
+
+def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``module.state_dict()`` would hold (not the non-persistent ones)."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
 
 
 def _flatten(out: Any) -> list[Any]:

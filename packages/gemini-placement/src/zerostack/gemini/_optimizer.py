@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
+import warnings
+import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch.profiler import record_function
 
-from zerostack.chunk import Chunk
+from zerostack.chunk import Chunk, all_gather_into
 from zerostack.fused_adam import HybridAdam
-from zerostack.gemini._ddp import GeminiDDP
-from zerostack.shard import DynamicLossScaler, clip_coefficient, grad_stats
+from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
+from zerostack.shard import (
+    DynamicLossScaler,
+    grad_stats,
+    make_loss_scaler,
+    plan_step,
+    step_with_div_scale,
+    takes_div_scale,
+)
 
 logger = logging.getLogger(__name__)
 _API = "GeminiOptimizer"
@@ -36,10 +40,11 @@ class GeminiOptimizer:
     backward ends; with ``overlap_cpu_step`` the CPU updates run on a worker
     thread, chunk by chunk in compute order, while the next forward starts:
     each chunk's forward waits only for that chunk's update, and its new
-    fp16/bf16 values go to the device then. The math is the same as a
-    synchronous step, never a step late. Only the fp16 loss scaler skips
-    steps on overflow; bf16 and fp32 gradients are applied as torch's
-    optimizers would, inf/nan included.
+    fp16/bf16 values go to the device then (see zerostack.gemini's
+    CpuStepPipeline). The math is the same as a synchronous step, never a
+    step late. Only the fp16 loss scaler skips steps (see zerostack.shard's
+    [Note: overflow policy]); bf16 and fp32 gradients are applied as torch's
+    optimizers would, inf/nan included, with a warning.
 
     Args:
         optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``. Step
@@ -52,12 +57,16 @@ class GeminiOptimizer:
             fp16 loss scale, a CPU-held chunk's update starts during backward,
             with the hyperparameters ``param_groups`` hold then (step lr
             schedulers after ``step()``, as usual). Default True.
-        initial_scale ... max_scale: the fp16 loss scaler (fp16 models only),
-            with zerostack.shard's defaults.
+        loss_scaler: the fp16 loss scaler. Default: a DynamicLossScaler built
+            from ``scaler_kwargs`` (fp16 models only).
+        **scaler_kwargs: DynamicLossScaler's fields (initial_scale, min_scale,
+            growth_factor, backoff_factor, growth_interval, hysteresis,
+            max_scale), the seed's names.
 
     Raises:
         NotImplementedError: several parameter groups.
         ValueError: the optimizer is not built on the module's parameters.
+        TypeError: an unknown keyword, or loss_scaler with scaler keywords.
     """
 
     def __init__(
@@ -67,62 +76,39 @@ class GeminiOptimizer:
         *,
         max_norm: float = 0.0,
         overlap_cpu_step: bool = True,
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2.0**32,
+        loss_scaler: DynamicLossScaler | None = None,
+        **scaler_kwargs: Any,
     ) -> None:
-        if len(optimizer.param_groups) != 1:
-            raise NotImplementedError(
-                f"{_API}: {len(optimizer.param_groups)} parameter groups; one group is supported for now "
-                "(a chunk holds parameters of any group)"
-            )
-        ids = {id(p) for p in optimizer.param_groups[0]["params"]}
-        trainable = [p for p in module.params if p.requires_grad]
-        missing = [module.param_names[p] for p in trainable if id(p) not in ids]
-        if missing:
+        _check_covers(optimizer, module)
+        if max_norm < 0:
             raise ValueError(
-                f"{_API}: the optimizer lacks parameters of the module (got none for {missing[:3]})"
+                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
             )
         self.module = module
         self.manager = module.chunk_manager
+        self.pipeline = module.cpu_step
         self.max_norm = max_norm
         self.optimizer = optimizer
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
+        self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
+        trainable = [p for p in module.params if p.requires_grad]
         # What users (and lr schedulers) see and change; copied into the
         # inner group at each step, when no worker is reading it.
         self.param_groups = [{**optimizer.param_groups[0], "params": trainable}]
-        self._bind_masters()
-        self.scaler = None
-        if module.mixed_precision == torch.float16:
-            self.scaler = DynamicLossScaler(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
-            )
-        self._div_scale = "div_scale" in inspect.signature(optimizer.step).parameters
+        fp16 = module.mixed_precision == torch.float16
+        self.scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
+        self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step")
-            if overlap_cpu_step
-            else None
-        )
-        self._host_grads: dict[Chunk, torch.Tensor] = {}
-        self._staged: dict[int, torch.cuda.Event] = {}
-        self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
-        # CPU-held chunks whose update started during this backward.
-        self._early: set[int] = set()
-        self._lock = threading.Lock()  # one optimizer.step() at a time
-        self.cpu_step_s = 0.0  # worker time in CPU updates (hidden unless forward waits)
-        module.backward_end_callbacks.append(self._stage_grads)
-        module.chunk_reduced_callbacks.append(self._on_chunk_reduced)
+        self.pipeline.start(overlap_cpu_step)
+        weakref.finalize(self, self.pipeline.close)
+        self._bind_masters()
+        self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
+        self._lock = threading.Lock()  # one inner optimizer.step() at a time
+        self._scaled_backward = False
+        self._warned_idle = False
+        self.last_grad_norm = 0.0
+        module.backward_end_callbacks.append(_WeakCall(self, "_stage_grads"))
+        module.chunk_reduced_callbacks.append(_WeakCall(self, "_on_chunk_reduced"))
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
@@ -135,21 +121,27 @@ class GeminiOptimizer:
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
-        # fp16/bf16 results of CPU-held masters, on their way to the chunks.
-        pin = self.module.compute_device.type == "cuda"
-        self._host_params = {}
-        for i in self._host:
+        for i in self._host:  # fp16/bf16 results of CPU-held masters, on their way to the chunks
             chunk, master = self.pairs[i]
-            buf = torch.empty(chunk.shard_size, dtype=chunk.dtype, pin_memory=pin)
-            self._host_params[i] = buf
-            if hasattr(self.optimizer, "set_copy_out"):
+            buf = self.pipeline.host_values(chunk)
+            if self._copy_out:
                 self.optimizer.set_copy_out(master.shard, buf)
+
+    @property
+    def cpu_step_s(self) -> float:
+        """Seconds spent in CPU updates (hidden unless forward waited for them)."""
+        return self.pipeline.update_s
+
+    def close(self) -> None:
+        """Finish pending CPU updates and stop the worker thread (also done
+        when the optimizer is garbage-collected)."""
+        self.pipeline.close()
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
         if self.scaler is not None:
             loss = loss * self.scaler.scale
-        self.module.backward_via_optimizer = True
+            self._scaled_backward = True
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -163,21 +155,8 @@ class GeminiOptimizer:
         chunks into pinned host buffers (the CPU step waits for them)."""
         for i in self._host:
             if i not in self._early:
-                self._stage_one(i)
-
-    def _stage_one(self, i: int) -> None:
-        chunk = self.pairs[i][0]
-        share = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
-        if share.device.type == "cpu":
-            return
-        buf = self._host_grads.get(chunk)
-        if buf is None:
-            buf = torch.empty(share.numel(), dtype=share.dtype, pin_memory=True)
-            self._host_grads[chunk] = buf
-        buf.copy_(share, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._staged[i] = event
+                chunk = self.pairs[i][0]
+                self.pipeline.stage_grad(chunk, _grad_share(chunk))
 
     def _on_chunk_reduced(self, chunk: Chunk, complete: bool) -> None:
         """Start a CPU-held chunk's update during backward, as soon as its
@@ -191,88 +170,111 @@ class GeminiOptimizer:
             or i not in self._host_set
             or self.max_norm > 0
             or self.scaler is not None
-            or self._executor is None
+            or not self.pipeline.overlapping
             or module._no_sync
-            or chunk.keep_gathered  # its write-back is a collective: at a fixed point
-            or (module.auto is not None and not module.auto.planned)
+            or chunk.keep_gathered  # See [Note: write-back order]
+            or not module.placement.planned
         ):
             return
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._sync_hyper()
-        self._stage_one(i)
-        grad = _grad_share(chunk.grad_chunk if chunk.grad_chunk is not None else chunk)
-        future = self._executor.submit(self._cpu_update, i, grad, -1.0, None)
-        module.pending_updates[chunk] = partial(self._finish_async, i, future)
+        grad = _grad_share(chunk)
+        self.pipeline.stage_grad(chunk, grad)
+        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None)
         self._early.add(i)
 
     def _sync_hyper(self) -> None:
         inner = self.optimizer.param_groups[0]
         inner.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
 
-    def _host_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        return grad if grad.device.type == "cpu" else self._host_grads[self.pairs[i][0]]
-
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> bool:
         """Clip, unscale, step the masters, write the parameters back into
-        their chunks. Returns False when skipped for fp16 overflow."""
-        module = self.module
-        early = self._early
-        self._early = set()
-        for chunk in list(module.pending_updates):  # the previous step's CPU updates
-            if self._index.get(chunk) not in early:
-                module.await_update(chunk)
-        if module.auto is not None and not module.auto.planned:
-            masters = dict(self.pairs)
-            before = list(self.masters)
-            module.auto.plan(masters, _state_bytes_per_element(self.optimizer))
-            module.offloaded_masters = {
-                m for m in masters.values() if m not in module.auto.on_device
-            }
-            self._bind_masters()
-            # State loaded before the plan (a resumed run) moves with its master.
-            for old, new in zip(before, self.masters, strict=True):
-                if old is not new and old in self.optimizer.state:
-                    self.optimizer.state[new] = {
-                        k: v.to(new.device) if torch.is_tensor(v) and v.dim() > 0 else v
-                        for k, v in self.optimizer.state.pop(old).items()
-                    }
-            self._stage_grads()  # the plan moved shards: stage from where the gradients are now
-        if module.used and not module.backward_via_optimizer:
-            module.used.clear()
+        their chunks. Returns False when skipped for fp16 overflow (or when
+        no backward ran since the last step).
+
+        Raises:
+            RuntimeError: no backward finished since the last step, fp16
+                gradients not scaled through ``backward``.
+            CpuStepError: an earlier CPU update failed.
+        """
+        self.pipeline.check()
+        if not self._ready_to_step():
+            return False
+        with record_function("zerostack::step"):
+            early, self._early = self._early, set()
+            for chunk in self.pipeline.pending():  # the previous step's CPU updates
+                if self._index.get(chunk) not in early:
+                    self.pipeline.await_chunk(chunk)
+            self._plan_placement()
+            stepped = self._step(early)
+        self.module.finish_step()
+        return stepped
+
+    def _ready_to_step(self) -> bool:
+        state = self.module.training_state
+        if state is TrainingState.IDLE:
+            if not self._warned_idle:
+                self._warned_idle = True
+                warnings.warn(
+                    f"{_API}.step: no backward since the last step; nothing to do",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return False
+        if state is not TrainingState.REDUCED:
             raise RuntimeError(
-                f"{_API}.step: run backward as optimizer.backward(loss), not loss.backward() "
-                "(it scales fp16 losses and marks the step's gradients)"
+                f"{_API}.step: the model is in state {state.name}; step after a backward outside "
+                "no_sync() (forward, optimizer.backward(loss), step)"
             )
-        module.backward_via_optimizer = False
-        # The reduced gradients: in the grad chunk (gradient accumulation) or
-        # over the parameter shard.
-        grads = [
-            _grad_share(c.grad_chunk if c.grad_chunk is not None else c) for c, _ in self.pairs
-        ]
-        device = module.compute_device
-        trainable = [p for p in module.params if p.requires_grad]
-        used = torch.tensor([float(p in module.used) for p in trainable], device=device)
+        if self.scaler is not None and not self._scaled_backward:
+            self._drop_grads()
+            raise RuntimeError(
+                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+        self._scaled_backward = False
+        return True
+
+    def _drop_grads(self) -> None:
+        self.module.used.clear()
+        for chunk, _ in self.pairs:
+            self.pipeline.write_back(chunk, None)
+        self.module.finish_step()
+
+    def _plan_placement(self) -> None:
+        """At the first step under auto placement: the plan, and the masters
+        (with any state loaded before it) where it put them."""
+        before = list(self.masters)
+        if not self.module.placement.plan(
+            dict(self.pairs), _state_bytes_per_element(self.optimizer)
+        ):
+            return
+        self._bind_masters()
+        for old, new in zip(before, self.masters, strict=True):
+            if old is not new and old in self.optimizer.state:
+                self.optimizer.state[new] = {
+                    k: v.to(new.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                    for k, v in self.optimizer.state.pop(old).items()
+                }
+        self._stage_grads()  # the plan moved shards: stage from where the gradients are now
+
+    def _step(self, early: set[int]) -> bool:
+        module = self.module
+        grads = [_grad_share(c) for c, _ in self.pairs]
+        trainable = self.param_groups[0]["params"]
+        used = torch.tensor(
+            [float(p in module.used) for p in trainable], device=module.compute_device
+        )
         stats = grad_stats(grads, used, module.process_group)
         module.used.clear()
-        # Only an fp16 loss scale skips steps; bf16/fp32 gradients are applied
-        # as they are, inf/nan included, as torch's optimizers do (chunks
-        # started during backward could not be taken back anyway).
-        found_inf = self.scaler is not None and not math.isfinite(stats[0])
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            logger.warning(
-                "Gemini: gradient overflow, step skipped; loss scale now %s", self.scaler.scale
-            )
-            for i in range(len(self.pairs)):
-                self._write_back(i, None)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        if plan.skip:
+            for chunk, _ in self.pairs:
+                self.pipeline.write_back(chunk, None)
             return False
-        self.last_grad_norm = stats[0] ** 0.5 / scale
-        combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
-        div_scale = 1.0 / combined if combined != 1.0 else -1.0
+        self.last_grad_norm = plan.grad_norm
         if not early:  # else the hyperparameters read when backward started the CPU updates
             self._sync_hyper()
         # A parameter with no gradient on any rank is left alone, as DDP leaves
@@ -280,33 +282,26 @@ class GeminiOptimizer:
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
         saved = self._save_slices(unused)
-
         # Device-held masters: one launch, asynchronous on the device. (The
         # lock: a CPU update started during backward may be running; each
         # call steps exactly the masters that have a grad.)
         with self._lock:
             for i in self._device:
                 self.masters[i].grad = grads[i]
-            self._step_inner(div_scale)
+            step_with_div_scale(self.optimizer, plan.div_scale)
             for i in self._device:
                 self.masters[i].grad = None
         for i in self._device:
             _restore(saved.get(i))
-            self._write_back(i, None)
-
+            self.pipeline.write_back(self.pairs[i][0], None)
         # CPU-held masters, chunk by chunk in compute order (those started
         # during backward are running already).
         for i in self._cpu_order():
-            if i in early:
-                continue
-            grad = grads[i]
-            if self._executor is None:
-                self._cpu_update(i, grad, div_scale, saved.get(i))
-                self._write_back(i, self._host_params[i])
-            else:
-                future = self._executor.submit(self._cpu_update, i, grad, div_scale, saved.get(i))
+            if i not in early:
                 chunk = self.pairs[i][0]
-                module.pending_updates[chunk] = partial(self._finish_async, i, future)
+                self.pipeline.submit(
+                    chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i)
+                )
         return True
 
     def _cpu_order(self) -> list[int]:
@@ -316,59 +311,25 @@ class GeminiOptimizer:
         first = {idx: k for k, idx in enumerate(auto.stats.chunk_order())}
         return sorted(self._host, key=lambda i: first.get(self.pairs[i][0].index, 1 << 30))
 
-    def _step_inner(self, div_scale: float) -> None:
-        if self._div_scale:
-            self.optimizer.step(div_scale=div_scale)
-            return
-        if div_scale > 0:
-            grads = [m.grad for m in self.masters if m.grad is not None]
-            torch._foreach_mul_(grads, 1.0 / div_scale)
-        self.optimizer.step()
-
     def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved) -> None:
         """Step one CPU-held master (on the worker thread when overlapping)."""
-        t0 = time.perf_counter()
-        staged = self._staged.get(i)
-        if grad.device.type != "cpu" and staged is not None:
-            staged.synchronize()
+        chunk = self.pairs[i][0]
+        host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
-        host_grad = self._host_grad(i, grad)
         with self._lock:
-            master.grad = host_grad if div_scale <= 0 or self._div_scale else host_grad.clone()
-            self._step_inner(div_scale)
+            # Without div_scale in the kernel the gradient is scaled in place: a copy.
+            own = div_scale <= 0 or self._div_scale
+            master.grad = host_grad if own else host_grad.clone()
+            step_with_div_scale(self.optimizer, div_scale)
             master.grad = None
         _restore(saved)
+        values = self.pipeline.host_values(chunk)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
                 if t is master:
-                    self._host_params[i][sl].copy_(value)
-        if not self._copy_out:
-            self._host_params[i].copy_(master)
-        self.cpu_step_s += time.perf_counter() - t0
-
-    def _finish_async(self, i: int, future) -> None:
-        future.result()  # re-raises the worker's exception
-        self._write_back(i, self._host_params[i])
-
-    @torch.no_grad()
-    def _write_back(self, i: int, host_values: torch.Tensor | None) -> None:
-        """Updated master ``i`` becomes its chunk's parameter shard (cast) again:
-        from ``host_values`` (the CPU step's fp16/bf16 output) or the master."""
-        chunk, _ = self.pairs[i]
-        if chunk.is_gathered and chunk.can_release:
-            self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
-        if host_values is None:
-            chunk.copy_from_paired()
+                    values[sl].copy_(value)
         else:
-            chunk._my_share().copy_(host_values, non_blocking=True)
-        grad = chunk.grad_chunk
-        if grad is not None:  # the reduced gradient is consumed
-            self.manager._apply(chunk, setattr, grad, "shard", None)
-            if grad.buffer is not None:
-                grad.buffer.zero_()
-        if chunk.keep_gathered and chunk.world_size > 1:
-            share = chunk._my_share().clone()
-            dist.all_gather_into_tensor(chunk.buffer, share, group=chunk.process_group)
+            values.copy_(master)
 
     def _save_slices(self, params: list[torch.Tensor]) -> dict[int, list]:
         """Copies of ``params``' elements in this rank's master shards and
@@ -489,16 +450,16 @@ class GeminiOptimizer:
         if self.scaler is not None and full["scaler"] is not None:
             self.scaler.load_state_dict(full["scaler"])
         for i in range(len(self.pairs)):
-            self._write_back(i, None)
+            self.pipeline.write_back(self.pairs[i][0], None)
 
 
 def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """The whole chunk from every rank's shard ``t``, on the CPU."""
-    if chunk.world_size == 1 or not dist.is_initialized():
+    if chunk.world_size == 1:
         return t.detach().cpu().clone()
     device = chunk.compute_device
     out = torch.empty(chunk.chunk_size, dtype=t.dtype, device=device)
-    dist.all_gather_into_tensor(out, t.detach().to(device), group=chunk.process_group)
+    all_gather_into(out, t.detach().to(device), chunk.process_group)
     return out.cpu()
 
 
@@ -522,8 +483,25 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 0 if isinstance(optimizer, torch.optim.SGD) else 8
 
 
-def _grad_share(chunk) -> torch.Tensor:
-    return chunk._my_share() if chunk.keep_gathered else chunk.shard
+def _grad_share(chunk: Chunk) -> torch.Tensor:
+    """This rank's share of ``chunk``'s reduced gradient (in its grad chunk
+    under gradient accumulation, else over the parameter shard)."""
+    return (chunk.grad_chunk if chunk.grad_chunk is not None else chunk).local_share()
+
+
+def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:
+    if len(optimizer.param_groups) != 1:
+        raise NotImplementedError(
+            f"{_API}: {len(optimizer.param_groups)} parameter groups; one group is supported for now "
+            "(a chunk holds parameters of any group)"
+        )
+    ids = {id(p) for p in optimizer.param_groups[0]["params"]}
+    trainable = [p for p in module.params if p.requires_grad]
+    missing = [module.param_names[p] for p in trainable if id(p) not in ids]
+    if missing:
+        raise ValueError(
+            f"{_API}: the optimizer lacks parameters of the module (got none for {missing[:3]})"
+        )
 
 
 class GeminiAdamOptimizer(GeminiOptimizer):

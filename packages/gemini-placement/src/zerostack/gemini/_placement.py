@@ -10,11 +10,92 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from zerostack.chunk import Chunk, ChunkManager
+from zerostack.chunk import Chunk, ChunkManager, all_reduce_max
+from zerostack.gemini._config import AutoPlacementConfig, StaticPlacementConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlacement:
+    """Where one parameter goes when it is registered."""
+
+    sharded: bool  # in a sharded chunk (else kept gathered on every rank)
+    param_on_cpu: bool  # its chunk's shard lives on the CPU between uses
+    master_on_cpu: bool  # its master chunk (and optimizer state) is stepped on the CPU
+
+
+class Placement:
+    """The interface GeminiDDP drives a placement policy through.
+
+    ``decide`` places each parameter as it is registered; ``attach`` hands
+    over the chunks once they exist. Then, per training iteration,
+    ``start_iteration``, ``before_access``/``after_access`` around every
+    gather, ``end_warmup`` at the end of backward, and ``plan`` at the first
+    optimizer step. ``offloaded_masters`` are the master chunks stepped on
+    the CPU; ``keeps_cache`` says whether idle gathered chunks stay gathered.
+    """
+
+    warming_up = False
+    planned = True
+    keeps_cache = False
+
+    def __init__(self, keep_gathered: bool) -> None:
+        self.keep_gathered = keep_gathered
+        self.offloaded_masters: set[Chunk] = set()
+        self.manager: ChunkManager | None = None
+        self.param_chunks: list[Chunk] = []
+
+    def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
+        """Place a parameter of ``numel`` elements after ``seen`` of ``total``."""
+        raise NotImplementedError
+
+    def attach(self, manager: ChunkManager, param_chunks: list[Chunk], busy: Container) -> None:
+        self.manager, self.param_chunks, self.busy = manager, param_chunks, busy
+
+    def start_iteration(self) -> None:
+        pass
+
+    def before_access(self, chunks: list[Chunk], training: bool) -> None:
+        pass
+
+    def after_access(self, chunks: list[Chunk], training: bool) -> None:
+        pass
+
+    def end_warmup(self) -> None:
+        pass
+
+    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
+        """Decide where chunks live for good; True when masters moved."""
+        return False
+
+
+class StaticPlacement(Placement):
+    """``placement_policy="static"``: fixed shares, decided at registration.
+
+    The last parameters (in registration order) have their masters on the
+    CPU: their CPU updates then have the forward of every earlier chunk to
+    hide behind. The first ``offload_param_frac`` have their shards on the
+    CPU, and the first ``shard_param_frac`` are sharded (all of them unless
+    the chunk configuration keeps chunks gathered and the share is 1).
+    """
+
+    def __init__(self, config: StaticPlacementConfig, keep_gathered: bool) -> None:
+        super().__init__(keep_gathered)
+        self.config = config
+
+    def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
+        c = self.config
+        if c.shard_param_frac < 1.0:
+            sharded = seen < c.shard_param_frac * total
+        else:
+            sharded = not self.keep_gathered
+        return TensorPlacement(
+            sharded=sharded,
+            param_on_cpu=seen < c.offload_param_frac * total,
+            master_on_cpu=seen + numel > total - c.offload_optim_frac * total,
+        )
 
 
 @dataclass
@@ -64,7 +145,7 @@ class MemStats:
         return uses[k] if k < len(uses) else uses[0] + len(self.order)
 
 
-class AutoPlacement:
+class AutoPlacement(Placement):
     """``placement_policy="auto"`` of GeminiDDP.
 
     During the warm-up iteration parameter shards sit on the GPU while they
@@ -84,30 +165,37 @@ class AutoPlacement:
     byte counts are the same.
     """
 
+    planned = False
+    warming_up = True
+
     def __init__(
         self,
-        manager: ChunkManager,
-        param_chunks: list[Chunk],
+        config: AutoPlacementConfig,
         compute_device: torch.device,
-        capacity: int,
-        warmup_non_model_data_ratio: float,
-        steady_cuda_cap_ratio: float,
-        max_prefetch: int,
+        keep_gathered: bool,
+        param_bytes_per_element: int,
+        world_size: int,
         process_group=None,
-        busy: Container[Chunk] = (),
     ) -> None:
-        self.manager = manager
-        self.busy = busy  # chunks with an update still pending: not prefetched
+        super().__init__(keep_gathered)
+        capacity = config.gpu_capacity_bytes
+        self._cuda = compute_device.type == "cuda"
+        if capacity is None:
+            if not self._cuda:
+                raise ValueError(
+                    f"GeminiDDP: placement_policy='auto' on a {compute_device.type} compute device "
+                    "needs gpu_capacity_bytes (the memory to plan for)"
+                )
+            capacity = torch.cuda.get_device_properties(compute_device).total_memory
         self.process_group = process_group
-        self.param_chunks = param_chunks
         self.device = compute_device
-        self.capacity = capacity
-        self.warmup_ratio = warmup_non_model_data_ratio
-        self.steady_ratio = steady_cuda_cap_ratio
-        self.max_prefetch = max_prefetch
+        self.capacity = int(capacity)
+        self.warmup_ratio = config.warmup_non_model_data_ratio
+        self.steady_ratio = config.steady_cuda_cap_ratio
+        self.max_prefetch = config.max_prefetch
+        self._item = param_bytes_per_element
+        self._world = world_size
         self.stats = MemStats()
-        self.warming_up = True
-        self.planned = False
         self.moment = 0
         self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
         self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
@@ -116,10 +204,26 @@ class AutoPlacement:
         self.peak_model_bytes = 0
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
         self._prefetched: dict[Chunk, object] = {}
-        self._by_index = {c.index: c for c in param_chunks}
         self._period_open: int | None = None
         self._model_after_gather = 0
-        self._cuda = compute_device.type == "cuda"
+
+    @property
+    def keeps_cache(self) -> bool:  # type: ignore[override]
+        return not self.warming_up
+
+    def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
+        """Warm-up placement: param shards on the device while they fit the
+        warm-up share (re-checked per chunk in ``attach``); every master on the CPU."""
+        room = (1.0 - self.warmup_ratio) * self.capacity
+        on_cpu = self._cuda and (seen + numel) * self._item / self._world > room
+        return TensorPlacement(
+            sharded=not self.keep_gathered, param_on_cpu=on_cpu, master_on_cpu=True
+        )
+
+    def attach(self, manager: ChunkManager, param_chunks: list[Chunk], busy: Container) -> None:
+        super().attach(manager, param_chunks, busy)
+        self._by_index = {c.index: c for c in param_chunks}
+        self.initial_placement()
 
     # -- byte accounting ---------------------------------------------------------
 
@@ -217,13 +321,11 @@ class AutoPlacement:
     def _agree(self) -> None:
         """Every rank must take the same decisions (a gather is a collective):
         plan with the largest non-model peak and the smallest capacity of any rank."""
-        if not dist.is_initialized():
-            return
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         mine = torch.tensor(
             [float(self.stats.max_non_model_bytes), -float(self.capacity)], device=device
         )
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.process_group)
+        all_reduce_max(mine, self.process_group)
         worst, neg_capacity = mine.tolist()
         self.non_model_reserve = int(worst)
         self.capacity = int(-neg_capacity)
@@ -297,16 +399,19 @@ class AutoPlacement:
 
     # -- the plan ------------------------------------------------------------------
 
-    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> None:
+    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
         """Decide, once, where param shards and optimizer chunks live.
 
         Args:
             masters: param chunk -> its fp32 master chunk.
             optim_bytes_per_element: bytes of optimizer state per master
                 element (8 for Adam's two fp32 moments).
+
+        Returns:
+            True when this call planned (masters may have moved).
         """
         if self.planned:
-            return
+            return False
         self.end_warmup()
         self.planned = True
         room = self.steady_limit() - self.stats.max_gathered_bytes
@@ -333,6 +438,7 @@ class AutoPlacement:
                 self.optim_bytes_on_device += need
                 optim_on += 1
         n_masters = len(masters)
+        self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
         logger.info(
             "Gemini auto placement: capacity %.2f GB, steady limit %.2f GB (ratio %.2f less %.2f GB "
             "non-model); %d/%d param chunks and %d/%d optimizer chunks on %s, the rest on the CPU",
@@ -340,3 +446,4 @@ class AutoPlacement:
             self.non_model_reserve / 1e9, params_on, len(ordered), optim_on, n_masters,
             self.device,
         )  # fmt: skip
+        return True

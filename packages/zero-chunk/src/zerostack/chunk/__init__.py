@@ -13,7 +13,7 @@ from zerostack.chunk._comm import (
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
-from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
+from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState, path_between
 
 __all__ = [
     "TRANSITIONS",
@@ -31,5 +31,6 @@ __all__ = [
     "all_reduce_sum",
     "rank_and_world",
     "reduce_scatter_sum",
+    "path_between",
     "search_chunk_configuration",
 ]

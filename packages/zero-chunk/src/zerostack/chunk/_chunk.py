@@ -365,19 +365,55 @@ class Chunk:
 
     # -- numerics without host syncs ------------------------------------------
 
-    def _my_share(self) -> torch.Tensor:
+    def local_share(self) -> torch.Tensor:
+        """This rank's ``shard_size`` elements: the shard, or its slice of the
+        gathered buffer (a view either way)."""
         if self.shard is not None and not self.is_gathered:
             return self.shard
         return self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
 
+    def write_share(self, values: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy ``values`` (``shard_size`` elements) into this rank's share."""
+        self.local_share().copy_(values, non_blocking=non_blocking)
+
+    def commit_share(self) -> None:
+        """After the gathered tensors were written: copy this rank's slice of
+        the buffer into its shard, so a release keeps the new values."""
+        self._check_closed("commit_share")
+        if self.shard is not None and self.is_gathered:
+            lo = self.rank * self.shard_size
+            self.shard.copy_(self.buffer[lo : lo + self.shard_size])
+
+    def sync_gathered(self) -> None:
+        """A kept-gathered chunk whose ranks each updated their own share:
+        all-gather the shares into every rank's buffer (a collective)."""
+        self._check_closed("sync_gathered")
+        if not self.keep_gathered:
+            raise RuntimeError(f"Chunk {self.index}.sync_gathered: the chunk is sharded")
+        if self.world_size > 1:
+            share = self.local_share().clone()
+            _comm.all_gather_into(self.buffer, share, self.process_group, async_op=False)
+
+    def copy_into_slot(self, tensor: torch.Tensor, values: torch.Tensor | None) -> None:
+        """Write ``values`` (``tensor``'s numel, any shape; None: zeros) over
+        ``tensor``'s slot of the gathered buffer (its gradient over its value)."""
+        info = self.tensors_info[tensor]
+        if self.buffer is None:
+            raise RuntimeError(f"Chunk {self.index}.copy_into_slot: the chunk is not gathered")
+        slot = self.buffer[info.offset : info.end]
+        if values is None:
+            slot.zero_()
+        else:
+            slot.copy_(values.reshape(-1))
+
     def has_inf_or_nan(self) -> torch.Tensor:
         """A bool tensor on the data's device: any inf/nan in this rank's share."""
-        return ~torch.isfinite(self._my_share()).all()
+        return ~torch.isfinite(self.local_share()).all()
 
     def l2_norm_sq(self) -> torch.Tensor:
         """fp32 squared L2 norm of this rank's share, on its device; summed over
         the ranks it is the whole chunk's."""
-        return self._my_share().float().pow(2).sum()
+        return self.local_share().float().pow(2).sum()
 
     # -- pairing with an fp32 master ---------------------------------------------
 
@@ -395,7 +431,7 @@ class Chunk:
         if self.is_gathered and master.is_gathered:
             self.buffer.copy_(master.buffer)
         else:
-            self._my_share().copy_(master._my_share())
+            self.local_share().copy_(master.local_share())
 
     # -- states ------------------------------------------------------------------
 

@@ -201,6 +201,20 @@ class ChunkManager:
         finish()
         return None
 
+    def consume_grad(self, chunk: Chunk) -> None:
+        """The reduced gradient of ``chunk`` was used: drop the grad chunk's
+        shard and zero its gathered buffer for the next accumulation."""
+        grad = chunk.grad_chunk
+        if grad is None:
+            return
+
+        def drop() -> None:
+            grad.shard = None
+            if grad.buffer is not None:
+                grad.buffer.zero_()
+
+        self._apply(chunk, drop)
+
     def init_grad_chunk(self, chunk: Chunk) -> Chunk:
         """Give ``chunk`` a zeroed gradient chunk (not with reuse_fp16_chunk)."""
         if self.reuse_fp16_chunk:

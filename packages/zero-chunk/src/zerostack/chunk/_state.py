@@ -48,3 +48,25 @@ class TensorInfo:
     @property
     def numel(self) -> int:
         return self.end - self.offset
+
+
+def path_between(old: TensorState, new: TensorState) -> list[TensorState]:
+    """The shortest chain of legal moves from ``old`` to ``new`` (``new``
+    last; empty when they are equal), from the table above.
+
+    Raises:
+        ValueError: ``new`` cannot be reached from ``old``.
+    """
+    paths: dict[TensorState, list[TensorState]] = {old: []}
+    frontier = [old]
+    while frontier and new not in paths:
+        nxt = []
+        for state in frontier:
+            for move in sorted(TRANSITIONS[state], key=lambda s: s.value):
+                if move not in paths:
+                    paths[move] = [*paths[state], move]
+                    nxt.append(move)
+        frontier = nxt
+    if new not in paths:
+        raise ValueError(f"path_between: {new.name} cannot be reached from {old.name}")
+    return paths[new]

@@ -1,0 +1,236 @@
+"""GeminiDDP's settings: frozen configs, validated where they are built, and
+the thin keyword layer (the seed's argument names) that builds them."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_API = "GeminiDDP"
+
+
+def _share(api: str, name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{api}: {name} must be in [0, 1] (got {value}); pass a share")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkConfig:
+    """How parameters are packed into chunks."""
+
+    chunk_config_dict: Mapping[int, Mapping[str, Any]] | None = None
+    """Skip the search: ``{data-parallel size: {"chunk_size": int,
+    "keep_gathered": bool}}`` (what ``search_chunk_configuration`` returns);
+    the entry for the process group's size is used. Default None (search)."""
+    search_range_m: int = 32
+    """Search range of the chunk size, in millions of elements. Default 32."""
+    hidden_dim: int | None = None
+    """Step of the search (the model's hidden size). Default None (1024)."""
+    min_chunk_size_m: float = 32
+    """Smallest chunk the search considers, in millions of elements. Default 32."""
+    pin_memory: bool = False
+    """Pin CPU shards (needs CUDA; auto placement on CUDA always pins). Default False."""
+    enable_gradient_accumulation: bool = False
+    """Keep gradients in chunks of their own so that ``no_sync()`` can
+    accumulate several backward passes before one reduction. Default False."""
+
+    def __post_init__(self) -> None:
+        if self.search_range_m < 0 or self.min_chunk_size_m < 0:
+            raise ValueError(
+                f"{_API}: search_range_m and min_chunk_size_m must be >= 0 "
+                f"(got {self.search_range_m}, {self.min_chunk_size_m})"
+            )
+        for key, entry in (self.chunk_config_dict or {}).items():
+            unknown = sorted(set(entry) - {"chunk_size", "keep_gathered"})
+            if unknown or "chunk_size" not in entry:
+                raise ValueError(
+                    f"{_API}: chunk_config_dict[{key!r}] must hold chunk_size (and optionally "
+                    f"keep_gathered) (got keys {sorted(entry)}); see search_chunk_configuration"
+                )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StaticPlacementConfig:
+    """Fixed shares of the model on the CPU (``placement_policy="static"``)."""
+
+    shard_param_frac: float = 1.0
+    """Share of parameter bytes, in registration order, in sharded chunks
+    (ZeRO-3); the rest stay whole on every rank (ZeRO-2). Below 1 it
+    overrides the chunk configuration's keep_gathered. Default 1.0."""
+    offload_optim_frac: float = 0.0
+    """Share of fp32 master chunks (with their optimizer states) stepped on
+    the CPU: the last ones in registration order. Default 0.0."""
+    offload_param_frac: float = 0.0
+    """Share of parameter shards kept on the CPU between uses. Default 0.0."""
+
+    def __post_init__(self) -> None:
+        for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
+            _share(_API, name, getattr(self, name))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoPlacementConfig:
+    """Placement measured and decided at run time (``placement_policy="auto"``)."""
+
+    warmup_non_model_data_ratio: float = 0.8
+    """Share of the capacity left to activations during the warm-up iteration. Default 0.8."""
+    steady_cuda_cap_ratio: float = 0.9
+    """Share of the capacity the placement may use after warm-up (less the
+    measured non-model peak). Default 0.9."""
+    gpu_capacity_bytes: int | None = None
+    """Device memory to plan for. Default: the CUDA device's total memory;
+    required on a CPU compute device (placement is bookkeeping there)."""
+    max_prefetch: int = 0
+    """Gather up to this many chunks ahead of use, asynchronously. Default 0."""
+
+    def __post_init__(self) -> None:
+        _share(_API, "warmup_non_model_data_ratio", self.warmup_non_model_data_ratio)
+        _share(_API, "steady_cuda_cap_ratio", self.steady_cuda_cap_ratio)
+        if self.max_prefetch < 0:
+            raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {self.max_prefetch})")
+        if self.gpu_capacity_bytes is not None and self.gpu_capacity_bytes <= 0:
+            raise ValueError(
+                f"{_API}: gpu_capacity_bytes must be > 0 (got {self.gpu_capacity_bytes})"
+            )
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MixedPrecision:
+    """The compute dtype and what is cast to it."""
+
+    param_dtype: torch.dtype = torch.float16
+    """Dtype of the parameter chunks, of forward and of backward (fp32
+    masters are kept apart). Default torch.float16."""
+    cast_forward_inputs: bool = True
+    """Cast floating-point tensors passed to forward to ``param_dtype``. Default True."""
+    cast_buffers: bool = True
+    """Cast floating-point buffers to ``param_dtype`` at wrap time. Default True."""
+
+    def __post_init__(self) -> None:
+        if self.param_dtype not in _DTYPES:
+            raise ValueError(
+                f"{_API}: mixed_precision must be float16, bfloat16 or float32 (got {self.param_dtype})"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GeminiConfig:
+    """Every setting of GeminiDDP (what booster-api's GeminiPlugin passes down)."""
+
+    placement: StaticPlacementConfig | AutoPlacementConfig = field(
+        default_factory=StaticPlacementConfig
+    )
+    """Where chunks live. Default StaticPlacementConfig() (all on the compute device)."""
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+    """Chunk sizes and gradient chunks. Default ChunkConfig()."""
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    """Compute dtype and casts. Default MixedPrecision() (fp16)."""
+    enable_async_reduce: bool = True
+    """Reduce chunks asynchronously during backward. Default True."""
+    scatter_after_inference: bool = True
+    """Release gathered chunks after a forward without grad. Default True."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.placement, (StaticPlacementConfig, AutoPlacementConfig)):
+            raise TypeError(
+                f"{_API}: placement must be a StaticPlacementConfig or AutoPlacementConfig "
+                f"(got {type(self.placement).__name__})"
+            )
+
+    @property
+    def auto(self) -> bool:
+        return isinstance(self.placement, AutoPlacementConfig)
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        *,
+        placement_policy: str = "static",
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        gpu_capacity_bytes: int | None = None,
+        max_prefetch: int = 0,
+        search_range_m: int = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        pin_memory: bool = False,
+        chunk_config_dict: Mapping | None = None,
+        enable_gradient_accumulation: bool = False,
+        mixed_precision: torch.dtype = torch.float16,
+        cast_forward_inputs: bool = True,
+        enable_async_reduce: bool = True,
+        scatter_after_inference: bool = True,
+        master_weights: bool = True,
+    ) -> GeminiConfig:
+        """The config the seed's keyword arguments describe (see GeminiDDP).
+
+        Raises:
+            ValueError: a bad policy name, share or dtype; static fractions under "auto".
+            NotImplementedError: master_weights=False.
+        """
+        if placement_policy not in ("static", "auto"):
+            raise ValueError(
+                f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
+            )
+        if not master_weights:
+            raise NotImplementedError(
+                f"{_API}: master_weights=False (stepping the fp16/bf16 chunks directly) is not "
+                "implemented; use master_weights=True"
+            )
+        static = StaticPlacementConfig(
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+        )
+        auto = AutoPlacementConfig(
+            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+            gpu_capacity_bytes=gpu_capacity_bytes,
+            max_prefetch=max_prefetch,
+        )
+        if placement_policy == "auto":
+            if static != StaticPlacementConfig():
+                raise ValueError(
+                    f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
+                    "placement_policy='static'; 'auto' decides placement itself"
+                )
+        else:
+            _warn_unused(auto, AutoPlacementConfig(), "placement_policy='static'")
+        return cls(
+            placement=auto if placement_policy == "auto" else static,
+            chunk=ChunkConfig(
+                chunk_config_dict=chunk_config_dict,
+                search_range_m=search_range_m,
+                hidden_dim=hidden_dim,
+                min_chunk_size_m=min_chunk_size_m,
+                pin_memory=pin_memory,
+                enable_gradient_accumulation=enable_gradient_accumulation,
+            ),
+            precision=MixedPrecision(
+                param_dtype=mixed_precision, cast_forward_inputs=cast_forward_inputs
+            ),
+            enable_async_reduce=enable_async_reduce,
+            scatter_after_inference=scatter_after_inference,
+        )
+
+
+def _warn_unused(given: Any, default: Any, why: str) -> None:
+    """Warn (once per option and place) about options that have no effect."""
+    for name in given.__dataclass_fields__:
+        if getattr(given, name) != getattr(default, name):
+            warnings.warn(
+                f"{_API}: {name}={getattr(given, name)!r} has no effect under {why}; "
+                "it is an option of placement_policy='auto'",
+                UserWarning,
+                stacklevel=4,
+            )

@@ -1,0 +1,219 @@
+"""The CPU part of GeminiOptimizer's step, and the write-backs of every
+chunk: one owner for the worker thread, the updates still pending, the
+pinned host buffers, the staging events and the error of a failed update.
+
+GeminiDDP only asks it to finish a chunk's update before the chunk is used
+(``await_chunk``); AutoPlacement only asks whether a chunk is busy
+(``chunk in pipeline``); GeminiOptimizer submits updates and writes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from zerostack.chunk import Chunk, ChunkManager
+
+logger = logging.getLogger(__name__)
+
+
+class CpuStepError(RuntimeError):
+    """A CPU optimizer update failed. The chunk's parameter shard holds its
+    reduced gradient instead of parameters, so the model refuses to go on:
+    every later forward and step raises this error again (reload a checkpoint)."""
+
+
+class CpuStepPipeline:
+    """Updates of CPU-held master chunks, possibly on a worker thread, and the
+    write-back of updated masters into their parameter chunks.
+
+    Args:
+        manager: the chunk manager of the model.
+        compute_device: where gathered chunks live (pins host buffers on CUDA).
+    """
+
+    def __init__(self, manager: ChunkManager, compute_device: torch.device) -> None:
+        self.manager = manager
+        self._pin = compute_device.type == "cuda"
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: dict[Chunk, Future | None] = {}  # param chunk -> its running update
+        self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on the host
+        self._host_grads: dict[Chunk, torch.Tensor] = {}  # pinned copies of reduced gradients
+        self._staged: dict[Chunk, torch.cuda.Event] = {}
+        self.error: CpuStepError | None = None
+        self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
+        self.update_s = 0.0  # time spent in CPU updates (hidden unless waited for)
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def start(self, overlap: bool) -> None:
+        """Run updates on a worker thread (``overlap``) or inline."""
+        self.close()
+        if overlap:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step")
+
+    def close(self) -> None:
+        """Finish what is pending (errors are kept, not raised) and stop the worker."""
+        for future in self._pending.values():
+            if future is not None:
+                future.exception()  # waits; the error stays in the future
+        if self._executor is not None:
+            # The optimizer may be freed by the worker itself (its last task
+            # held it): a thread cannot join itself.
+            on_worker = threading.current_thread().name.startswith("gemini-cpu-step")
+            self._executor.shutdown(wait=not on_worker)
+            self._executor = None
+
+    @property
+    def overlapping(self) -> bool:
+        return self._executor is not None
+
+    # -- host buffers ----------------------------------------------------------------
+
+    def host_values(self, chunk: Chunk) -> torch.Tensor:
+        """The (pinned) host buffer the CPU step writes ``chunk``'s new
+        fp16/bf16 shard into."""
+        buf = self._host_values.get(chunk)
+        if buf is None:
+            buf = torch.empty(chunk.shard_size, dtype=chunk.dtype, pin_memory=self._pin)
+            self._host_values[chunk] = buf
+        return buf
+
+    def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
+        """Start copying a device-held reduced gradient to a pinned host buffer."""
+        if grad.device.type == "cpu":
+            return
+        buf = self._host_grads.get(chunk)
+        if buf is None:
+            buf = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+            self._host_grads[chunk] = buf
+        buf.copy_(grad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staged[chunk] = event
+
+    def host_grad(self, chunk: Chunk, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` on the host: itself, or its staged copy once the copy is done."""
+        if grad.device.type == "cpu":
+            return grad
+        event = self._staged.get(chunk)
+        if event is not None:
+            event.synchronize()
+        return self._host_grads[chunk]
+
+    # -- updates -------------------------------------------------------------------
+
+    def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> None:
+        """Run ``update(*args)`` for ``chunk`` (on the worker, or now); its
+        write-back follows in ``await_chunk``."""
+        self.check()
+        if self._executor is None:
+            self._run(update, *args)
+            self._pending[chunk] = None
+        else:
+            self._pending[chunk] = self._executor.submit(self._run, update, *args)
+
+    def _run(self, update: Callable[..., None], *args: Any) -> None:
+        t0 = time.perf_counter()
+        with record_function("zerostack::cpu_update"):
+            update(*args)
+        self.update_s += time.perf_counter() - t0
+
+    def __contains__(self, chunk: object) -> bool:
+        """True while ``chunk`` has an update that is not written back."""
+        return chunk in self._pending
+
+    def pending(self) -> list[Chunk]:
+        return list(self._pending)
+
+    def await_chunk(self, chunk: Chunk) -> None:
+        """Finish ``chunk``'s pending update and write its new shard back.
+
+        Raises:
+            CpuStepError: this update, or an earlier one, failed.
+        """
+        self.check()
+        if chunk not in self._pending:
+            return
+        future = self._pending.pop(chunk)
+        if future is not None:
+            t0 = time.perf_counter()
+            error = future.exception()
+            self.wait_s += time.perf_counter() - t0
+            if error is not None:
+                self._fail(chunk, error)
+        self.write_back(chunk, self._host_values[chunk])
+
+    def await_all(self) -> None:
+        """Finish every pending update, in chunk order."""
+        for chunk in sorted(self._pending, key=_index):
+            self.await_chunk(chunk)
+
+    def await_kept_gathered(self) -> None:
+        """Finish the pending updates of kept-gathered chunks, in chunk order.
+
+        [Note: write-back order] Writing back a kept-gathered chunk is an
+        all-gather, so every rank must issue those write-backs in the same
+        order at the same point of the program: GeminiDDP calls this at the
+        start of every forward, updates of kept-gathered chunks are never
+        started during backward (GeminiOptimizer._on_chunk_reduced), and
+        step() finishes the previous step's updates in chunk order. Sharded
+        chunks write back locally (no collective), so they may finish in any
+        hook, whenever their chunk is next needed.
+        """
+        for chunk in sorted(self._pending, key=_index):
+            if chunk.keep_gathered:
+                self.await_chunk(chunk)
+
+    def check(self) -> None:
+        """Raise the error of a failed update, if any (also of one that failed
+        since, without being waited for).
+
+        Raises:
+            CpuStepError: an update failed.
+        """
+        if self.error is None:
+            for chunk, future in self._pending.items():
+                if future is not None and future.done() and future.exception() is not None:
+                    self._fail(chunk, future.exception())
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, chunk: Chunk, error: BaseException) -> None:
+        self.error = CpuStepError(
+            f"GeminiOptimizer: the CPU update of chunk {chunk.index} failed "
+            f"({type(error).__name__}: {error}); its parameters were not written back, so the "
+            "model cannot go on: reload a checkpoint"
+        )
+        self.error.__cause__ = error
+        logger.error("%s", self.error)
+        raise self.error
+
+    # -- write-back ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def write_back(self, chunk: Chunk, host_values: torch.Tensor | None) -> None:
+        """The updated master becomes ``chunk``'s parameter shard (cast) again:
+        from ``host_values`` (the CPU step's fp16/bf16 output) or from the
+        paired master chunk. See [Note: write-back order]."""
+        with record_function("zerostack::write_back"):
+            if chunk.is_gathered and chunk.can_release:
+                self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
+            if host_values is None:
+                chunk.copy_from_paired()
+            else:
+                chunk.write_share(host_values, non_blocking=True)
+            self.manager.consume_grad(chunk)
+            if chunk.keep_gathered:
+                chunk.sync_gathered()
+
+
+def _index(chunk: Chunk) -> int:
+    return chunk.index
