@@ -89,7 +89,9 @@ def _fp16_overflow(rank, world):
     assert opt.step() is True
     assert not all(torch.equal(before[k], ddp.state_dict()[k]) for k in before)
     ddp(idx, tgt).float().backward()
-    with pytest.raises(RuntimeError, match=r"fp16 gradients were not scaled; call optimizer.backward"):
+    with pytest.raises(
+        RuntimeError, match=r"fp16 gradients were not scaled; call optimizer.backward"
+    ):
         opt.step()
     # The unscaled gradients were dropped: training goes on from the same parameters.
     opt.backward(ddp(idx, tgt).float())

@@ -115,7 +115,10 @@ class CpuStepPipeline:
         write-back follows in ``await_chunk``."""
         self.check()
         if self._executor is None:
-            self._run(update, *args)
+            try:
+                self._run(update, *args)
+            except Exception as error:  # the same error as from the worker
+                self._fail(chunk, error)
             self._pending[chunk] = None
         else:
             self._pending[chunk] = self._executor.submit(self._run, update, *args)

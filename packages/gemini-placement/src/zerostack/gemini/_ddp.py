@@ -174,7 +174,16 @@ class GeminiDDP(nn.Module):
                 f"(got keys {sorted(table)}); key each entry by the process group's size"
             )
         entry = table[self.world_size]
-        return int(entry["chunk_size"]), bool(entry.get("keep_gathered", False))
+        size, keep = int(entry["chunk_size"]), bool(entry.get("keep_gathered", False))
+        placement = self.config.placement
+        frac = getattr(placement, "shard_param_frac", 1.0)
+        logger.info(
+            "GeminiDDP: chunk_size=%d keep_gathered=%s (%s, data-parallel size %d)%s",
+            size, keep, "chunk_config_dict" if cfg.chunk_config_dict is not None else "search",
+            self.world_size,
+            f"; shard_param_frac={frac} decides what is sharded" if keep and frac < 1.0 else "",
+        )  # fmt: skip
+        return size, keep
 
     def _make_placement(self, keep_gathered: bool) -> Placement:
         placement = self.config.placement
