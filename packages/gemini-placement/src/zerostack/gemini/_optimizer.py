@@ -15,6 +15,7 @@ from zerostack.chunk import Chunk, all_gather_into
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.shard import (
+    CollectorSchedule,
     DynamicLossScaler,
     grad_stats,
     make_loss_scaler,
@@ -57,6 +58,9 @@ class GeminiOptimizer:
             fp16 loss scale, a CPU-held chunk's update starts during backward,
             with the hyperparameters ``param_groups`` hold then (step lr
             schedulers after ``step()``, as usual). Default True.
+        gc_every_n_steps: Python's cycle collector runs only every this many
+            steps, from the first step on (see zerostack.shard's [Note:
+            collector schedule]); 0 leaves the collector alone. Default 50.
         loss_scaler: the fp16 loss scaler. Default: a DynamicLossScaler built
             from ``scaler_kwargs`` (fp16 models only).
         **scaler_kwargs: DynamicLossScaler's fields (initial_scale, min_scale,
@@ -76,6 +80,7 @@ class GeminiOptimizer:
         *,
         max_norm: float = 0.0,
         overlap_cpu_step: bool = True,
+        gc_every_n_steps: int = 50,
         loss_scaler: DynamicLossScaler | None = None,
         **scaler_kwargs: Any,
     ) -> None:
@@ -99,8 +104,9 @@ class GeminiOptimizer:
         self.scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
+        self.collector = CollectorSchedule(_API, gc_every_n_steps)
         self.pipeline.start(overlap_cpu_step)
-        weakref.finalize(self, self.pipeline.close)
+        weakref.finalize(self, _close, self.pipeline, self.collector)
         self._bind_masters()
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
@@ -135,7 +141,7 @@ class GeminiOptimizer:
     def close(self) -> None:
         """Finish pending CPU updates and stop the worker thread (also done
         when the optimizer is garbage-collected)."""
-        self.pipeline.close()
+        _close(self.pipeline, self.collector)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
@@ -210,6 +216,7 @@ class GeminiOptimizer:
             self._plan_placement()
             stepped = self._step(early)
         self.module.finish_step()
+        self.collector.tick()
         return stepped
 
     def _ready_to_step(self) -> bool:
@@ -451,6 +458,11 @@ class GeminiOptimizer:
             self.scaler.load_state_dict(full["scaler"])
         for i in range(len(self.pairs)):
             self.pipeline.write_back(self.pairs[i][0], None)
+
+
+def _close(pipeline, collector: CollectorSchedule) -> None:
+    pipeline.close()
+    collector.close()
 
 
 def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from zerostack.shard.__about__ import __version__
 from zerostack.shard._clip import clip_coefficient, grad_stats
+from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     StepPlan,
@@ -14,6 +15,7 @@ from zerostack.shard._optimizer import ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
 
 __all__ = [
+    "CollectorSchedule",
     "DynamicLossScaler",
     "StepPlan",
     "ZeroOptimizer",
