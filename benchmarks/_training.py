@@ -48,6 +48,15 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--only", default=only)
+    ap.add_argument(
+        "--model", choices=["gpt2", "llama"], default="gpt2",
+        help="gpt2: TinyGPT of GPT-2 XL shape (--layers/--dim/--heads); llama: a transformers "
+        "LLaMA of TinyLlama-1.1B shape (22 layers, hidden 2048, GQA 32/4 heads)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--repeat", type=int, default=1,
+        help="run the whole set of configurations this many times in one process, interleaved",
+    )  # fmt: skip
     if extra is not None:
         extra(ap)
     a = ap.parse_args()
@@ -55,16 +64,23 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         print(f"{os.path.basename(sys.argv[0])}: needs a CUDA device", file=sys.stderr)
         return None
     init_single_process()
-    config = GPTConfig.gpt2_xl(
-        num_layers=a.layers,
-        dim=a.dim,
-        num_heads=a.heads,
-        max_seq_len=a.seq_len,
-        tie_embeddings=True,
-    )
-    with torch.device("meta"):
-        n = sum(p.numel() for p in TinyGPT(config).parameters())
-    FLOPS_PER_TOKEN[0] = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
+    if a.model == "llama":
+        config = llama_config(a.seq_len)
+        with torch.device("meta"):
+            n = sum(p.numel() for p in _llama(config).parameters())
+        layers, dim = config.num_hidden_layers, config.hidden_size
+    else:
+        config = GPTConfig.gpt2_xl(
+            num_layers=a.layers,
+            dim=a.dim,
+            num_heads=a.heads,
+            max_seq_len=a.seq_len,
+            tie_embeddings=True,
+        )
+        with torch.device("meta"):
+            n = sum(p.numel() for p in TinyGPT(config).parameters())
+        layers, dim = config.num_layers, config.dim
+    FLOPS_PER_TOKEN[0] = 6 * n + 12 * layers * dim * a.seq_len
     print(f"[bench] model: {n / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
     # Per rank: batch_size sequences of its own (rank 0's are the one-GPU batch).
     gen = torch.Generator().manual_seed(dist.get_rank())
@@ -74,10 +90,56 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
 
 
 def describe(a) -> str:
-    return (
-        f"GPT-2 XL shape, {a.layers} layers, dim {a.dim}, batch {a.batch_size} x {a.seq_len}, bf16, activation "
-        f"checkpointing; median of {a.steps} steps after {a.warmup}"
+    shape = (
+        "transformers LLaMA of TinyLlama-1.1B shape (22 layers, hidden 2048, GQA 32/4 heads)"
+        if a.model == "llama"
+        else f"GPT-2 XL shape, {a.layers} layers, dim {a.dim}"
     )
+    return (
+        f"{shape}, batch {a.batch_size} x {a.seq_len}, bf16, activation checkpointing; median of "
+        f"{a.steps} steps after {a.warmup}; spread = max/min step time over the timed steps; "
+        f"{a.repeat} run(s) in one process, interleaved"
+    )
+
+
+def llama_config(seq_len: int):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=max(2048, seq_len),
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+class CausalLM(torch.nn.Module):
+    """A transformers causal LM as ``model(idx, tgt) -> loss`` (what ``run`` calls)."""
+
+    def __init__(self, hf: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        logits = self.hf(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tgt.flatten())
+
+
+def _llama(config) -> torch.nn.Module:
+    import transformers
+
+    hf = transformers.LlamaForCausalLM(config)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return CausalLM(hf)
+
+
+def build_model(config, dtype: torch.dtype | None, device: str = "cuda") -> torch.nn.Module:
+    """The benchmark's model with activation checkpointing: TinyGPT or LLaMA by ``config``."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = _llama(config) if not isinstance(config, GPTConfig) else TinyGPT(config)
+    if dtype is not None:
+        model = model.to(dtype)
+    return checkpoint_blocks(model) if isinstance(model, TinyGPT) else model
 
 
 def init_single_process() -> None:
@@ -98,11 +160,8 @@ def checkpoint_blocks(model: TinyGPT) -> TinyGPT:
     return model
 
 
-def build(config: GPTConfig, dtype: torch.dtype, device: str = "cuda") -> TinyGPT:
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = TinyGPT(config).to(dtype)
-    return checkpoint_blocks(model)
+def build(config, dtype: torch.dtype, device: str = "cuda") -> torch.nn.Module:
+    return build_model(config, dtype, device)
 
 
 def torch_step(opt: torch.optim.Optimizer) -> Callable:
@@ -119,9 +178,10 @@ def torch_step(opt: torch.optim.Optimizer) -> Callable:
 
 
 def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
-    """Median step time split into forward+backward and the optimizer step."""
+    """Median step time split into forward, backward and the optimizer step
+    (synchronised between them), and the spread (max/min) of the step time."""
     idx, tgt = batch
-    fb, opt = [], []
+    fwd, fb, opt = [], [], []
     torch.cuda.reset_peak_memory_stats()
     retries = 0
     for i in range(warmup + steps):
@@ -131,6 +191,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
+        torch.cuda.synchronize()
+        tf = time.perf_counter()
         step_fn(loss, backward_only=True)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -138,6 +200,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         if i >= warmup:
+            fwd.append(tf - t0)
             fb.append(t1 - t0)
             opt.append(t2 - t1)
     total = [a + b for a, b in zip(fb, opt, strict=True)]
@@ -148,6 +211,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
         tokens_s=idx.numel() / statistics.median(total),
         step_s=statistics.median(total),
+        spread=max(total) / min(total),
+        fwd_s=statistics.median(fwd),
         fwd_bwd_s=statistics.median(fb),
         opt_s=statistics.median(opt),
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
@@ -167,7 +232,7 @@ def fsdp2_offload(config, batch, steps, warmup) -> dict:
 
     model = build(config, torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
+    for block in model.blocks if isinstance(model, TinyGPT) else model.hf.model.layers:
         fully_shard(block, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     fully_shard(model, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
@@ -175,20 +240,22 @@ def fsdp2_offload(config, batch, steps, warmup) -> dict:
     return run(label, model, torch_step(opt), batch, steps, warmup, False)
 
 
-def measure(results: list[dict], wanted: list[str], name: str, fn: Callable[[], dict]) -> None:
+def measure(
+    results: list[dict], wanted: list[str], name: str, fn: Callable[[], dict], run: int = 0
+) -> None:
     """Run one configuration if asked for; an OOM becomes a row, not a crash."""
     if name not in wanted:
         return
     left = torch.cuda.memory_allocated() / 1e9
     print(f"[bench] {name} ... ({left:.2f} GB still allocated)", file=sys.stderr, flush=True)
     try:
-        results.append(fn())
+        results.append(dict(fn(), run=run))
     except torch.OutOfMemoryError as exc:
         print(f"[bench] {name}: {exc}", file=sys.stderr, flush=True)
-        results.append(dict(name=name, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
+        results.append(dict(name=name, run=run, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
     except Exception as exc:  # one broken configuration must not hide the others
         traceback.print_exc()
-        results.append(dict(name=name, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+        results.append(dict(name=name, run=run, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -208,21 +275,25 @@ def print_table(
     )
     print(f"- {setup}\n")
     ok = [r for r in results if "error" not in r]
-    plain_r = next((r for r in ok if r["name"].startswith("plain")), None)
-    fsdp_r = next((r for r in ok if r["name"].startswith(peer)), None)
     print(
-        f"| configuration | tokens/s | TFLOPS | vs plain | vs {peer_label} | step s | fwd+bwd s | "
-        "optimizer s | CPU-update wait s | CPU step s | peak GPU GB | host RSS GB | alloc retries |"
+        f"| run | configuration | tokens/s | TFLOPS | vs plain | vs {peer_label} | step s | spread | "
+        "fwd s | fwd+bwd s | optimizer s | CPU-update wait s | CPU step s | peak GPU GB | "
+        "host RSS GB | alloc retries |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        run_no = r.get("run", 0)
         if "error" in r:
-            print(f"| {r['name']} | {r['error']} | | | | | | | | | | | |")
+            print(f"| {run_no} | {r['name']} | {r['error']} | | | | | | | | | | | | | |")
             continue
+        same = [o for o in ok if o.get("run", 0) == run_no]
+        plain_r = next((o for o in same if o["name"].startswith("plain")), None)
+        fsdp_r = next((o for o in same if o["name"].startswith(peer)), None)
         vp = f"{r['tokens_s'] / plain_r['tokens_s']:.2f}x" if plain_r else "n/a"
         vf = f"{r['tokens_s'] / fsdp_r['tokens_s']:.2f}x" if fsdp_r else "n/a"
         wait = f"{r['wait_s']:.3f}" if "wait_s" in r else ""
         cpu = f"{r['cpu_step_s']:.3f}" if "cpu_step_s" in r else ""
-        print(f"| {r['name']} | {r['tokens_s']:,.0f} | {r['tflops']:.0f} | {vp} | {vf} | {r['step_s']:.3f} | "
-              f"{r['fwd_bwd_s']:.3f} | {r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | "
-              f"{r['rss_gb']:.1f} | {r['alloc_retries']} |")  # fmt: skip
+        print(f"| {run_no} | {r['name']} | {r['tokens_s']:,.0f} | {r['tflops']:.0f} | {vp} | {vf} | "
+              f"{r['step_s']:.3f} | {r['spread']:.3f} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
+              f"{r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | {r['rss_gb']:.1f} | "
+              f"{r['alloc_retries']} |")  # fmt: skip

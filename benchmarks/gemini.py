@@ -35,17 +35,19 @@ from zerostack.gemini import GeminiDDP, GeminiOptimizer
 from zerostack.testing import TinyGPT
 
 
-def gemini(config, batch, steps, warmup, label: str, lazy: bool = False, **kwargs) -> dict:
+def gemini(
+    config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0, **kwargs
+) -> dict:
     torch.manual_seed(0)
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
         with LazyInitContext():
-            base = T.checkpoint_blocks(TinyGPT(config))
-        kwargs["init_fn"] = TinyGPT.reset_parameters
+            base = T.build_model(config, None, "cpu")
+        kwargs["init_fn"] = TinyGPT.reset_parameters if isinstance(base, TinyGPT) else _init_hf
     else:
-        with torch.device("cuda"):
-            base = T.checkpoint_blocks(TinyGPT(config))
-    model = GeminiDDP(base, mixed_precision=torch.bfloat16, hidden_dim=config.dim, **kwargs)
-    opt = GeminiOptimizer(HybridAdam(list(base.parameters()), **T.HYPER), model)
+        base = T.build_model(config, None, "cuda")
+    hidden = config.dim if isinstance(base, TinyGPT) else config.hidden_size
+    model = GeminiDDP(base, mixed_precision=torch.bfloat16, hidden_dim=hidden, **kwargs)
+    opt = GeminiOptimizer(HybridAdam(list(base.parameters()), **T.HYPER), model, max_norm=max_norm)
     done = [0]
 
     def step(loss, backward_only):
@@ -55,8 +57,10 @@ def gemini(config, batch, steps, warmup, label: str, lazy: bool = False, **kwarg
         opt.step()
         done[0] += 1
         if done[0] == warmup:  # count the timed steps only
-            model.update_wait_s, opt.cpu_step_s = 0.0, 0.0
+            model.cpu_step.wait_s = model.cpu_step.update_s = 0.0
 
+    if max_norm > 0:
+        label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     model.wait_updates()
     result["wait_s"] = model.update_wait_s / steps
@@ -69,8 +73,42 @@ def gemini(config, batch, steps, warmup, label: str, lazy: bool = False, **kwarg
         )
     else:
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
-    opt._executor.shutdown()
+    opt.close()
     return result
+
+
+def _init_hf(model) -> None:
+    model.hf.initialize_weights()
+
+
+def _configurations(a, args, wanted):
+    """(name, thunk) of every configuration asked for; the capped ones last
+    (the cap stays for the process), so a repeat lifts it first."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    yield "plain", lambda: T.plain(*args)
+    yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
+    yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
+    if "gemini_auto" not in wanted and "gemini_static" not in wanted:
+        return
+    cap = int(a.cap_gib * 2**30)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    for norm in [float(n) for n in a.max_norms.split(",") if n]:
+        label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB"
+        yield (
+            "gemini_auto",
+            lambda label=label, norm=norm: gemini(
+                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap
+            ),
+        )
+        for frac in [float(f) for f in a.static_fracs.split(",") if f]:
+            label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
+            yield (
+                "gemini_static",
+                lambda frac=frac, label=label, norm=norm: gemini(
+                    *args, label, a.lazy, norm, offload_optim_frac=frac
+                ),
+            )
 
 
 def main() -> int:
@@ -80,6 +118,10 @@ def main() -> int:
         ap.add_argument("--cap-gib", type=float, default=24.0)
         ap.add_argument("--static-fracs", default="0.5,1.0")
         ap.add_argument("--lazy", action="store_true", help="build the Gemini models lazily")
+        ap.add_argument(
+            "--max-norms", default="0",
+            help="comma-separated max_norm values for the capped Gemini rows (0: no clipping)",
+        )  # fmt: skip
 
     ready = T.setup(__doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_static", extra)
     if ready is None:
@@ -87,30 +129,9 @@ def main() -> int:
     a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
-    T.measure(results, wanted, "plain", lambda: T.plain(*args))
-    T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args))
-    T.measure(results, wanted, "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU"))
-    if "gemini_auto" in wanted or "gemini_static" in wanted:
-        cap = int(a.cap_gib * 2**30)
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
-        label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB"
-        T.measure(
-            results,
-            wanted,
-            "gemini_auto",
-            lambda: gemini(*args, label, a.lazy, placement_policy="auto", gpu_capacity_bytes=cap),
-        )
-        for frac in [float(f) for f in a.static_fracs.split(",") if f]:
-            label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
-            T.measure(
-                results,
-                wanted,
-                "gemini_static",
-                lambda frac=frac, label=label: gemini(
-                    *args, label, a.lazy, offload_optim_frac=frac
-                ),
-            )
+    for run in range(a.repeat):
+        for name, fn in _configurations(a, args, wanted):
+            T.measure(results, wanted, name, fn, run)
     T.print_table(
         "Gemini on one GPU",
         results,

@@ -55,10 +55,11 @@ def main() -> int:
     a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
-    T.measure(results, wanted, "plain", lambda: T.plain(*args))
-    T.measure(results, wanted, "zero2", lambda: zero(*args, offload=False))
-    T.measure(results, wanted, "zero2_offload", lambda: zero(*args, offload=True))
-    T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args))
+    for run in range(a.repeat):
+        T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
+        T.measure(results, wanted, "zero2", lambda: zero(*args, offload=False), run)
+        T.measure(results, wanted, "zero2_offload", lambda: zero(*args, offload=True), run)
+        T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(
         "ZeRO-2 on one GPU",
         results,

@@ -25,20 +25,20 @@ CASES = {
 }
 
 
-def _trainer(kwargs, gc_every_n_steps=0):
+def _trainer(kwargs, gc_every_n_steps=0, device="cpu"):
     kwargs = dict(kwargs)
     max_norm, overlap = kwargs.pop("max_norm", 0.0), kwargs.pop("overlap", True)
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(
         model, mixed_precision=kwargs.pop("dtype", torch.float32), chunk_config_dict=CHUNKS,
-        compute_device="cpu", **kwargs,
+        compute_device=device, **kwargs,
     )  # fmt: skip
     opt = GeminiOptimizer(
         HybridAdam(list(model.parameters()), lr=1e-3), ddp, max_norm=max_norm,
         overlap_cpu_step=overlap, gc_every_n_steps=gc_every_n_steps,
     )  # fmt: skip
-    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    idx, tgt = (t.to(device) for t in make_batch(CONFIG, 2, 16, seed=0))
 
     def step():
         if ddp.accumulate:
@@ -51,9 +51,22 @@ def _trainer(kwargs, gc_every_n_steps=0):
     return step, opt
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_steady_step_leaves_no_cyclic_garbage(case):
-    step, _ = _trainer(CASES[case])
+def test_a_steady_step_leaves_no_cyclic_garbage(case, device):
+    step, _ = _trainer(CASES[case], device=device)
     for _ in range(3):  # warm-up: auto's plan, lazily made buffers, the fp16 scale settling
         step()
     gc.collect()

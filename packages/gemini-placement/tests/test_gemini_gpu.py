@@ -11,14 +11,23 @@ from zerostack.testing import spawn
 
 pytestmark = pytest.mark.gpu
 
+# Every CPU case: among them the write-back of kept-gathered chunks
+# (half-sharded, zero2), the zero fill of a chunk whose parameter got no
+# gradient (the unused parameter in every non-auto case), frozen and tied
+# parameters, and gradient accumulation.
 GPU_CASES = [
     "fp32-adamw",
+    "fp32-adam-l2-clip",
     "fp32-sgd-clip-offload",
+    "fp32-zero2",
     "fp32-half-sharded",
+    "fp32-frozen-embedding",
     "bf16-adamw",
     "bf16-clip-offload",
     "fp16-clip-offload",
+    "fp32-l2-accum4",
     "fp32-zero2-accum4",
+    "fp32-tied-embeddings",
     "fp32-auto-evicting",
     "bf16-auto-evicting",
 ]
