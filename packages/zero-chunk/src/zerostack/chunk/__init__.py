@@ -29,8 +29,8 @@ __all__ = [
     "all_gather_into",
     "all_reduce_max",
     "all_reduce_sum",
+    "path_between",
     "rank_and_world",
     "reduce_scatter_sum",
-    "path_between",
     "search_chunk_configuration",
 ]

@@ -41,7 +41,11 @@ class CollectorSchedule:
     """
 
     def __init__(self, api: str, every_n_steps: int = 50) -> None:
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+        if (
+            isinstance(every_n_steps, bool)
+            or not isinstance(every_n_steps, int)
+            or every_n_steps < 0
+        ):
             raise ValueError(
                 f"{api}: gc_every_n_steps must be an int >= 0 (got {every_n_steps!r}); "
                 "0 leaves Python's garbage collector alone"
