@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,21 +21,43 @@ HAVE_FUSED_ADAM = importlib.util.find_spec("zerostack.fused_adam") is not None
 CONFIG = GPTConfig(add_unused_param=True, bias=False)
 STEPS = 10
 
-# (id, stage, dtype, optimizer, cpu_offload, max_norm, micro_steps)
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One parity run against DDP."""
+
+    name: str
+    stage: int = 2
+    dtype: torch.dtype = torch.float32
+    kind: str = "adamw"
+    """adamw, adam_l2 or sgd (see _make_opt)."""
+    offload: bool = False
+    max_norm: float = 0.0
+    micro: int = 1
+    """Micro-batches per step (no_sync for all but the last)."""
+    overlap: bool = True
+
+
 CASES = [
-    ("s1-fp32-adamw", 1, torch.float32, "adamw", False, 0.0, 1),
-    ("s2-fp32-adamw", 2, torch.float32, "adamw", False, 0.0, 1),
-    ("s2-fp32-adam-l2", 2, torch.float32, "adam_l2", False, 0.0, 1),
-    ("s2-fp32-sgd", 2, torch.float32, "sgd", False, 0.0, 1),
-    ("s1-fp32-sgd-clip", 1, torch.float32, "sgd", False, 0.05, 1),
-    ("s2-fp32-adamw-clip", 2, torch.float32, "adamw", False, 0.05, 1),
-    ("s2-fp32-accum4", 2, torch.float32, "adam_l2", False, 0.0, 4),
-    ("s1-fp32-accum4", 1, torch.float32, "sgd", False, 0.0, 4),
-    ("s2-bf16-adamw", 2, torch.bfloat16, "adamw", False, 0.0, 1),
-    ("s2-fp16-adamw-clip", 2, torch.float16, "adamw", False, 1.0, 1),
-    ("s2-fp32-offload", 2, torch.float32, "adam_l2", True, 0.05, 1),
-    ("s1-bf16-offload-accum", 1, torch.bfloat16, "adamw", True, 0.0, 4),
-]
+    Case(name="s1-fp32-adamw", stage=1),
+    Case(name="s2-fp32-adamw"),
+    Case(name="s2-fp32-adam-l2", kind="adam_l2"),
+    Case(name="s2-fp32-sgd", kind="sgd"),
+    Case(name="s1-fp32-sgd-clip", stage=1, kind="sgd", max_norm=0.05),
+    Case(name="s2-fp32-adamw-clip", max_norm=0.05),
+    Case(name="s2-fp32-accum4", kind="adam_l2", micro=4),
+    Case(name="s1-fp32-accum4", stage=1, kind="sgd", micro=4),
+    Case(name="s2-bf16-adamw", dtype=torch.bfloat16),
+    Case(name="s2-fp16-adamw-clip", dtype=torch.float16, max_norm=1.0),
+    Case(name="s2-fp32-offload", kind="adam_l2", offload=True, max_norm=0.05),
+    Case(name="s1-bf16-offload-accum", stage=1, dtype=torch.bfloat16, offload=True, micro=4),
+    # Everything reduced at step(), none during backward.
+    Case(name="s2-fp32-adamw-no-overlap", overlap=False),
+    Case(name="s1-fp32-sgd-no-overlap", stage=1, kind="sgd", overlap=False),
+    Case(name="s2-fp32-sgd-clip-no-overlap-accum2", kind="sgd", max_norm=0.05, micro=2,
+         overlap=False),
+]  # fmt: skip
+
 TOL = {
     torch.float32: dict(rtol=1e-5, atol=5e-6),
     torch.bfloat16: dict(rtol=0, atol=2e-2),
@@ -50,21 +73,27 @@ def _make_opt(kind, params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
 
 
-def _run_case(rank, world, case, device="cpu"):
-    name, stage, dtype, kind, offload, max_norm, micro = case
+def _run_case(rank, world, case, device="cpu", group=None):
+    """Train ``case`` next to DDP over ``group`` and compare every step;
+    returns the model."""
     torch.manual_seed(0)
     ref_model = TinyGPT(CONFIG).to(device)
-    model = copy.deepcopy(ref_model).to(dtype)
-    ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = _make_opt(kind, ref.parameters())
+    model = copy.deepcopy(ref_model).to(case.dtype)
+    ref = DDP(ref_model, find_unused_parameters=True, process_group=group)
+    ref_opt = _make_opt(case.kind, ref.parameters())
     zero = ZeroOptimizer(
-        _make_opt(kind, model.parameters()),
-        stage=stage,
-        cpu_offload=offload,
-        max_norm=max_norm,
+        _make_opt(case.kind, model.parameters()),
+        stage=case.stage,
+        cpu_offload=case.offload,
+        max_norm=case.max_norm,
+        overlap_communication=case.overlap,
         module=model,
         reduce_bucket_size=20_000,
+        process_group=group,
     )
+    if group is not None:
+        world = dist.get_world_size(group)
+    name, dtype, micro, max_norm = case.name, case.dtype, case.micro, case.max_norm
     unused_before = model.unused.weight.detach().clone()
     for step in range(STEPS):
         for m in range(micro):
@@ -106,10 +135,11 @@ def _run_case(rank, world, case, device="cpu"):
         for n, p in model.named_parameters()
         if not n.startswith("unused")
     )
-    per_param = {"adamw": 2, "adam_l2": 2, "sgd": 1}[kind]  # exp_avg + exp_avg_sq, or momentum
+    per_param = {"adamw": 2, "adam_l2": 2, "sgd": 1}[case.kind]  # exp_avg + exp_avg_sq, or momentum
     assert state_bytes == used_pieces * 4 * per_param, (
         f"{name}: optimizer state is not the 1/N share"
     )
+    return model
 
 
 class _null:
@@ -126,12 +156,39 @@ def _all_cases(rank, world, cases):
 
 
 def _cases():
-    return [c for c in CASES if HAVE_FUSED_ADAM or not c[4]]
+    return [c for c in CASES if HAVE_FUSED_ADAM or not c.offload]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_ddp(world_size):
     spawn(_all_cases, world_size, args=(_cases(),), backend="gloo", timeout_s=300)
+
+
+SUBGROUP_CASES = [
+    # SGD and Adam-L2: a gradient averaged over the wrong ranks changes their update.
+    Case(name="s2-fp32-sgd-subgroup", kind="sgd"),
+    Case(name="s1-fp32-adam-l2-subgroup", stage=1, kind="adam_l2"),
+]
+
+
+def _subgroups(rank, world):
+    # Every rank creates every group, in the same order; each uses its own.
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    for case in SUBGROUP_CASES:
+        model = _run_case(rank, world, case, group=group)
+        # The pairs trained on different data: equal within a pair, not across.
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        assert torch.equal(every[0], every[1]) and torch.equal(every[2], every[3]), case.name
+        assert not torch.equal(every[0], every[2]), f"{case.name}: the pairs did not differ"
+
+
+def test_parity_with_ddp_on_a_subgroup():
+    # Two ZeRO groups, [0, 1] and [2, 3], in a world of 4, each against a
+    # DDP reference that averages over the same pair.
+    spawn(_subgroups, 4, backend="gloo", timeout_s=300)
 
 
 def _stage1_equals_stage2(rank, world):
@@ -156,40 +213,6 @@ def _stage1_equals_stage2(rank, world):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_stage1_and_stage2_give_the_same_parameters(world_size):
     spawn(_stage1_equals_stage2, world_size, backend="gloo")
-
-
-def _overflow(rank, world):
-    torch.manual_seed(0)
-    model = TinyGPT(CONFIG).half()
-    zero = ZeroOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-3), hysteresis=1, initial_scale=1024.0
-    )
-    before = [p.detach().clone() for p in model.parameters()]
-    handle = model.lm_head.weight.register_hook(lambda g: g * float("inf") if rank == 0 else g)
-    idx, tgt = make_batch(CONFIG, 2, 16, seed=rank)
-    zero.backward(model(idx, tgt).float())
-    assert zero.step() is False
-    assert zero.scaler.scale == 512.0
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    assert all(
-        s.master.grad is None and p.grad is None
-        for s, p in zip(zero.shards, model.parameters(), strict=True)
-    )
-    handle.remove()
-    zero.backward(model(idx, tgt).float())
-    assert zero.step() is True
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    # Without optimizer.backward the fp16 loss is not scaled: a clear error.
-    model(idx, tgt).float().backward()
-    with pytest.raises(
-        RuntimeError, match=r"fp16 gradients were not scaled; call optimizer.backward\(loss\)"
-    ):
-        zero.step()
-
-
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_overflow_on_one_rank_skips_the_step_everywhere(world_size):
-    spawn(_overflow, world_size, backend="gloo")
 
 
 def _global_batch(step, rank, world):

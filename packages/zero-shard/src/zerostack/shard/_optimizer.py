@@ -4,62 +4,110 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
-import math
+import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from zerostack.chunk import all_gather_into, all_reduce_sum, rank_and_world, reduce_scatter_sum
 from zerostack.shard import _partition as part
-from zerostack.shard._clip import clip_coefficient, grad_stats
+from zerostack.shard._bucket import (
+    _Bucket,
+    _Shard,
+    make_buckets,
+    make_shards,
+    pack_grads,
+    pin_offload_buffers,
+)
+from zerostack.shard._clip import grad_stats
 from zerostack.shard._loss_scaler import DynamicLossScaler
+from zerostack.shard._mixed_precision import (
+    make_loss_scaler,
+    plan_step,
+    step_with_div_scale,
+    takes_div_scale,
+)
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
 
 
-@dataclass(slots=True)
-class _Shard:
-    """One model parameter and this rank's piece of it.
-
-    [Note: per-parameter pieces] Every parameter is flattened, zero-padded to
-    a multiple of the group size and cut into equal pieces; rank r owns piece
-    r of every parameter (a parameter smaller than the group leaves some
-    ranks a piece of padding only). Padding stays zero through Adam, weight
-    decay and clipping, so it never changes a result.
-    """
-
-    param: torch.Tensor
-    index: int
-    name: str
-    piece: int  # elements per rank's piece
-    master: torch.Tensor  # this rank's piece, stepped by the inner optimizer
-    grad: torch.Tensor | None = None  # reduced gradient piece (accumulated)
-    ready: bool = False  # its gradient arrived in the current backward
-    used: bool = False  # it had a gradient at some point since the last step
-    copy_out: torch.Tensor | None = None  # low-precision pinned buffer (cpu_offload)
+def _check_args(
+    optimizer: torch.optim.Optimizer, stage: object, reduce_bucket_size: int, max_norm: float
+) -> None:
+    if stage not in (1, 2):
+        raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3")
+    if reduce_bucket_size < 1:
+        raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
+    if max_norm < 0:
+        raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
+    if optimizer.state:
+        raise ValueError(f"{_API}: wrap the optimizer before its first step (it already has state)")
 
 
-class _Bucket:
-    def __init__(self, shards: list[_Shard]) -> None:
-        self.shards = shards
-        self.offsets = []
-        total = 0
-        for s in shards:
-            self.offsets.append(total)
-            total += s.piece
-        self.piece_total = total
-        self.pending: tuple | None = None  # (work, buffer or output)
-        self.norm_sq: torch.Tensor | None = None  # squared norm of this rank's reduced piece
-        self.on_host = False  # cpu_offload: the reduced piece is already queued to host_grads
-        self.host_grads: torch.Tensor | None = None  # cpu_offload: pinned, see _pin_offload_buffers
-        self.host_params: torch.Tensor | None = None
+def _params_and_device(
+    optimizer: torch.optim.Optimizer,
+) -> tuple[list[torch.Tensor], torch.device]:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params:
+        raise ValueError(f"{_API}: the optimizer has no parameters")
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"{_API}: parameters on several devices (got {sorted(map(str, devices))})")
+    return params, next(iter(devices))
+
+
+def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) -> dict[int, str]:
+    """Parameter names by id; checks that the optimizer covers the module."""
+    if module is None:
+        return {}
+    in_opt = {id(p) for p in params}
+    for n, p in module.named_parameters():
+        if p.requires_grad and id(p) not in in_opt:
+            raise ValueError(
+                f"{_API}: parameter {n!r} of the module is missing from the wrapped optimizer; "
+                "build the optimizer on model.parameters()"
+            )
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Adam/AdamW on offloaded masters steps through fused-adam's CPU kernel."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    try:
+        from zerostack.fused_adam import CPUAdam
+    except ImportError:
+        raise ImportError(
+            f"{_API}: cpu_offload with {type(optimizer).__name__} steps through zerostack-fused-adam's "
+            "CPU kernel: pip install zerostack-fused-adam (or pass a CPU optimizer of your own)"
+        ) from None
+    adamw = type(optimizer) is torch.optim.AdamW
+    groups = []
+    for g in optimizer.param_groups:
+        if g.get("amsgrad") or g.get("maximize"):
+            raise NotImplementedError(f"{_API}: cpu_offload does not support amsgrad or maximize")
+        groups.append(
+            dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
+                 weight_decay=g["weight_decay"])
+        )  # fmt: skip
+    logger.info(
+        "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
+        type(optimizer).__name__,
+        adamw,
+    )
+    return CPUAdam(groups, adamw_mode=adamw)
+
+
+def _grad_hook(me: weakref.ref[ZeroOptimizer], s: _Shard) -> None:
+    zero = me()
+    if zero is not None:  # a dropped optimizer leaves inert hooks on the model
+        zero._on_grad(s)
 
 
 class ZeroOptimizer:
@@ -74,6 +122,11 @@ class ZeroOptimizer:
     stream on CUDA. After the inner step the updated pieces are all-gathered
     back into the parameters.
 
+    Only the fp16 loss scaler skips steps: a non-finite gradient norm with
+    fp16 parameters skips the step on every rank and backs the scale off;
+    bf16/fp32 gradients are applied as they are, inf/nan included, as torch's
+    optimizers would, with a warning (see [Note: overflow policy]).
+
     Args:
         optimizer: a torch optimizer over the model's parameters, before its
             first step (e.g. ``torch.optim.AdamW(model.parameters())``).
@@ -86,16 +139,22 @@ class ZeroOptimizer:
             then steps through zerostack-fused-adam's CPU kernel. Default False.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
-        initial_scale, min_scale, growth_factor, backoff_factor,
-        growth_interval, hysteresis, max_scale: the fp16 DynamicLossScaler
-            (used only when a parameter is fp16).
+        loss_scaler: the fp16 loss scaler to use. Default None: a
+            ``DynamicLossScaler`` built from ``scaler_kwargs``. Used only when
+            a parameter is fp16 (a warning says so otherwise).
         process_group: the data-parallel group. Default: the default group.
         module: the model, optional; when given, every trainable parameter of
             it must be in ``optimizer`` and messages use its parameter names.
+        **scaler_kwargs: ``initial_scale``, ``min_scale``, ``growth_factor``,
+            ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+            ``max_scale`` of the ``DynamicLossScaler`` (its defaults when
+            left out), instead of ``loss_scaler``.
 
     Raises:
         ValueError: stage not 1 or 2, an optimizer that already stepped, a
             trainable module parameter missing from the optimizer, mixed devices.
+        TypeError: an unknown keyword, or ``loss_scaler`` and scaler keywords
+            together.
         ImportError: cpu_offload with Adam/AdamW but no zerostack-fused-adam.
     """
 
@@ -110,110 +169,47 @@ class ZeroOptimizer:
         cpu_offload: bool = False,
         master_weights: bool = True,
         max_norm: float = 0.0,
-        initial_scale: float = 2.0**16,
-        min_scale: float = 1.0,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2.0**32,
+        loss_scaler: DynamicLossScaler | None = None,
         process_group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
+        **scaler_kwargs: Any,
     ) -> None:
-        if stage not in (1, 2):
-            raise ValueError(
-                f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3"
-            )
-        if reduce_bucket_size < 1:
-            raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
-        if max_norm < 0:
-            raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
-        if optimizer.state:
-            raise ValueError(
-                f"{_API}: wrap the optimizer before its first step (it already has state)"
-            )
+        _check_args(optimizer, stage, reduce_bucket_size, max_norm)
+        params, self.device = _params_and_device(optimizer)
+        names = _module_names(module, params)
         self.stage = stage
         self.group = process_group
         self.rank, self.world = rank_and_world(process_group)
         self.max_norm = max_norm
         self.overlap = overlap_communication
         self.cpu_offload = cpu_offload
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError(f"{_API}: the optimizer has no parameters")
-        devices = {p.device for p in params}
-        if len(devices) != 1:
-            raise ValueError(
-                f"{_API}: parameters on several devices (got {sorted(map(str, devices))})"
-            )
-        self.device = next(iter(devices))
-        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        if module is not None:
-            in_opt = {id(p) for p in params}
-            for n, p in module.named_parameters():
-                if p.requires_grad and id(p) not in in_opt:
-                    raise ValueError(
-                        f"{_API}: parameter {n!r} of the module is missing from the wrapped optimizer; "
-                        "build the optimizer on model.parameters()"
-                    )
         self.fp16 = any(p.dtype == torch.float16 for p in params)
-        self.scaler = None
-        if self.fp16:
-            self.scaler = DynamicLossScaler(
-                initial_scale=initial_scale,
-                min_scale=min_scale,
-                growth_factor=growth_factor,
-                backoff_factor=backoff_factor,
-                growth_interval=growth_interval,
-                hysteresis=hysteresis,
-                max_scale=max_scale,
+        self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
+        if not self.fp16 and (loss_scaler is not None or scaler_kwargs):
+            warnings.warn(
+                f"{_API}: the loss scaler has no effect without fp16 parameters (got "
+                f"{'loss_scaler' if loss_scaler is not None else sorted(scaler_kwargs)}); "
+                "bf16 and fp32 need no loss scaling",
+                stacklevel=2,
             )
         self.comm_dtype = communication_dtype
         master_device = torch.device("cpu") if cpu_offload else self.device
-        pin = cpu_offload and torch.cuda.is_available()
-
         # Masters replace the params inside the inner optimizer's groups.
-        self.shards: list[_Shard] = []
-        for group in optimizer.param_groups:
-            masters = []
-            for p in group["params"]:
-                piece = part.shard_numel(p.numel(), self.world)
-                full = part.padded_flat(p.detach(), self.world)
-                mine = full[self.rank * piece : (self.rank + 1) * piece]
-                dtype = torch.float32 if master_weights else p.dtype
-                master = mine.to(device=master_device, dtype=dtype).clone()
-                if hasattr(master, "grad_dtype"):
-                    master.grad_dtype = (
-                        None  # torch >= 2.10: CPUAdam takes bf16/fp16 grads as they are
-                    )
-                shard = _Shard(
-                    p,
-                    len(self.shards),
-                    names.get(id(p), f"param {len(self.shards)}"),
-                    piece,
-                    master,
-                )
-                self.shards.append(shard)
-                masters.append(master)
-            group["params"] = masters
-        self.optimizer = self._maybe_cpu_kernel(optimizer) if cpu_offload else optimizer
-        self._div_scale = "div_scale" in inspect.signature(self.optimizer.step).parameters
-
-        # Buckets in reverse parameter order, the order backward produces grads.
-        self.buckets: list[_Bucket] = []
-        current: list[_Shard] = []
-        size = 0
-        for s in reversed(self.shards):
-            if current and size + s.piece * self.world > reduce_bucket_size:
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(s)
-            size += s.piece * self.world
-        if current:
-            self.buckets.append(_Bucket(current))
+        self.shards: list[_Shard] = make_shards(
+            optimizer, world=self.world, rank=self.rank, master_device=master_device,
+            master_weights=master_weights, names=names,
+        )  # fmt: skip
+        self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
+        self._div_scale = takes_div_scale(self.optimizer)
+        self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
         if cpu_offload:
-            self._pin_offload_buffers(pin)
+            pin_offload_buffers(
+                self.buckets, self.optimizer, self.comm_dtype,
+                pin=torch.cuda.is_available(),
+                copy_out=self._div_scale and hasattr(self.optimizer, "set_copy_out"),
+            )  # fmt: skip
         self._next_bucket = 0
+        self._in_flight: _Bucket | None = None  # stage 2: the bucket whose input is still sent
         self._no_sync = False
         self._scaled_backward = False
         self._unscaled = False
@@ -221,15 +217,7 @@ class ZeroOptimizer:
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
-        # Tensor hooks live in autograd's C++ graph, out of the garbage
-        # collector's sight: a strong reference would keep this optimizer
-        # (masters, states, buckets) alive as long as the model.
-        me = weakref.ref(self)
-        self._hooks = [
-            s.param.register_post_accumulate_grad_hook(lambda p, s=s, me=me: me()._on_grad(s))
-            for s in self.shards
-            if s.param.requires_grad
-        ]
+        self._hooks = self._register_hooks()
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
         logger.info(
             "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
@@ -237,54 +225,17 @@ class ZeroOptimizer:
             master_device, ", fp16 loss scaling" if self.fp16 else "",
         )  # fmt: skip
 
-    def _pin_offload_buffers(self, pin: bool) -> None:
-        """One pinned host buffer per bucket each way, so a bucket crosses
-        PCIe as one copy: reduced gradients down in the communication dtype
-        (CPUAdam reads bf16/fp16 gradients as they are), updated parameters up
-        in the parameter dtype, written by the CPU kernel's fused copy-out."""
-        copy_out = self._div_scale and hasattr(self.optimizer, "set_copy_out")
-        for bucket in self.buckets:
-            p_dtype = bucket.shards[0].param.dtype
-            g_dtype = self.comm_dtype or p_dtype
-            bucket.host_grads = torch.empty(bucket.piece_total, dtype=g_dtype, pin_memory=pin)
-            bucket.host_params = torch.empty(bucket.piece_total, dtype=p_dtype, pin_memory=pin)
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                view = bucket.host_params[off : off + s.piece]
-                view.copy_(s.master)  # the step refreshes it; params without grads keep this
-                if copy_out:
-                    s.copy_out = view
-                    self.optimizer.set_copy_out(s.master, view)
-
-    # -- the inner optimizer ---------------------------------------------------
-
-    def _maybe_cpu_kernel(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Adam/AdamW on offloaded masters steps through fused-adam's CPU kernel."""
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            return optimizer
-        try:
-            from zerostack.fused_adam import CPUAdam
-        except ImportError:
-            raise ImportError(
-                f"{_API}: cpu_offload with {type(optimizer).__name__} steps through zerostack-fused-adam's "
-                "CPU kernel: pip install zerostack-fused-adam (or pass a CPU optimizer of your own)"
-            ) from None
-        adamw = type(optimizer) is torch.optim.AdamW
-        groups = []
-        for g in optimizer.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise NotImplementedError(
-                    f"{_API}: cpu_offload does not support amsgrad or maximize"
-                )
-            groups.append(
-                dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                     weight_decay=g["weight_decay"])
-            )  # fmt: skip
-        logger.info(
-            "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
-            type(optimizer).__name__,
-            adamw,
-        )
-        return CPUAdam(groups, adamw_mode=adamw)
+    def _register_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
+        # Tensor hooks live in autograd's C++ graph, out of the garbage
+        # collector's sight: a strong reference would keep this optimizer
+        # (masters, states, buckets) alive as long as the model. Built once:
+        # a hook (or closure over self) made per step would be garbage per step.
+        me = weakref.ref(self)
+        return [
+            s.param.register_post_accumulate_grad_hook(lambda p, s=s, me=me: _grad_hook(me, s))
+            for s in self.shards
+            if s.param.requires_grad
+        ]
 
     @property
     def param_groups(self) -> list[dict]:
@@ -335,48 +286,39 @@ class ZeroOptimizer:
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with ctx:
+        with record_function("zerostack::reduce"), ctx:
             buf = torch.zeros(self.world, bucket.piece_total, dtype=dtype, device=self.device)
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                g = s.param.grad
-                if g is not None:
-                    s.used = True
-                    # Rank r's piece of this gradient goes to row r: whole rows
-                    # in one copy, the padded tail in another (buf is zeroed).
-                    flat, n = g.reshape(-1), g.numel()
-                    rows = n // s.piece
-                    if rows:
-                        buf[:rows, off : off + s.piece].copy_(
-                            flat[: rows * s.piece].view(rows, s.piece)
-                        )
-                    if n - rows * s.piece:
-                        buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
-                    if stream is not None:
-                        g.record_stream(stream)
-                    s.param.grad = None  # the reduced piece replaces it
-                s.ready = False
+            pack_grads(bucket, buf, stream)
             if self.world > 1:
                 buf.div_(self.world)
+            bucket.launched = True
             if self.stage == 2:
-                out = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
-                work = reduce_scatter_sum(out, buf.view(-1), self.group, async_op=True)
-                mine = out
+                bucket.reduced = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
+                bucket.send_buf = buf
+                bucket.work = reduce_scatter_sum(
+                    bucket.reduced, buf.view(-1), self.group, async_op=True
+                )
+                mine = bucket.reduced
             else:
-                work = all_reduce_sum(buf, self.group, async_op=True)
-                out, mine = buf, buf[self.rank]
+                bucket.reduced = buf
+                bucket.work = all_reduce_sum(buf, self.group, async_op=True)
+                mine = buf[self.rank]
             bucket.norm_sq = None
             if self.device.type == "cuda" and bucket.host_grads is not None:
                 # cpu_offload: NCCL's wait only orders this stream after the
                 # collective, so the bucket's norm and its copy to the host
                 # queue up here and run while backward goes on (a norm of the
                 # pieces on the host would cost a CPU pass over all of them).
-                if work is not None:
-                    work.wait()
-                    work = None
+                bucket.wait()
                 bucket.norm_sq = mine.float().pow(2).sum()
                 bucket.host_grads.copy_(mine, non_blocking=True)
                 bucket.on_host = True
-            bucket.pending = (work, out, buf)
+            if self.stage == 2:
+                # ZeRO-2 keeps 1/N of the gradients: a reduce-scatter's full
+                # input lives only until the next bucket is launched.
+                if self._in_flight is not None:
+                    self._in_flight.wait()
+                self._in_flight = bucket
 
     def _finish_reduction(self) -> torch.Tensor | None:
         """Wait for every bucket; give each shard its reduced piece. Returns
@@ -385,18 +327,17 @@ class ZeroOptimizer:
         reductions, or no device-side norm)."""
         self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
+        self._in_flight = None
         norm_parts: list[torch.Tensor] | None = []
         synced = False
         for bucket in self.buckets:
-            if bucket.pending is None:
+            if not bucket.launched:
                 continue
-            work, out, _ = bucket.pending
-            bucket.pending = None
-            if work is not None:
-                work.wait()
+            bucket.wait()
+            reduced, bucket.reduced, bucket.launched = bucket.reduced, None, False
             if self._stream is not None and not synced:
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            mine = out if self.stage == 2 else out[self.rank]
+            mine = reduced if self.stage == 2 else reduced[self.rank]
             master = bucket.shards[0].master
             if bucket.host_grads is not None:
                 if not bucket.on_host:
@@ -428,7 +369,10 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """Reduce what is left, clip, unscale, step the masters, all-gather the
-        parameters. Returns False when the step was skipped for overflow.
+        parameters. See [Note: overflow policy].
+
+        Returns:
+            False when the step was skipped (fp16 overflow), else True.
 
         Raises:
             RuntimeError: fp16 gradients that were not scaled through ``backward``.
@@ -441,34 +385,20 @@ class ZeroOptimizer:
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
         self._scaled_backward = False
-        device_norm_sq = self._finish_reduction()
-        used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
-        grads = [s.grad for s in self.shards if s.grad is not None]
-        stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        norm_sq, used_anywhere = stats[0], stats[1:]
-        found_inf = not math.isfinite(norm_sq)
-        if self.scaler is not None:
-            self.scaler.update(found_inf)
-        if found_inf:
-            logger.warning(
-                "ZeRO: gradient overflow, step skipped; loss scale now %s",
-                scale if self.scaler is None else self.scaler.scale,
-            )
+        with record_function("zerostack::reduce"):
+            device_norm_sq = self._finish_reduction()
+            used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
+            grads = [s.grad for s in self.shards if s.grad is not None]
+            stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        self.last_grad_norm = plan.grad_norm
+        if plan.skip:
             self.zero_grad()
             return False
-        self.last_grad_norm = norm_sq**0.5 / scale
-        combined = clip_coefficient(self.last_grad_norm, self.max_norm) / scale
-        for s, u in zip(self.shards, used_anywhere, strict=True):
+        for s, u in zip(self.shards, stats[1:], strict=True):
             s.master.grad = s.grad if u > 0 else None
-        if self._div_scale:
-            self.optimizer.step(div_scale=1.0 / combined if combined != 1.0 else -1)
-        else:
-            if combined != 1.0:
-                torch._foreach_mul_(
-                    [s.master.grad for s in self.shards if s.master.grad is not None], combined
-                )
-            self.optimizer.step()
+        with record_function("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
+            step_with_div_scale(self.optimizer, plan.div_scale)
         self._gather_params()
         self.zero_grad()
         return True
@@ -476,39 +406,34 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _gather_params(self) -> None:
         # The same buckets carry the pieces back (params, not grads, this time).
-        for bucket in self.buckets:
-            dtype = bucket.shards[0].param.dtype
-            if bucket.host_params is not None:
-                if not self._div_scale or not hasattr(self.optimizer, "set_copy_out"):
-                    for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                        bucket.host_params[off : off + s.piece].copy_(s.master)
-                mine = bucket.host_params.to(self.device, non_blocking=True)
-            else:
-                mine = torch.cat([s.master for s in bucket.shards]).to(dtype)
-            full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
-            all_gather_into(full.view(-1), mine, self.group)
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                n = s.param.numel()
-                s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+        with record_function("zerostack::gather"):
+            for bucket in self.buckets:
+                dtype = bucket.shards[0].param.dtype
+                if bucket.host_params is not None:
+                    if not self._div_scale or not hasattr(self.optimizer, "set_copy_out"):
+                        for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                            bucket.host_params[off : off + s.piece].copy_(s.master)
+                    mine = bucket.host_params.to(self.device, non_blocking=True)
+                else:
+                    mine = torch.cat([s.master for s in bucket.shards]).to(dtype)
+                full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
+                all_gather_into(full.view(-1), mine, self.group)
+                for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                    n = s.param.numel()
+                    s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending)."""
         for bucket in self.buckets:
-            if bucket.pending is not None:
-                work = bucket.pending[0]
-                bucket.pending = None
-                if work is not None:
-                    work.wait()
+            bucket.clear()
         for s in self.shards:
             s.param.grad = None
             s.master.grad = None
             s.grad = None
             s.ready = s.used = False
-        for bucket in self.buckets:
-            bucket.on_host = False
-            bucket.norm_sq = None
         self._next_bucket = 0
+        self._in_flight = None
         self._accumulated = False
 
     # -- state ---------------------------------------------------------------------

@@ -1,0 +1,181 @@
+"""The ZeRO-1/2 layout: each parameter's piece (``_Shard``) and the buckets
+that carry gradients down and parameters back up (``_Bucket``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerostack.shard import _partition as part
+
+
+@dataclass(slots=True)
+class _Shard:
+    """One model parameter and this rank's piece of it.
+
+    [Note: per-parameter pieces] Every parameter is flattened, zero-padded to
+    a multiple of the group size and cut into equal pieces; rank r owns piece
+    r of every parameter (a parameter smaller than the group leaves some
+    ranks a piece of padding only). Padding stays zero through Adam, weight
+    decay and clipping, so it never changes a result.
+    """
+
+    param: torch.Tensor
+    index: int
+    name: str
+    piece: int  # elements per rank's piece
+    master: torch.Tensor  # this rank's piece, stepped by the inner optimizer
+    grad: torch.Tensor | None = None  # reduced gradient piece (accumulated)
+    ready: bool = False  # its gradient arrived in the current backward
+    used: bool = False  # it had a gradient at some point since the last step
+    copy_out: torch.Tensor | None = None  # low-precision pinned buffer (cpu_offload)
+
+
+class _Bucket:
+    """Consecutive shards whose gradients travel in one collective: row r of
+    the bucket's (world, piece_total) buffer holds rank r's pieces, in order."""
+
+    __slots__ = (
+        "host_grads",
+        "host_params",
+        "launched",
+        "norm_sq",
+        "offsets",
+        "on_host",
+        "piece_total",
+        "reduced",
+        "send_buf",
+        "shards",
+        "work",
+    )
+
+    def __init__(self, shards: list[_Shard]) -> None:
+        self.shards = shards
+        self.offsets: list[int] = []
+        total = 0
+        for s in shards:
+            self.offsets.append(total)
+            total += s.piece
+        self.piece_total = total
+        # One reduction in flight or done and not yet consumed by the step:
+        self.launched = False
+        self.work = None  # the async collective, until waited on
+        # Stage 2: the reduce-scattered piece (piece_total); stage 1: the
+        # all-reduced buffer (world, piece_total), of which row `rank` is ours.
+        self.reduced: torch.Tensor | None = None
+        # Stage 2: the (world, piece_total) input of the reduce-scatter, kept
+        # only until its collective completes (see ZeroOptimizer._launch).
+        self.send_buf: torch.Tensor | None = None
+        self.norm_sq: torch.Tensor | None = None  # squared norm of this rank's reduced piece
+        self.on_host = False  # cpu_offload: the reduced piece is already queued to host_grads
+        self.host_grads: torch.Tensor | None = None  # cpu_offload: pinned, see pin_offload_buffers
+        self.host_params: torch.Tensor | None = None
+
+    def wait(self) -> None:
+        """Wait for the collective in flight, then drop the reduce-scatter input."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        self.send_buf = None
+
+    def clear(self) -> None:
+        """Forget this step's reduction (after waiting for it)."""
+        self.wait()
+        self.launched = False
+        self.reduced = None
+        self.norm_sq = None
+        self.on_host = False
+
+
+def make_shards(
+    optimizer: torch.optim.Optimizer,
+    *,
+    world: int,
+    rank: int,
+    master_device: torch.device,
+    master_weights: bool,
+    names: dict[int, str],
+) -> list[_Shard]:
+    """This rank's piece of every parameter, as a master that replaces the
+    parameter inside the optimizer's param groups."""
+    shards: list[_Shard] = []
+    for group in optimizer.param_groups:
+        masters = []
+        for p in group["params"]:
+            piece = part.shard_numel(p.numel(), world)
+            full = part.padded_flat(p.detach(), world)
+            mine = full[rank * piece : (rank + 1) * piece]
+            dtype = torch.float32 if master_weights else p.dtype
+            master = mine.to(device=master_device, dtype=dtype).clone()
+            if hasattr(master, "grad_dtype"):
+                master.grad_dtype = None  # torch >= 2.10: CPUAdam takes bf16/fp16 grads as they are
+            index = len(shards)
+            shards.append(_Shard(p, index, names.get(id(p), f"param {index}"), piece, master))
+            masters.append(master)
+        group["params"] = masters
+    return shards
+
+
+def make_buckets(shards: list[_Shard], world: int, reduce_bucket_size: int) -> list[_Bucket]:
+    """Buckets of at most ``reduce_bucket_size`` elements (a larger parameter
+    gets one of its own), in reverse parameter order: the order in which
+    backward produces gradients."""
+    buckets: list[_Bucket] = []
+    current: list[_Shard] = []
+    size = 0
+    for s in reversed(shards):
+        if current and size + s.piece * world > reduce_bucket_size:
+            buckets.append(_Bucket(current))
+            current, size = [], 0
+        current.append(s)
+        size += s.piece * world
+    if current:
+        buckets.append(_Bucket(current))
+    return buckets
+
+
+def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """Move each parameter's gradient into the zeroed (world, piece_total)
+    ``buf``: rank r's piece to row r. The model's ``.grad`` is dropped."""
+    for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+        g = s.param.grad
+        if g is not None:
+            s.used = True
+            # Whole rows in one copy, the padded tail in another (buf is zeroed).
+            flat, n = g.reshape(-1), g.numel()
+            rows = n // s.piece
+            if rows:
+                buf[:rows, off : off + s.piece].copy_(flat[: rows * s.piece].view(rows, s.piece))
+            if n - rows * s.piece:
+                buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
+            if stream is not None:
+                g.record_stream(stream)
+            s.param.grad = None  # the reduced piece replaces it
+        s.ready = False
+
+
+def pin_offload_buffers(
+    buckets: list[_Bucket],
+    optimizer: torch.optim.Optimizer,
+    comm_dtype: torch.dtype | None,
+    *,
+    pin: bool,
+    copy_out: bool,
+) -> None:
+    """One pinned host buffer per bucket each way, so a bucket crosses PCIe
+    as one copy: reduced gradients down in the communication dtype (CPUAdam
+    reads bf16/fp16 gradients as they are), updated parameters up in the
+    parameter dtype, written by the CPU kernel's fused copy-out when
+    ``copy_out``."""
+    for bucket in buckets:
+        p_dtype = bucket.shards[0].param.dtype
+        g_dtype = comm_dtype or p_dtype
+        bucket.host_grads = torch.empty(bucket.piece_total, dtype=g_dtype, pin_memory=pin)
+        bucket.host_params = torch.empty(bucket.piece_total, dtype=p_dtype, pin_memory=pin)
+        for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+            view = bucket.host_params[off : off + s.piece]
+            view.copy_(s.master)  # the step refreshes it; params without grads keep this
+            if copy_out:
+                s.copy_out = view
+                optimizer.set_copy_out(s.master, view)
