@@ -212,6 +212,10 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         tokens_s=idx.numel() / statistics.median(total),
         step_s=statistics.median(total),
         spread=max(total) / min(total),
+        steps_s=[
+            (round(f, 3), round(b - f, 3), round(o, 3))
+            for f, b, o in zip(fwd, fb, opt, strict=True)
+        ],
         fwd_s=statistics.median(fwd),
         fwd_bwd_s=statistics.median(fb),
         opt_s=statistics.median(opt),
@@ -297,3 +301,7 @@ def print_table(
               f"{r['step_s']:.3f} | {r['spread']:.3f} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
               f"{r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | {r['rss_gb']:.1f} | "
               f"{r['alloc_retries']} |")  # fmt: skip
+    print("\nper-step (forward, backward, optimizer) seconds:")
+    for r in ok:
+        steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}" for f, b, o in r["steps_s"])
+        print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,14 @@ def make_loss_scaler(
             f"{sorted(scaler_kwargs)}); set them on the DynamicLossScaler"
         )
     if not fp16:
+        if loss_scaler is not None or scaler_kwargs:
+            warnings.warn(
+                f"{api}: the loss scaler has no effect without fp16 parameters (got "
+                f"{'loss_scaler' if loss_scaler is not None else sorted(scaler_kwargs)}); "
+                "bf16 and fp32 need no loss scaling",
+                UserWarning,
+                stacklevel=3,
+            )
         return None
     return loss_scaler if loss_scaler is not None else DynamicLossScaler(**scaler_kwargs)
 
@@ -95,9 +104,15 @@ def plan_step(
     )
 
 
+_TAKES_DIV_SCALE: dict[type, bool] = {}
+
+
 def takes_div_scale(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.step`` divides gradients itself (fused-adam's)."""
-    return "div_scale" in inspect.signature(optimizer.step).parameters
+    kind = type(optimizer)
+    if kind not in _TAKES_DIV_SCALE:
+        _TAKES_DIV_SCALE[kind] = "div_scale" in inspect.signature(optimizer.step).parameters
+    return _TAKES_DIV_SCALE[kind]
 
 
 def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import grad_stats
+from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -139,6 +139,9 @@ class ZeroOptimizer:
             then steps through zerostack-fused-adam's CPU kernel. Default False.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
+        gc_every_n_steps: Python's cycle collector runs only every this many
+            steps, from the first step on (see [Note: collector schedule]); 0
+            leaves the collector alone. Default 50.
         loss_scaler: the fp16 loss scaler to use. Default None: a
             ``DynamicLossScaler`` built from ``scaler_kwargs``. Used only when
             a parameter is fp16 (a warning says so otherwise).
@@ -169,6 +172,7 @@ class ZeroOptimizer:
         cpu_offload: bool = False,
         master_weights: bool = True,
         max_norm: float = 0.0,
+        gc_every_n_steps: int = 50,
         loss_scaler: DynamicLossScaler | None = None,
         process_group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
@@ -185,13 +189,8 @@ class ZeroOptimizer:
         self.cpu_offload = cpu_offload
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
-        if not self.fp16 and (loss_scaler is not None or scaler_kwargs):
-            warnings.warn(
-                f"{_API}: the loss scaler has no effect without fp16 parameters (got "
-                f"{'loss_scaler' if loss_scaler is not None else sorted(scaler_kwargs)}); "
-                "bf16 and fp32 need no loss scaling",
-                stacklevel=2,
-            )
+        self.collector = CollectorSchedule(_API, gc_every_n_steps)
+        weakref.finalize(self, self.collector.close)
         self.comm_dtype = communication_dtype
         master_device = torch.device("cpu") if cpu_offload else self.device
         # Masters replace the params inside the inner optimizer's groups.
@@ -394,6 +393,7 @@ class ZeroOptimizer:
         self.last_grad_norm = plan.grad_norm
         if plan.skip:
             self.zero_grad()
+            self.collector.tick()
             return False
         for s, u in zip(self.shards, stats[1:], strict=True):
             s.master.grad = s.grad if u > 0 else None
@@ -401,6 +401,7 @@ class ZeroOptimizer:
             step_with_div_scale(self.optimizer, plan.div_scale)
         self._gather_params()
         self.zero_grad()
+        self.collector.tick()
         return True
 
     @torch.no_grad()
