@@ -204,6 +204,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
             fb.append(t1 - t0)
             opt.append(t2 - t1)
     total = [a + b for a, b in zip(fb, opt, strict=True)]
+    if os.environ.get("ZEROSTACK_BENCH_PROFILE") == "1":
+        _profile(name, model, step_fn, idx, tgt, autocast)
     return dict(
         name=name,
         tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
@@ -222,6 +224,22 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
         loss=loss.item(),
     )
+
+
+def _profile(name, model, step_fn, idx, tgt, autocast) -> None:
+    """Three more steps under torch.profiler: where host and device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(idx, tgt)
+            step_fn(loss, backward_only=True)
+            step_fn(loss, backward_only=False)
+        torch.cuda.synchronize()
+    print(f"\n[profile] {name}: 3 steps", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
 
 
 def plain(config, batch, steps, warmup) -> dict:
