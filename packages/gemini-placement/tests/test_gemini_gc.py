@@ -76,7 +76,10 @@ def test_a_steady_step_leaves_no_cyclic_garbage(case, device):
 
 
 def test_the_collector_runs_on_the_schedule():
-    assert gc.isenabled()
+    from zerostack.shard._gc import _users
+
+    gc.collect()  # wrappers of earlier tests that are garbage stop using the schedule
+    others = len(_users)
     runs = []
 
     def count(phase, info):
@@ -86,8 +89,8 @@ def test_the_collector_runs_on_the_schedule():
     step, opt = _trainer({}, gc_every_n_steps=3)
     gc.callbacks.append(count)
     try:
-        step()  # the first step ends with a full collection, then automatic collection is off
-        assert not gc.isenabled() and runs[-1] == 2
+        step()  # automatic collection is off from the first step on
+        assert not gc.isenabled() and opt.collector in _users
         runs.clear()
         junk = [[] for _ in range(50_000)]  # would trigger automatic collections
         del junk
@@ -98,6 +101,7 @@ def test_the_collector_runs_on_the_schedule():
     finally:
         gc.callbacks.remove(count)
         opt.close()
-    assert gc.isenabled()  # the last user gave automatic collection back
+    # The last user gives automatic collection back.
+    assert gc.isenabled() == (others == 0)
     with pytest.raises(ValueError, match=r"gc_every_n_steps must be an int >= 0 \(got -1\)"):
         _trainer({}, gc_every_n_steps=-1)

@@ -17,9 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
-from zerostack.chunk import Chunk, ChunkManager
+from zerostack.chunk import Chunk, ChunkManager, phase
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +124,7 @@ class CpuStepPipeline:
 
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()
-        with record_function("zerostack::cpu_update"):
+        with phase("zerostack::cpu_update"):
             update(*args)
         self.update_s += time.perf_counter() - t0
 
@@ -142,7 +141,8 @@ class CpuStepPipeline:
         Raises:
             CpuStepError: this update, or an earlier one, failed.
         """
-        self.check()
+        if self.error is not None:
+            raise self.error
         if chunk not in self._pending:
             return
         future = self._pending.pop(chunk)
@@ -206,7 +206,7 @@ class CpuStepPipeline:
         """The updated master becomes ``chunk``'s parameter shard (cast) again:
         from ``host_values`` (the CPU step's fp16/bf16 output) or from the
         paired master chunk. See [Note: write-back order]."""
-        with record_function("zerostack::write_back"):
+        with phase("zerostack::write_back"):
             if chunk.is_gathered and chunk.can_release:
                 self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
             if host_values is None:

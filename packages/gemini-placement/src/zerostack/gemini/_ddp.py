@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
 from zerostack.chunk import (
     Chunk,
@@ -21,6 +20,7 @@ from zerostack.chunk import (
     LazyInitContext,
     TensorState,
     path_between,
+    phase,
     rank_and_world,
     search_chunk_configuration,
 )
@@ -31,6 +31,7 @@ from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacemen
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
 S = TensorState
+_GATHERABLE = frozenset({S.HOLD, S.FREE, S.HOLD_AFTER_BWD})
 
 
 class ChunkGroup(Enum):
@@ -370,7 +371,7 @@ class GeminiDDP(nn.Module):
             direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
             if not direct:
                 continue
-            hooks = _ModuleHooks(self, direct)
+            hooks = _ModuleHooks(self, direct, self._chunks(direct))
             self._handles.append(m.register_forward_pre_hook(hooks.pre_forward))
             self._handles.append(m.register_forward_hook(hooks.post_forward))
 
@@ -383,18 +384,22 @@ class GeminiDDP(nn.Module):
         # evaluation forward has another order).
         return self._state in (T.FORWARD, T.BACKWARD)
 
-    def _gather(self, params: list[torch.Tensor], state: TensorState) -> None:
-        with record_function("zerostack::gather"):
-            chunks = self._chunks(params)
-            training = self._training
+    def _gather(self, params: list[torch.Tensor], state: TensorState, chunks: list[Chunk]) -> None:
+        """Gather ``chunks`` (those holding ``params``) and mark ``params`` in use.
+        The hot path: it runs for every module with parameters, three times a step."""
+        pipeline, manager = self.cpu_step, self.chunk_manager
+        with phase("zerostack::gather"):
+            training = self._state is T.FORWARD or self._state is T.BACKWARD
             self.placement.before_access(chunks, training)
             for chunk in chunks:
-                self.cpu_step.await_chunk(chunk)
-                self.chunk_manager.access_chunk(chunk)
+                if chunk in pipeline:
+                    pipeline.await_chunk(chunk)
+                manager.access_chunk(chunk)
             self.placement.after_access(chunks, training)
+        tensor_chunk = manager.tensor_chunk_map
         for p in params:
-            chunk = self.chunk_manager.get_chunk(p)
-            if chunk.tensor_state(p) in (S.HOLD, S.FREE, S.HOLD_AFTER_BWD):
+            chunk = tensor_chunk[p]
+            if chunk.tensors_info[p].state in _GATHERABLE:
                 chunk.trans_tensor_state(p, state)
 
     def _release(self, params: list[torch.Tensor], state: TensorState) -> None:
@@ -411,22 +416,22 @@ class GeminiDDP(nn.Module):
             if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
 
-    def _pre_forward(self, params: list[torch.Tensor]) -> None:
-        if self._state is not T.BACKWARD:
+    def _pre_forward(self, params: list[torch.Tensor], chunks: list[Chunk]) -> None:
+        if self._state is not T.BACKWARD and not self.placement.keeps_cache:
             # Forward has moved past the chunks this module does not use:
             # release those (a chunk shared by consecutive modules is gathered
             # once). Inside backward (a recomputed forward under activation
             # checkpointing) chunks stay until their gradients are reduced.
-            needed = set(self._chunks(params))
-            self._release_idle(
-                c for c in list(self.chunk_manager.accessed_chunks) if c not in needed
-            )
-        self._gather(params, S.COMPUTE)
+            idle = [c for c in self.chunk_manager.accessed_chunks if c not in chunks]
+            if idle:
+                self._release_idle(idle)
+        self._gather(params, S.COMPUTE, chunks)
 
     def _post_forward(self, params: list[torch.Tensor], pre_backward: Callable, out: Any) -> None:
+        tensor_chunk = self.chunk_manager.tensor_chunk_map
         for p in params:
-            chunk = self.chunk_manager.get_chunk(p)
-            if chunk.tensor_state(p) is S.COMPUTE:
+            chunk = tensor_chunk[p]
+            if chunk.tensors_info[p].state is S.COMPUTE:
                 chunk.trans_tensor_state(p, S.HOLD)
         if not torch.is_grad_enabled():
             return
@@ -435,14 +440,14 @@ class GeminiDDP(nn.Module):
             # Before this module's backward, gather its chunks again.
             torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def _pre_backward(self, params: list[torch.Tensor], grads: Any = None) -> None:
+    def _pre_backward(self, params: list[torch.Tensor], chunks: list[Chunk], grads: Any) -> None:
         if self._state is not T.BACKWARD:
             self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._gather(params, S.COMPUTE)
+        self._gather(params, S.COMPUTE, chunks)
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        chunk = self.chunk_manager.get_chunk(p)
+        chunk = self.chunk_manager.tensor_chunk_map[p]
         self.used.add(p)
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
@@ -475,7 +480,7 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
-            with record_function("zerostack::reduce"):
+            with phase("zerostack::reduce"):
                 handle = self.chunk_manager.reduce_chunk(
                     chunk, async_op=self.config.enable_async_reduce
                 )
@@ -653,16 +658,6 @@ class GeminiDDP(nn.Module):
         return None
 
 
-def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` would hold (not the non-persistent ones)."""
-    out = {}
-    for prefix, m in module.named_modules():
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out
-
-
 class _WeakCall:
     """``getattr(target, name)(*args, *call_args)``, holding ``target``
     weakly; built once, so a step creates no closure."""
@@ -681,19 +676,20 @@ class _WeakCall:
 
 class _ModuleHooks:
     """The forward and pre-backward hooks of one module with parameters of
-    its own; holds the GeminiDDP weakly and is built once."""
+    its own (and the chunks holding them); holds the GeminiDDP weakly and is
+    built once."""
 
-    __slots__ = ("_ddp", "_pre_backward", "params")
+    __slots__ = ("_ddp", "_pre_backward", "chunks", "params")
 
-    def __init__(self, ddp: GeminiDDP, params: list[torch.Tensor]) -> None:
+    def __init__(self, ddp: GeminiDDP, params: list[torch.Tensor], chunks: list[Chunk]) -> None:
         self._ddp = weakref.ref(ddp)
-        self.params = params
-        self._pre_backward = _WeakCall(ddp, "_pre_backward", params)
+        self.params, self.chunks = params, chunks
+        self._pre_backward = _WeakCall(ddp, "_pre_backward", params, chunks)
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:
-            ddp._pre_forward(self.params)
+            ddp._pre_forward(self.params, self.chunks)
 
     def post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         ddp = self._ddp()

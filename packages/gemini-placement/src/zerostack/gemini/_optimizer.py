@@ -9,9 +9,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
-from zerostack.chunk import Chunk, all_gather_into
+from zerostack.chunk import Chunk, all_gather_into, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.shard import (
@@ -208,7 +207,7 @@ class GeminiOptimizer:
         self.pipeline.check()
         if not self._ready_to_step():
             return False
-        with record_function("zerostack::step"):
+        with phase("zerostack::step"):
             early, self._early = self._early, set()
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
                 if self._index.get(chunk) not in early:

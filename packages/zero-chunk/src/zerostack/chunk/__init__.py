@@ -12,6 +12,7 @@ from zerostack.chunk._comm import (
 )
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
+from zerostack.chunk._profiling import phase
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState, path_between
 
@@ -30,6 +31,7 @@ __all__ = [
     "all_reduce_max",
     "all_reduce_sum",
     "path_between",
+    "phase",
     "rank_and_world",
     "reduce_scatter_sum",
     "search_chunk_configuration",

@@ -11,9 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
-from zerostack.chunk import all_gather_into, all_reduce_sum, rank_and_world, reduce_scatter_sum
+from zerostack.chunk import (
+    all_gather_into,
+    all_reduce_sum,
+    phase,
+    rank_and_world,
+    reduce_scatter_sum,
+)
 from zerostack.shard import _partition as part
 from zerostack.shard._bucket import (
     _Bucket,
@@ -285,7 +290,7 @@ class ZeroOptimizer:
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        with record_function("zerostack::reduce"), ctx:
+        with phase("zerostack::reduce"), ctx:
             buf = torch.zeros(self.world, bucket.piece_total, dtype=dtype, device=self.device)
             pack_grads(bucket, buf, stream)
             if self.world > 1:
@@ -384,7 +389,7 @@ class ZeroOptimizer:
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
         self._scaled_backward = False
-        with record_function("zerostack::reduce"):
+        with phase("zerostack::reduce"):
             device_norm_sq = self._finish_reduction()
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
@@ -397,7 +402,7 @@ class ZeroOptimizer:
             return False
         for s, u in zip(self.shards, stats[1:], strict=True):
             s.master.grad = s.grad if u > 0 else None
-        with record_function("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
+        with phase("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
             step_with_div_scale(self.optimizer, plan.div_scale)
         self._gather_params()
         self.zero_grad()
@@ -407,7 +412,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _gather_params(self) -> None:
         # The same buckets carry the pieces back (params, not grads, this time).
-        with record_function("zerostack::gather"):
+        with phase("zerostack::gather"):
             for bucket in self.buckets:
                 dtype = bucket.shards[0].param.dtype
                 if bucket.host_params is not None:
