@@ -3,7 +3,12 @@
 from zerostack.testing.__about__ import __version__
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
 from zerostack.testing._spawn import SpawnError, spawn
-from zerostack.testing._tolerance import assert_close, tolerance
+from zerostack.testing._tolerance import (
+    assert_close,
+    loss_tolerance,
+    tolerance,
+    training_tolerance,
+)
 
 __all__ = [
     "GPTConfig",
@@ -11,8 +16,10 @@ __all__ = [
     "TinyGPT",
     "__version__",
     "assert_close",
+    "loss_tolerance",
     "make_batch",
     "num_parameters",
     "spawn",
     "tolerance",
+    "training_tolerance",
 ]
