@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
 from zerostack.testing import (
     GPTConfig,
-    SpawnError,
     TinyGPT,
     assert_close,
     loss_tolerance,
@@ -124,17 +122,5 @@ def _fp16_clipped(rank, world):
         assert not failed["right"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=SpawnError,
-    reason=(
-        "gemini bug: GeminiOptimizer._step_inner unscales and clips fp16 gradients for an "
-        "optimizer without div_scale (torch.optim.SGD) with torch._foreach_mul_(grads, "
-        "1 / div_scale), which casts the factor clip_coef / loss_scale to fp16. With "
-        "clipping that factor (~5e-7 at max_norm=0.05 and loss scale 2**16) is subnormal "
-        "in fp16 and rounds by up to half a step of 2**-24 (2.3% low here: every update "
-        "2.3% short); below 2**-25 (max_norm=1e-3) it rounds to 0 and the step does nothing"
-    ),
-)
 def test_fp16_sgd_with_clipping_applies_the_clip_coefficient():
     spawn(_fp16_clipped, 2, backend="gloo", timeout_s=300)

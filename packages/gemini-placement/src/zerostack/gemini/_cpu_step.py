@@ -42,7 +42,7 @@ class CpuStepPipeline:
         self.manager = manager
         self._pin = compute_device.type == "cuda"
         self._executor: ThreadPoolExecutor | None = None
-        self._pending: dict[Chunk, Future | None] = {}  # param chunk -> its running update
+        self._pending: dict[Chunk, Future] = {}  # param chunk -> its running update
         self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on the host
         self._host_grads: dict[Chunk, torch.Tensor] = {}  # pinned copies of reduced gradients
         self._staged: dict[Chunk, torch.cuda.Event] = {}
@@ -61,8 +61,7 @@ class CpuStepPipeline:
     def close(self) -> None:
         """Finish what is pending (errors are kept, not raised) and stop the worker."""
         for future in self._pending.values():
-            if future is not None:
-                future.exception()  # waits; the error stays in the future
+            future.exception()  # waits; the error stays in the future
         if self._executor is not None:
             # The optimizer may be freed by the worker itself (its last task
             # held it): a thread cannot join itself.
@@ -110,15 +109,15 @@ class CpuStepPipeline:
     # -- updates -------------------------------------------------------------------
 
     def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> None:
-        """Run ``update(*args)`` for ``chunk`` (on the worker, or now); its
-        write-back follows in ``await_chunk``."""
+        """Run ``update(*args)`` for ``chunk``: on the worker, its write-back
+        following in ``await_chunk``; or now, written back at once."""
         self.check()
         if self._executor is None:
             try:
                 self._run(update, *args)
             except Exception as error:  # the same error as from the worker
                 self._fail(chunk, error)
-            self._pending[chunk] = None
+            self.write_back(chunk, self._host_values[chunk])  # a synchronous step
         else:
             self._pending[chunk] = self._executor.submit(self._run, update, *args)
 
@@ -146,12 +145,11 @@ class CpuStepPipeline:
         if chunk not in self._pending:
             return
         future = self._pending.pop(chunk)
-        if future is not None:
-            t0 = time.perf_counter()
-            error = future.exception()
-            self.wait_s += time.perf_counter() - t0
-            if error is not None:
-                self._fail(chunk, error)
+        t0 = time.perf_counter()
+        error = future.exception()
+        self.wait_s += time.perf_counter() - t0
+        if error is not None:
+            self._fail(chunk, error)
         self.write_back(chunk, self._host_values[chunk])
 
     def await_all(self) -> None:
@@ -184,7 +182,7 @@ class CpuStepPipeline:
         """
         if self.error is None:
             for chunk, future in self._pending.items():
-                if future is not None and future.done() and future.exception() is not None:
+                if future.done() and future.exception() is not None:
                     self._fail(chunk, future.exception())
         if self.error is not None:
             raise self.error

@@ -123,6 +123,11 @@ def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> N
         optimizer.step(div_scale=div_scale)
         return
     if div_scale > 0:
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        torch._foreach_mul_(grads, 1.0 / div_scale)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for p in params:
+            # fp16/bf16 gradients of fp32 masters: scaled in fp32, since the
+            # factor (clip / loss scale, ~1e-6) rounds badly or to 0 in fp16.
+            if p.grad.dtype != p.dtype and p.grad.dtype.itemsize < p.dtype.itemsize:
+                p.grad = p.grad.to(p.dtype)
+        torch._foreach_mul_([p.grad for p in params], 1.0 / div_scale)
     optimizer.step()
