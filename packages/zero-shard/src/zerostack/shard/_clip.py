@@ -24,9 +24,10 @@ def grad_stats(
     if norm_sq is not None:
         norm_sq = norm_sq.float().to(device)
     elif shards:
-        norm_sq = (
-            torch.stack([n.float() for n in torch._foreach_norm(shards)]).pow(2).sum().to(device)
-        )
+        # Shards may sit on several devices (some offloaded to the host):
+        # each norm comes to ``device`` before they are summed.
+        norms = torch._foreach_norm(shards)
+        norm_sq = torch.stack([n.float().to(device) for n in norms]).pow(2).sum()
     else:
         norm_sq = torch.zeros((), dtype=torch.float32, device=device)
     packed = torch.cat([norm_sq.view(1), extra.float()])
