@@ -293,7 +293,9 @@ class GeminiOptimizer:
         # call steps exactly the masters that have a grad.)
         with self._lock:
             for i in self._device:
-                self.masters[i].grad = grads[i]
+                # A shard kept on the host (offload_param_frac) reduced its gradient there.
+                grad, master = grads[i], self.masters[i]
+                master.grad = grad if grad.device == master.device else grad.to(master.device)
             step_with_div_scale(self.optimizer, plan.div_scale)
             for i in self._device:
                 self.masters[i].grad = None
