@@ -121,7 +121,38 @@ def _check_pairing(rank, world):
     assert all(torch.equal(t, r) for t, r in zip(tensors, _tensors(seed=1), strict=True))
 
 
+def _check_share_writes(rank, world):
+    # write_share / commit_share: this rank's share, and nothing else, changes.
+    chunk, tensors, _ = _filled()
+    lo = rank * chunk.shard_size
+    chunk.write_share(torch.full((chunk.shard_size,), float(rank)))
+    chunk.access()
+    expected = torch.cat([torch.full((chunk.shard_size,), float(r)) for r in range(world)])
+    assert torch.equal(chunk.buffer, expected)
+    tensors[0].data.fill_(-1.0)  # write through a gathered tensor, then keep it in the shard
+    chunk.commit_share()
+    chunk.release()
+    chunk.access()
+    end = min(SIZES[0], lo + chunk.shard_size)
+    if lo < SIZES[0]:
+        assert torch.equal(chunk.local_share()[: end - lo], torch.full((end - lo,), -1.0))
+    # copy_into_slot: a gradient over one tensor's slot, zeros over another's.
+    grad = torch.arange(SIZES[2], dtype=torch.float32)
+    chunk.copy_into_slot(tensors[2], grad)
+    chunk.copy_into_slot(tensors[1], None)
+    assert torch.equal(tensors[2].data, grad) and torch.equal(tensors[1].data, torch.zeros(1))
+    # sync_gathered: kept-gathered chunks gather every rank's updated share.
+    kept, _, _ = _filled(keep_gathered=True)
+    kept.write_share(torch.full((kept.shard_size,), float(rank + 1)))
+    kept.sync_gathered()
+    expected = torch.cat([torch.full((kept.shard_size,), float(r + 1)) for r in range(world)])
+    assert torch.equal(kept.buffer, expected)
+    with pytest.raises(RuntimeError, match=r"sync_gathered: the chunk is sharded"):
+        chunk.sync_gathered()
+
+
 def _all_cases(rank, world):
+    _check_share_writes(rank, world)
     _check_gather_release(rank, world)
     for async_op in (False, True):
         for use_grad_chunk in (False, True):
@@ -260,3 +291,41 @@ def test_release_while_in_use():
     with pytest.raises(RuntimeError, match=r"cannot release .*'COMPUTE': 1"):
         chunk.release()
     assert chunk.is_gathered
+
+
+def test_consume_grad_drops_the_reduced_shard_with_exact_books():
+    from zerostack.chunk import ChunkManager
+
+    manager = ChunkManager({"k": {"chunk_size": 64}}, compute_device="cpu", reuse_fp16_chunk=False)
+    tensors = _tensors()
+    for t in tensors:
+        manager.register_tensor(t, "fp16_param", "k")
+    manager.close_all_groups()
+    chunk = manager.get_chunk(tensors[0])
+    manager.access_chunk(chunk)
+    grad = manager.init_grad_chunk(chunk)
+    for t in tensors:
+        chunk.grad_view(t).fill_(1.0)
+    _to_ready(chunk, tensors)
+    manager.reduce_chunk(chunk)
+    assert grad.shard is not None
+    before = manager.total_mem["cpu"]
+    manager.consume_grad(chunk)
+    assert grad.shard is None
+    assert manager.total_mem["cpu"] == before - chunk.shard_size * 4
+    assert manager.total_mem["cpu"] == sum(
+        sum(c.memory_usage().values())
+        + sum(c.grad_chunk.memory_usage().values() if c.grad_chunk else ())
+        for c in manager.chunks()
+    )
+
+
+def test_phase_is_a_profiler_range_only_under_a_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    from zerostack.chunk import phase
+
+    assert phase("zerostack::x").__class__.__name__ == "nullcontext"
+    with profile(activities=[ProfilerActivity.CPU]) as prof, phase("zerostack::x"):
+        torch.ones(1).add_(1)
+    assert any(e.name == "zerostack::x" for e in prof.events())

@@ -328,8 +328,10 @@ class GeminiOptimizer:
             # Without div_scale in the kernel the gradient is scaled in place: a copy.
             own = div_scale <= 0 or self._div_scale
             master.grad = host_grad if own else host_grad.clone()
-            step_with_div_scale(self.optimizer, div_scale)
-            master.grad = None
+            try:
+                step_with_div_scale(self.optimizer, div_scale)
+            finally:  # a failed update must not leave its gradient to the next inner step
+                master.grad = None
         _restore(saved)
         values = self.pipeline.host_values(chunk)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
