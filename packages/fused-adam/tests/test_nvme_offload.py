@@ -45,8 +45,6 @@ def test_parity_with_torch_and_with_states_in_ram(cls, fraction, given_dir, back
     # Bit-identical to the same optimizer with every state in RAM.
     on_disk, in_ram = make_params(SIZES, torch.float32), make_params(SIZES, torch.float32)
     a, b = make(on_disk, **HYPER), cls(in_ram, **HYPER)
-    if fraction == 1.0:
-        assert len(a._nvme.keys) == len(SIZES)
     for step in range(5):
         for params in (on_disk, in_ram):
             for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
@@ -55,11 +53,24 @@ def test_parity_with_torch_and_with_states_in_ram(cls, fraction, given_dir, back
         b.step(div_scale=2.0)
     for x, y in zip(on_disk, in_ram, strict=True):
         assert torch.equal(x, y)
+    # The effect: that share of the states really is on disk, not in RAM.
+    if fraction == 0.0:
+        assert a._nvme is None and a.nvme_bytes_on_disk() == 0
+        return
+    if fraction == 1.0:
+        assert len(a._nvme.keys) == len(SIZES)
+    expected = sum(8 * p.numel() for p in a._nvme.keys)
+    assert a.nvme_bytes_on_disk() == expected >= 8 * fraction * sum(SIZES) - 8 * max(SIZES)
+    assert all("exp_avg" not in a.state[p] for p in a._nvme.keys)
 
 
 def test_fraction_picks_whole_cpu_params_in_order(tmp_path):
     params = make_params([100, 100, 100, 100], torch.float32)
     opt = CPUAdam(params, nvme_offload_fraction=0.5, nvme_offload_dir=str(tmp_path))
+    assert not opt._nvme.keys  # decided at the first step (see [Note: NVMe binding])
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
     keys = [key for pieces in opt._nvme.keys.values() for key, _, _ in pieces]
     assert keys == ["0.0:0", "0.1:0"]
     assert "exp_avg" not in opt.state.get(params[0], {})
@@ -70,6 +81,7 @@ def test_large_params_are_swapped_in_pieces(backend, monkeypatch, tmp_path):
     monkeypatch.setattr(nvme_bridge, "PIECE_NUMEL", 1000)
     make = _nvme_opt(CPUAdam, 1.0, str(tmp_path), backend)
     opt = make(make_params([4097, 7], torch.float32))
+    opt.nvme_plan([])  # binds
     assert [(s, e) for _, s, e in next(iter(opt._nvme.keys.values()))] == [
         (0, 1000), (1000, 2000), (2000, 3000), (3000, 4000), (4000, 4097)
     ]  # fmt: skip

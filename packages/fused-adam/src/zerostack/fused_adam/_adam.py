@@ -89,13 +89,44 @@ class _Adam(torch.optim.Optimizer):
         if nvme_offload_fraction > 0.0:
             from zerostack.fused_adam._nvme import NVMeStates
 
+            # Which states go to disk is decided at the first step: see
+            # [Note: NVMe binding].
             self._nvme = NVMeStates(
-                self.param_groups,
-                nvme_offload_fraction,
-                nvme_offload_dir,
-                nvme_backend,
+                self._api, nvme_offload_fraction, nvme_offload_dir, nvme_backend,
                 nvme_prefetch_depth,
-            )
+            )  # fmt: skip
+
+    # -- NVMe --------------------------------------------------------------
+
+    def _disk(self) -> dict[torch.Tensor, list]:
+        """The parameters whose states are on disk, binding (or rebinding) to
+        the parameters the optimizer holds now; states already in RAM for a
+        parameter that goes to disk are moved there."""
+        if self._nvme is None:
+            return {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        if not self._nvme.bound_to(params):
+            for p in self._nvme.bind(self.param_groups):
+                state = self.state.get(p)
+                if state and "exp_avg" in state:
+                    self._nvme.load(p, state.pop("exp_avg"), state.pop("exp_avg_sq"))
+        return self._nvme.keys
+
+    def nvme_plan(self, params: list[torch.Tensor]) -> None:
+        """The next ``step`` calls will each step one of ``params``, in this
+        order: disk reads run ahead across them (a no-op without NVMe)."""
+        if self._nvme is not None:
+            self._disk()
+            self._nvme.plan(params)
+
+    @property
+    def nvme_wait_s(self) -> float:
+        """Seconds this optimizer waited for disk reads and writes (exposed I/O)."""
+        return self._nvme.wait_s if self._nvme is not None else 0.0
+
+    def nvme_bytes_on_disk(self) -> int:
+        """Bytes of Adam state now on disk."""
+        return self._nvme.on_disk_bytes() if self._nvme is not None else 0
 
     # -- validation --------------------------------------------------------
 
@@ -197,7 +228,7 @@ class _Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = 1.0 / div_scale if div_scale > 0 else 1.0
-        on_disk = self._nvme.keys if self._nvme is not None else {}
+        on_disk = self._disk()
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
 
@@ -277,10 +308,11 @@ class _Adam(torch.optim.Optimizer):
         """torch's layout; states kept on disk come back as file-backed
         tensors (page cache, not RAM), read one parameter at a time."""
         sd = super().state_dict()
-        if self._nvme is not None:
+        on_disk = self._disk()
+        if on_disk:
             params = [p for g in self.param_groups for p in g["params"]]
             for idx, p in enumerate(params):
-                if p in self._nvme.keys and idx in sd["state"]:
+                if p in on_disk and idx in sd["state"]:
                     m, v = self._nvme.snapshot(p)
                     sd["state"][idx] = {**sd["state"][idx], "exp_avg": m, "exp_avg_sq": v}
         return sd
@@ -292,8 +324,8 @@ class _Adam(torch.optim.Optimizer):
         contiguous tensors on the parameter's device, whatever the source kept;
         they are copies, never shared with the source optimizer.
         """
+        on_disk = self._disk()  # bound first: loaded states of disk parameters go straight there
         super().load_state_dict(state_dict)
-        on_disk = self._nvme.keys if self._nvme is not None else {}
         for group in self.param_groups:
             group.setdefault("adamw_mode", self.defaults["adamw_mode"])
             group.setdefault("bias_correction", self.defaults["bias_correction"])
@@ -340,9 +372,13 @@ class CPUAdam(_Adam):
         weight_decay: decay coefficient. Default 0.
         adamw_mode: True for decoupled decay (AdamW), False for L2 (Adam). Default True.
         bias_correction: apply Adam's bias correction. Default True.
-        nvme_offload_fraction: share of all parameter elements, in parameter
-            order, whose states live on disk; only CPU parameters are eligible.
-            Needs ``zerostack-fused-adam[nvme]``. Default 0.0.
+        nvme_offload_fraction: share of the CPU-resident parameters' elements,
+            in parameter order, whose Adam states (exp_avg, exp_avg_sq; not
+            the parameters) live on disk between steps. Chosen at the first
+            step, so it applies to the tensors really stepped (the master
+            shards when GeminiOptimizer or ZeroOptimizer(cpu_offload=True)
+            wraps this optimizer). Needs ``zerostack-fused-adam[nvme]``.
+            Default 0.0.
         nvme_offload_dir: directory for those states; a temporary directory,
             removed with the optimizer, when None. Default None.
         nvme_backend: "uring", "aio" or "threads"; None takes

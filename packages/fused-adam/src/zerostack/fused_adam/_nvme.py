@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -37,58 +39,153 @@ PIECE_NUMEL = 1 << 22
 class NVMeStates:
     """Which parameters keep ``exp_avg``/``exp_avg_sq`` on disk, and their I/O.
 
+    [Note: NVMe binding] The parameters whose states go to disk are chosen
+    when the optimizer first steps (``bind``), not when it is built: the
+    wrappers (GeminiOptimizer, ZeroOptimizer with cpu_offload) replace the
+    optimizer's parameters by master shards after building it, and only the
+    tensors that are really stepped can own disk space. ``fraction`` is a
+    share of the CPU-resident parameters' elements (states of parameters on
+    a GPU stay there), taken in parameter order. Keys are positional
+    (group.index:start), so a rebinding to other tensors of the same sizes
+    keeps what is on disk.
+
     A parameter is cut into pieces of at most PIECE_NUMEL elements; each piece
     is one key holding ``[exp_avg piece, exp_avg_sq piece]`` as one fp32
     buffer, so a piece costs one read and one write per step.
     """
 
     def __init__(
-        self,
-        param_groups: list[dict],
-        fraction: float,
-        directory: str | None,
-        backend: str | None,
+        self, api: str, fraction: float, directory: str | None, backend: str | None,
         prefetch_depth: int,
-    ) -> None:
+    ) -> None:  # fmt: skip
         nvme = _import_nvme()
+        self.api = api
+        self.fraction = fraction
         self.swapper = nvme.StateSwapper(directory, backend=backend, prefetch_depth=prefetch_depth)
-        params = [p for g in param_groups for p in g["params"]]
-        target = fraction * sum(p.numel() for p in params)
-        # As in the reference: a share of all parameter elements, in
-        # parameter order, of which only CPU-resident ones are eligible.
         self.keys: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
+        self._bound: list[torch.Tensor] | None = None
+        self._open: list | None = None  # [pipeline, pieces, next piece] of a planned order
+        self.wait_s = 0.0  # time the optimizer waited for disk reads and writes
+
+    def bound_to(self, params: list[torch.Tensor]) -> bool:
+        return (
+            self._bound is not None
+            and len(params) == len(self._bound)
+            and all(a is b for a, b in zip(params, self._bound, strict=True))
+        )
+
+    def bind(self, param_groups: list[dict]) -> list[torch.Tensor]:
+        """Choose the parameters whose states live on disk (see [Note: NVMe
+        binding]). Returns the parameters newly put on disk.
+
+        Raises:
+            NotImplementedError: a parameter whose states are on disk moved
+                to a GPU or changed size.
+        """
+        self._finish_open()
+        params = [p for g in param_groups for p in g["params"]]
+        cpu = [p for p in params if p.device.type == "cpu"]
+        target = self.fraction * sum(p.numel() for p in cpu)
+        old = {key[0]: p for p, key in ((p, ks[0]) for p, ks in self.keys.items())}
+        keys: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
         offloaded = 0
         for gi, group in enumerate(param_groups):
             for pi, p in enumerate(group["params"]):
-                if p.device.type == "cpu" and offloaded + p.numel() <= target:
-                    pieces = []
-                    for start in range(0, p.numel(), PIECE_NUMEL):
-                        end = min(p.numel(), start + PIECE_NUMEL)
-                        key = f"{gi}.{pi}:{start}"
-                        self.swapper.register(key, 2 * (end - start))
-                        pieces.append((key, start, end))
-                    self.keys[p] = pieces
-                    offloaded += p.numel()
+                if p.device.type != "cpu" or offloaded + p.numel() > target:
+                    continue
+                pieces = []
+                for start in range(0, p.numel(), PIECE_NUMEL):
+                    end = min(p.numel(), start + PIECE_NUMEL)
+                    key = f"{gi}.{pi}:{start}"
+                    self.swapper.register(key, 2 * (end - start))
+                    pieces.append((key, start, end))
+                keys[p] = pieces
+                offloaded += p.numel()
+        gone = [k for k in old if k not in {ks[0][0] for ks in keys.values()}]
+        if any(self.swapper.is_on_disk(k) for k in gone):
+            raise NotImplementedError(
+                f"{self.api}: parameters whose Adam states are on disk moved off the CPU or "
+                "changed; build the optimizer on the tensors it will step"
+            )
+        fresh = [p for p, ks in keys.items() if ks[0][0] not in old]
+        self.keys, self._bound = keys, params
+        if not cpu:
+            _warn_once(
+                f"{self.api}: nvme_offload_fraction={self.fraction} has no effect: no parameter "
+                "it steps is on the CPU (states live where their parameters are)"
+            )
         logger.info(
-            "nvme: Adam states of %d parameters (%d elements, %.1f MB) on disk in %s",
-            len(self.keys),
-            offloaded,
-            8 * offloaded / 2**20,
-            self.swapper.workdir,
-        )
+            "nvme: Adam states of %d of %d parameters (%d elements, %.1f MB, %.0f%% of the "
+            "CPU-held ones) on disk in %s",
+            len(keys), len(params), offloaded, 8 * offloaded / 2**20,
+            100 * offloaded / max(1, sum(p.numel() for p in cpu)), self.swapper.workdir,
+        )  # fmt: skip
+        return fresh
+
+    def plan(self, params: list[torch.Tensor]) -> None:
+        """The next ``step`` calls will step ``params`` one at a time, in this
+        order: read ahead across them, so the first pieces of the next
+        parameter are in flight while the current one updates."""
+        self._finish_open()
+        pieces = [(p, *piece) for p in params for piece in self.keys.get(p, ())]
+        if pieces:
+            pipe = self.swapper.pipeline([key for _, key, _, _ in pieces])
+            pipe.pre_step()
+            self._open = [pipe, pieces, 0]
+
+    def _finish_open(self) -> None:
+        if self._open is None:
+            return
+        pipe, pieces, nxt = self._open
+        self._open = None
+        t0 = time.perf_counter()
+        try:
+            pipe.cancel() if nxt < len(pieces) else pipe.post_step()
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def step(self, params: list[torch.Tensor], update: Callable) -> None:
         """Run ``update(param, start, end, exp_avg, exp_avg_sq)`` piece by piece
-        through the prefetch pipeline."""
+        through the prefetch pipeline (the planned one when ``params`` is next
+        in the plan)."""
+        if self._open is not None:
+            pipe, pieces, nxt = self._open
+            mine = [i for i in range(nxt, len(pieces)) if pieces[i][0] is params[0]]
+            if len(params) == 1 and mine and mine[0] == nxt:
+                self._run(pipe, pieces, mine, update)
+                self._open[2] = mine[-1] + 1
+                if self._open[2] == len(pieces):
+                    self._finish_open()
+                return
+        self._finish_open()
         pieces = [(p, *piece) for p in params for piece in self.keys[p]]
         pipe = self.swapper.pipeline([key for _, key, _, _ in pieces])
         pipe.pre_step()
-        for i, (p, _, start, end) in enumerate(pieces):
+        self._run(pipe, pieces, range(len(pieces)), update)
+        t0 = time.perf_counter()
+        try:
+            pipe.post_step()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+
+    def _run(self, pipe, pieces, indices, update: Callable) -> None:
+        for i in indices:
+            p, _, start, end = pieces[i]
+            t0 = time.perf_counter()
             buf = pipe.pre_update(i)
+            self.wait_s += time.perf_counter() - t0
             n = end - start
             update(p, start, end, buf[:n], buf[n:])
             pipe.post_update(i)
-        pipe.post_step()
+
+    def on_disk_bytes(self) -> int:
+        """Bytes of optimizer state now on disk."""
+        return sum(
+            8 * (end - start)
+            for pieces in self.keys.values()
+            for key, start, end in pieces
+            if self.swapper.is_on_disk(key)
+        )
 
     def snapshot(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This parameter's states, read into a file-backed mapping.
@@ -97,6 +194,7 @@ class NVMeStates:
         kernel can write back and drop, so a state_dict of states on disk
         never needs them all in RAM at once.
         """
+        self._finish_open()
         path = os.path.join(self.swapper.workdir, f"snapshot-{uuid.uuid4().hex}")
         out = torch.from_file(path, shared=True, size=2 * p.numel(), dtype=torch.float32)
         os.unlink(path)
@@ -111,10 +209,21 @@ class NVMeStates:
 
     def load(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Write loaded states of one parameter to disk, a piece at a time."""
+        self._finish_open()
         m, v = exp_avg.reshape(-1), exp_avg_sq.reshape(-1)
         for key, start, end in self.keys[p]:
             piece = torch.cat([m[start:end].float(), v[start:end].float()]).cpu()
             self.swapper.write(key, piece)
 
     def close(self) -> None:
+        self._finish_open()
         self.swapper.close()
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=4)

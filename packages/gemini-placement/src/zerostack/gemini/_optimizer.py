@@ -107,6 +107,8 @@ class GeminiOptimizer:
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
         self._bind_masters()
+        if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
+            optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
@@ -131,6 +133,12 @@ class GeminiOptimizer:
             buf = self.pipeline.host_values(chunk)
             if self._copy_out:
                 self.optimizer.set_copy_out(master.shard, buf)
+
+    @property
+    def nvme_wait_s(self) -> float:
+        """Seconds the CPU step waited for disk reads and writes of Adam
+        states (HybridAdam's nvme_offload_fraction): the exposed I/O."""
+        return getattr(self.optimizer, "nvme_wait_s", 0.0)
 
     @property
     def cpu_step_s(self) -> float:
@@ -213,6 +221,7 @@ class GeminiOptimizer:
                 if self._index.get(chunk) not in early:
                     self.pipeline.await_chunk(chunk)
             self._plan_placement()
+            self._bind_disk()
             stepped = self._step(early)
         self.module.finish_step()
         self.collector.tick()
@@ -248,6 +257,22 @@ class GeminiOptimizer:
         for chunk, _ in self.pairs:
             self.pipeline.write_back(chunk, None)
         self.module.finish_step()
+
+    def _bind_disk(self) -> None:
+        """Let an optimizer with Adam states on disk choose them now, before
+        any update: a disk that cannot hold them fails here, the step's
+        gradients are dropped and the model is left as before the step."""
+        if not hasattr(self.optimizer, "nvme_plan"):
+            return
+        try:
+            with self._lock:
+                self.optimizer.nvme_plan([])
+        except OSError as error:
+            if _write_failed(error):  # the last step's writes: states kept in RAM
+                logger.error("%s: %s", _API, error)
+                return
+            self._drop_grads()
+            raise
 
     def _plan_placement(self) -> None:
         """At the first step under auto placement: the plan, and the masters
@@ -303,13 +328,15 @@ class GeminiOptimizer:
             _restore(saved.get(i))
             self.pipeline.write_back(self.pairs[i][0], None)
         # CPU-held masters, chunk by chunk in compute order (those started
-        # during backward are running already).
-        for i in self._cpu_order():
-            if i not in early:
-                chunk = self.pairs[i][0]
-                self.pipeline.submit(
-                    chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i)
-                )
+        # during backward are running already). With Adam states on disk the
+        # reads run ahead across chunks, in the same order.
+        order = [i for i in self._cpu_order() if i not in early]
+        if order and hasattr(self.optimizer, "nvme_plan"):
+            with self._lock:
+                self.optimizer.nvme_plan([self.masters[i] for i in order])
+        for i in order:
+            chunk = self.pairs[i][0]
+            self.pipeline.submit(chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i))
         return True
 
     def _cpu_order(self) -> list[int]:
@@ -330,6 +357,13 @@ class GeminiOptimizer:
             master.grad = host_grad if own else host_grad.clone()
             try:
                 step_with_div_scale(self.optimizer, div_scale)
+            except OSError as error:
+                # A failed state write (zerostack.nvme's NVMeWriteError): the
+                # update completed and the state stays in RAM, written again
+                # at the next step; anything else fails the update.
+                if not _write_failed(error):
+                    raise
+                logger.error("%s: chunk %d: %s", _API, self.pairs[i][0].index, error)
             finally:  # a failed update must not leave its gradient to the next inner step
                 master.grad = None
         _restore(saved)
@@ -385,9 +419,14 @@ class GeminiOptimizer:
         (flat, on the CPU), gathered on every rank, keyed by parameter name:
         loadable at any world size and chunk size with ``load_full_state_dict``."""
         self.module.wait_updates()
+        # Positional: states on disk (nvme_offload_fraction) come back from
+        # the inner state_dict as file-backed tensors, one chunk at a time.
+        packed = self.optimizer.state_dict()["state"]
         per_chunk: dict[Chunk, dict[str, Any]] = {}
-        for (chunk, master_chunk), master in zip(self.pairs, self.masters, strict=True):
-            state = self.optimizer.state.get(master, {})
+        for i, ((chunk, master_chunk), master) in enumerate(
+            zip(self.pairs, self.masters, strict=True)
+        ):
+            state = packed.get(i, {})
             whole = {"master": _gather_chunk(master, master_chunk)}
             for k, v in state.items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
@@ -461,6 +500,12 @@ class GeminiOptimizer:
             self.scaler.load_state_dict(full["scaler"])
         for i in range(len(self.pairs)):
             self.pipeline.write_back(self.pairs[i][0], None)
+
+
+def _write_failed(error: OSError) -> bool:
+    """zerostack.nvme's NVMeWriteError (not imported: nvme is fused-adam's
+    optional extra): the update completed, its state was kept in RAM."""
+    return type(error).__name__ == "NVMeWriteError"
 
 
 def _close(pipeline, collector: CollectorSchedule) -> None:

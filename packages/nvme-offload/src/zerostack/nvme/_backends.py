@@ -184,11 +184,22 @@ class TensorNVMeBackend(Backend):
             self._off = None
 
 
+_warned_fallback: list[bool] = []  # the threads fallback is announced once
+
+
 def resolve_backend(name: str | None) -> str:
     """Pick a backend: ``name``, else $ZEROSTACK_NVME_BACKEND, else the best available."""
     requested = name or os.environ.get(BACKEND_ENV) or None
     available = tensornvme_backends()
     if requested is None:
+        if not available and not _warned_fallback:
+            _warned_fallback.append(True)
+            logger.warning(
+                "nvme: tensornvme is not installed; optimizer states go to disk through the "
+                "slower thread backend. For io_uring/libaio: apt-get install liburing-dev "
+                "libaio-dev, then WITH_ROOT=1 pip install --no-build-isolation tensornvme==0.1.0 "
+                "(set ZEROSTACK_NVME_BACKEND=threads to choose threads and silence this)"
+            )
         return "uring" if "uring" in available else "aio" if "aio" in available else "threads"
     if requested not in BACKENDS:
         raise ValueError(

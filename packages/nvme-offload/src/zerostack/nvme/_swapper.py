@@ -276,6 +276,14 @@ class PrefetchPipeline:
         self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
         self.s._on_disk.add(self.keys[i])
 
+    def cancel(self) -> None:
+        """Stop before every key was updated: reads in flight are waited for
+        and dropped (their keys stay on disk, unchanged), writes drained as
+        in ``post_step``."""
+        for i in list(self._reads):
+            self.s._io.wait(self._reads.pop(i))
+        self.post_step()
+
     def post_step(self) -> None:
         """Block until every write is on disk; raise if any failed."""
         for slot in list(self._writes):

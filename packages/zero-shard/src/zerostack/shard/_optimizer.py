@@ -204,6 +204,10 @@ class ZeroOptimizer:
             master_weights=master_weights, names=names,
         )  # fmt: skip
         self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
+        if hasattr(self.optimizer, "nvme_plan"):
+            # fused-adam's optimizers put Adam states on disk for the tensors
+            # they step: the masters, from now on (a full disk fails here).
+            self.optimizer.nvme_plan([])
         self._div_scale = takes_div_scale(self.optimizer)
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
         if cpu_offload:
@@ -403,7 +407,14 @@ class ZeroOptimizer:
         for s, u in zip(self.shards, stats[1:], strict=True):
             s.master.grad = s.grad if u > 0 else None
         with phase("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
-            step_with_div_scale(self.optimizer, plan.div_scale)
+            try:
+                step_with_div_scale(self.optimizer, plan.div_scale)
+            except OSError as error:
+                # zerostack.nvme's NVMeWriteError: the update completed and
+                # the states that could not be written stay in RAM.
+                if type(error).__name__ != "NVMeWriteError":
+                    raise
+                logger.error("%s: %s", _API, error)
         self._gather_params()
         self.zero_grad()
         self.collector.tick()
