@@ -180,3 +180,27 @@ def test_missing_package_names_the_pip_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "zerostack.nvme", None)
     with pytest.raises(ImportError, match=r"pip install 'zerostack-fused-adam\[nvme\]'"):
         CPUAdam(make_params([10], torch.float32), nvme_offload_fraction=0.5)
+
+
+def test_a_plan_reads_the_next_parameters_while_one_updates(tmp_path):
+    # Gemini steps CPU-held chunks one at a time; nvme_plan makes one pipeline
+    # over all of them, so the next chunk's reads are in flight meanwhile.
+    params = make_params([300, 200, 100], torch.float32)
+    ref = [p.detach().clone() for p in params]
+    opt = CPUAdam(params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), **HYPER)
+    ram = CPUAdam(ref, **HYPER)
+    for step in range(3):
+        opt.nvme_plan(params)
+        pipe = opt._nvme._open[0]
+        for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+            q.grad = p.grad.clone()
+            opt.step()
+            ram.step()
+            p.grad = q.grad = None
+            if i == 0:  # depth 2: the reads of both later parameters were issued
+                assert pipe._next_read == 3
+        assert opt._nvme._open is None  # the plan ended with its last parameter
+    for p, q in zip(params, ref, strict=True):
+        assert torch.equal(p, q)
+    assert opt.nvme_bytes_on_disk() == 8 * 600 and opt.nvme_wait_s >= 0.0
