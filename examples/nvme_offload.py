@@ -1,14 +1,19 @@
-"""Adam states on disk: GPT-2 small trained on the CPU for a few steps with
-HybridAdam at nvme_offload_fraction 0.0 and 1.0, printing loss, time and
-peak RSS of each (ColossalAI's NVMe offload guide, run here).
+"""Adam states on disk: GPT-2 small trained for a few steps with HybridAdam
+at nvme_offload_fraction 0.0 and 1.0, printing loss, step time and peak RSS
+of each (the two examples of ColossalAI's NVMe offload guide, run here):
 
-Each fraction runs in its own process, so the peak RSS figures are clean.
-At fraction 1.0 the 8 bytes/param of Adam state live in a file, and the
-losses must equal those of fraction 0.0.
+* ``plain``: the model on the CPU, stepped by HybridAdam directly;
+* ``gemini``: GeminiDDP with every parameter shard and optimizer chunk on the
+  CPU (compute on the GPU when there is one), HybridAdam inside
+  GeminiOptimizer stepping the fp32 master chunks.
 
-    python examples/nvme_offload.py                 # GPT-2 small (124M), 3 steps
+Each run is its own process, so the peak RSS figures are clean. At fraction
+1.0 the 8 bytes/param of Adam state live in a file (the bytes on disk are
+printed), and the losses must equal those of fraction 0.0.
+
+    python examples/nvme_offload.py                 # GPT-2 small (124M), 3 steps, both
     python examples/nvme_offload.py --smoke         # a tiny GPT, for CI
-    python examples/nvme_offload.py --dir /mnt/nvme --backend threads
+    python examples/nvme_offload.py --only gemini --dir /mnt/nvme --backend threads
 """
 
 from __future__ import annotations
@@ -33,26 +38,44 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         config = GPTConfig.gpt2_small(tie_embeddings=True)
     torch.manual_seed(0)
     model = TinyGPT(config)
-    opt = HybridAdam(
-        model.parameters(),
-        lr=1e-4,
-        nvme_offload_fraction=fraction,
-        nvme_offload_dir=args.dir,
-        nvme_backend=args.backend,
+    params = num_parameters(model)
+    nvme = dict(
+        nvme_offload_fraction=fraction, nvme_offload_dir=args.dir, nvme_backend=args.backend
     )
-    losses, start = [], time.perf_counter()
+    device = "cpu"
+    if args.child_mode == "gemini":
+        from zerostack.gemini import GeminiDDP, GeminiOptimizer
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        wrapped = GeminiDDP(
+            model, mixed_precision=dtype, compute_device=device, offload_optim_frac=1.0,
+            offload_param_frac=1.0,
+        )  # fmt: skip
+        opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-4, **nvme), wrapped)
+        inner = opt.optimizer
+    else:
+        wrapped, opt = model, HybridAdam(model.parameters(), lr=1e-4, **nvme)
+        inner = opt
+    losses, times = [], []
     for step in range(args.steps):
         idx, tgt = make_batch(config, args.batch_size, args.seq_len, seed=step)
+        start = time.perf_counter()
         opt.zero_grad()
-        loss = model(idx, tgt)
-        loss.backward()
+        loss = wrapped(idx.to(device), tgt.to(device))
+        if args.child_mode == "gemini":
+            opt.backward(loss)
+        else:
+            loss.backward()
         opt.step()
         losses.append(loss.item())
+        times.append(time.perf_counter() - start)
     return dict(
         fraction=fraction,
-        params=num_parameters(model),
+        params=params,
         losses=losses,
-        seconds=time.perf_counter() - start,
+        step_s=sorted(times)[len(times) // 2],
+        disk_mb=inner.nvme_bytes_on_disk() / 2**20,
         peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     )
 
@@ -66,38 +89,69 @@ def main() -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--dir", default=None, help="offload directory (default: a temporary one)")
     ap.add_argument("--backend", default=None, choices=["uring", "aio", "threads"])
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="a tiny GPT for 2 steps (CI)")
+    ap.add_argument(
+        "--only", choices=["plain", "gemini"], default=None,
+        help="run one of the two examples (default: both)",
+    )  # fmt: skip
     ap.add_argument("--child", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child-mode", default="plain", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke:
-        args.seq_len = min(args.seq_len, 64)
+        args.seq_len, args.steps = min(args.seq_len, 64), min(args.steps, 2)
     if args.child is not None:
         print(json.dumps(run(args.child, args)))
         return 0
+    for mode in [args.only] if args.only else ["plain", "gemini"]:
+        if _compare(mode, args) != 0:
+            return 1
+    return 0
 
+
+def _compare(mode: str, args: argparse.Namespace) -> int:
     results = []
     for fraction in (0.0, 1.0):
-        cmd = [sys.executable, __file__, "--child", str(fraction), *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(fraction),
+            "--child-mode",
+            mode,
+            *sys.argv[1:],
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
             return out.returncode
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    what = "HybridAdam on the CPU" if mode == "plain" else "Gemini, everything on the CPU"
     print(
-        f"model: {results[0]['params'] / 1e6:.1f}M params, {args.steps} steps, batch {args.batch_size} x {args.seq_len}"
+        f"\n{what}: {results[0]['params'] / 1e6:.1f}M params, {args.steps} steps, "
+        f"batch {args.batch_size} x {args.seq_len}"
     )
-    print("| nvme_offload_fraction | losses | time s | peak RSS MB |")
-    print("|---|---|---|---|")
+    print(
+        "| nvme_offload_fraction | losses | median step s | peak RSS MB | Adam states on disk MB |"
+    )
+    print("|---|---|---|---|---|")
     for r in results:
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
-        print(f"| {r['fraction']} | {losses} | {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} |")
+        print(
+            f"| {r['fraction']} | {losses} | {r['step_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"{r['disk_mb']:.0f} |"
+        )
     saved = results[0]["peak_rss_mb"] - results[1]["peak_rss_mb"]
     print(
         f"RSS saved: {saved:.0f} MB ({saved * 2**20 / results[0]['params']:.1f} bytes/param); "
-        f"time x{results[1]['seconds'] / results[0]['seconds']:.2f}"
+        f"step time x{results[1]['step_s'] / results[0]['step_s']:.2f}"
     )
+    if results[1]["disk_mb"] <= 0:
+        print(f"nvme_offload ({mode}): nothing went to disk at fraction 1.0", file=sys.stderr)
+        return 1
     if results[0]["losses"] != results[1]["losses"]:
-        print("nvme_offload: losses differ between fractions 0.0 and 1.0", file=sys.stderr)
+        print(
+            f"nvme_offload ({mode}): losses differ between fractions 0.0 and 1.0", file=sys.stderr
+        )
         return 1
     return 0
 
