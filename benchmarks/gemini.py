@@ -36,8 +36,9 @@ from zerostack.testing import TinyGPT
 
 
 def gemini(
-    config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0, **kwargs
-) -> dict:
+    config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
+    nvme: float = 0.0, nvme_dir: str | None = None, **kwargs,
+) -> dict:  # fmt: skip
     torch.manual_seed(0)
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
         with LazyInitContext():
@@ -47,7 +48,11 @@ def gemini(
         base = T.build_model(config, None, "cuda")
     hidden = config.dim if isinstance(base, TinyGPT) else config.hidden_size
     model = GeminiDDP(base, mixed_precision=torch.bfloat16, hidden_dim=hidden, **kwargs)
-    opt = GeminiOptimizer(HybridAdam(list(base.parameters()), **T.HYPER), model, max_norm=max_norm)
+    adam = HybridAdam(
+        list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
+    )
+    opt = GeminiOptimizer(adam, model, max_norm=max_norm)
+    disk_wait0 = [0.0]
     done = [0]
 
     def step(loss, backward_only):
@@ -58,13 +63,21 @@ def gemini(
         done[0] += 1
         if done[0] == warmup:  # count the timed steps only
             model.cpu_step.wait_s = model.cpu_step.update_s = 0.0
+            disk_wait0[0] = opt.nvme_wait_s
 
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
+    if nvme > 0:
+        label += f", nvme_offload_fraction={nvme:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     model.wait_updates()
     result["wait_s"] = model.update_wait_s / steps
     result["cpu_step_s"] = opt.cpu_step_s / steps
+    if nvme > 0:  # bytes on disk, and the worker's time waiting for the disk (exposed I/O)
+        result["name"] += (
+            f" [{adam.nvme_bytes_on_disk() / 1e9:.1f} GB of Adam states on disk, the CPU step "
+            f"waited {(opt.nvme_wait_s - disk_wait0[0]) / steps:.3f} s/step for it]"
+        )
     if model.auto is not None:
         a = model.auto
         result["name"] += (
@@ -103,12 +116,13 @@ def _configurations(a, args, wanted):
         )
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
-            yield (
-                "gemini_static",
-                lambda frac=frac, label=label, norm=norm: gemini(
-                    *args, label, a.lazy, norm, offload_optim_frac=frac
-                ),
-            )
+            for nvme in [float(f) for f in a.nvme_fractions.split(",") if f]:
+                yield (
+                    "gemini_static",
+                    lambda frac=frac, label=label, norm=norm, nvme=nvme: gemini(
+                        *args, label, a.lazy, norm, nvme, a.nvme_dir, offload_optim_frac=frac
+                    ),
+                )
 
 
 def main() -> int:
@@ -118,6 +132,11 @@ def main() -> int:
         ap.add_argument("--cap-gib", type=float, default=24.0)
         ap.add_argument("--static-fracs", default="0.5,1.0")
         ap.add_argument("--lazy", action="store_true", help="build the Gemini models lazily")
+        ap.add_argument(
+            "--nvme-fractions", default="0",
+            help="comma-separated nvme_offload_fraction values for the capped static rows",
+        )  # fmt: skip
+        ap.add_argument("--nvme-dir", default=None, help="where Adam states go (default: temp)")
         ap.add_argument(
             "--max-norms", default="0",
             help="comma-separated max_norm values for the capped Gemini rows (0: no clipping)",
