@@ -66,24 +66,34 @@ def _install_tensornvme(session: nox.Session) -> None:
     then installed from .nox/_wheels. Without it the nvme tests run on the
     thread backend only, unless ZEROSTACK_REQUIRE_TENSORNVME=1 makes that fatal."""
     wheels = ROOT / ".nox" / "_wheels"
+    failed = wheels / "tensornvme.failed"  # the decision, cached: not retried every session
+    required = os.environ.get("ZEROSTACK_REQUIRE_TENSORNVME") == "1"
+    if failed.exists() and not required:
+        session.log(f"tensornvme skipped ({failed.read_text().strip()}); delete {failed} to retry")
+        return
     if not list(wheels.glob("tensornvme-*.whl")):
         session.install("setuptools", "wheel", "packaging", "click")
         try:
             session.run(
                 "pip", "wheel", "--no-build-isolation", "--no-deps", "tensornvme==0.1.0",
-                "--wheel-dir", str(wheels),
+                "--wheel-dir", str(wheels), silent=True,
                 env={"WITH_ROOT": "1", "LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"},
             )  # fmt: skip
         except nox.command.CommandFailed:
-            if os.environ.get("ZEROSTACK_REQUIRE_TENSORNVME") == "1":
+            if required:
                 raise
-            session.warn("tensornvme did not build: nvme tests use the thread backend only")
+            wheels.mkdir(parents=True, exist_ok=True)
+            failed.write_text(
+                "it did not build: apt-get install liburing-dev libaio-dev enables it; the nvme "
+                "tests use the thread backend"
+            )
+            session.warn(f"tensornvme {failed.read_text()}")
             return
     session.install("packaging", "click", *[str(w) for w in wheels.glob("tensornvme-*.whl")])
 
 
 def _install_packages(session: nox.Session, folders: list[str], env: dict | None = None) -> None:
-    session.install(TORCH)
+    session.install(TORCH, "numpy")  # numpy: torch warns at import without it
     if "nvme-offload" in folders:
         _install_tensornvme(session)
     # zerostack-testing is a dev-only helper every suite uses; never a runtime dependency.
