@@ -284,6 +284,7 @@ class GeminiDDP(nn.Module):
             self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
         )
         self.cpu_step = CpuStepPipeline(self.chunk_manager, self.compute_device)
+        weakref.finalize(self, self.cpu_step.close)  # the model's teardown stops the worker too
         self.placement.attach(self.chunk_manager, self.param_chunks, busy=self.cpu_step)
 
     def _log_layout(self) -> None:
