@@ -288,6 +288,11 @@ def save_sharded(
 # --- reading ---------------------------------------------------------------
 
 
+def _starts_with(path: str, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
 def _is_safetensors(path: str) -> bool:
     with open(path, "rb") as f:
         head = f.read(9)
@@ -387,7 +392,7 @@ def _verify_zip(path: str, api: str) -> None:
 
 def read_torch(path: str, api: str, *, check_crc: bool) -> Any:
     """``torch.load`` onto the CPU with ``weights_only=True``, errors naming the file."""
-    if check_crc and zipfile.is_zipfile(path):
+    if check_crc and _starts_with(path, b"PK\x03\x04"):  # a zip (not the legacy format)
         _verify_zip(path, api)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -398,8 +403,8 @@ def read_torch(path: str, api: str, *, check_crc: bool) -> Any:
         ) from exc
     except (RuntimeError, EOFError, OSError) as exc:
         raise CheckpointCorruptError(
-            f"{api}: checkpoint file {path} cannot be read (got {type(exc).__name__}: {exc}); "
-            "it is truncated or corrupt: copy it again or load another checkpoint"
+            f"{api}: checkpoint file {path} is truncated or corrupt (got {type(exc).__name__}: "
+            f"{exc}); copy it again or load another checkpoint"
         ) from exc
 
 
