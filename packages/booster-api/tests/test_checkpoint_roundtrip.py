@@ -274,3 +274,27 @@ def test_loads_hugging_face_style_single_file_directory(tmp_path):
     target = PlainModel(nn.Linear(4, 3))
     CheckpointIO().load_model(target, tmp_path / "hf")
     same(model.state_dict(), target.module.state_dict())
+
+
+class _HeadFirst(nn.Module):
+    """A tie whose target (the head) comes first in state_dict order, declared
+    the way transformers 5 declares ties."""
+
+    all_tied_weights_keys = {"head.weight": "emb.weight"}  # noqa: RUF012
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 10, bias=False)
+        self.emb = nn.Embedding(10, 4)
+        self.head.weight = self.emb.weight
+
+
+def test_declared_tie_target_is_the_name_left_out(tmp_path):
+    torch.manual_seed(0)
+    model = _HeadFirst()
+    assert list(model.state_dict()) == ["head.weight", "emb.weight"]
+    CheckpointIO().save_model(PlainModel(model), tmp_path / "m.pt")
+    assert list(torch.load(tmp_path / "m.pt", weights_only=True)) == ["emb.weight"]
+    target = _HeadFirst()
+    CheckpointIO().load_model(PlainModel(target), tmp_path / "m.pt")
+    same(model.state_dict(), target.state_dict())

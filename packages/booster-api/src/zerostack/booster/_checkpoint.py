@@ -137,7 +137,7 @@ def _alias_groups(module: nn.Module, state: dict[str, Any] | None = None) -> lis
     if state is not None:
         by_memory: dict[tuple, list[str]] = {}
         for name, t in state.items():
-            if isinstance(t, torch.Tensor) and t.numel():
+            if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta:
                 key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
                 by_memory.setdefault(key, []).append(name)
         groups += list(by_memory.values())
@@ -150,7 +150,24 @@ def _alias_groups(module: nn.Module, state: dict[str, Any] | None = None) -> lis
         union = set(g).union(*hits)
         merged = [m for m in merged if m not in hits] + [union]
     rank_of = {**{n: i for i, n in enumerate(state or {})}, **order}
-    return [sorted(m, key=lambda n: (rank_of.get(n, len(rank_of)), n)) for m in merged]
+    targets = _hf_tie_targets(module)
+    return [
+        sorted(m, key=lambda n: (n in targets, rank_of.get(n, len(rank_of)), n)) for m in merged
+    ]
+
+
+def _hf_tie_targets(module: nn.Module) -> set[str]:
+    """Names a transformers model re-ties on load (``lm_head.weight``): they must
+    be the ones left out, or ``from_pretrained`` ties them to an uninitialized
+    source. transformers 5 declares ``{target: source}``, 4 a list of targets."""
+    declared = getattr(module, "all_tied_weights_keys", None) or getattr(
+        module, "_tied_weights_keys", None
+    )
+    if isinstance(declared, dict):
+        return set(declared)
+    if isinstance(declared, list | tuple | set):
+        return {str(n) for n in declared}
+    return set()
 
 
 def _drop_aliases(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
