@@ -94,7 +94,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     # The children run side by side (each pays for importing torch).
     started = [(case, *_start(tmp_path, case)) for case in CASES]
     deadline = time.monotonic() + 120
-    for case, path, marker, proc in started:
+    for case, _path, marker, proc in started:
         while not marker.exists():
             if proc.poll() is not None:
                 pytest.fail(f"{case}: the child exited first:\n{proc.stderr.read()}")
