@@ -8,14 +8,15 @@ sharded directories, atomically.
 writes. That needs the whole fp32 model (and optimizer state) in rank 0's
 host memory. Every rank then waits for rank 0's outcome (a broadcast, which
 is also the barrier), so no rank goes on to load a checkpoint that is not
-yet in place, and an error on rank 0 is raised on every rank. A per-rank
-parallel save (``parallel=True``) is not implemented yet.
+yet in place, and an error on rank 0 is raised on every rank.
 
-[Note: tied weights in checkpoints] Names that are one tensor in the model
-(Hugging Face GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) are
-written once, under the first name in ``state_dict`` order, as
-``save_pretrained`` does (safetensors cannot hold one storage twice). A load
-gives the other names the same tensor, so strict loads still see every name.
+A per-rank parallel save (``parallel=True``, through
+``torch.distributed.checkpoint``) is not implemented: the wrapper protocol
+only hands out the whole gathered state, so CheckpointIO cannot tell which
+parameters a rank owns. It needs a wrapper method that returns the whole
+parameters (and their optimizer states) a rank owns without gathering the
+rest; each rank would then ``dcp.save`` those into the temporary directory,
+and rank 0 would rename it into place after a barrier.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_files as files
+from zerostack.booster._checkpoint_names import alias_fill, alias_groups, drop_aliases, state_names
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 
 logger = logging.getLogger(__name__)
@@ -105,87 +107,6 @@ def _check_kind(api: str, path: str, shard: bool) -> None:
             f"{api}: shard=False writes one file but {path} is a directory (got an existing "
             "directory); pass shard=True, another path, or remove the directory"
         )
-
-
-def _state_names(module: nn.Module) -> list[str]:
-    """The keys ``module.state_dict()`` has, without calling it (and its hooks)."""
-    names: list[str] = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        names += [dot + n for n, p in sub._parameters.items() if p is not None]
-        names += [
-            dot + n
-            for n, b in sub._buffers.items()
-            if b is not None and n not in sub._non_persistent_buffers_set
-        ]
-        if type(sub).get_extra_state is not nn.Module.get_extra_state:
-            names.append(dot + "_extra_state")
-    return list(dict.fromkeys(names))
-
-
-def _alias_groups(module: nn.Module, state: dict[str, Any] | None = None) -> list[list[str]]:
-    """Names that are one tensor: the same Parameter/buffer object in ``module``,
-    or the same memory in ``state``. See [Note: tied weights in checkpoints]."""
-    order = {name: i for i, name in enumerate(_state_names(module))}
-    by_id: dict[int, list[str]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for n, t in list(sub._parameters.items()) + list(sub._buffers.items()):
-            if t is not None and dot + n in order:
-                by_id.setdefault(id(t), []).append(dot + n)
-    groups = [list(dict.fromkeys(g)) for g in by_id.values()]
-    if state is not None:
-        by_memory: dict[tuple, list[str]] = {}
-        for name, t in state.items():
-            if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta:
-                key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-                by_memory.setdefault(key, []).append(name)
-        groups += list(by_memory.values())
-    # Merge groups that share a name.
-    merged: list[set[str]] = []
-    for g in groups:
-        if len(g) < 2:
-            continue
-        hits = [m for m in merged if m.intersection(g)]
-        union = set(g).union(*hits)
-        merged = [m for m in merged if m not in hits] + [union]
-    rank_of = {**{n: i for i, n in enumerate(state or {})}, **order}
-    targets = _hf_tie_targets(module)
-    return [
-        sorted(m, key=lambda n: (n in targets, rank_of.get(n, len(rank_of)), n)) for m in merged
-    ]
-
-
-def _hf_tie_targets(module: nn.Module) -> set[str]:
-    """Names a transformers model re-ties on load (``lm_head.weight``): they must
-    be the ones left out, or ``from_pretrained`` ties them to an uninitialized
-    source. transformers 5 declares ``{target: source}``, 4 a list of targets."""
-    declared = getattr(module, "all_tied_weights_keys", None) or getattr(
-        module, "_tied_weights_keys", None
-    )
-    if isinstance(declared, dict):
-        return set(declared)
-    if isinstance(declared, list | tuple | set):
-        return {str(n) for n in declared}
-    return set()
-
-
-def _drop_aliases(state: dict[str, Any], groups: list[list[str]]) -> dict[str, Any]:
-    drop = set()
-    for group in groups:
-        present = [n for n in group if n in state]
-        drop.update(present[1:])
-    return {k: v for k, v in state.items() if k not in drop}
-
-
-def _alias_fill(names: set[str], groups: list[list[str]]) -> dict[str, str]:
-    """``{missing name: name in the checkpoint}`` for tied names the checkpoint lacks."""
-    fill = {}
-    for group in groups:
-        source = next((n for n in group if n in names), None)
-        if source is not None:
-            fill.update({n: source for n in group if n not in names})
-    return fill
 
 
 def _save_hf_config(module: nn.Module, directory: str) -> None:
@@ -322,7 +243,7 @@ class CheckpointIO:
             )
         _check_kind(api, path, shard)
         module = model.unwrap()
-        state = _drop_aliases(state, _alias_groups(module, state))
+        state = drop_aliases(state, alias_groups(module, state))
         if not shard:
             with atomic.atomic_path(path, is_dir=False) as tmp:
                 if use_safetensors:
@@ -379,14 +300,14 @@ class CheckpointIO:
         _check_type(api, "model", model, ModelWrapper)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         module = model.unwrap()
-        expected = set(_state_names(module))
-        groups = _alias_groups(module)
+        expected = set(state_names(module))
+        groups = alias_groups(module)
         index_path, single = _find_model_files(api, path)
         if index_path is not None:
             index = files.read_index(index_path, api)
             names = set(index["weight_map"])
             fill = _check_names(api, path, names, expected, groups, strict)
-            parts = files.iter_index_files(index_path, api, hash=self.verify)
+            parts = files.iter_index_files(index_path, api, check_hash=self.verify)
             whole = len(set(index["weight_map"].values())) <= 1
         else:
             state = files.read_state(single, api, check=self.verify)
@@ -530,12 +451,12 @@ class CheckpointIO:
                 )
             index = files.read_index(index_path, api)
             per_param: dict[str, Any] = {}
-            for _, part in files.iter_index_files(index_path, api, hash=self.verify):
+            for _, part in files.iter_index_files(index_path, api, check_hash=self.verify):
                 per_param.update(part)
             groups_name = (index.get("metadata") or {}).get("param_groups", files.OPTIM_GROUPS_NAME)
             groups_path = os.path.join(path, groups_name)
             record = files.index_records(index).get(groups_name)
-            files.verify_file(groups_path, record, api, hash=self.verify)
+            files.verify_file(groups_path, record, api, check_hash=self.verify)
             rest = files.read_torch(groups_path, api, check_crc=self.verify and not record)
             state = {"state": per_param, **rest}
         else:
@@ -648,7 +569,7 @@ def _check_names(
     strict: bool,
 ) -> dict[str, str]:
     """The tied-name fill; with ``strict``, raise unless the names match."""
-    fill = {m: s for m, s in _alias_fill(names, groups).items() if m in expected}
+    fill = {m: s for m, s in alias_fill(names, groups).items() if m in expected}
     missing = sorted(expected - names - set(fill))
     unexpected = sorted(names - expected)
     if strict and (missing or unexpected):

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from zerostack.booster._checkpoint_atomic import fsync_file
+
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 WEIGHTS_NAME = "pytorch_model.bin"
@@ -251,8 +253,6 @@ def save_sharded(
     Returns:
         The names of the files written, index last.
     """
-    from zerostack.booster._checkpoint_atomic import fsync_file
-
     sizes = [(name, nbytes(value)) for name, value in state.items()]
     shards = plan_shards(sizes, limit_bytes)
     weight_map: dict[str, str] = {}
@@ -340,7 +340,7 @@ def index_records(index: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict(ours.get("files", {})) if isinstance(ours, dict) else {}
 
 
-def verify_file(path: str, record: dict[str, Any] | None, api: str, *, hash: bool) -> None:
+def verify_file(path: str, record: dict[str, Any] | None, api: str, *, check_hash: bool) -> None:
     """Check a file against its index record: present, its size, its sha256.
 
     Raises:
@@ -362,7 +362,7 @@ def verify_file(path: str, record: dict[str, Any] | None, api: str, *, hash: boo
             f"records {want}); the save or a copy of it did not finish: copy it again "
             "or load another checkpoint"
         )
-    if hash and record.get("sha256"):
+    if check_hash and record.get("sha256"):
         got = file_record(path)["sha256"]
         if got != record["sha256"]:
             raise CheckpointCorruptError(
@@ -448,7 +448,7 @@ def read_state(path: str, api: str, *, check: bool) -> dict[str, Any]:
 
 
 def iter_index_files(
-    index_path: str, api: str, *, hash: bool
+    index_path: str, api: str, *, check_hash: bool
 ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each file an index points to, verified then read, one at a time:
     ``(file name, {name: value})``."""
@@ -457,6 +457,6 @@ def iter_index_files(
     records = index_records(index)
     for name in dict.fromkeys(index["weight_map"].values()):
         path = os.path.join(directory, name)
-        verify_file(path, records.get(name), api, hash=hash)
+        verify_file(path, records.get(name), api, check_hash=check_hash)
         # The index already vouches for the bytes; skip the format's own check.
-        yield name, read_state(path, api, check=hash and not records.get(name))
+        yield name, read_state(path, api, check=check_hash and not records.get(name))

@@ -43,7 +43,7 @@ def _sources(path: str, verify: bool) -> Iterator[dict[str, Any]]:
     if os.path.isdir(path):
         index = files.find_index(path, _MODEL_INDEX_STEMS, _API)
         if index is not None:
-            for _, part in files.iter_index_files(index, _API, hash=verify):
+            for _, part in files.iter_index_files(index, _API, check_hash=verify):
                 yield part
             return
         for name in _MODEL_FILES:
