@@ -1,0 +1,191 @@
+"""Turn a saved model checkpoint into a Hugging Face directory, on a CPU
+without ``torch.distributed``::
+
+    python -m zerostack.booster.consolidate CKPT OUT [--size-per-shard MB]
+
+``CKPT`` is what ``CheckpointIO.save_model`` wrote: a single torch or
+safetensors file, or a sharded directory (torch or safetensors shards plus an
+index). ``OUT`` becomes a directory of ``model-0000i-of-0000N.safetensors``
+files, ``model.safetensors.index.json`` and, when ``CKPT`` is a directory that
+has them, a copy of ``config.json`` and ``generation_config.json``; with a
+config, ``transformers.AutoModel*.from_pretrained(OUT)`` loads it.
+
+The source is read one file at a time and checked against its recorded sizes
+and hashes; ``OUT`` is written atomically (a previous ``OUT`` stays whole
+until the new one is complete).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from zerostack.booster import _checkpoint_atomic as atomic
+from zerostack.booster import _checkpoint_files as files
+
+logger = logging.getLogger(__name__)
+
+_API = "consolidate"
+_MB = 1024 * 1024
+_MODEL_INDEX_STEMS = ("model.safetensors.index", "pytorch_model.bin.index")
+_MODEL_FILES = (files.SAFE_WEIGHTS_NAME, files.WEIGHTS_NAME)
+_COPIED = (files.CONFIG_NAME, files.GENERATION_CONFIG_NAME)
+
+
+def _sources(path: str, verify: bool) -> Iterator[dict[str, Any]]:
+    if os.path.isdir(path):
+        index = files.find_index(path, _MODEL_INDEX_STEMS, _API)
+        if index is not None:
+            for _, part in files.iter_index_files(index, _API, check_hash=verify):
+                yield part
+            return
+        for name in _MODEL_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                yield files.read_state(os.path.join(path, name), _API, check=verify)
+                return
+        raise ValueError(
+            f"{_API}: {path} holds no model checkpoint (got files {sorted(os.listdir(path))[:8]}); "
+            "pass a directory save_model(shard=True) wrote, or a model file"
+        )
+    yield files.read_state(path, _API, check=verify)
+
+
+def consolidate(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    size_per_shard: int = 1024,
+    verify: bool = True,
+) -> list[str]:
+    """Write a model checkpoint as a Hugging Face safetensors directory.
+
+    Args:
+        checkpoint: a file or directory ``CheckpointIO.save_model`` wrote.
+        out: the directory to write (replaced whole, atomically).
+        size_per_shard: most MB per safetensors file (a larger tensor gets a
+            file of its own). Default 1024.
+        verify: check the source's recorded sizes and hashes. Default True.
+
+    Returns:
+        The names of the files written under ``out``.
+
+    Raises:
+        FileNotFoundError: nothing at ``checkpoint``.
+        CheckpointCorruptError: a source file is missing, truncated or altered.
+        TypeError: the checkpoint holds values that are not tensors.
+        ValueError: a bad ``size_per_shard``; ``out`` is an existing file or
+            is ``checkpoint`` itself.
+    """
+    source = atomic.resolve_for_load(os.fspath(checkpoint), _API)
+    target = os.path.abspath(os.fspath(out))
+    if (
+        isinstance(size_per_shard, bool)
+        or not isinstance(size_per_shard, int)
+        or size_per_shard < 1
+    ):
+        raise ValueError(
+            f"{_API}: size_per_shard must be a positive int of MB (got {size_per_shard!r}); "
+            "pass e.g. 1024"
+        )
+    if os.path.isfile(target):
+        raise ValueError(
+            f"{_API}: out must be a directory (got the existing file {target}); pass a "
+            "directory path"
+        )
+    if os.path.abspath(source) == target:
+        raise ValueError(
+            f"{_API}: out is the checkpoint itself (got {target}); pass another directory"
+        )
+    limit = size_per_shard * _MB
+    with atomic.atomic_path(target, is_dir=True) as tmp:
+        parts: list[tuple[str, list[str]]] = []
+        buffer: dict[str, torch.Tensor] = {}
+        buffered = 0
+        total = numel = 0
+
+        def flush() -> None:
+            nonlocal buffer, buffered
+            name = f".part-{len(parts):05d}"
+            files.write_safetensors(os.path.join(tmp, name), buffer)
+            parts.append((name, list(buffer)))
+            buffer, buffered = {}, 0
+
+        for part in _sources(source, verify):
+            for key, value in part.items():
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(
+                        f"{_API}: {key} in {source} is not a tensor (got "
+                        f"{type(value).__name__}); pass a model checkpoint"
+                    )
+                size = files.nbytes(value)
+                if buffer and buffered + size > limit:
+                    flush()
+                buffer[key] = value
+                buffered += size
+                total += size
+                numel += value.numel()
+            del part
+        if buffer or not parts:
+            flush()
+        weight_map: dict[str, str] = {}
+        records: dict[str, dict[str, Any]] = {}
+        written = []
+        for i, (temp_name, keys) in enumerate(parts):
+            name = files.shard_file_name(files.SAFE_WEIGHTS_NAME, i, len(parts))
+            os.replace(os.path.join(tmp, temp_name), os.path.join(tmp, name))
+            atomic.fsync_file(os.path.join(tmp, name))
+            records[name] = files.file_record(os.path.join(tmp, name))
+            weight_map.update(dict.fromkeys(keys, name))
+            written.append(name)
+        index = os.path.join(tmp, files.SAFE_WEIGHTS_INDEX_NAME)
+        files.write_index(index, weight_map, records, total, {"total_parameters": numel})
+        atomic.fsync_file(index)
+        written.append(files.SAFE_WEIGHTS_INDEX_NAME)
+        if os.path.isdir(source):
+            for name in _COPIED:
+                if os.path.isfile(os.path.join(source, name)):
+                    shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+                    atomic.fsync_file(os.path.join(tmp, name))
+                    written.append(name)
+    logger.info("%s: wrote %d files (%d bytes of tensors) to %s", _API, len(written), total, target)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m zerostack.booster.consolidate",
+        description="Turn a zerostack model checkpoint into a Hugging Face safetensors directory.",
+    )
+    parser.add_argument("checkpoint", help="a file or directory CheckpointIO.save_model wrote")
+    parser.add_argument("out", help="the directory to write (replaced whole)")
+    parser.add_argument(
+        "--size-per-shard", type=int, default=1024, help="most MB per file (default 1024)"
+    )
+    parser.add_argument(
+        "--no-verify", action="store_true", help="skip the sha256 check of the source files"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        consolidate(
+            args.checkpoint,
+            args.out,
+            size_per_shard=args.size_per_shard,
+            verify=not args.no_verify,
+        )
+    except (OSError, ValueError, TypeError) as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
