@@ -22,6 +22,7 @@ CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
 # tokenizers, safetensors, hf-xet and regex wheels; torch is not among its deps.
 TEST_REQUIREMENTS = {
     "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
+    "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
 }
 
 nox.options.sessions = ["tests"]
