@@ -3,6 +3,40 @@ scheduler for a plugin (DDP, ZeRO-1/2, Gemini), and checkpoints that move
 between plugins and world sizes."""
 
 from zerostack.booster.__about__ import __version__
+from zerostack.booster._booster import Booster
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
+from zerostack.booster._launch import launch_from_torch
+from zerostack.booster._plugins import (
+    GeminiModel,
+    GeminiOptimizerWrapper,
+    GeminiPlugin,
+    LowLevelZeroModel,
+    LowLevelZeroOptimizer,
+    LowLevelZeroPlugin,
+    MixedPrecision,
+    Plugin,
+    TorchDDPModel,
+    TorchDDPOptimizer,
+    TorchDDPPlugin,
+)
+from zerostack.chunk import LazyInitContext
 
-__all__ = ["ModelWrapper", "OptimizerWrapper", "__version__"]
+__all__ = [
+    "Booster",
+    "GeminiModel",
+    "GeminiOptimizerWrapper",
+    "GeminiPlugin",
+    "LazyInitContext",
+    "LowLevelZeroModel",
+    "LowLevelZeroOptimizer",
+    "LowLevelZeroPlugin",
+    "MixedPrecision",
+    "ModelWrapper",
+    "OptimizerWrapper",
+    "Plugin",
+    "TorchDDPModel",
+    "TorchDDPOptimizer",
+    "TorchDDPPlugin",
+    "__version__",
+    "launch_from_torch",
+]
