@@ -171,10 +171,10 @@ def positional_to_full(
     format's ``state`` and ``param_groups``."""
     state = {}
     for idx, entry in sd["state"].items():
-        name = _name(api, names, params[idx])
+        name = param_name(api, names, params[idx])
         state[name] = export_entry(entry, shapes.get(name, params[idx].shape))
     groups = [
-        {**hyper(g), "params": [_name(api, names, params[i]) for i in g["params"]]}
+        {**hyper(g), "params": [param_name(api, names, params[i]) for i in g["params"]]}
         for g in sd["param_groups"]
     ]
     return state, groups
@@ -192,7 +192,7 @@ def full_to_positional(
     whose own ``state_dict()`` is ``current`` and whose parameters (or
     shards, index ``i``) belong to ``params[i]``; ``flat`` keeps tensors 1-D
     (ZeRO-1/2 slices them), else they take the parameter's shape."""
-    by_name = {_name(api, names, p): i for i, p in enumerate(params)}
+    by_name = {param_name(api, names, p): i for i, p in enumerate(params)}
     check_names(api, full["state"], set(by_name))
     state = {}
     for name, entry in full["state"].items():
@@ -204,7 +204,7 @@ def full_to_positional(
         state[i] = mine
     groups = []
     for g in current["param_groups"]:
-        group_names = [_name(api, names, params[i]) for i in g["params"]]
+        group_names = [param_name(api, names, params[i]) for i in g["params"]]
         groups.append(
             {
                 **merge_hyper(g, saved_group(full["param_groups"], group_names)),
@@ -218,7 +218,7 @@ def _is_flat_state(k: str, v: Any) -> bool:
     return k != "step" and torch.is_tensor(v) and v.dim() == 1
 
 
-def _name(api: str, names: dict[int, str], p: torch.Tensor) -> str:
+def param_name(api: str, names: dict[int, str], p: torch.Tensor) -> str:
     try:
         return names[id(p)]
     except KeyError:

@@ -23,6 +23,7 @@ from zerostack.booster._plugins._base import (
 from zerostack.booster._plugins._state import (
     ModelFacts,
     full_to_positional,
+    param_name,
     param_names,
     positional_to_full,
     scaler_state,
@@ -83,6 +84,9 @@ class TorchDDPOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
         self.scaler: torch.amp.GradScaler | None = None
+        names = param_names(model.unwrap())
+        for p in self._params():
+            param_name(self._API, names, p)  # an optimizer over another model's parameters fails here
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when a GradScaler is on."""
