@@ -64,9 +64,19 @@ def test_under_torchrun_it_joins_seeds_and_is_idempotent(tmp_path):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
     ]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "launched rank 0" in done.stdout and "launched rank 1" in done.stdout
+    # A new session: on a timeout the whole group (torchrun's workers too) is killed.
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"timed out:\n{stdout}{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    assert "launched rank 0" in stdout and "launched rank 1" in stdout
 
 
 @pytest.fixture

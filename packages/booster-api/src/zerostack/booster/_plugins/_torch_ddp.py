@@ -31,6 +31,12 @@ from zerostack.booster._plugins._state import (
 from zerostack.chunk import rank_and_world
 
 
+_DDP_DEFAULTS = dict(
+    broadcast_buffers=True, bucket_cap_mb=25, find_unused_parameters=False,
+    check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
+)  # fmt: skip
+
+
 class TorchDDPModel(ModelWrapper):
     """A model under torch DDP (or plain, in one process without a plugin).
 
@@ -154,7 +160,7 @@ class TorchDDPPlugin(Plugin):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
     ) -> None:
-        self.ddp_kwargs = dict(
+        given = dict(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
@@ -162,6 +168,9 @@ class TorchDDPPlugin(Plugin):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
+        # Only what differs from DDP's defaults (the same as the seed's):
+        # torch 2.13 warns whenever broadcast_buffers is passed at all.
+        self.ddp_kwargs = {k: v for k, v in given.items() if v != _DDP_DEFAULTS[k]}
 
     def support_no_sync(self) -> bool:
         return True
