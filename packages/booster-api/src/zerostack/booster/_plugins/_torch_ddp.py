@@ -30,7 +30,6 @@ from zerostack.booster._plugins._state import (
 )
 from zerostack.chunk import rank_and_world
 
-
 _DDP_DEFAULTS = dict(
     broadcast_buffers=True, bucket_cap_mb=25, find_unused_parameters=False,
     check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
@@ -92,7 +91,9 @@ class TorchDDPOptimizer(BoostedOptimizer):
         self.scaler: torch.amp.GradScaler | None = None
         names = param_names(model.unwrap())
         for p in self._params():
-            param_name(self._API, names, p)  # an optimizer over another model's parameters fails here
+            param_name(
+                self._API, names, p
+            )  # an optimizer over another model's parameters fails here
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when a GradScaler is on."""
