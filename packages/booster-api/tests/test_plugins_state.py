@@ -63,9 +63,13 @@ def _save(model, opt):
     return {"model": model.full_state_dict(only_rank_0=False), "optim": opt.full_state_dict()}
 
 
-def _load(model, opt, state):
+def _load(model, opt, state, optimizer_first=False):
+    """Either order: loading the optimizer keeps the fp32 weights as they are."""
+    if optimizer_first:
+        opt.load_full_state_dict(state["optim"])
     model.load_full_state_dict(state["model"])
-    opt.load_full_state_dict(state["optim"])
+    if not optimizer_first:
+        opt.load_full_state_dict(state["optim"])
 
 
 def _check_format(state, names, steps):
@@ -107,7 +111,7 @@ def _chain(rank, world, path):
 
     # G -> ZeRO-2 (HybridAdam) and G -> DDP (torch AdamW): the same losses.
     booster, z, z_opt = _boost(LowLevelZeroPlugin(stage=2, precision="fp32"), seed=1)
-    _load(z, z_opt, g3)
+    _load(z, z_opt, g3, optimizer_first=True)
     _close(z.full_state_dict(only_rank_0=False), g3["model"], "zero after load")
     _close(_train(booster, z, z_opt, 3, 3, rank, world), uninterrupted[:3], "gemini -> zero")
     z6 = _save(z, z_opt)
@@ -124,7 +128,7 @@ def _chain(rank, world, path):
     # ZeRO -> DDP: the last two steps of the uninterrupted run.
     plugin = _gemini(world, chunk_size=4_000, offload_optim_frac=0.5)
     booster, g2, g2_opt = _boost(plugin, seed=3)
-    _load(g2, g2_opt, d6)
+    _load(g2, g2_opt, d6, optimizer_first=True)
     _close(_train(booster, g2, g2_opt, 6, 2, rank, world), uninterrupted[3:], "ddp -> gemini")
     _close(g2.full_state_dict(only_rank_0=False), g8, "ddp -> gemini: the weights at step 8")
     booster, d2, d2_opt = _boost(TorchDDPPlugin(), seed=4)

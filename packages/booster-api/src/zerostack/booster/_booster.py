@@ -264,7 +264,7 @@ class Booster:
         )
 
     def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
-        """Load an optimizer checkpoint (every rank calls it; load the model first).
+        """Load an optimizer checkpoint (every rank calls it).
 
         Args:
             optimizer: a boosted optimizer.

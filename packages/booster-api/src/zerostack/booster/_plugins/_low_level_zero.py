@@ -29,7 +29,7 @@ from zerostack.booster._plugins._state import (
     saved_group,
     scaler_state,
 )
-from zerostack.chunk import LazyInitContext, all_gather_into
+from zerostack.chunk import LazyInitContext, all_gather_into, rank_and_world
 from zerostack.shard import ZeroOptimizer, shard_bounds
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class LowLevelZeroModel(ModelWrapper):
                 whole = _gather_master(zero, s)
                 for name in self._aliases.get(id(s.param), ()):
                     state[name] = whole
-        if only_rank_0 and zero is not None and zero.rank != 0:
+        if only_rank_0 and rank_and_world()[0] != 0:
             return {}
         return self._facts.export_model(state)
 

@@ -89,11 +89,10 @@ class TorchDDPOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
         self.scaler: torch.amp.GradScaler | None = None
+        # An optimizer over another model's parameters fails here, not at saving.
         names = param_names(model.unwrap())
         for p in self._params():
-            param_name(
-                self._API, names, p
-            )  # an optimizer over another model's parameters fails here
+            param_name(self._API, names, p)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when a GradScaler is on."""
