@@ -62,6 +62,9 @@ def test_boost_without_a_plugin_returns_the_five_tuple_and_trains():
             b_opt.zero_grad()
             b_scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    own = b_opt.state_dict()  # the torch optimizer's own, positional
+    assert own["state"][0]["step"].item() == 3
+    b_opt.load_state_dict(own)
     assert not torch.equal(model.lm_head.weight, before["lm_head.weight"])
     with booster.no_sync(b_model):  # one process: nothing to skip, still a context
         pass

@@ -179,6 +179,16 @@ class BoostedOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The plugin optimizer's own state dict: this rank's shard under
+        ZeRO and Gemini, loadable only at the same rank and world size; use
+        ``full_state_dict`` for one that loads anywhere."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` output (same plugin, rank and world size)."""
+        self.optim.load_state_dict(state_dict)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.optim).__name__})"
 
