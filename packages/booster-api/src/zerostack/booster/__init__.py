@@ -3,14 +3,44 @@ scheduler for a plugin (DDP, ZeRO-1/2, Gemini), and checkpoints that move
 between plugins and world sizes."""
 
 from zerostack.booster.__about__ import __version__
+from zerostack.booster._booster import Booster
 from zerostack.booster._checkpoint import CheckpointIO
 from zerostack.booster._checkpoint_files import CheckpointCorruptError
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
+from zerostack.booster._launch import launch_from_torch
+from zerostack.booster._plugins import (
+    GeminiModel,
+    GeminiOptimizerWrapper,
+    GeminiPlugin,
+    LowLevelZeroModel,
+    LowLevelZeroOptimizer,
+    LowLevelZeroPlugin,
+    MixedPrecision,
+    Plugin,
+    TorchDDPModel,
+    TorchDDPOptimizer,
+    TorchDDPPlugin,
+)
+from zerostack.chunk import LazyInitContext
 
 __all__ = [
+    "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "GeminiModel",
+    "GeminiOptimizerWrapper",
+    "GeminiPlugin",
+    "LazyInitContext",
+    "LowLevelZeroModel",
+    "LowLevelZeroOptimizer",
+    "LowLevelZeroPlugin",
+    "MixedPrecision",
     "ModelWrapper",
     "OptimizerWrapper",
+    "Plugin",
+    "TorchDDPModel",
+    "TorchDDPOptimizer",
+    "TorchDDPPlugin",
     "__version__",
+    "launch_from_torch",
 ]

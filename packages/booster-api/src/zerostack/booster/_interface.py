@@ -41,7 +41,9 @@ class ModelWrapper(nn.Module, ABC):
         part, ranks other than 0 may get ``{}`` when ``only_rank_0``."""
 
     @abstractmethod
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
         """Load the [Note: full state format] (every rank passes the whole dict)."""
 
 

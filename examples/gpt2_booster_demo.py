@@ -1,0 +1,196 @@
+"""GPT-2 through the Booster: the seed's train_gpt_demo, one process per GPU.
+
+    torchrun --nproc-per-node 8 examples/gpt2_booster_demo.py --model gpt2_xl
+    torchrun --nproc-per-node 2 examples/gpt2_booster_demo.py --plugin zero2
+    python examples/gpt2_booster_demo.py --smoke                  # a tiny GPT-2 on the CPU (CI)
+    python examples/gpt2_booster_demo.py --smoke --plugin gemini_auto --lazy
+
+A Hugging Face GPT2LMHeadModel built from a config, activation
+checkpointing on, HybridAdam, and the plugin: GeminiPlugin(max_norm=1.0,
+initial_scale=2**5) as in the seed, "gemini_auto" with auto placement,
+"zero1"/"zero2" (LowLevelZeroPlugin) or "ddp" (TorchDDPPlugin with
+Booster(mixed_precision=...)). Every step prints the loss, the step time,
+TFLOPS per process (8 x parameters x tokens: forward, backward and the
+recomputed forward) and the peak memory (GPU, or the process's RSS on a CPU).
+The data is random tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerostack.booster import (
+    Booster,
+    GeminiPlugin,
+    LazyInitContext,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+    launch_from_torch,
+)
+from zerostack.fused_adam import HybridAdam
+
+# (hidden size, layers, heads), the seed's model table.
+MODELS = {
+    "gpt2_medium": (1024, 24, 16),
+    "gpt2_large": (1280, 36, 20),
+    "gpt2_xl": (1600, 48, 32),
+    "gpt2_4b": (2304, 64, 16),
+    "gpt2_10b": (4096, 50, 16),
+    "smoke": (64, 2, 4),
+}
+VOCAB = 50257
+
+
+class GPTLMLoss(nn.Module):
+    """Next-token cross-entropy on the logits (the seed's criterion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        shift_logits = logits[..., :-1, :].contiguous().float()
+        shift_labels = labels[..., 1:].contiguous()
+        return self.loss_fn(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
+
+
+def gpt2(name: str, seq_len: int, vocab: int):
+    import transformers
+
+    hidden, layers, heads = MODELS[name]
+    config = transformers.GPT2Config(
+        n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq_len, vocab_size=vocab,
+        use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        bos_token_id=vocab - 1, eos_token_id=vocab - 1,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
+def make_plugin(name: str, precision: str, smoke: bool):
+    small = dict(min_chunk_size_m=0.05, hidden_dim=64) if smoke else {}
+    if name == "gemini":
+        return GeminiPlugin(precision=precision, max_norm=1.0, initial_scale=2**5, **small)
+    if name == "gemini_auto":
+        cap = {} if torch.cuda.is_available() else {"gpu_capacity_bytes": 1 << 30}
+        return GeminiPlugin(
+            placement_policy="auto", precision=precision, max_norm=1.0, initial_scale=2**5,
+            **cap, **small,
+        )  # fmt: skip
+    if name in ("zero1", "zero2"):
+        return LowLevelZeroPlugin(
+            stage=int(name[-1]), precision=precision, max_norm=1.0, initial_scale=2**5
+        )
+    return TorchDDPPlugin()
+
+
+def peak_memory() -> str:
+    if torch.cuda.is_available():
+        return f"peak GPU {torch.cuda.max_memory_allocated() / 2**20:,.0f} MiB"
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:,.0f} MiB"
+
+
+def single_process_env() -> None:
+    """--smoke without torchrun: the environment of a one-process torchrun."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.update(env, MASTER_PORT=str(port))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--plugin", choices=["ddp", "zero1", "zero2", "gemini", "gemini_auto"],
+                    default="gemini")  # fmt: skip
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2_medium")
+    ap.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lazy", action="store_true", help="build under LazyInitContext")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, 3 steps, CPU is fine")
+    a = ap.parse_args()
+    if a.smoke:
+        a.model, a.batch_size, a.seq_len, a.steps = "smoke", 2, 64, 3
+        torch.set_num_threads(1)
+        if "RANK" not in os.environ:
+            single_process_env()
+    vocab = 256 if a.smoke else VOCAB
+    launch_from_torch(seed=42)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    )
+
+    plugin = make_plugin(a.plugin, a.precision, a.smoke)
+    booster = Booster(plugin=plugin, mixed_precision=a.precision if a.plugin == "ddp" else None)
+    if a.lazy and a.plugin != "ddp":
+        with LazyInitContext():  # nothing allocated: boost materializes it (into chunks)
+            model = gpt2(a.model, a.seq_len, vocab)
+    else:
+        model = gpt2(a.model, a.seq_len, vocab)
+    numel = sum(p.numel() for p in model.parameters())
+    if a.lazy and a.plugin != "ddp":
+        # HybridAdam refuses meta parameters: boost the model first, then
+        # build the optimizer on its (now real) parameters and boost again.
+        model, *_ = booster.boost(model)
+    optimizer = HybridAdam(model.parameters(), lr=1e-3)
+    model, optimizer, criterion, *_ = booster.boost(model, optimizer, GPTLMLoss())
+    if rank == 0:
+        print(
+            f"{a.model}: {numel / 1e6:.1f}M parameters, plugin {a.plugin}, {a.precision}, "
+            f"{world} process(es) on {device}, batch {a.batch_size} x {a.seq_len}",
+            flush=True,
+        )
+
+    gen = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    for step in range(1, a.steps + 1):
+        if a.smoke:  # one batch over and over: a few steps must lower its loss
+            gen.manual_seed(1 + rank)
+        ids = torch.randint(0, vocab, (a.batch_size, a.seq_len), generator=gen).to(device)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = model(input_ids=ids)
+        loss = criterion(outputs.logits, ids)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        step_time = time.perf_counter() - start
+        losses.append(loss.item())
+        tflops = 8 * numel * a.batch_size * a.seq_len / step_time / 1e12
+        if rank == 0:
+            print(
+                f"[{step}/{a.steps}] loss {losses[-1]:.3f}, step {step_time:.3f}s, "
+                f"TFLOPS {tflops:.3f}, {peak_memory()}",
+                flush=True,
+            )
+    dist.destroy_process_group()
+    if not all(map(lambda x: x == x, losses)) or not losses[-1] < losses[0]:
+        print(f"gpt2_booster_demo: the loss did not go down ({losses})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

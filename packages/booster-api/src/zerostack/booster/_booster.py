@@ -1,0 +1,291 @@
+"""Booster: one object that boosts a model, optimizer, criterion, dataloader
+and lr scheduler for a plugin, runs backward, and saves and loads
+checkpoints (the seed's ``colossalai.booster.Booster``)."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
+from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+
+_API = "Booster"
+
+
+class Booster:
+    """Training with a plugin (TorchDDPPlugin, LowLevelZeroPlugin,
+    GeminiPlugin), or without one: the model on ``device``, under torch DDP
+    when a process group of more than one rank exists.
+
+    ```python
+    launch_from_torch()
+    plugin = GeminiPlugin(precision="bf16", max_norm=1.0)
+    booster = Booster(plugin=plugin)
+    model = GPT2LMHeadModel(config)
+    optimizer = HybridAdam(model.parameters(), lr=1e-3)
+    model, optimizer, criterion, dataloader, lr_scheduler = booster.boost(
+        model, optimizer, criterion, dataloader, lr_scheduler
+    )
+    for batch in dataloader:
+        loss = criterion(model(**batch), batch)
+        booster.backward(loss, optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        lr_scheduler.step()
+    ```
+
+    Args:
+        device: where the model trains without a plugin (or with one that
+            does not place it). Default None: "cuda" when available, else "cpu".
+        mixed_precision: "fp16" (torch.amp autocast and GradScaler), "bf16"
+            (autocast), a MixedPrecision, or None. Only without a plugin or
+            with TorchDDPPlugin: the others choose the precision themselves
+            (their ``precision`` argument). Default None.
+        plugin: the strategy. Default None.
+
+    Raises:
+        TypeError: ``plugin`` is not a Plugin, or ``mixed_precision`` has the wrong type.
+        ValueError: an unknown mixed_precision.
+        NotImplementedError: the seed's "fp16_apex", "fp16_naive" or "fp8".
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        mixed_precision: str | MixedPrecision | None = None,
+        plugin: Plugin | None = None,
+    ) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise TypeError(
+                f"{_API}: plugin must be a Plugin (got {type(plugin).__name__}); pass e.g. "
+                "GeminiPlugin() or TorchDDPPlugin()"
+            )
+        if plugin is not None and plugin.control_device():
+            if device is not None:
+                warnings.warn(
+                    f"{_API}: device={device!r} has no effect: {type(plugin).__name__} places "
+                    "the model on the current device itself",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        else:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = device
+        self.plugin = plugin if plugin is not None else DefaultPlugin(device)
+        if mixed_precision is not None and self.plugin.control_precision():
+            warnings.warn(
+                f"{_API}: mixed_precision={mixed_precision!r} has no effect: "
+                f"{type(plugin).__name__} controls the precision (its precision argument)",
+                UserWarning,
+                stacklevel=2,
+            )
+            mixed_precision = None
+        if isinstance(mixed_precision, str):
+            mixed_precision = MixedPrecision(mixed_precision)
+        elif mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(
+                f"{_API}: mixed_precision must be 'fp16', 'bf16', a MixedPrecision or None "
+                f"(got {type(mixed_precision).__name__})"
+            )
+        self.mixed_precision = mixed_precision
+        self._checkpoint_io = None
+
+    # -- training -------------------------------------------------------------------
+
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, Any, Any]:
+        """Wrap the model and optimizer for the plugin.
+
+        Build the optimizer (and lr scheduler) on ``model.parameters()``
+        before boosting; afterwards use only the returned objects. A boosted
+        model may be boosted again with its optimizer.
+
+        Args:
+            model: the model (or one built under LazyInitContext, for GeminiPlugin
+                and LowLevelZeroPlugin).
+            optimizer: a torch optimizer over the model's parameters. Default None.
+            criterion: the loss function, returned as is (under autocast with
+                ``mixed_precision``). Default None.
+            dataloader: returned as is (see ``plugin.prepare_dataloader``). Default None.
+            lr_scheduler: a torch lr scheduler on ``optimizer``; it is pointed at
+                the boosted optimizer. Default None.
+
+        Returns:
+            ``(model, optimizer, criterion, dataloader, lr_scheduler)``: the
+            model a ModelWrapper, the optimizer an OptimizerWrapper (or None).
+        """
+        model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
+            model, optimizer, criterion, dataloader, lr_scheduler
+        )
+        if self.mixed_precision is not None:
+            model, optimizer, criterion = self.mixed_precision.configure(
+                model, optimizer, criterion
+            )
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
+        """``loss.backward()`` as the plugin needs it (loss scaling, hooks).
+
+        Raises:
+            TypeError: ``optimizer`` is not one returned by ``boost``.
+        """
+        if not isinstance(optimizer, OptimizerWrapper):
+            raise TypeError(
+                f"{_API}.backward: optimizer must be the one boost returned (got "
+                f"{type(optimizer).__name__}); use the optimizer from booster.boost(...)"
+            )
+        optimizer.backward(loss)
+
+    def no_sync(
+        self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
+        """A context in which backward accumulates gradients without reducing
+        them (gradient accumulation): DDP's no_sync (pass the model),
+        ZeroOptimizer's (pass the optimizer), GeminiDDP's (pass the model;
+        needs ``enable_gradient_accumulation=True``).
+
+        Raises:
+            NotImplementedError: the plugin does not support it.
+            ValueError: the object the plugin needs was not passed.
+        """
+        return self.plugin.no_sync(model, optimizer)
+
+    def execute_pipeline(
+        self,
+        data_iter: Iterator,
+        model: nn.Module,
+        criterion: Callable,
+        optimizer: OptimizerWrapper | None = None,
+        return_loss: bool = True,
+        return_outputs: bool = False,
+    ) -> dict[str, Any]:
+        """Pipeline parallelism: not implemented.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            f"{_API}.execute_pipeline: pipeline parallelism is not implemented; run forward, "
+            "booster.backward(loss, optimizer) and optimizer.step() yourself"
+        )
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """The plugin's checkpoint IO (built at first use).
+
+        Raises:
+            NotImplementedError: checkpoint IO is not there yet.
+        """
+        if self._checkpoint_io is None:
+            self._checkpoint_io = self.plugin.get_checkpoint_io()
+        return self._checkpoint_io
+
+    def save_model(
+        self,
+        model: ModelWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+        use_safetensors: bool = False,
+    ) -> None:
+        """Save the model (every rank calls it).
+
+        Args:
+            model: a boosted model.
+            checkpoint: a file path, or a directory when ``shard``.
+            shard: save in shards into a directory. Default False.
+            gather_dtensor: the seed's; passed on. Default True.
+            prefix: a prefix of the file names. Default None.
+            size_per_shard: the largest shard, in MB. Default 1024.
+            use_safetensors: write safetensors. Default False.
+        """
+        self.checkpoint_io.save_model(
+            model,
+            checkpoint=checkpoint,
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+            use_safetensors=use_safetensors,
+        )
+
+    def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True) -> None:
+        """Load a model checkpoint (every rank calls it).
+
+        Args:
+            model: a boosted model.
+            checkpoint: the file or directory ``save_model`` wrote.
+            strict: every key must match. Default True.
+        """
+        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+
+    def save_optimizer(
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        shard: bool = False,
+        gather_dtensor: bool = True,
+        prefix: str | None = None,
+        size_per_shard: int = 1024,
+    ) -> None:
+        """Save the optimizer state (every rank calls it).
+
+        Args:
+            optimizer: a boosted optimizer.
+            checkpoint: a file path, or a directory when ``shard``.
+            shard: save in shards into a directory. Default False.
+            gather_dtensor: the seed's; passed on. Default True.
+            prefix: a prefix of the file names. Default None.
+            size_per_shard: the largest shard, in MB. Default 1024.
+        """
+        self.checkpoint_io.save_optimizer(
+            optimizer,
+            checkpoint=checkpoint,
+            shard=shard,
+            gather_dtensor=gather_dtensor,
+            prefix=prefix,
+            size_per_shard=size_per_shard,
+        )
+
+    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+        """Load an optimizer checkpoint (every rank calls it).
+
+        Args:
+            optimizer: a boosted optimizer.
+            checkpoint: the file or directory ``save_optimizer`` wrote.
+        """
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+
+    def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Save the lr scheduler's state.
+
+        Args:
+            lr_scheduler: the scheduler ``boost`` returned.
+            checkpoint: a file path.
+        """
+        self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
+
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+        """Load the lr scheduler's state.
+
+        Args:
+            lr_scheduler: the scheduler ``boost`` returned.
+            checkpoint: the file ``save_lr_scheduler`` wrote.
+        """
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)

@@ -1,0 +1,213 @@
+"""Plugin: what every plugin answers (precisions, device, no_sync), the
+data-parallel dataloader, and the glue every plugin's optimizer shares."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from zerostack.booster._interface import OptimizerWrapper
+from zerostack.chunk import rank_and_world
+
+logger = logging.getLogger(__name__)
+
+
+class Plugin(ABC):
+    """A training strategy ``Booster.boost`` applies: it wraps the model and
+    optimizer in a :class:`ModelWrapper` / :class:`OptimizerWrapper` of its
+    own and hands the lower packages their configs (no training logic here).
+    The seed's ``colossalai.booster.plugin.Plugin`` interface."""
+
+    def supported_precisions(self) -> list[str]:
+        """Precisions the plugin trains in ("fp16", "bf16", "fp32")."""
+        return ["fp16", "bf16", "fp32"]
+
+    def control_precision(self) -> bool:
+        """True when the plugin decides the precision itself (then
+        ``Booster(mixed_precision=...)`` has no effect)."""
+        return False
+
+    def control_device(self) -> bool:
+        """True when the plugin places the model itself (then
+        ``Booster(device=...)`` has no effect)."""
+        return True
+
+    def supported_devices(self) -> list[str]:
+        """Device types the plugin runs on."""
+        return ["cuda", "cpu"]
+
+    def support_no_sync(self) -> bool:
+        """True when :meth:`no_sync` accumulates gradients without reducing."""
+        return False
+
+    def control_checkpoint_io(self) -> bool:
+        """Always True: checkpoints go through :meth:`get_checkpoint_io`."""
+        return True
+
+    @abstractmethod
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: DataLoader | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[nn.Module, OptimizerWrapper | None, Callable | None, DataLoader | None, Any]:
+        """Wrap ``model`` and ``optimizer``; returns the 5-tuple ``boost`` returns."""
+
+    def no_sync(
+        self, model: nn.Module | None = None, optimizer: OptimizerWrapper | None = None
+    ) -> contextlib.AbstractContextManager:
+        """A context in which backward accumulates gradients without reducing them.
+
+        Raises:
+            NotImplementedError: the plugin does not support it (see
+                :meth:`support_no_sync`).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}: no_sync is not supported by this plugin; accumulate "
+            "gradients with TorchDDPPlugin, LowLevelZeroPlugin, or "
+            "GeminiPlugin(enable_gradient_accumulation=True)"
+        )
+
+    def get_checkpoint_io(self) -> Any:
+        """The object Booster's save_*/load_* methods delegate to.
+
+        Raises:
+            NotImplementedError: zerostack.booster._checkpoint is not there yet.
+        """
+        try:
+            from zerostack.booster._checkpoint import CheckpointIO
+        except ImportError as error:
+            if error.name != "zerostack.booster._checkpoint":
+                raise  # a missing dependency of the checkpoint code: its own message
+            raise NotImplementedError(
+                f"{type(self).__name__}: checkpoint IO not built yet "
+                "(zerostack.booster._checkpoint is missing)"
+            ) from None
+        return CheckpointIO()
+
+    def prepare_dataloader(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = False,
+        seed: int = 1024,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        num_workers: int = 0,
+        distributed_sampler_cls: type | None = None,
+        **kwargs: Any,
+    ) -> DataLoader:
+        """A DataLoader whose DistributedSampler gives each data-parallel rank
+        its own samples (call ``dataloader.sampler.set_epoch(epoch)`` each
+        epoch when shuffling).
+
+        Args:
+            dataset: the dataset.
+            batch_size: samples per rank and batch.
+            shuffle: shuffle (the same permutation on every rank, from
+                ``seed`` and the epoch). Default False.
+            seed: the sampler's seed; worker ``i`` seeds random, numpy and
+                torch with ``seed + i``. Default 1024.
+            drop_last: drop the last incomplete batch. Default False.
+            pin_memory: pin batches (CUDA). Default False.
+            num_workers: loader processes. Default 0.
+            distributed_sampler_cls: a DistributedSampler subclass. Default
+                None (DistributedSampler).
+            **kwargs: passed to DataLoader.
+
+        Returns:
+            The DataLoader.
+        """
+        rank, world = rank_and_world()
+        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler = sampler_cls(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            worker_init_fn=functools.partial(_seed_worker, seed),
+            drop_last=drop_last,
+            pin_memory=pin_memory,
+            num_workers=num_workers,
+            **kwargs,
+        )
+
+
+def _seed_worker(seed: int, worker_id: int) -> None:
+    random.seed(seed + worker_id)
+    torch.manual_seed(seed + worker_id)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed + worker_id)
+
+
+def compute_device() -> torch.device:
+    """The current CUDA device, else the CPU (where plugins put the model)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class BoostedOptimizer(OptimizerWrapper):
+    """What every plugin's optimizer shares: ``step`` counts for lr
+    schedulers (see :func:`attach_scheduler`)."""
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._opt_called = True  # torch's LRScheduler checks it at its first step
+        return self._step(*args, **kwargs)
+
+    # torch's LRScheduler warns unless optimizer.step carries this mark (it
+    # sets it when it wraps an optimizer's step; ours counts itself).
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+    def _step(self, *args: Any, **kwargs: Any) -> Any:
+        return self.optim.step(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plugin optimizer's own state dict: this rank's shard under
+        ZeRO and Gemini, loadable only at the same rank and world size; use
+        ``full_state_dict`` for one that loads anywhere."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` output (same plugin, rank and world size)."""
+        self.optim.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.optim).__name__})"
+
+
+def attach_scheduler(lr_scheduler: Any, optimizer: BoostedOptimizer, user: Any) -> None:
+    """Point an lr scheduler built on the user's optimizer at the boosted one,
+    whose ``param_groups`` are what the plugin reads at each step (Gemini
+    copies its own groups into the inner optimizer; ZeRO's cpu_offload
+    replaces torch Adam by CPUAdam)."""
+    if lr_scheduler is None or getattr(lr_scheduler, "optimizer", None) is not user:
+        return
+    lr_scheduler.optimizer = optimizer
+    base_lrs = getattr(lr_scheduler, "base_lrs", None)
+    if base_lrs is not None:
+        for group, base in zip(optimizer.param_groups, base_lrs, strict=False):
+            group.setdefault("initial_lr", base)
+
+
+@contextlib.contextmanager
+def nothing() -> Iterator[None]:
+    """A context that does nothing (no_sync of a single process)."""
+    yield

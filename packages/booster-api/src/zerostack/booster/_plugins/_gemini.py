@@ -1,0 +1,427 @@
+"""GeminiPlugin: ZeRO-3 over chunks (zerostack.gemini) behind the Booster,
+with the seed's parameter table turned into one GeminiConfig."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostack.booster._interface import ModelWrapper
+from zerostack.booster._plugins._base import (
+    BoostedOptimizer,
+    Plugin,
+    attach_scheduler,
+    compute_device,
+)
+from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._state import (
+    ModelFacts,
+    check_names,
+    export_entry,
+    import_entry,
+    merge_hyper,
+    scaler_state,
+)
+from zerostack.gemini import GeminiConfig, GeminiDDP, GeminiOptimizer
+
+logger = logging.getLogger(__name__)
+_API = "GeminiPlugin"
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_SCALER_DEFAULTS = dict(
+    initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
+    growth_interval=1000, hysteresis=2, max_scale=2**32,
+)  # fmt: skip
+# The seed's options that are not built here, with the value that means "off".
+_NOT_BUILT = {
+    "force_outputs_fp32": False,
+    "memstats": None,
+    "gpu_margin_mem_ratio": 0.0,
+    "tp_size": 1,
+    "extra_dp_size": 1,
+    "enable_all_optimization": False,
+    "enable_fused_normalization": False,
+    "enable_flash_attention": False,
+    "enable_sequence_parallelism": False,
+    "enable_jit_fused": False,
+    "enable_sequence_overlap": False,
+    "use_fp8": False,
+    "fp8_communication": False,
+}
+_HINTS = {
+    "gpu_margin_mem_ratio": "placement_policy='auto' decides what steps on the GPU from the "
+    "memory it measures; set steady_cuda_cap_ratio or gpu_capacity_bytes instead",
+    "force_outputs_fp32": "cast the outputs (or compute the loss in fp32) in your code",
+    "memstats": "placement_policy='auto' measures its own statistics in the first step",
+}
+
+
+class GeminiModel(ModelWrapper):
+    """A GeminiDDP model (``.module``); ``unwrap()`` is the user's module,
+    whose parameters are views into chunks."""
+
+    def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
+        super().__init__(module)
+        self._facts = facts
+
+    def unwrap(self) -> nn.Module:
+        return self.module.module
+
+    def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
+        """GeminiDDP.state_dict (fp32 from the masters) in the [Note: full
+        state format]; every rank takes part in the gathers."""
+        state = self.module.state_dict(only_rank_0=only_rank_0)
+        return self._facts.export_model(state) if state else {}
+
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """GeminiDDP.load_state_dict: parameters and their fp32 masters."""
+        self.module.load_state_dict(state_dict, strict=strict)
+
+
+class GeminiOptimizerWrapper(BoostedOptimizer):
+    """The zerostack.gemini.GeminiOptimizer of a GeminiModel (``.optim``)."""
+
+    _API = "GeminiOptimizer"
+
+    def __init__(self, optimizer: GeminiOptimizer, model: GeminiModel) -> None:
+        super().__init__(optimizer)
+        self._model = model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled for fp16."""
+        self.optim.backward(loss)
+
+    def _step(self, *args: Any, **kwargs: Any) -> bool:
+        return self.optim.step()
+
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        ddp = self._model.module
+        return [(ddp.param_names[p], p) for p in ddp.params if p.requires_grad]
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """GeminiOptimizer.full_state_dict in the [Note: full state format]
+        (its fp32 "master" entries dropped); every rank takes part."""
+        full = self.optim.full_state_dict()
+        shapes = self._model._facts.shapes
+        state = {
+            name: export_entry(entry, shapes[name])
+            for name, entry in full["params"].items()
+            if set(entry) - {"master"}
+        }
+        names = [name for name, _ in self._trainable()]
+        return {
+            "state": state,
+            "param_groups": [{**full["param_group"], "params": names}],
+            "loss_scaler": full["scaler"],
+        }
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the [Note: full state format] (from any plugin and world size).
+
+        The masters keep their values (the model state carries the weights).
+        A chunk holds one step count: its first parameter's.
+
+        Raises:
+            KeyError: the state names a parameter this optimizer lacks.
+            ValueError: a state tensor's size differs from its parameter's.
+            NotImplementedError: the state's parameter groups differ in
+                hyperparameters (GeminiOptimizer has one group).
+        """
+        opt, ddp = self.optim, self._model.module
+        names = [name for name, _ in self._trainable()]
+        check_names(self._API, state_dict["state"], set(names))
+        params: dict[str, dict[str, Any]] = {}
+        for (chunk, _), master in zip(opt.pairs, opt.masters, strict=True):
+            # GeminiOptimizer slices whole tensors per chunk: each parameter's
+            # master needs only the part inside this rank's shard.
+            lo = chunk.rank * chunk.shard_size
+            hi = lo + chunk.shard_size
+            for t, info in chunk.tensors_info.items():
+                name = ddp.param_names[t]
+                numel = info.end - info.offset
+                entry = state_dict["state"].get(name)
+                mine = import_entry(self._API, name, entry, numel) if entry else {}
+                whole = torch.zeros(numel, dtype=master.dtype)
+                a, b = max(info.offset, lo), min(info.end, hi)
+                if a < b:
+                    whole[a - info.offset : b - info.offset] = master[a - lo : b - lo].cpu()
+                mine["master"] = whole
+                params[name] = mine
+        groups = {
+            repr(sorted(merged.items())): merged
+            for merged in (
+                merge_hyper(opt.param_groups[0], g)
+                for g in state_dict["param_groups"]
+                if set(g["params"]) & set(names)
+            )
+        }
+        if len(groups) > 1:
+            raise NotImplementedError(
+                f"{self._API}: the state's parameter groups differ in hyperparameters (got "
+                f"{len(groups)} different groups); GeminiOptimizer holds one group"
+            )
+        hyper = next(iter(groups.values()), merge_hyper(opt.param_groups[0], None))
+        own = opt.scaler.state_dict() if opt.scaler is not None else None
+        opt.load_full_state_dict(
+            {
+                "params": params,
+                "param_group": hyper,
+                "scaler": scaler_state(own, state_dict.get("loss_scaler")),
+            }
+        )
+
+
+class GeminiPlugin(Plugin):
+    """ZeRO-3 over chunks: parameters, gradients, fp32 masters and optimizer
+    states sharded over the ranks in chunks that live on the GPU or the CPU
+    as the placement says. The arguments build one zerostack.gemini
+    GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
+
+    A model built under ``LazyInitContext`` is materialized by ``boost``
+    straight into chunks; for transformers models the plugin passes their
+    own initialiser (``initialize_weights``).
+
+    Args:
+        chunk_config_dict: ``{dp size: {"chunk_size": int, "keep_gathered":
+            bool}}``, skipping the search. Default None.
+        chunk_init_device: where chunks are made: only the compute device
+            (the current CUDA device, else the CPU). Default None (that one).
+        placement_policy: "static" or "auto". Default "static".
+        enable_gradient_accumulation: gradients in chunks of their own, so
+            that ``booster.no_sync`` works. Default False.
+        max_prefetch: chunks gathered ahead ("auto"). Default 0.
+        shard_param_frac, offload_optim_frac, offload_param_frac: "static"
+            placement shares. Defaults 1.0, 0.0, 0.0.
+        warmup_non_model_data_ratio, steady_cuda_cap_ratio: "auto"
+            placement ratios. Defaults 0.8, 0.9.
+        gpu_capacity_bytes: the device memory "auto" plans for. Default
+            None (the CUDA device's; required on a CPU).
+        precision: "fp16", "bf16" or "fp32" (the seed has no "fp32"). Default "fp16".
+        master_weights: True only. Default True.
+        pin_memory: pin CPU chunk shards. Default False.
+        search_range_m, hidden_dim, min_chunk_size_m: the chunk search.
+            Defaults 32, None, 32.
+        initial_scale, min_scale, growth_factor, backoff_factor,
+            growth_interval, hysteresis, max_scale: the fp16 loss scaler's
+            (defaults 2**16, 1, 2, 0.5, 1000, 2, 2**32).
+        max_norm: clip the global gradient norm (0: off). Default 0.0.
+        norm_type: 2.0 only. Default 2.0.
+        enable_async_reduce: reduce chunks asynchronously. Default True.
+        scatter_after_inference: release chunks after a no-grad forward.
+            Default True.
+        strict_ddp_mode: accepted either way (only data parallelism exists here).
+        verbose: log the configuration at WARNING (else DEBUG). Default False.
+        overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
+        force_outputs_fp32, memstats, gpu_margin_mem_ratio, tp_size,
+            extra_dp_size, enable_all_optimization, enable_fused_normalization,
+            enable_flash_attention, enable_sequence_parallelism,
+            enable_jit_fused, enable_sequence_overlap, use_fp8,
+            fp8_communication: the seed's; not implemented: anything but
+            their default raises.
+
+    Raises:
+        ValueError: a bad precision, share, policy or max_norm.
+        NotImplementedError: one of the options above that are not built,
+            norm_type other than 2, master_weights=False.
+    """
+
+    def __init__(
+        self,
+        chunk_config_dict: Mapping[int, Mapping[str, Any]] | None = None,
+        chunk_init_device: torch.device | str | None = None,
+        placement_policy: str = "static",
+        enable_gradient_accumulation: bool = False,
+        max_prefetch: int = 0,
+        shard_param_frac: float = 1.0,
+        offload_optim_frac: float = 0.0,
+        offload_param_frac: float = 0.0,
+        warmup_non_model_data_ratio: float = 0.8,
+        steady_cuda_cap_ratio: float = 0.9,
+        precision: str = "fp16",
+        master_weights: bool = True,
+        pin_memory: bool = False,
+        force_outputs_fp32: bool = False,
+        strict_ddp_mode: bool = False,
+        search_range_m: int = 32,
+        hidden_dim: int | None = None,
+        min_chunk_size_m: float = 32,
+        memstats: Any = None,
+        gpu_margin_mem_ratio: float = 0.0,
+        initial_scale: float = 2**16,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        tp_size: int = 1,
+        extra_dp_size: int = 1,
+        enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False,
+        enable_flash_attention: bool = False,
+        enable_sequence_parallelism: bool = False,
+        enable_jit_fused: bool = False,
+        enable_sequence_overlap: bool = False,
+        enable_async_reduce: bool = True,
+        use_fp8: bool = False,
+        verbose: bool = False,
+        fp8_communication: bool = False,
+        *,
+        gpu_capacity_bytes: int | None = None,
+        scatter_after_inference: bool = True,
+        overlap_cpu_step: bool = True,
+        gc_every_n_steps: int = 50,
+    ) -> None:
+        given = dict(
+            force_outputs_fp32=force_outputs_fp32, memstats=memstats,
+            gpu_margin_mem_ratio=gpu_margin_mem_ratio, tp_size=tp_size,
+            extra_dp_size=extra_dp_size, enable_all_optimization=enable_all_optimization,
+            enable_fused_normalization=enable_fused_normalization,
+            enable_flash_attention=enable_flash_attention,
+            enable_sequence_parallelism=enable_sequence_parallelism,
+            enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
+            use_fp8=use_fp8, fp8_communication=fp8_communication,
+        )  # fmt: skip
+        for name, off in _NOT_BUILT.items():
+            if given[name] is not off and given[name] != off:
+                hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")
+                raise NotImplementedError(
+                    f"{_API}: {name} is not implemented (got {given[name]!r}); {hint}"
+                )
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})"
+            )
+        if norm_type != 2.0:
+            raise NotImplementedError(
+                f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
+            )
+        if not max_norm >= 0:
+            raise ValueError(
+                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
+            )
+        self.precision = precision
+        self.chunk_init_device = chunk_init_device
+        self.enable_gradient_accumulation = enable_gradient_accumulation
+        self.verbose = verbose
+        self.gemini_config = GeminiConfig.from_kwargs(
+            placement_policy=placement_policy,
+            shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac,
+            offload_param_frac=offload_param_frac,
+            warmup_non_model_data_ratio=warmup_non_model_data_ratio,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
+            gpu_capacity_bytes=gpu_capacity_bytes,
+            max_prefetch=max_prefetch,
+            search_range_m=search_range_m,
+            hidden_dim=hidden_dim,
+            min_chunk_size_m=min_chunk_size_m,
+            pin_memory=pin_memory,
+            chunk_config_dict=chunk_config_dict,
+            enable_gradient_accumulation=enable_gradient_accumulation,
+            mixed_precision=_DTYPES[precision],
+            enable_async_reduce=enable_async_reduce,
+            scatter_after_inference=scatter_after_inference,
+            master_weights=master_weights,
+        )
+        self.scaler_kwargs = dict(
+            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis, max_scale=max_scale,
+        )  # fmt: skip
+        self.optim_kwargs = dict(
+            max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
+        )
+
+    def supported_precisions(self) -> list[str]:
+        return list(_DTYPES)
+
+    def control_precision(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return self.enable_gradient_accumulation
+
+    def _device(self) -> torch.device:
+        device = compute_device()
+        if self.chunk_init_device is not None:
+            wanted = torch.device(self.chunk_init_device)
+            same = wanted.type == device.type and (
+                wanted.index is None or wanted.index == device.index
+            )
+            if not same:
+                raise NotImplementedError(
+                    f"{_API}: chunk_init_device other than the compute device is not implemented "
+                    f"(got {wanted}, the compute device is {device}); leave chunk_init_device=None "
+                    "(offload with offload_param_frac / offload_optim_frac)"
+                )
+        return device
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple:
+        """Wrap the model in GeminiDDP (a lazily built model is materialized
+        into the chunks) and the optimizer in GeminiOptimizer."""
+        log = logger.warning if self.verbose else logger.debug
+        if not isinstance(model, GeminiModel):
+            facts = ModelFacts.of(model)
+            init_fn = transformers_init_fn(model) if is_lazy(model) else None
+            ddp = GeminiDDP(
+                model, self.gemini_config, compute_device=self._device(), init_fn=init_fn
+            )
+            model = GeminiModel(ddp, facts)
+            log("%s: %s", _API, self.gemini_config)
+        if optimizer is not None and not isinstance(optimizer, GeminiOptimizerWrapper):
+            user = optimizer
+            gemini = GeminiOptimizer(
+                optimizer, model.module, **self.optim_kwargs, **self._scaler_kwargs()
+            )
+            optimizer = GeminiOptimizerWrapper(gemini, model)
+            attach_scheduler(lr_scheduler, optimizer, user)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _scaler_kwargs(self) -> dict[str, Any]:
+        if self.precision == "fp16":
+            return self.scaler_kwargs
+        changed = sorted(k for k, v in self.scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
+        if changed:
+            warnings.warn(
+                f"{_API}: the loss scaler's arguments have no effect with precision="
+                f"{self.precision!r} (got {changed}); only fp16 scales the loss",
+                UserWarning,
+                stacklevel=4,
+            )
+        return {}
+
+    def no_sync(self, model: nn.Module | None = None, optimizer: Any = None):
+        """GeminiDDP's no_sync (gradients accumulate in their chunks).
+
+        Raises:
+            NotImplementedError: built without enable_gradient_accumulation.
+            ValueError: ``model`` is not one boosted by this plugin.
+        """
+        if not self.enable_gradient_accumulation:
+            raise NotImplementedError(
+                f"{_API}: no_sync needs gradient chunks (got enable_gradient_accumulation=False); "
+                "build GeminiPlugin(enable_gradient_accumulation=True)"
+            )
+        if not isinstance(model, GeminiModel):
+            raise ValueError(
+                f"{_API}.no_sync: pass the boosted model (got {type(model).__name__}); "
+                "booster.no_sync(model)"
+            )
+        return model.module.no_sync()

@@ -1,0 +1,394 @@
+"""LowLevelZeroPlugin: ZeRO-1/2 (zerostack.shard.ZeroOptimizer) behind the Booster."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostack.booster._interface import ModelWrapper
+from zerostack.booster._plugins._base import (
+    BoostedOptimizer,
+    Plugin,
+    attach_scheduler,
+    compute_device,
+)
+from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._state import (
+    ModelFacts,
+    check_names,
+    export_entry,
+    import_entry,
+    merge_hyper,
+    param_names,
+    saved_group,
+    scaler_state,
+)
+from zerostack.chunk import LazyInitContext, all_gather_into, rank_and_world
+from zerostack.shard import ZeroOptimizer, shard_bounds
+
+logger = logging.getLogger(__name__)
+_API = "LowLevelZeroPlugin"
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_SCALER_DEFAULTS = dict(
+    initial_scale=2**32, min_scale=1, growth_factor=2, backoff_factor=0.5,
+    growth_interval=1000, hysteresis=2, max_scale=2**32,
+)  # fmt: skip
+
+
+class LowLevelZeroModel(ModelWrapper):
+    """A model whose parameters are cast to the plugin's precision; floating
+    inputs are cast too (``cast_inputs``). Its fp32 weights are the ZeRO
+    optimizer's masters, sharded over the ranks."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, cast_inputs: bool) -> None:
+        facts = ModelFacts.of(module)
+        super().__init__(module)
+        self._facts = facts
+        self.dtype = dtype
+        self.cast_inputs = cast_inputs and dtype != torch.float32
+        self.zero: ZeroOptimizer | None = None  # set when the optimizer is boosted with it
+        self._aliases: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self._aliases.setdefault(id(p), []).append(name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.cast_inputs:
+            args, kwargs = _cast(args, self.dtype), _cast(kwargs, self.dtype)
+        return self.module(*args, **kwargs)
+
+    def unwrap(self) -> nn.Module:
+        return self.module
+
+    @torch.no_grad()
+    def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
+        """The whole model with the fp32 masters gathered from every rank
+        (every rank takes part); see [Note: full state format]."""
+        state = self.module.state_dict()
+        zero = self.zero
+        if zero is not None:
+            for s in zero.shards:
+                whole = _gather_master(zero, s)
+                for name in self._aliases.get(id(s.param), ()):
+                    state[name] = whole
+        if only_rank_0 and rank_and_world()[0] != 0:
+            return {}
+        return self._facts.export_model(state)
+
+    @torch.no_grad()
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Load the whole model: parameters (cast) and this rank's piece of
+        every fp32 master."""
+        self.module.load_state_dict(state_dict, strict=strict)
+        zero = self.zero
+        if zero is None:
+            return
+        for s in zero.shards:
+            value = next(
+                (state_dict[n] for n in self._aliases[id(s.param)] if n in state_dict), None
+            )
+            if value is None:
+                continue
+            start, end = shard_bounds(s.param.numel(), zero.world, zero.rank)
+            s.master.zero_()  # the padding stays zero (see zerostack.shard's [Note: per-parameter pieces])
+            s.master[: end - start].copy_(value.detach().reshape(-1)[start:end])
+
+
+def _gather_master(zero: ZeroOptimizer, s: Any) -> torch.Tensor:
+    """The whole fp32 master of shard ``s``, on the CPU (a collective)."""
+    src = s.master.detach().reshape(-1).to(zero.device)
+    full = torch.empty(zero.world * s.piece, dtype=src.dtype, device=zero.device)
+    all_gather_into(full, src, zero.group)
+    return full[: s.param.numel()].view(s.param.shape).cpu()
+
+
+def _cast(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class LowLevelZeroOptimizer(BoostedOptimizer):
+    """The zerostack.shard.ZeroOptimizer of a LowLevelZeroModel (``.optim``)."""
+
+    _API = "LowLevelZeroOptimizer"
+
+    def __init__(self, optimizer: ZeroOptimizer, model: LowLevelZeroModel) -> None:
+        super().__init__(optimizer)
+        self._model = model
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled for fp16."""
+        self.optim.backward(loss)
+
+    def _step(self, *args: Any, **kwargs: Any) -> bool:
+        return self.optim.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none)
+
+    def _names(self) -> list[str]:
+        names = param_names(self._model.unwrap())
+        return [names[id(s.param)] for s in self.optim.shards]
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """See [Note: full state format]: ZeroOptimizer's per-parameter list
+        (with its numels) keyed by name; every rank takes part."""
+        zero = self.optim
+        full = zero.full_state_dict()
+        names = self._names()
+        state = {}
+        for s, name, entry in zip(zero.shards, names, full["params"], strict=True):
+            if set(entry) - {"master"}:  # a parameter that never stepped has no state
+                state[name] = export_entry(entry, s.param.shape)
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[i] for i in g["params"]],
+            }
+            for g in full["param_groups"]
+        ]
+        return {"state": state, "param_groups": groups, "loss_scaler": full["scaler"]}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the [Note: full state format] (from any plugin and world size).
+
+        The masters keep their values (the model state carries the weights):
+        each rank hands ZeroOptimizer its own piece at its place.
+
+        Raises:
+            KeyError: the state names a parameter this optimizer lacks.
+            ValueError: a state tensor's size differs from its parameter's.
+        """
+        zero = self.optim
+        names = self._names()
+        check_names(self._API, state_dict["state"], set(names))
+        params = []
+        for s, name in zip(zero.shards, names, strict=True):
+            numel = s.param.numel()
+            entry = state_dict["state"].get(name)
+            mine = import_entry(self._API, name, entry, numel) if entry else {}
+            # ZeroOptimizer slices whole tensors: only this rank's slice matters.
+            master = torch.zeros(numel, dtype=s.master.dtype)
+            start, end = shard_bounds(numel, zero.world, zero.rank)
+            master[start:end] = s.master[: end - start].cpu()
+            mine["master"] = master
+            params.append(mine)
+        current = zero.optimizer.state_dict()["param_groups"]
+        groups = [
+            {
+                **merge_hyper(
+                    g, saved_group(state_dict["param_groups"], [names[i] for i in g["params"]])
+                ),
+                "params": g["params"],
+            }
+            for g in current
+        ]
+        own = zero.scaler.state_dict() if zero.scaler is not None else None
+        zero.load_full_state_dict(
+            {
+                "params": params,
+                "param_groups": groups,
+                "scaler": scaler_state(own, state_dict.get("loss_scaler")),
+                "numels": [s.param.numel() for s in zero.shards],
+            }
+        )
+
+
+class LowLevelZeroPlugin(Plugin):
+    """ZeRO stage 1 or 2: fp32 master weights and optimizer states sharded
+    over the ranks (and gradients, stage 2), parameters whole on every rank
+    in ``precision``. Wraps the optimizer in zerostack.shard.ZeroOptimizer.
+
+    Args:
+        stage: 1 or 2. Default 1.
+        precision: "fp16", "bf16" or "fp32"; parameters are cast to it.
+            Default "fp16".
+        initial_scale, min_scale, growth_factor, backoff_factor,
+            growth_interval, hysteresis, max_scale: the fp16 loss scaler's
+            (defaults 2**32, 1, 2, 0.5, 1000, 2, 2**32).
+        max_norm: clip the global gradient norm (0: off). Default 0.0.
+        norm_type: 2.0 only. Default 2.0.
+        reduce_bucket_size_in_m: gradient bucket size in millions (2**20)
+            of elements. Default 12.
+        communication_dtype: the dtype gradients travel in. Default None
+            (the parameters').
+        overlap_communication: reduce during backward. Default True.
+        overlap_allgather: False only. Default False.
+        cpu_offload: masters and optimizer states on the CPU (Adam through
+            zerostack's CPU kernel). Default False.
+        master_weights: keep fp32 masters. Default True.
+        verbose: log the configuration at WARNING (else DEBUG). Default False.
+        cast_inputs: cast floating forward inputs to ``precision``. Default True.
+
+    Raises:
+        ValueError: a bad stage, precision, bucket size or max_norm.
+        NotImplementedError: stage 3 (GeminiPlugin), norm_type other than 2,
+            overlap_allgather=True.
+    """
+
+    def __init__(
+        self,
+        stage: int = 1,
+        precision: str = "fp16",
+        initial_scale: float = 2**32,
+        min_scale: float = 1,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        norm_type: float = 2.0,
+        reduce_bucket_size_in_m: float = 12,
+        communication_dtype: torch.dtype | None = None,
+        overlap_communication: bool = True,
+        overlap_allgather: bool = False,
+        cpu_offload: bool = False,
+        master_weights: bool = True,
+        verbose: bool = False,
+        cast_inputs: bool = True,
+    ) -> None:
+        if stage == 3:
+            raise NotImplementedError(
+                f"{_API}: stage 3 (parameters sharded too) is GeminiPlugin's (got stage=3); "
+                "use GeminiPlugin() for ZeRO-3"
+            )
+        if stage not in (1, 2):
+            raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r})")
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})"
+            )
+        if norm_type != 2.0:
+            raise NotImplementedError(
+                f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
+            )
+        if overlap_allgather:
+            raise NotImplementedError(
+                f"{_API}: overlap_allgather=True is not implemented (parameters are all-gathered "
+                "at the end of step); pass overlap_allgather=False"
+            )
+        if not reduce_bucket_size_in_m > 0:
+            raise ValueError(
+                f"{_API}: reduce_bucket_size_in_m must be > 0 (got {reduce_bucket_size_in_m})"
+            )
+        if not max_norm >= 0:
+            raise ValueError(
+                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
+            )
+        self.stage = stage
+        self.precision = precision
+        self.dtype = _DTYPES[precision]
+        self.cast_inputs = cast_inputs
+        self.verbose = verbose
+        self.scaler_kwargs = dict(
+            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis, max_scale=max_scale,
+        )  # fmt: skip
+        self.zero_kwargs = dict(
+            stage=stage,
+            reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
+            overlap_communication=overlap_communication,
+            communication_dtype=communication_dtype,
+            cpu_offload=cpu_offload,
+            master_weights=master_weights,
+            max_norm=max_norm,
+        )
+
+    @classmethod
+    def from_deepspeed_config(
+        cls, config: Mapping[str, Any] | str | os.PathLike, **kwargs: Any
+    ) -> LowLevelZeroPlugin:
+        """A plugin that trains as a DeepSpeed ZeRO-1/2 config says.
+
+        See zerostack.booster's ``deepspeed_to_kwargs`` for the mapping, what
+        is refused and which keys are accepted at their default.
+
+        Args:
+            config: the DeepSpeed config, a dict or the path of a JSON file.
+            **kwargs: more LowLevelZeroPlugin arguments (e.g. verbose); they
+                override the mapped ones.
+
+        Raises:
+            NotImplementedError: a key that is set and has no equivalent.
+            ValueError: a value out of range (stage, fp16 and bf16 both on).
+        """
+        from zerostack.booster._plugins._deepspeed import deepspeed_to_kwargs
+
+        return cls(**{**deepspeed_to_kwargs(config), **kwargs})
+
+    def supported_precisions(self) -> list[str]:
+        return list(_DTYPES)
+
+    def control_precision(self) -> bool:
+        return True
+
+    def support_no_sync(self) -> bool:
+        return True
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple:
+        """Cast the model to ``precision`` on the current device and wrap the
+        optimizer in ZeroOptimizer."""
+        log = logger.warning if self.verbose else logger.debug
+        if not isinstance(model, LowLevelZeroModel):
+            if is_lazy(model):
+                LazyInitContext.materialize(model, "cpu", init_fn=transformers_init_fn(model))
+            model = model.to(device=compute_device(), dtype=self.dtype)
+            model = LowLevelZeroModel(model, self.dtype, self.cast_inputs)
+        if optimizer is not None and not isinstance(optimizer, LowLevelZeroOptimizer):
+            user = optimizer
+            zero = ZeroOptimizer(
+                optimizer, module=model.unwrap(), **self.zero_kwargs, **self._scaler_kwargs()
+            )
+            model.zero = zero
+            optimizer = LowLevelZeroOptimizer(zero, model)
+            attach_scheduler(lr_scheduler, optimizer, user)
+        log("%s: stage %d, %s, %s", _API, self.stage, self.precision, self.zero_kwargs)
+        return model, optimizer, criterion, dataloader, lr_scheduler
+
+    def _scaler_kwargs(self) -> dict[str, Any]:
+        if self.precision == "fp16":
+            return self.scaler_kwargs
+        changed = sorted(k for k, v in self.scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
+        if changed:
+            warnings.warn(
+                f"{_API}: the loss scaler's arguments have no effect with precision="
+                f"{self.precision!r} (got {changed}); only fp16 scales the loss",
+                UserWarning,
+                stacklevel=4,
+            )
+        return {}
+
+    def no_sync(self, model: nn.Module | None = None, optimizer: Any = None):
+        """ZeroOptimizer's no_sync (stage 1 and 2).
+
+        Raises:
+            ValueError: ``optimizer`` is not one boosted by this plugin.
+        """
+        if not isinstance(optimizer, LowLevelZeroOptimizer):
+            raise ValueError(
+                f"{_API}.no_sync: pass the boosted optimizer (got {type(optimizer).__name__}); "
+                "booster.no_sync(model, optimizer)"
+            )
+        return optimizer.optim.no_sync()

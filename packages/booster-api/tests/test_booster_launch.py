@@ -1,0 +1,111 @@
+"""launch_from_torch: under torchrun (2 processes, gloo) it joins the group,
+seeds every RNG and is idempotent; without torchrun's variables it says
+which are missing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from zerostack.booster import launch_from_torch
+
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, random
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from zerostack.booster import launch_from_torch
+
+    torch.set_num_threads(1)
+    launch_from_torch(seed=7, timeout=60)
+    rank = int(os.environ["RANK"])
+    assert dist.is_initialized() and dist.get_world_size() == 2 and dist.get_rank() == rank
+    assert dist.get_backend() == "gloo"  # no CUDA here
+    drawn = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(7); np.random.seed(7); torch.manual_seed(7)
+    assert drawn[:2] == (random.random(), float(np.random.rand()))
+    assert torch.equal(drawn[2], torch.rand(3))
+    group = dist.group.WORLD
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        del os.environ[name]  # idempotent: the group is kept, the env not read again
+    launch_from_torch(seed=8)
+    drawn = torch.rand(2)
+    torch.manual_seed(8)
+    assert dist.group.WORLD is group and torch.equal(drawn, torch.rand(2))
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    dist.destroy_process_group()
+    print(f"launched rank {rank}", flush=True)
+    """
+)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_torchrun_it_joins_seeds_and_is_idempotent(tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ENV}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
+    ]  # fmt: skip
+    # A new session: on a timeout the whole group (torchrun's workers too) is killed.
+    with subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            stdout, stderr = proc.communicate()
+            raise AssertionError(f"timed out:\n{stdout}{stderr}") from None
+    assert proc.returncode == 0, stdout + stderr
+    assert "launched rank 0" in stdout and "launched rank 1" in stdout
+
+
+@pytest.fixture
+def no_group():
+    assert not dist.is_initialized()  # the parent test process never joins a group
+
+
+def test_missing_variables_are_named(monkeypatch, no_group):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(
+        RuntimeError,
+        match=r"launch_from_torch: torchrun's environment variables are missing \(got none for "
+        r"WORLD_SIZE, LOCAL_RANK, MASTER_PORT\); start the script with `torchrun",
+    ):
+        launch_from_torch()
+    assert not dist.is_initialized()
+
+
+def test_bad_values_are_refused(monkeypatch, no_group):
+    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE must be an integer \(got 'two'\)"):
+        launch_from_torch()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match=r"timeout must be > 0 seconds \(got 0\)"):
+        launch_from_torch(timeout=0)
+    assert not dist.is_initialized()

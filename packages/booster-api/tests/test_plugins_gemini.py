@@ -1,0 +1,139 @@
+"""GeminiPlugin in one process: the seed's options reach GeminiDDP as one
+GeminiConfig, the options not built are refused by name, and a model built
+under LazyInitContext is materialized by boost (transformers models with
+their own initialiser, passed by the plugin)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.booster import Booster, GeminiPlugin, LazyInitContext, LowLevelZeroPlugin
+from zerostack.fused_adam import HybridAdam
+from zerostack.gemini import AutoPlacementConfig, GeminiConfig, StaticPlacementConfig
+from zerostack.testing import GPTConfig, TinyGPT, make_batch
+
+CONFIG = GPTConfig(bias=False, vocab_size=128, dim=32, max_seq_len=32)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("tp_size", 2, r"tp_size is not implemented \(got 2\)"),
+        ("extra_dp_size", 2, r"extra_dp_size is not implemented \(got 2\)"),
+        ("enable_all_optimization", True, r"enable_all_optimization is not implemented"),
+        ("enable_flash_attention", True, r"enable_flash_attention is not implemented"),
+        ("enable_sequence_parallelism", True, r"enable_sequence_parallelism"),
+        ("use_fp8", True, r"use_fp8 is not implemented"),
+        ("fp8_communication", True, r"fp8_communication is not implemented"),
+        ("force_outputs_fp32", True, r"force_outputs_fp32 is not implemented"),
+        ("memstats", object(), r"memstats is not implemented .* measures its own"),
+        ("gpu_margin_mem_ratio", 0.5, r"gpu_margin_mem_ratio is not implemented .*auto"),
+        ("norm_type", 1.0, r"only norm_type=2.0 is implemented \(got 1.0\)"),
+        ("master_weights", False, r"master_weights=False .* is not implemented"),
+    ],
+)
+def test_options_not_built_are_refused_by_name(option, value, match):
+    with pytest.raises(NotImplementedError, match=match):
+        GeminiPlugin(**{option: value})
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(
+        ValueError, match=r"precision must be 'fp16', 'bf16' or 'fp32' \(got 'fp8'\)"
+    ):
+        GeminiPlugin(precision="fp8")
+    with pytest.raises(ValueError, match=r"offload_optim_frac must be in \[0, 1\] \(got 1.5\)"):
+        GeminiPlugin(offload_optim_frac=1.5)
+    with pytest.raises(ValueError, match=r"placement_policy must be 'static' or 'auto'"):
+        GeminiPlugin(placement_policy="cpu")
+    with pytest.raises(ValueError, match=r"max_norm must be >= 0 \(got -1\)"):
+        GeminiPlugin(max_norm=-1)
+    plugin = GeminiPlugin(precision="fp32", chunk_init_device="meta")
+    with pytest.raises(
+        NotImplementedError, match=r"chunk_init_device other than the compute device"
+    ):
+        Booster(plugin=plugin).boost(TinyGPT(CONFIG))
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    plugin = GeminiPlugin(precision="bf16", initial_scale=2**8)
+    with pytest.warns(
+        UserWarning, match=r"no effect with precision='bf16' \(got \['initial_scale'\]\)"
+    ):
+        Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_the_seed_arguments_build_one_config_handed_to_gemini_ddp():
+    plugin = GeminiPlugin(
+        placement_policy="auto",
+        gpu_capacity_bytes=1 << 22,
+        steady_cuda_cap_ratio=0.5,
+        max_prefetch=2,
+        precision="bf16",
+        hidden_dim=32,
+        search_range_m=1,
+        min_chunk_size_m=0.001,
+        enable_gradient_accumulation=True,
+        enable_async_reduce=False,
+        strict_ddp_mode=True,
+    )
+    config = plugin.gemini_config
+    assert isinstance(config, GeminiConfig)
+    assert config.placement == AutoPlacementConfig(
+        steady_cuda_cap_ratio=0.5, gpu_capacity_bytes=1 << 22, max_prefetch=2
+    )
+    assert config.chunk.hidden_dim == 32 and config.chunk.search_range_m == 1
+    assert config.chunk.enable_gradient_accumulation and not config.enable_async_reduce
+    assert config.precision.param_dtype == torch.bfloat16
+    assert plugin.support_no_sync()
+    booster = Booster(plugin=plugin)
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    model, opt, *_ = booster.boost(model, HybridAdam(model.parameters(), lr=1e-3))
+    assert model.module.config is config  # passed down as it is
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    for _ in range(2):  # the auto placement's warm-up step, then a planned one
+        booster.backward(model(idx, tgt), opt)
+        assert opt.step()
+    static = GeminiPlugin(offload_optim_frac=0.25, shard_param_frac=0.5).gemini_config
+    assert static.placement == StaticPlacementConfig(offload_optim_frac=0.25, shard_param_frac=0.5)
+
+
+def _gpt2(transformers):
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("plugin", ["gemini", "zero"])
+def test_a_lazy_transformers_model_is_materialized_with_its_own_init(plugin):
+    """GPT-2's Conv1D has no reset_parameters: without the plugin's init_fn
+    materialization would fail; with it, the weights are the ones
+    ``initialize_weights`` draws from the same seed (transformers' init)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    with LazyInitContext():
+        lazy = _gpt2(transformers)
+    assert all(p.is_meta for p in lazy.parameters())
+    # fused-adam's optimizers refuse meta parameters; torch's do not.
+    opt = torch.optim.AdamW(lazy.parameters(), lr=1e-3)
+    if plugin == "gemini":
+        plugin = GeminiPlugin(precision="fp32", chunk_config_dict={1: {"chunk_size": 20_000}})
+    else:
+        plugin = LowLevelZeroPlugin(precision="fp32")
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(lazy, opt)
+    eager = _gpt2(transformers)
+    for m in eager.modules():  # let initialize_weights draw every weight again
+        m._is_hf_initialized = False
+    torch.manual_seed(0)
+    eager.initialize_weights()
+    full = model.full_state_dict()
+    assert list(full) == list(eager.state_dict())
+    for name, p in eager.named_parameters():
+        assert torch.equal(full[name], p.detach()), name
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    booster.backward(model(idx, labels=idx).loss, opt)
+    assert opt.step()
