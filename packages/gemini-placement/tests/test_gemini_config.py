@@ -193,3 +193,32 @@ def test_bf16_nonfinite_gradients_are_applied_as_torch_does(caplog):
     with caplog.at_level(logging.WARNING, logger="zerostack.shard"):
         _bf16_inf_is_applied(0, 1)
     assert "applied as torch's optimizers would" in caplog.text
+
+
+def test_torch_adamw_steps_bf16_gradients_of_fp32_masters():
+    # torch's Adam needs the gradient in the parameter's dtype; fused-adam
+    # reads bf16 gradients as they are: the same fp32 math either way.
+    results = []
+    for make in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+        lambda ps: HybridAdam(ps, lr=1e-3, weight_decay=0.1),
+    ):
+        for offload in (0.0, 1.0):
+            ddp = GeminiDDP(
+                _model(), mixed_precision=torch.bfloat16, compute_device="cpu",
+                chunk_config_dict={1: {"chunk_size": 20_000}}, offload_optim_frac=offload,
+            )  # fmt: skip
+            opt = GeminiOptimizer(make(list(ddp.module.parameters())), ddp, max_norm=1.0)
+            for step in range(3):
+                idx, tgt = make_batch(CONFIG, 2, 16, seed=step)
+                opt.backward(ddp(idx, tgt).float())
+                assert opt.step()
+            results.append(ddp.state_dict())
+    # The CPU and device steps of one optimizer agree exactly; the two
+    # optimizers round differently, which Adam can turn into up to 2 lr per
+    # step where a gradient is at rounding level (zerostack.testing's
+    # training_tolerance derives the same bound).
+    for a, b in ((0, 1), (2, 3)):
+        assert all(torch.equal(results[a][k], results[b][k]) for k in results[a])
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[2][name], value, rtol=0, atol=2 * 1e-3 * 3, msg=name)

@@ -320,7 +320,7 @@ class GeminiOptimizer:
             for i in self._device:
                 # A shard kept on the host (offload_param_frac) reduced its gradient there.
                 grad, master = grads[i], self.masters[i]
-                master.grad = grad if grad.device == master.device else grad.to(master.device)
+                master.grad = self._as_grad(grad, master)
             step_with_div_scale(self.optimizer, plan.div_scale)
             for i in self._device:
                 self.masters[i].grad = None
@@ -339,6 +339,14 @@ class GeminiOptimizer:
             self.pipeline.submit(chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i))
         return True
 
+    def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """``grad`` as ``master``'s gradient: on its device (a shard kept on the
+        host reduces its gradient there), and in its dtype for optimizers
+        other than fused-adam's (torch's Adam needs the parameter's dtype;
+        fused-adam reads fp16/bf16 gradients as they are)."""
+        dtype = grad.dtype if self._div_scale else master.dtype
+        return grad.to(device=master.device, dtype=dtype)
+
     def _cpu_order(self) -> list[int]:
         auto = self.module.auto
         if auto is None or not auto.stats.order:
@@ -353,8 +361,9 @@ class GeminiOptimizer:
         master = self.masters[i]
         with self._lock:
             # Without div_scale in the kernel the gradient is scaled in place: a copy.
-            own = div_scale <= 0 or self._div_scale
-            master.grad = host_grad if own else host_grad.clone()
+            grad = self._as_grad(host_grad, master)
+            own = div_scale <= 0 or self._div_scale or grad is not host_grad
+            master.grad = grad if own else grad.clone()
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:

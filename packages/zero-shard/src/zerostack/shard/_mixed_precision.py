@@ -129,5 +129,6 @@ def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> N
             # factor (clip / loss scale, ~1e-6) rounds badly or to 0 in fp16.
             if p.grad.dtype != p.dtype and p.grad.dtype.itemsize < p.dtype.itemsize:
                 p.grad = p.grad.to(p.dtype)
-        torch._foreach_mul_([p.grad for p in params], 1.0 / div_scale)
+        if params:
+            torch._foreach_mul_([p.grad for p in params], 1.0 / div_scale)
     optimizer.step()
