@@ -101,3 +101,36 @@ def test_copy_out_writes_the_updated_param(simd_level, pdt, out_dtype, offset):
     p.grad = torch.randn(4099).to(pdt)
     opt.step()
     assert torch.equal(out, frozen)
+
+
+def test_cpu_threads_per_rank_under_torchrun(monkeypatch, caplog):
+    import logging
+    import os
+
+    from zerostack.fused_adam import _kernels
+
+    monkeypatch.delenv("ZEROSTACK_CPU_THREADS", raising=False)
+    monkeypatch.setattr(_kernels, "_logged_threads", [])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    # torchrun's default: OMP_NUM_THREADS=1 for each of 4 local ranks -> 16 / 4.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with caplog.at_level(logging.INFO, logger="zerostack.fused_adam"):
+        assert _kernels.cpu_threads() == 4
+    assert "4 threads per rank (16 cores / 4 ranks" in caplog.text
+    assert backend_info()["cpu_threads"] == 4
+    # An explicit choice wins; a user's own thread count is followed.
+    monkeypatch.setenv("ZEROSTACK_CPU_THREADS", "2")
+    assert _kernels.cpu_threads() == 2
+    monkeypatch.delenv("ZEROSTACK_CPU_THREADS")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert _kernels.cpu_threads() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not under torchrun: torch's count
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert _kernels.cpu_threads() == 1
+    monkeypatch.setenv("ZEROSTACK_CPU_THREADS", "zero")
+    with pytest.raises(
+        ValueError, match=r"ZEROSTACK_CPU_THREADS must be an int >= 1 \(got 'zero'\)"
+    ):
+        _kernels.cpu_threads()
