@@ -85,24 +85,7 @@ def consolidate(
     """
     source = atomic.resolve_for_load(os.fspath(checkpoint), _API)
     target = os.path.abspath(os.fspath(out))
-    if (
-        isinstance(size_per_shard, bool)
-        or not isinstance(size_per_shard, int)
-        or size_per_shard < 1
-    ):
-        raise ValueError(
-            f"{_API}: size_per_shard must be a positive int of MB (got {size_per_shard!r}); "
-            "pass e.g. 1024"
-        )
-    if os.path.isfile(target):
-        raise ValueError(
-            f"{_API}: out must be a directory (got the existing file {target}); pass a "
-            "directory path"
-        )
-    if os.path.abspath(source) == target:
-        raise ValueError(
-            f"{_API}: out is the checkpoint itself (got {target}); pass another directory"
-        )
+    _check_args(source, target, size_per_shard)
     limit = size_per_shard * _MB
     with atomic.atomic_path(target, is_dir=True) as tmp:
         parts: list[tuple[str, list[str]]] = []
@@ -119,11 +102,7 @@ def consolidate(
 
         for part in _sources(source, verify):
             for key, value in part.items():
-                if not isinstance(value, torch.Tensor):
-                    raise TypeError(
-                        f"{_API}: {key} in {source} is not a tensor (got "
-                        f"{type(value).__name__}); pass a model checkpoint"
-                    )
+                _check_tensor(key, value, source)
                 size = files.nbytes(value)
                 if buffer and buffered + size > limit:
                     flush()
@@ -156,6 +135,35 @@ def consolidate(
                     written.append(name)
     logger.info("%s: wrote %d files (%d bytes of tensors) to %s", _API, len(written), total, target)
     return written
+
+
+def _check_args(source: str, target: str, size_per_shard: int) -> None:
+    if (
+        isinstance(size_per_shard, bool)
+        or not isinstance(size_per_shard, int)
+        or size_per_shard < 1
+    ):
+        raise ValueError(
+            f"{_API}: size_per_shard must be a positive int of MB (got {size_per_shard!r}); "
+            "pass e.g. 1024"
+        )
+    if os.path.isfile(target):
+        raise ValueError(
+            f"{_API}: out must be a directory (got the existing file {target}); pass a "
+            "directory path"
+        )
+    if os.path.abspath(source) == target:
+        raise ValueError(
+            f"{_API}: out is the checkpoint itself (got {target}); pass another directory"
+        )
+
+
+def _check_tensor(key: str, value: object, source: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{_API}: {key} in {source} is not a tensor (got "
+            f"{type(value).__name__}); pass a model checkpoint"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,8 @@ from zerostack.booster._interface import OptimizerWrapper
 from zerostack.chunk import rank_and_world
 
 logger = logging.getLogger(__name__)
+# The plugins' precision names.
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class Plugin(ABC):

@@ -40,7 +40,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from zerostack.booster._plugins._base import PRECISION_DTYPES
 
 _API = "LowLevelZeroPlugin.from_deepspeed_config"
 _ABSENT = object()
@@ -99,7 +99,7 @@ _HINTS = {
     "zero_optimization.offload_optimizer.device": "NVMe: use HybridAdam(nvme_offload_fraction=...) under GeminiPlugin",
     "activation_checkpointing": "checkpoint activations in the model (torch.utils.checkpoint, or gradient_checkpointing_enable() in transformers)",
 }  # fmt: skip
-_COMM_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_COMM_DTYPES = PRECISION_DTYPES
 
 
 def deepspeed_to_kwargs(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -127,57 +127,7 @@ def deepspeed_to_kwargs(config: Mapping[str, Any] | str | os.PathLike) -> dict[s
     bf16 = _section(top.pop("bf16", {}), "bf16")
     offload = zero.pop("offload_optimizer", None)
     offload = _section(offload or {}, "zero_optimization.offload_optimizer")
-    kwargs: dict[str, Any] = {}
-
-    stage = zero.pop("stage", 0)
-    if stage == 3:
-        raise NotImplementedError(
-            f"{_API}: zero_optimization.stage 3 (parameters sharded too) is GeminiPlugin's "
-            "(got 3); use GeminiPlugin(...) for ZeRO-3"
-        )
-    if stage == 0:
-        raise NotImplementedError(
-            f"{_API}: zero_optimization.stage 0 (plain data parallelism) has no ZeRO plugin "
-            "(got 0, DeepSpeed's default when zero_optimization is absent); use TorchDDPPlugin()"
-        )
-    if stage not in (1, 2):
-        raise ValueError(f"{_API}: zero_optimization.stage must be 0-3 (got {stage!r})")
-    kwargs["stage"] = stage
-    if "reduce_bucket_size" in zero:
-        kwargs["reduce_bucket_size_in_m"] = float(zero.pop("reduce_bucket_size")) / 2**20
-    if "overlap_comm" in zero:
-        kwargs["overlap_communication"] = bool(zero.pop("overlap_comm"))
-    param_offload = zero.pop("offload_param", None)
-    if param_offload and param_offload.get("device", "none") != "none":
-        _refuse("zero_optimization.offload_param", param_offload)
-    cpu_offload = bool(zero.pop("cpu_offload", False))
-    device = offload.pop("device", "none")
-    if device == "nvme":
-        _refuse("zero_optimization.offload_optimizer.device", device)
-    if device not in ("cpu", "none"):
-        raise ValueError(
-            f"{_API}: zero_optimization.offload_optimizer.device must be 'cpu', 'nvme' or "
-            f"'none' (got {device!r})"
-        )
-    offload.pop("pin_memory", None)  # pinned whenever CUDA is present
-    kwargs["cpu_offload"] = cpu_offload or device == "cpu"
-
-    fp16_on, bf16_on = bool(fp16.pop("enabled", False)), bool(bf16.pop("enabled", False))
-    if fp16_on and bf16_on:
-        raise ValueError(f"{_API}: fp16.enabled and bf16.enabled are both true; enable one")
-    kwargs["precision"] = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
-    if fp16_on:
-        kwargs["initial_scale"] = 2.0 ** fp16.pop("initial_scale_power", 16)
-        for ds_key, ours in (
-            ("loss_scale_window", "growth_interval"),
-            ("hysteresis", "hysteresis"),
-            ("min_loss_scale", "min_scale"),
-        ):
-            if ds_key in fp16:
-                kwargs[ours] = fp16.pop(ds_key)
-    else:  # the scaler's keys have no effect without fp16, as in DeepSpeed
-        for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
-            fp16.pop(key, None)
+    kwargs = {**_zero_kwargs(zero, offload), **_precision_kwargs(fp16, bf16)}
     if "gradient_clipping" in top:
         kwargs["max_norm"] = float(top.pop("gradient_clipping"))
     comm = top.pop("communication_data_type", None)
@@ -222,3 +172,63 @@ def _refuse(key: str, value: Any) -> None:
     raise NotImplementedError(
         f"{_API}: {key} has no equivalent in LowLevelZeroPlugin (got {value!r}); {hint}"
     )
+
+
+def _zero_kwargs(zero: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
+    """The stage, buckets, overlap and offload keys (popped from ``zero`` and ``offload``)."""
+    kwargs: dict[str, Any] = {}
+    stage = zero.pop("stage", 0)
+    if stage == 3:
+        raise NotImplementedError(
+            f"{_API}: zero_optimization.stage 3 (parameters sharded too) is GeminiPlugin's "
+            "(got 3); use GeminiPlugin(...) for ZeRO-3"
+        )
+    if stage == 0:
+        raise NotImplementedError(
+            f"{_API}: zero_optimization.stage 0 (plain data parallelism) has no ZeRO plugin "
+            "(got 0, DeepSpeed's default when zero_optimization is absent); use TorchDDPPlugin()"
+        )
+    if stage not in (1, 2):
+        raise ValueError(f"{_API}: zero_optimization.stage must be 0-3 (got {stage!r})")
+    kwargs["stage"] = stage
+    if "reduce_bucket_size" in zero:
+        kwargs["reduce_bucket_size_in_m"] = float(zero.pop("reduce_bucket_size")) / 2**20
+    if "overlap_comm" in zero:
+        kwargs["overlap_communication"] = bool(zero.pop("overlap_comm"))
+    param_offload = zero.pop("offload_param", None)
+    if param_offload and param_offload.get("device", "none") != "none":
+        _refuse("zero_optimization.offload_param", param_offload)
+    cpu_offload = bool(zero.pop("cpu_offload", False))
+    device = offload.pop("device", "none")
+    if device == "nvme":
+        _refuse("zero_optimization.offload_optimizer.device", device)
+    if device not in ("cpu", "none"):
+        raise ValueError(
+            f"{_API}: zero_optimization.offload_optimizer.device must be 'cpu', 'nvme' or "
+            f"'none' (got {device!r})"
+        )
+    offload.pop("pin_memory", None)  # pinned whenever CUDA is present
+    kwargs["cpu_offload"] = cpu_offload or device == "cpu"
+    return kwargs
+
+
+def _precision_kwargs(fp16: dict[str, Any], bf16: dict[str, Any]) -> dict[str, Any]:
+    """The precision and fp16 loss-scaler keys (popped from ``fp16`` and ``bf16``)."""
+    kwargs: dict[str, Any] = {}
+    fp16_on, bf16_on = bool(fp16.pop("enabled", False)), bool(bf16.pop("enabled", False))
+    if fp16_on and bf16_on:
+        raise ValueError(f"{_API}: fp16.enabled and bf16.enabled are both true; enable one")
+    kwargs["precision"] = "fp16" if fp16_on else "bf16" if bf16_on else "fp32"
+    if fp16_on:
+        kwargs["initial_scale"] = 2.0 ** fp16.pop("initial_scale_power", 16)
+        for ds_key, ours in (
+            ("loss_scale_window", "growth_interval"),
+            ("hysteresis", "hysteresis"),
+            ("min_loss_scale", "min_scale"),
+        ):
+            if ds_key in fp16:
+                kwargs[ours] = fp16.pop(ds_key)
+    else:  # the scaler's keys have no effect without fp16, as in DeepSpeed
+        for key in ("initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+            fp16.pop(key, None)
+    return kwargs

@@ -13,6 +13,7 @@ from torch import nn
 
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import (
+    PRECISION_DTYPES,
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
@@ -31,7 +32,7 @@ from zerostack.gemini import GeminiConfig, GeminiDDP, GeminiOptimizer
 
 logger = logging.getLogger(__name__)
 _API = "GeminiPlugin"
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPES = PRECISION_DTYPES
 _SCALER_DEFAULTS = dict(
     initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32,
@@ -291,24 +292,7 @@ class GeminiPlugin(Plugin):
             enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
             use_fp8=use_fp8, fp8_communication=fp8_communication,
         )  # fmt: skip
-        for name, off in _NOT_BUILT.items():
-            if given[name] is not off and given[name] != off:
-                hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")
-                raise NotImplementedError(
-                    f"{_API}: {name} is not implemented (got {given[name]!r}); {hint}"
-                )
-        if precision not in _DTYPES:
-            raise ValueError(
-                f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})"
-            )
-        if norm_type != 2.0:
-            raise NotImplementedError(
-                f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
-            )
-        if not max_norm >= 0:
-            raise ValueError(
-                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
-            )
+        _check_options(given, precision, norm_type, max_norm)
         self.precision = precision
         self.chunk_init_device = chunk_init_device
         self.enable_gradient_accumulation = enable_gradient_accumulation
@@ -425,3 +409,23 @@ class GeminiPlugin(Plugin):
                 "booster.no_sync(model)"
             )
         return model.module.no_sync()
+
+
+def _check_options(
+    given: dict[str, Any], precision: str, norm_type: float, max_norm: float
+) -> None:
+    """Refuse the seed's options that are not built, and bad values."""
+    for name, off in _NOT_BUILT.items():
+        if given[name] is not off and given[name] != off:
+            hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")
+            raise NotImplementedError(
+                f"{_API}: {name} is not implemented (got {given[name]!r}); {hint}"
+            )
+    if precision not in _DTYPES:
+        raise ValueError(f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})")
+    if norm_type != 2.0:
+        raise NotImplementedError(
+            f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
+        )
+    if not max_norm >= 0:
+        raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off")

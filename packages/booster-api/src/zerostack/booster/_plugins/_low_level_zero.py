@@ -13,6 +13,7 @@ from torch import nn
 
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import (
+    PRECISION_DTYPES,
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
@@ -34,7 +35,7 @@ from zerostack.shard import ZeroOptimizer, shard_bounds
 
 logger = logging.getLogger(__name__)
 _API = "LowLevelZeroPlugin"
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPES = PRECISION_DTYPES
 _SCALER_DEFAULTS = dict(
     initial_scale=2**32, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32,
