@@ -41,6 +41,7 @@ SCRIPT = textwrap.dedent(
     drawn = torch.rand(2)
     torch.manual_seed(8)
     assert dist.group.WORLD is group and torch.equal(drawn, torch.rand(2))
+    del group  # no reference may outlive destroy_process_group
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     assert t.item() == 3.0
