@@ -20,10 +20,12 @@ from zerostack.chunk import (
     LazyInitContext,
     TensorInfo,
     TensorState,
+    debug_collectives,
     path_between,
     phase,
     rank_and_world,
     search_chunk_configuration,
+    set_collective_label,
 )
 from zerostack.gemini._config import GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
@@ -96,6 +98,13 @@ class GeminiDDP(nn.Module):
         init_fn: for a model built under LazyInitContext without
             ``reset_parameters`` on every module (e.g. transformers models):
             a model-level initialiser, see LazyInitContext.distribute.
+        debug_collectives: True: before every gather and reduce, check that
+            all ranks issue the same collective (for the same module), and
+            raise CollectiveMismatchError on every rank, naming what each was
+            about to do, instead of hanging. A blocking exchange per
+            collective: for debugging. Switches it for the whole process.
+            Default None: the ``ZEROSTACK_DEBUG_COLLECTIVES`` environment
+            variable decides.
         placement_policy: "static" (shard_param_frac, offload_optim_frac,
             offload_param_frac) or "auto" (see AutoPlacement and
             warmup_non_model_data_ratio, steady_cuda_cap_ratio,
@@ -124,6 +133,7 @@ class GeminiDDP(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         compute_device: torch.device | str | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
+        debug_collectives: bool | None = None,
         **settings: Any,
     ) -> None:
         super().__init__()
@@ -132,6 +142,8 @@ class GeminiDDP(nn.Module):
                 f"{_API}: pass either config or keyword settings (got both: {sorted(settings)})"
             )
         self.config = config = config or GeminiConfig.from_kwargs(**settings)
+        if debug_collectives is not None:
+            _set_debug(debug_collectives)
         self.module = module
         self.process_group = process_group
         self.rank, self.world_size = rank_and_world(process_group)
@@ -374,11 +386,11 @@ class GeminiDDP(nn.Module):
             if p.requires_grad:
                 on_grad = _WeakCall(self, "_on_grad", i)
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
-        for m in self.module.modules():
+        for name, m in self.module.named_modules():
             direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
             if not direct:
                 continue
-            hooks = _ModuleHooks(self, direct, self._chunks(direct))
+            hooks = _ModuleHooks(self, name or "(the root)", direct, self._chunks(direct))
             self._handles.append(m.register_forward_pre_hook(hooks.pre_forward))
             self._handles.append(m.register_forward_hook(hooks.post_forward))
 
@@ -391,11 +403,14 @@ class GeminiDDP(nn.Module):
         # evaluation forward has another order).
         return self._state in (T.FORWARD, T.BACKWARD)
 
-    def _gather(self, slots: list[_Slot], state: TensorState, chunks: list[Chunk]) -> None:
+    def _gather(
+        self, slots: list[_Slot], state: TensorState, chunks: list[Chunk], label: str
+    ) -> None:
         """Gather ``chunks`` (those holding the tensors of ``slots``) and mark
         the tensors in use. The hot path: it runs for every module with
         parameters, three times a step."""
         pipeline, manager = self.cpu_step, self.chunk_manager
+        set_collective_label(label)
         with phase("zerostack::gather"):
             training = self._state is T.FORWARD or self._state is T.BACKWARD
             self.placement.before_access(chunks, training)
@@ -422,7 +437,7 @@ class GeminiDDP(nn.Module):
             if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
 
-    def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk]) -> None:
+    def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk], label: str) -> None:
         if self._state is not T.BACKWARD and not self.placement.keeps_cache:
             # Forward has moved past the chunks this module does not use:
             # release those (a chunk shared by consecutive modules is gathered
@@ -431,7 +446,7 @@ class GeminiDDP(nn.Module):
             idle = [c for c in self.chunk_manager.accessed_chunks if c not in chunks]
             if idle:
                 self._release_idle(idle)
-        self._gather(slots, S.COMPUTE, chunks)
+        self._gather(slots, S.COMPUTE, chunks, label)
 
     def _post_forward(self, slots: list[_Slot], pre_backward: Callable, out: Any) -> None:
         for chunk, info in slots:
@@ -452,11 +467,13 @@ class GeminiDDP(nn.Module):
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def _pre_backward(self, slots: list[_Slot], chunks: list[Chunk], grads: Any) -> None:
+    def _pre_backward(
+        self, slots: list[_Slot], chunks: list[Chunk], label: str, grads: Any
+    ) -> None:
         if self._state is not T.BACKWARD:
             self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._gather(slots, S.COMPUTE, chunks)
+        self._gather(slots, S.COMPUTE, chunks, label)
 
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
         chunk, info = self._slots[index]
@@ -491,6 +508,7 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
+            set_collective_label(f"gradient reduction of chunk {chunk.index}")
             with phase("zerostack::reduce"):
                 handle = self.chunk_manager.reduce_chunk(
                     chunk, async_op=self.config.enable_async_reduce
@@ -669,6 +687,9 @@ class GeminiDDP(nn.Module):
         return None
 
 
+_set_debug = debug_collectives  # the argument of GeminiDDP shadows the function
+
+
 class _WeakCall:
     """``getattr(target, name)(*args, *call_args)``, holding ``target``
     weakly; built once, so a step creates no closure."""
@@ -690,21 +711,25 @@ class _ModuleHooks:
     its own (and the chunks holding them); holds the GeminiDDP weakly and is
     built once."""
 
-    __slots__ = ("_ddp", "_pre_backward", "chunks", "slots")
+    __slots__ = ("_ddp", "_forward_label", "_pre_backward", "chunks", "slots")
 
-    def __init__(self, ddp: GeminiDDP, params: list[torch.Tensor], chunks: list[Chunk]) -> None:
+    def __init__(
+        self, ddp: GeminiDDP, name: str, params: list[torch.Tensor], chunks: list[Chunk]
+    ) -> None:
         self._ddp = weakref.ref(ddp)
         tensor_chunk = ddp.chunk_manager.tensor_chunk_map
         # (chunk, TensorInfo) per parameter, looked up once: a lookup keyed by
         # a tensor calls Tensor.__hash__ in Python, thousands of times a step.
         self.slots = [(tensor_chunk[p], tensor_chunk[p].tensors_info[p]) for p in params]
         self.chunks = chunks
-        self._pre_backward = _WeakCall(ddp, "_pre_backward", self.slots, chunks)
+        self._forward_label = f"forward of module {name}"
+        backward_label = f"backward of module {name}"
+        self._pre_backward = _WeakCall(ddp, "_pre_backward", self.slots, chunks, backward_label)
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:
-            ddp._pre_forward(self.slots, self.chunks)
+            ddp._pre_forward(self.slots, self.chunks, self._forward_label)
 
     def post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         ddp = self._ddp()

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, all_gather_into, phase
+from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.shard import (
@@ -528,6 +528,7 @@ def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
         return t.detach().cpu().clone()
     device = chunk.compute_device
     out = torch.empty(chunk.chunk_size, dtype=t.dtype, device=device)
+    set_collective_label(f"gathering chunk {chunk.index}'s state for a checkpoint")
     all_gather_into(out, t.detach().to(device), chunk.process_group)
     return out.cpu()
 
