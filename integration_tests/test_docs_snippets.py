@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import re
@@ -311,7 +312,7 @@ def _check_command(tokens: list[str], page_files: set[str], where: str) -> None:
             _check_pip_install(args[1:], where)
     elif cmd == "nox":
         sessions = _nox_sessions()
-        for flag, value in zip(args, args[1:], strict=False):
+        for flag, value in itertools.pairwise(args):
             if flag in ("-s", "--session", "--sessions"):
                 name = value.split("(")[0]
                 assert name in sessions, f"{where}: nox has no session {name!r} ({sessions})"
@@ -341,6 +342,79 @@ def test_bash_blocks_name_real_commands(page: str) -> None:
                     command = []
                 else:
                     command.append(token)
+
+
+# -- the migration tables against the code -----------------------------------------------
+
+ROW = re.compile(r"^\| `(?P<key>[^`]+)`(?P<note>[^|]*)\| (?P<value>[^|]*?) *\|", re.M)
+
+
+def _rows(page: str) -> dict[str, str]:
+    """First-column name -> second-column text of every table row of a page."""
+    return {m["key"]: m["value"] for m in ROW.finditer((DOCS / page).read_text())}
+
+
+def test_deepspeed_table_has_every_key_the_code_knows() -> None:
+    from zerostack.booster._plugins import _deepspeed
+
+    rows = _rows("migration/deepspeed.md")
+    prefix = {"": "", "zero_optimization": "", "bf16": "bf16."}
+    prefix |= {"zero_optimization.offload_optimizer": "offload_optimizer.", "fp16": "fp16."}
+    for section, defaults in _deepspeed._DEFAULTS.items():
+        for key, default in defaults.items():
+            name = prefix[section] + key
+            assert name in rows, f"docs/migration/deepspeed.md: no row for {name}"
+            shown = rows[name].split()[0] if rows[name] else ""
+            assert shown == json.dumps(default), (
+                f"docs/migration/deepspeed.md: {name} is accepted at {json.dumps(default)} "
+                f"in the code (got {shown!r})"
+            )
+    mapped = [
+        "stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer.device",
+        "offload_optimizer.pin_memory", "cpu_offload", "offload_param", "fp16.enabled",
+        "bf16.enabled", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
+        "fp16.min_loss_scale", "gradient_clipping", "communication_data_type",
+        "zero_allow_untested_optimizer",
+    ]  # fmt: skip
+    hinted = [k.removeprefix("zero_optimization.") for k in _deepspeed._HINTS]
+    for name in [*mapped, *hinted]:
+        assert name in rows, f"docs/migration/deepspeed.md: no row for {name}"
+    # The mapped keys really map (none of them is refused).
+    config = {
+        "zero_optimization": {
+            "stage": 2, "reduce_bucket_size": 2**20, "overlap_comm": False, "cpu_offload": False,
+            "offload_optimizer": {"device": "cpu", "pin_memory": False},
+            "offload_param": {"device": "none"},
+        },
+        "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 10,
+                 "hysteresis": 1, "min_loss_scale": 2},
+        "gradient_clipping": 1.0, "communication_data_type": "fp32",
+        "zero_allow_untested_optimizer": True,
+    }  # fmt: skip
+    kwargs = _deepspeed.deepspeed_to_kwargs(config)
+    assert kwargs["initial_scale"] == 2**8 and kwargs["cpu_offload"] and kwargs["max_norm"] == 1.0
+
+
+def _assert_signature_rows(page: str, obj: object, skip: tuple[str, ...] = ()) -> None:
+    rows = _rows(page)
+    for name, param in inspect.signature(obj).parameters.items():
+        if name in skip:
+            continue
+        assert name in rows, f"docs/{page}: no row for {obj.__name__}'s argument {name}"
+        shown = rows[name].strip("`")
+        assert eval(shown) == param.default, (  # the defaults are Python literals
+            f"docs/{page}: {obj.__name__}({name}=...) defaults to {param.default!r} "
+            f"(got {rows[name]!r})"
+        )
+
+
+def test_colossalai_tables_have_every_argument() -> None:
+    from zerostack.booster import GeminiPlugin
+    from zerostack.fused_adam import HybridAdam
+
+    _assert_signature_rows("migration/colossalai.md", GeminiPlugin)
+    _assert_signature_rows("migration/colossalai.md", HybridAdam, skip=("params",))
+    assert "params" in _rows("migration/colossalai.md")
 
 
 if __name__ == "__main__":
