@@ -344,6 +344,26 @@ def test_bash_blocks_name_real_commands(page: str) -> None:
                     command.append(token)
 
 
+@pytest.mark.parametrize("page", PAGES)
+def test_tables_stand_apart(page: str) -> None:
+    """Markdown renders a table only when blank lines part it from the text
+    around it (and from another table); otherwise it shows as raw pipes."""
+    lines = (DOCS / page).read_text().splitlines()
+    in_fence = False
+    for i, line in enumerate(lines[1:], start=1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        if in_fence:
+            continue
+        prev, nxt = lines[i - 1], lines[i + 1] if i + 1 < len(lines) else ""
+        header = line.startswith("|") and re.fullmatch(r"\|[-| :]+\|", nxt.strip())
+        where = f"docs/{page}:{i + 1}"
+        assert not (header and prev.strip()), f"{where}: put a blank line before the table"
+        assert not (prev.startswith("|") and line.strip() and not line.startswith("|")), (
+            f"{where}: put a blank line after the table"
+        )
+
+
 # -- the migration tables against the code -----------------------------------------------
 
 ROW = re.compile(r"^\| `(?P<key>[^`]+)`(?P<note>[^|]*)\| (?P<value>[^|]*?) *\|", re.M)
