@@ -437,6 +437,49 @@ def test_colossalai_tables_have_every_argument() -> None:
     assert "params" in _rows("migration/colossalai.md")
 
 
+# -- the checks themselves catch mistakes ------------------------------------------------
+
+BAD_PAGE = """
+```python
+import warnings
+warnings.warn("an option has no effect")
+```
+
+<!-- docs-test: compile -->
+```python
+from zerostack.fused_adam import HybridAdam
+HybridAdam(params, learning_rate=1e-3)
+```
+
+```bash
+python examples/no_such_script.py --smoke
+nox -s no_such_session
+pip install './packages/fused-adam[no-such-extra]'
+```
+"""
+
+
+def test_the_checks_catch_mistakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "bad.md").write_text(BAD_PAGE)
+    monkeypatch.setattr(sys.modules[__name__], "DOCS", tmp_path)
+    monkeypatch.setenv("MASTER_PORT", "0")
+    assert "warns: an option has no effect" in _run_page("bad.md")
+    (tmp_path / "raise.md").write_text("```python\nraise KeyError('from a snippet')\n```\n")
+    assert "KeyError: 'from a snippet'" in _run_page("raise.md")
+    with pytest.raises(AssertionError, match="has no argument 'learning_rate'"):
+        test_python_blocks_compile_and_name_real_apis("bad.md")
+    with pytest.raises(AssertionError, match=r"no_such_script\.py: no such file"):
+        test_bash_blocks_name_real_commands("bad.md")
+    for line, match in [
+        ("nox -s no_such_session", "nox has no session 'no_such_session'"),
+        ("pip install './packages/fused-adam[no-such-extra]'", "has no extra \\[no-such-extra\\]"),
+        ("curl https://example.com", "unknown command 'curl'"),
+    ]:
+        (tmp_path / "bash.md").write_text(f"```bash\n{line}\n```\n")
+        with pytest.raises(AssertionError, match=match):
+            test_bash_blocks_name_real_commands("bash.md")
+
+
 if __name__ == "__main__":
     with contextlib.suppress(BrokenPipeError):
         _worker(sys.argv[1:])
