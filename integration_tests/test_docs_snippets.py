@@ -8,8 +8,8 @@
   `<!-- docs-test: compile -->` (it needs a GPU, several ranks, a download or
   files of the user's) is compiled only; its imports from zerostack must
   exist, and so must every keyword it passes to them.
-- A fence with `title="NAME.py"` is also written to NAME.py in that
-  directory, so that a bash block may run it.
+- A fence with `title="NAME"` (any language) is also written to the file NAME
+  in that directory, so that a bash or python block may use it.
 - ```bash: every command is checked: scripts and paths exist in the
   repository (or are a titled block of the page), `python -m` modules and
   nox sessions exist, pip installs name packages and extras of this
@@ -107,14 +107,15 @@ def _run_page(page: str) -> str | None:
     """Run a page's python blocks; None, or what went wrong."""
     import torch.distributed as dist
 
-    todo = [b for b in blocks(page) if b.lang == "python"]
+    page_blocks = blocks(page)
+    todo = [b for b in page_blocks if b.lang == "python"]
     if not any(b.mode == "run" for b in todo):
         return None
     old_cwd = os.getcwd()
     with tempfile.TemporaryDirectory(prefix="docs-snippets-") as tmp:
         os.chdir(tmp)
         os.environ["MASTER_PORT"] = str(_free_port())
-        for b in todo:
+        for b in page_blocks:
             if b.title:
                 Path(tmp, b.title).write_text(b.code)
         namespace = {"__name__": "__main__"}
