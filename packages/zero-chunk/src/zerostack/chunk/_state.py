@@ -17,6 +17,11 @@ class TensorState(Enum):
     HOLD_AFTER_BWD = 3  # backward used it; its gradient is not complete yet
     READY_FOR_REDUCE = 4  # its gradient is complete and waits for the chunk's reduce
 
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is a Python call, and the hooks look states up
+    # in sets and counters thousands of times a step.
+    __hash__ = object.__hash__
+
 
 # [Note: tensor state table]
 # Every legal move. Anything else is a bug in the caller and raises: where
