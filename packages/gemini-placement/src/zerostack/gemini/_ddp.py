@@ -109,8 +109,8 @@ class GeminiDDP(nn.Module):
             offload_param_frac) or "auto" (see AutoPlacement and
             warmup_non_model_data_ratio, steady_cuda_cap_ratio,
             gpu_capacity_bytes, max_prefetch). Default "static".
-        search_range_m, hidden_dim, min_chunk_size_m, chunk_config_dict,
-            pin_memory, enable_gradient_accumulation: see ChunkConfig.
+        search_range_m: see ChunkConfig, as for hidden_dim, min_chunk_size_m,
+            chunk_config_dict, pin_memory and enable_gradient_accumulation.
         mixed_precision: the compute dtype, torch.float16 (default),
             torch.bfloat16 or torch.float32; cast_forward_inputs: see
             MixedPrecision.

@@ -9,6 +9,8 @@ import torch
 
 
 class TensorState(Enum):
+    """The state of a tensor in its chunk; ``TRANSITIONS`` lists the legal moves."""
+
     FREE = 0  # nothing needed: the chunk may drop its gathered copy
     COMPUTE = 1  # in use by forward or backward: the gathered copy is needed
     HOLD = 2  # between uses: data valid (gathered or in this rank's shard)
@@ -32,6 +34,7 @@ TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
     TensorState.HOLD_AFTER_BWD: frozenset({TensorState.COMPUTE, TensorState.READY_FOR_REDUCE}),
     TensorState.READY_FOR_REDUCE: frozenset({TensorState.HOLD}),
 }
+"""Every legal move between tensor states; any other raises (see [Note: tensor state table])."""
 
 
 @dataclass(slots=True)
