@@ -7,6 +7,8 @@ States and arithmetic are fp32 whatever the parameter dtype.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -19,18 +21,48 @@ from zerostack.fused_adam import _kernels
 _SUPPORTED_DTYPES = tuple(_kernels.DTYPE_CODES)
 
 
+def _is_number(value: object) -> bool:
+    # A one-element tensor is a number too (torch takes a Tensor lr).
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.is_floating_point()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_number(api: str, name: str, value: object) -> None:
+    if not _is_number(value):
+        raise TypeError(f"{api}: {name} must be a number (got {value!r}); pass a float")
+
+
 def _check_hyper(api: str, lr: float, betas: tuple[float, float], eps: float, wd: float) -> None:
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+        _check_number(api, name, value)
     if not lr >= 0.0:
         raise ValueError(f"{api}: lr must be >= 0 (got {lr}); pass a non-negative learning rate")
     if not eps >= 0.0:
         raise ValueError(f"{api}: eps must be >= 0 (got {eps}); pass a small positive eps")
+    if not isinstance(betas, tuple | list) or not all(_is_number(b) for b in betas):
+        raise TypeError(
+            f"{api}: betas must be a pair of numbers (got {betas!r}); e.g. (0.9, 0.999)"
+        )
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"{api}: betas must be two values in [0, 1) (got {betas})")
     if not wd >= 0.0:
         raise ValueError(f"{api}: weight_decay must be >= 0 (got {wd})")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", wd)):
+        if not math.isfinite(float(value)):
+            raise ValueError(f"{api}: {name} must be finite (got {value})")
 
 
-def _check_nvme(api: str, fraction: float, directory: str | None) -> None:
+def _check_flags(api: str, **flags: object) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{api}: {name} must be a bool (got {value!r})")
+
+
+def _check_nvme(
+    api: str, fraction: float, directory: str | None, backend: object, depth: object
+) -> None:
+    _check_number(api, "nvme_offload_fraction", fraction)
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(
             f"{api}: nvme_offload_fraction must be in [0, 1] (got {fraction}); "
@@ -38,6 +70,12 @@ def _check_nvme(api: str, fraction: float, directory: str | None) -> None:
         )
     if directory is not None and not isinstance(directory, str | os.PathLike):
         raise TypeError(f"{api}: nvme_offload_dir must be a path or None (got {directory!r})")
+    if backend is not None and not isinstance(backend, str):
+        raise TypeError(
+            f"{api}: nvme_backend must be 'uring', 'aio', 'threads' or None (got {backend!r})"
+        )
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"{api}: nvme_prefetch_depth must be an int >= 1 (got {depth!r})")
 
 
 class _Adam(torch.optim.Optimizer):
@@ -62,7 +100,10 @@ class _Adam(torch.optim.Optimizer):
         nvme_prefetch_depth: int = 2,
     ) -> None:
         _check_hyper(self._api, lr, betas, eps, weight_decay)
-        _check_nvme(self._api, nvme_offload_fraction, nvme_offload_dir)
+        _check_flags(self._api, adamw_mode=adamw_mode, bias_correction=bias_correction)
+        _check_nvme(
+            self._api, nvme_offload_fraction, nvme_offload_dir, nvme_backend, nvme_prefetch_depth
+        )
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
@@ -75,12 +116,6 @@ class _Adam(torch.optim.Optimizer):
         self.nvme_offload_fraction = nvme_offload_fraction
         self.nvme_offload_dir = nvme_offload_dir
         self._copy_out: dict[torch.Tensor, torch.Tensor] = {}
-        for gi, group in enumerate(self.param_groups):
-            _check_hyper(
-                self._api, group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            )
-            for pi, p in enumerate(group["params"]):
-                self._check_param(gi, pi, p)
         if "cuda" in self._allowed_devices and any(
             p.device.type == "cuda" for g in self.param_groups for p in g["params"]
         ):
@@ -95,6 +130,24 @@ class _Adam(torch.optim.Optimizer):
                 self._api, nvme_offload_fraction, nvme_offload_dir, nvme_backend,
                 nvme_prefetch_depth,
             )  # fmt: skip
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``, with the group's hyperparameters and
+        tensors checked: a bad group raises and is not added."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            _check_hyper(
+                self._api, group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            )
+            _check_flags(
+                self._api, adamw_mode=group["adamw_mode"], bias_correction=group["bias_correction"]
+            )
+            for pi, p in enumerate(group["params"]):
+                self._check_param(len(self.param_groups) - 1, pi, p)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
 
     # -- NVMe --------------------------------------------------------------
 
@@ -196,6 +249,10 @@ class _Adam(torch.optim.Optimizer):
         if out is None:
             self._copy_out.pop(param, None)
             return
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"{self._api}.set_copy_out: out must be a tensor or None (got {type(out).__name__})"
+            )
         if (
             out.numel() != param.numel()
             or out.device != param.device
@@ -223,11 +280,30 @@ class _Adam(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        if closure is not None and not callable(closure):
+            raise TypeError(
+                f"{self._api}.step: closure must be callable or None (got {type(closure).__name__})"
+            )
+        if not _is_number(div_scale) or math.isnan(float(div_scale)):
+            error = TypeError if not _is_number(div_scale) else ValueError
+            raise error(
+                f"{self._api}.step: div_scale must be a number, > 0 to divide the gradients by it "
+                f"or <= 0 for none (got {div_scale!r})"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale = 1.0 / div_scale if div_scale > 0 else 1.0
+        # Every gradient is checked before any state changes: a bad one
+        # leaves the whole optimizer as it was.
+        grads = [
+            [
+                self._check_grad(gi, pi, p) if p.grad is not None else None
+                for pi, p in enumerate(group["params"])
+            ]
+            for gi, group in enumerate(self.param_groups)
+        ]
         on_disk = self._disk()
         for gi, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
@@ -257,10 +333,9 @@ class _Adam(torch.optim.Optimizer):
 
             buckets: dict[tuple, list[tuple]] = defaultdict(list)
             disk_items: list[tuple[torch.Tensor, dict]] = []
-            for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+            for p, g in zip(group["params"], grads[gi], strict=True):
+                if g is None:
                     continue
-                g = self._check_grad(gi, pi, p)
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -317,6 +392,62 @@ class _Adam(torch.optim.Optimizer):
                     sd["state"][idx] = {**sd["state"][idx], "exp_avg": m, "exp_avg_sq": v}
         return sd
 
+    def _check_state_dict(self, state_dict: object) -> None:
+        """Everything ``load_state_dict`` would reject, checked before anything
+        is loaded, so that a bad state dict leaves the optimizer as it was."""
+        api = f"{self._api}.load_state_dict"
+        if (
+            not isinstance(state_dict, dict)
+            or not isinstance(state_dict.get("state"), dict)
+            or not isinstance(state_dict.get("param_groups"), list)
+        ):
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise TypeError(
+                f"{api}: state_dict must be a dict with 'state' and 'param_groups' (got {got}); "
+                "pass an optimizer's state_dict()"
+            )
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+            len(s.get("params", ())) != len(g["params"])
+            for s, g in zip(saved, self.param_groups, strict=False)
+        ):
+            raise ValueError(
+                f"{api}: the state dict has groups of "
+                f"{[len(s.get('params', ())) for s in saved]} parameters, this optimizer "
+                f"{[len(g['params']) for g in self.param_groups]}"
+            )
+        for s in saved:
+            _check_hyper(
+                api,
+                s.get("lr", self.defaults["lr"]),
+                s.get("betas", self.defaults["betas"]),
+                s.get("eps", self.defaults["eps"]),
+                s.get("weight_decay", self.defaults["weight_decay"]),
+            )
+        params = {
+            i: p
+            for s, g in zip(saved, self.param_groups, strict=True)
+            for i, p in zip(s["params"], g["params"], strict=True)
+        }
+        for i, state in state_dict["state"].items():
+            p = params.get(i)
+            if p is None or not state:
+                continue
+            missing = {"step", "exp_avg", "exp_avg_sq"} - state.keys()
+            if missing:
+                raise ValueError(
+                    f"{api}: state of a parameter of shape "
+                    f"{tuple(p.shape)} lacks {sorted(missing)}; is it an Adam state dict?"
+                )
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = state[k]
+                if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"{api}: {k} of shape {got} does not match its parameter's shape "
+                        f"{tuple(p.shape)}"
+                    )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
 
@@ -324,6 +455,7 @@ class _Adam(torch.optim.Optimizer):
         contiguous tensors on the parameter's device, whatever the source kept;
         they are copies, never shared with the source optimizer.
         """
+        self._check_state_dict(state_dict)
         on_disk = self._disk()  # bound first: loaded states of disk parameters go straight there
         super().load_state_dict(state_dict)
         for group in self.param_groups:
