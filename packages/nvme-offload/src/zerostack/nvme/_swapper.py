@@ -34,6 +34,11 @@ def _cleanup(io: Backend, fd: int, workdir: str) -> None:
 def _make_workdir(directory: str | os.PathLike | None) -> str:
     if directory is None:
         return tempfile.mkdtemp(prefix="zerostack-nvme-")
+    if not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            f"nvme: the offload directory must be a path or None (got {directory!r}); "
+            "pass nvme_offload_dir as a str or os.PathLike"
+        )
     directory = os.fspath(directory)
     try:
         os.makedirs(directory, exist_ok=True)
@@ -110,9 +115,17 @@ class StateSwapper:
         Raises:
             NVMeSpaceError: the directory cannot hold it; nothing was written.
         """
+        self._check_open("register")
+        if not isinstance(key, str):
+            raise TypeError(f"nvme: register: key must be a str (got {key!r})")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+            raise ValueError(f"nvme: register: numel must be an int >= 1 (got {numel!r})")
         if key in self._numel:
             if self._numel[key] != numel:
-                raise ValueError(f"nvme: key {key!r} registered again with another size")
+                raise ValueError(
+                    f"nvme: key {key!r} registered again with another size (got numel {numel}, "
+                    f"registered with {self._numel[key]})"
+                )
             return
         needed = self._reserved + 4 * numel
         try:
@@ -152,7 +165,7 @@ class StateSwapper:
 
     def read(self, key: str, out: torch.Tensor) -> torch.Tensor:
         """Copy ``key``'s current value into ``out``; the key stays where it is."""
-        self._check(key, out)
+        self._check(key, out, "read")
         if key in self._resident:
             return out.copy_(self._resident[key])
         if key not in self._on_disk:
@@ -168,23 +181,56 @@ class StateSwapper:
         self._io.wait(self._io.read(key, scratch))
         self._on_disk.discard(key)
 
-    def _check(self, key: str, tensor: torch.Tensor) -> None:
+    def _check_open(self, api: str) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError(
+                f"nvme: {api}: the swapper is closed (its files are removed); build a new "
+                "StateSwapper"
+            )
+
+    def _check(self, key: str, tensor: torch.Tensor, api: str = "write") -> None:
+        self._check_open(api)
         if key not in self._numel:
             raise RuntimeError(f"nvme: key {key!r} was not registered")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"nvme: {api}: the buffer must be a tensor (got {type(tensor).__name__})"
+            )
+        if tensor.dtype != torch.float32:
+            raise TypeError(
+                f"nvme: {api}: the buffer for {key!r} must be float32 (got {tensor.dtype})"
+            )
         if (
-            tensor.dtype != torch.float32
+            tensor.device.type != "cpu"
             or tensor.numel() != self._numel[key]
             or not tensor.is_contiguous()
         ):
-            raise AssertionError(
-                f"nvme: buffer for {key!r} must be contiguous fp32 of {self._numel[key]} elements"
+            raise ValueError(
+                f"nvme: {api}: the buffer for {key!r} must be a contiguous CPU tensor of "
+                f"{self._numel[key]} elements (got {tensor.numel()} elements on "
+                f"{tensor.device}, contiguous={tensor.is_contiguous()})"
             )
 
     # -- the pipeline ----------------------------------------------------------
 
     def pipeline(self, keys: Sequence[str]) -> PrefetchPipeline:
-        """A read -> compute -> write pass over ``keys`` in this order."""
-        return PrefetchPipeline(self, list(keys))
+        """A read -> compute -> write pass over ``keys`` in this order.
+
+        Raises:
+            TypeError: ``keys`` is a str, not a sequence of keys.
+            ValueError: a key was not registered.
+            RuntimeError: the swapper is closed.
+        """
+        self._check_open("pipeline")
+        if isinstance(keys, str):
+            raise TypeError(f"nvme: pipeline: keys must be a sequence of keys (got {keys!r})")
+        keys = list(keys)
+        unknown = [k for k in keys if k not in self._numel]
+        if unknown:
+            raise ValueError(
+                f"nvme: pipeline: keys not registered (got {unknown[:5]}); register them first"
+            )
+        return PrefetchPipeline(self, keys)
 
     def _slot_buffers(self, count: int, numel: int) -> list[torch.Tensor]:
         if len(self._slots) < count or self._slots[0].numel() < numel:
@@ -225,6 +271,7 @@ class PrefetchPipeline:
         self._writes: dict[int, object] = {}  # slot -> (key index, handle)
         self._next_read = 0
         self._errors: list[str] = []
+        self._computing: set[int] = set()  # pre_update(i) called, post_update(i) not yet
 
     def _slot(self, i: int) -> int:
         return i % len(self.slots)
@@ -257,8 +304,16 @@ class PrefetchPipeline:
         while self._next_read < min(self.depth, len(self.keys)):
             self._issue_read()
 
+    def _check_index(self, api: str, i: int) -> None:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.keys):
+            raise ValueError(
+                f"nvme: PrefetchPipeline.{api}: i must be an int in [0, {len(self.keys)}) "
+                f"(got {i!r})"
+            )
+
     def pre_update(self, i: int) -> torch.Tensor:
         """Wait for key ``i``'s buffer and start the next read; return the buffer."""
+        self._check_index("pre_update", i)
         while self._next_read <= min(i + self.depth, len(self.keys) - 1):
             self._issue_read()
         key, buf = self.keys[i], self._buf(i)
@@ -269,10 +324,18 @@ class PrefetchPipeline:
             buf.copy_(self.s._resident.pop(key))
         else:
             buf.zero_()
+        self._computing.add(i)
         return buf
 
     def post_update(self, i: int) -> None:
         """Start writing key ``i``'s updated buffer back."""
+        self._check_index("post_update", i)
+        if i not in self._computing:
+            raise RuntimeError(
+                f"nvme: PrefetchPipeline.post_update({i}) without pre_update({i}); call "
+                "pre_update(i), update the buffer it returns, then post_update(i)"
+            )
+        self._computing.discard(i)
         self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
         self.s._on_disk.add(self.keys[i])
 
