@@ -47,6 +47,32 @@ def _default_device() -> torch.device:
     )
 
 
+def _check_device(api: str, name: str, value: object) -> torch.device:
+    """``value`` as a device where chunks can live: a parsed torch.device, not
+    meta, and CUDA only where CUDA is available."""
+    if not isinstance(value, torch.device | str):
+        raise TypeError(f"{api}: {name} must be a torch.device or str (got {value!r})")
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(
+            f"{api}: {name} is not a device (got {value!r}); pass e.g. 'cpu' or 'cuda'"
+        ) from None
+    if device.type == "meta":
+        raise ValueError(
+            f"{api}: {name} cannot be meta (got {value!r}); chunks hold real memory: pass "
+            "'cpu' or 'cuda', and build meta models under LazyInitContext"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{api}: {name} is {value!r} but CUDA is not available; pass 'cpu'")
+    return device
+
+
+def _check_tensor(api: str, tensor: object) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{api}: expected a tensor (got {type(tensor).__name__})")
+
+
 def _empty_on(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
     global _warned_pin
     if pin and device.type == "cpu":
@@ -100,8 +126,14 @@ class Chunk:
     ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"Chunk: chunk_size must be an int >= 1 (got {chunk_size!r})")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Chunk: dtype must be a torch.dtype (got {dtype!r})")
         if not dtype.is_floating_point:
             raise ValueError(f"Chunk: dtype must be floating point (got {dtype})")
+        if compute_device is not None:
+            compute_device = _check_device("Chunk", "compute_device", compute_device)
+        if shard_device is not None:
+            shard_device = _check_device("Chunk", "shard_device", shard_device)
         self.index = index
         self.process_group = process_group
         self.rank, self.world_size = _comm.rank_and_world(process_group)
@@ -135,6 +167,7 @@ class Chunk:
             ChunkFullError: not enough space left (the chunk is unchanged).
         """
         name = f"Chunk {self.index}.append_tensor"
+        _check_tensor(name, tensor)
         if self.closed:
             raise RuntimeError(f"{name}: the chunk is closed; append to a new chunk")
         if tensor.dtype != self.dtype:
@@ -280,7 +313,7 @@ class Chunk:
 
     def grad_view(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor``'s slot in the gradient chunk (shaped like the tensor)."""
-        info = self.tensors_info[tensor]
+        info = self._info("grad_view", tensor)
         if self.grad_chunk is None or self.grad_chunk.buffer is None:
             raise RuntimeError(f"Chunk {self.index}.grad_view: call init_grad_chunk first")
         return self.grad_chunk.buffer[info.offset : info.end].view(info.shape)
@@ -344,7 +377,7 @@ class Chunk:
     def shard_move(self, device: torch.device | str, non_blocking: bool = False) -> None:
         """Move this rank's shard to ``device`` (pinned on the CPU when asked)."""
         self._check_closed("shard_move")
-        device = torch.device(device)
+        device = _check_device(f"Chunk {self.index}.shard_move", "device", device)
         if self.shard is None or self.shard.device == device:
             self.shard_device = device
             return
@@ -374,6 +407,12 @@ class Chunk:
 
     def write_share(self, values: torch.Tensor, non_blocking: bool = False) -> None:
         """Copy ``values`` (``shard_size`` elements) into this rank's share."""
+        _check_tensor(f"Chunk {self.index}.write_share", values)
+        if values.numel() != self.shard_size:
+            raise ValueError(
+                f"Chunk {self.index}.write_share: values must have the share's "
+                f"{self.shard_size} elements (got {values.numel()})"
+            )
         self.local_share().copy_(values, non_blocking=non_blocking)
 
     def commit_share(self) -> None:
@@ -397,9 +436,17 @@ class Chunk:
     def copy_into_slot(self, tensor: torch.Tensor, values: torch.Tensor | None) -> None:
         """Write ``values`` (``tensor``'s numel, any shape; None: zeros) over
         ``tensor``'s slot of the gathered buffer (its gradient over its value)."""
-        info = self.tensors_info[tensor]
+        api = f"Chunk {self.index}.copy_into_slot"
+        info = self._info("copy_into_slot", tensor)
+        if values is not None:
+            _check_tensor(api, values)
+            if values.numel() != info.numel:
+                raise ValueError(
+                    f"{api}: values must have the tensor's {info.numel} elements "
+                    f"(got {values.numel()})"
+                )
         if self.buffer is None:
-            raise RuntimeError(f"Chunk {self.index}.copy_into_slot: the chunk is not gathered")
+            raise RuntimeError(f"{api}: the chunk is not gathered")
         slot = self.buffer[info.offset : info.end]
         if values is None:
             slot.zero_()
@@ -419,6 +466,10 @@ class Chunk:
 
     def pair(self, master: Chunk) -> None:
         """Pair this fp16/bf16 chunk with its fp32 master chunk (same layout)."""
+        if not isinstance(master, Chunk):
+            raise TypeError(
+                f"Chunk {self.index}.pair: master must be a Chunk (got {type(master).__name__})"
+            )
         if master.chunk_size != self.chunk_size or master.world_size != self.world_size:
             raise ValueError(f"Chunk {self.index}.pair: the master chunk has another size or group")
         self.paired_chunk, master.paired_chunk = master, self
@@ -436,7 +487,17 @@ class Chunk:
     # -- states ------------------------------------------------------------------
 
     def tensor_state(self, tensor: torch.Tensor) -> TensorState:
-        return self.tensors_info[tensor].state
+        return self._info("tensor_state", tensor).state
+
+    def _info(self, api: str, tensor: object) -> TensorInfo:
+        _check_tensor(f"Chunk {self.index}.{api}", tensor)
+        info = self.tensors_info.get(tensor)
+        if info is None:
+            raise ValueError(
+                f"Chunk {self.index}.{api}: the tensor (shape {tuple(tensor.shape)}) is not in "
+                "this chunk"
+            )
+        return info
 
     def _transition(self, tensor: torch.Tensor, new: TensorState) -> None:
         info = self.tensors_info.get(tensor)
@@ -464,6 +525,10 @@ class Chunk:
 
     def trans_tensor_state(self, tensor: torch.Tensor, new: TensorState) -> None:
         """Move ``tensor`` to ``new`` (checked against the transition table)."""
+        if not isinstance(new, TensorState):
+            raise TypeError(
+                f"Chunk {self.index}.trans_tensor_state: new must be a TensorState (got {new!r})"
+            )
         self._transition(tensor, new)
 
     def _check_closed(self, api: str) -> None:

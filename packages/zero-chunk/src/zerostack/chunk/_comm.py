@@ -58,6 +58,8 @@ def set_collective_label(label: str) -> str:
     """Name what the next collectives are for ("forward of module h.0.attn"),
     for the debug mode's check and its error; returns the previous label."""
     global _label
+    if not isinstance(label, str):
+        raise TypeError(f"set_collective_label: label must be a str (got {label!r})")
     previous, _label = _label, label
     return previous
 

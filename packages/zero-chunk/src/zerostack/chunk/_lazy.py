@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
-from zerostack.chunk._chunk import _default_device
+from zerostack.chunk._chunk import _check_device, _default_device
 from zerostack.chunk._manager import ChunkManager
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,9 @@ class LazyInitContext:
             NotImplementedError: a module has meta tensors, no
                 ``reset_parameters`` and no ``init_fn`` was given.
         """
-        device = torch.device(device)
+        api = "LazyInitContext.materialize"
+        _check_model(api, model)
+        device = _check_device(api, "device", device)
 
         def place(tensors: list[tuple[torch.Tensor, bool]]) -> None:
             for t, _ in tensors:
@@ -173,6 +175,28 @@ class LazyInitContext:
             NotImplementedError: as in ``materialize``.
         """
         api = "LazyInitContext.distribute"
+        # Checked before any module is materialized: a bad argument leaves
+        # the model on meta, ready for a corrected call.
+        _check_model(api, model)
+        if not isinstance(chunk_manager, ChunkManager):
+            raise TypeError(
+                f"{api}: chunk_manager must be a ChunkManager (got {type(chunk_manager).__name__})"
+            )
+        if register_fn is None and config_key not in chunk_manager.config:
+            raise KeyError(
+                f"{api}: no chunk configuration for config_key {config_key!r} (got keys "
+                f"{list(chunk_manager.config)}); pass one of the chunk manager's keys"
+            )
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"{api}: dtype must be a floating-point torch.dtype or None (got {dtype!r})"
+            )
+        if register_fn is not None and not callable(register_fn):
+            raise TypeError(
+                f"{api}: register_fn must be callable or None (got {type(register_fn).__name__})"
+            )
         buffer_device = chunk_manager.compute_device or _default_device()
         chunks_before = len(chunk_manager.chunks())
         num_params = num_bytes = 0
@@ -223,6 +247,14 @@ class LazyInitContext:
             len(chunk_manager.chunks()) - chunks_before,
         )
         return model
+
+
+def _check_model(api: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{api}: model must be an nn.Module built under LazyInitContext (got "
+            f"{type(model).__name__})"
+        )
 
 
 def _own(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
+from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, _check_device
 from zerostack.chunk._state import TensorState
 
 logger = logging.getLogger(__name__)
@@ -39,14 +39,28 @@ class ChunkManager:
         compute_device: torch.device | str | None = None,
         reuse_fp16_chunk: bool = True,
     ) -> None:
+        if not isinstance(chunk_configuration, Mapping):
+            raise TypeError(
+                "ChunkManager: chunk_configuration must be a dict of {config key: "
+                f"{{'chunk_size': int, 'keep_gathered': bool}}}} (got {chunk_configuration!r})"
+            )
         for key, cfg in chunk_configuration.items():
+            if not isinstance(cfg, Mapping):
+                raise TypeError(
+                    f"ChunkManager: chunk_configuration[{key!r}] must be a dict with chunk_size "
+                    f"(got {cfg!r})"
+                )
             size = cfg.get("chunk_size")
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(
                     f"ChunkManager: chunk_size of config {key!r} must be an int >= 1 (got {size!r})"
                 )
         self.config = chunk_configuration
-        self.compute_device = torch.device(compute_device) if compute_device else None
+        self.compute_device = (
+            _check_device("ChunkManager", "compute_device", compute_device)
+            if compute_device is not None
+            else None
+        )
         self.reuse_fp16_chunk = reuse_fp16_chunk
         self.chunk_groups: dict[str, list[Chunk]] = {}
         self.tensor_chunk_map: dict[torch.Tensor, Chunk] = {}
@@ -104,9 +118,32 @@ class ChunkManager:
             KeyError: ``config_key`` is not in the configuration.
             ValueError: the tensor is already registered.
         """
-        if tensor in self.tensor_chunk_map:
+        api = "ChunkManager.register_tensor"
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{api}: tensor must be a tensor (got {type(tensor).__name__})")
+        # Checked before a chunk is opened for it: a rejected tensor leaves
+        # no empty chunk behind.
+        if not tensor.is_floating_point():
+            raise TypeError(
+                f"{api}: tensor must be floating point (got {tensor.dtype}, shape "
+                f"{tuple(tensor.shape)})"
+            )
+        if tensor.is_meta:
             raise ValueError(
-                f"ChunkManager.register_tensor: tensor of shape {tuple(tensor.shape)} is already registered"
+                f"{api}: tensor (shape {tuple(tensor.shape)}) is on the meta device; build the "
+                "model under LazyInitContext and use LazyInitContext.distribute"
+            )
+        if tensor.is_sparse or not tensor.is_contiguous():
+            raise ValueError(
+                f"{api}: tensor must be dense and contiguous (got shape {tuple(tensor.shape)}, "
+                f"{tensor.layout}, contiguous={not tensor.is_sparse and tensor.is_contiguous()})"
+            )
+        if tensor in self.tensor_chunk_map:
+            # The registered shape: a sharded tensor's own data is empty.
+            shape = self.tensor_chunk_map[tensor].tensors_info[tensor].shape
+            raise ValueError(
+                f"{api}: tensor of shape {tuple(shape)} is already registered (in chunk "
+                f"{self.tensor_chunk_map[tensor].index})"
             )
         if config_key not in self.config:
             raise KeyError(
