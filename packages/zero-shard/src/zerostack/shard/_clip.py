@@ -20,6 +20,12 @@ def grad_stats(
     every rank, which is how overflow is detected. ``norm_sq``, when given, is
     this rank's squared norm already summed on the device (``shards`` unused).
     """
+    if not isinstance(extra, torch.Tensor):
+        raise TypeError(f"grad_stats: extra must be a tensor (got {type(extra).__name__})")
+    if not all(isinstance(t, torch.Tensor) for t in shards):
+        raise TypeError(
+            f"grad_stats: shards must be tensors (got {[type(t).__name__ for t in shards][:4]})"
+        )
     device = extra.device
     if norm_sq is not None:
         norm_sq = norm_sq.float().to(device)
@@ -38,7 +44,21 @@ def grad_stats(
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """The factor that brings ``total_norm`` down to ``max_norm`` (1 when
-    clipping is off or not needed)."""
+    clipping is off or not needed).
+
+    Raises:
+        TypeError: an argument is not a number.
+        ValueError: ``max_norm`` < 0 or nan, or ``total_norm`` < 0.
+    """
+    for name, value in (("total_norm", total_norm), ("max_norm", max_norm)):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"clip_coefficient: {name} must be a number (got {value!r})")
+    if not max_norm >= 0:
+        raise ValueError(
+            f"clip_coefficient: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
+        )
+    if total_norm < 0:
+        raise ValueError(f"clip_coefficient: total_norm is a norm, >= 0 (got {total_norm})")
     if max_norm <= 0 or not math.isfinite(total_norm):
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))

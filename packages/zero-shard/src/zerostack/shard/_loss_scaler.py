@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,14 @@ class DynamicLossScaler:
         def bad(field: str, value: object, rule: str) -> ValueError:
             return ValueError(f"DynamicLossScaler: {field} {rule} (got {value!r})")
 
+        for name in ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "max_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"DynamicLossScaler: {name} must be a number (got {value!r})")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"DynamicLossScaler: {name} must be an int (got {value!r})")
         if not self.min_scale > 0:
             raise bad("min_scale", self.min_scale, "must be > 0")
         if not self.min_scale <= self.initial_scale <= self.max_scale:
@@ -75,6 +84,22 @@ class DynamicLossScaler:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` output.
+
+        Raises:
+            ValueError: keys are missing, or the scale is not a finite number > 0.
+        """
+        keys = {"scale", "clean_steps", "hysteresis_left"}
+        if not isinstance(state, dict) or not keys <= state.keys():
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"DynamicLossScaler.load_state_dict: state must hold {sorted(keys)} (got {got})"
+            )
+        scale = state["scale"]
+        if not isinstance(scale, int | float) or not 0 < scale < math.inf:
+            raise ValueError(
+                f"DynamicLossScaler.load_state_dict: scale must be a finite number > 0 (got {scale!r})"
+            )
         self.scale = float(state["scale"])
         self._clean_steps = int(state["clean_steps"])
         self._hysteresis_left = int(state["hysteresis_left"])

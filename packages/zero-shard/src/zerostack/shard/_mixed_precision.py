@@ -46,6 +46,11 @@ def make_loss_scaler(
             "initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, "
             "max_scale"
         )
+    if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+        raise TypeError(
+            f"{api}: loss_scaler must be a DynamicLossScaler or None (got "
+            f"{type(loss_scaler).__name__}); for a fixed scale pass initial_scale="
+        )
     if loss_scaler is not None and scaler_kwargs:
         raise TypeError(
             f"{api}: pass either loss_scaler or its keyword arguments (got both: "

@@ -44,15 +44,57 @@ logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
 
 
+# Inner optimizers already wrapped by a ZeroOptimizer (whose groups now hold masters).
+_WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
 def _check_args(
-    optimizer: torch.optim.Optimizer, stage: object, reduce_bucket_size: int, max_norm: float
+    optimizer: torch.optim.Optimizer,
+    stage: object,
+    reduce_bucket_size: int,
+    max_norm: float,
+    communication_dtype: object,
+    module: object,
 ) -> None:
+    if isinstance(optimizer, ZeroOptimizer):
+        raise TypeError(
+            f"{_API}: the optimizer is a ZeroOptimizer already (got {optimizer!r}); wrap the "
+            "torch optimizer once"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{_API}: optimizer must be a torch.optim.Optimizer built on the model's parameters "
+            f"(got {type(optimizer).__name__})"
+        )
+    if optimizer in _WRAPPED:
+        raise RuntimeError(
+            f"{_API}: this optimizer is wrapped by a ZeroOptimizer already (its groups hold that "
+            "wrapper's master shards); build a new torch optimizer to wrap again"
+        )
     if stage not in (1, 2):
         raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3")
+    if isinstance(reduce_bucket_size, bool) or not isinstance(reduce_bucket_size, int):
+        raise TypeError(f"{_API}: reduce_bucket_size must be an int (got {reduce_bucket_size!r})")
     if reduce_bucket_size < 1:
         raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
-    if max_norm < 0:
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(
+            f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
+        )
+    if not max_norm >= 0:
         raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
+    if communication_dtype is not None and (
+        not isinstance(communication_dtype, torch.dtype)
+        or not communication_dtype.is_floating_point
+    ):
+        raise TypeError(
+            f"{_API}: communication_dtype must be a floating-point torch.dtype or None "
+            f"(got {communication_dtype!r})"
+        )
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"
+        )
     if optimizer.state:
         raise ValueError(f"{_API}: wrap the optimizer before its first step (it already has state)")
 
@@ -63,6 +105,16 @@ def _params_and_device(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if not params:
         raise ValueError(f"{_API}: the optimizer has no parameters")
+    for i, p in enumerate(params):
+        if p.is_meta:
+            raise ValueError(
+                f"{_API}: param {i} (shape {tuple(p.shape)}) is on the meta device; materialize "
+                "the model before wrapping its optimizer"
+            )
+        if not p.is_floating_point():
+            raise TypeError(
+                f"{_API}: param {i} (shape {tuple(p.shape)}) must be floating point (got {p.dtype})"
+            )
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"{_API}: parameters on several devices (got {sorted(map(str, devices))})")
@@ -83,22 +135,35 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """Adam/AdamW on offloaded masters steps through fused-adam's CPU kernel."""
+def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
+    """What ``_cpu_kernel`` would reject, checked before the masters replace
+    the optimizer's parameters (a failed wrap leaves the optimizer as it was)."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return optimizer
+        return
     try:
-        from zerostack.fused_adam import CPUAdam
+        import zerostack.fused_adam  # noqa: F401
     except ImportError:
         raise ImportError(
             f"{_API}: cpu_offload with {type(optimizer).__name__} steps through zerostack-fused-adam's "
             "CPU kernel: pip install zerostack-fused-adam (or pass a CPU optimizer of your own)"
         ) from None
+    for g in optimizer.param_groups:
+        if g.get("amsgrad") or g.get("maximize"):
+            raise NotImplementedError(
+                f"{_API}: cpu_offload does not support amsgrad or maximize (got amsgrad="
+                f"{g.get('amsgrad')}, maximize={g.get('maximize')})"
+            )
+
+
+def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Adam/AdamW on offloaded masters steps through fused-adam's CPU kernel."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    from zerostack.fused_adam import CPUAdam  # checked by _check_cpu_kernel
+
     adamw = type(optimizer) is torch.optim.AdamW
     groups = []
     for g in optimizer.param_groups:
-        if g.get("amsgrad") or g.get("maximize"):
-            raise NotImplementedError(f"{_API}: cpu_offload does not support amsgrad or maximize")
         groups.append(
             dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
                  weight_decay=g["weight_decay"])
@@ -191,20 +256,22 @@ class ZeroOptimizer:
         debug_collectives: bool | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        _check_args(optimizer, stage, reduce_bucket_size, max_norm)
-        if debug_collectives is not None:
-            _set_debug(debug_collectives)
+        _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module)
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
+        if cpu_offload:
+            _check_cpu_kernel(optimizer)
+        self.fp16 = any(p.dtype == torch.float16 for p in params)
+        self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
+        self.collector = CollectorSchedule(_API, gc_every_n_steps)
+        if debug_collectives is not None:
+            _set_debug(debug_collectives)
         self.stage = stage
         self.group = process_group
         self.rank, self.world = rank_and_world(process_group)
         self.max_norm = max_norm
         self.overlap = overlap_communication
         self.cpu_offload = cpu_offload
-        self.fp16 = any(p.dtype == torch.float16 for p in params)
-        self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
-        self.collector = CollectorSchedule(_API, gc_every_n_steps)
         weakref.finalize(self, self.collector.close)
         self.comm_dtype = communication_dtype
         master_device = torch.device("cpu") if cpu_offload else self.device
@@ -213,6 +280,7 @@ class ZeroOptimizer:
             optimizer, world=self.world, rank=self.rank, master_device=master_device,
             master_weights=master_weights, names=names,
         )  # fmt: skip
+        _WRAPPED.add(optimizer)
         self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
         if hasattr(self.optimizer, "nvme_plan"):
             # fused-adam's optimizers put Adam states on disk for the tensors
@@ -274,6 +342,11 @@ class ZeroOptimizer:
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss.backward()``, scaled by the loss scale for fp16."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
+                "loss before .item()"
+            )
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
@@ -481,11 +554,19 @@ class ZeroOptimizer:
             },
         }
 
-    def _check_layout(self, numels: list[int]) -> None:
+    def _check_state(self, state: object, keys: tuple[str, ...], api: str) -> None:
+        if not isinstance(state, dict) or not set(keys) <= state.keys():
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise TypeError(
+                f"{_API}.{api}: the state must be a dict with {list(keys)} (got {got}); pass "
+                f"what {api.replace('load_', '')}() returned"
+            )
+
+    def _check_layout(self, numels: list[int], api: str = "load_state_dict") -> None:
         mine = [s.param.numel() for s in self.shards]
         if numels != mine:
             raise ValueError(
-                f"{_API}.load_state_dict: the state is for another model ({len(numels)} params of sizes "
+                f"{_API}.{api}: the state is for another model ({len(numels)} params of sizes "
                 f"{numels[:4]}..., this one has {len(mine)} of sizes {mine[:4]}...)"
             )
 
@@ -496,8 +577,20 @@ class ZeroOptimizer:
             ValueError: another model, or another world size or rank (use
                 ``full_state_dict`` / ``load_full_state_dict`` for that).
         """
+        self._check_state(state, ("optimizer", "masters", "scaler", "layout"), "load_state_dict")
         layout = state["layout"]
         self._check_layout(layout["numels"])
+        masters = state["masters"]
+        bad = [
+            i
+            for i, (s, m) in enumerate(zip(self.shards, masters, strict=False))
+            if not isinstance(m, torch.Tensor) or m.shape != s.master.shape
+        ]
+        if len(masters) != len(self.shards) or bad:
+            raise ValueError(
+                f"{_API}.load_state_dict: masters must be {len(self.shards)} tensors shaped like "
+                f"this rank's pieces (got {len(masters)}, first mismatch at {bad[:1]})"
+            )
         if (layout["world"], layout["rank"]) != (self.world, self.rank):
             raise ValueError(
                 f"{_API}.load_state_dict: saved by rank {layout['rank']} of {layout['world']}, this is rank "
@@ -541,7 +634,23 @@ class ZeroOptimizer:
 
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
         """Load ``full_state_dict()`` output, saved at any world size."""
-        self._check_layout(full["numels"])
+        self._check_state(
+            full, ("params", "param_groups", "scaler", "numels"), "load_full_state_dict"
+        )
+        self._check_layout(full["numels"], "load_full_state_dict")
+        params = full["params"]
+        bad = [
+            i
+            for i, (s, e) in enumerate(zip(self.shards, params, strict=False))
+            if not isinstance(e, dict)
+            or not isinstance(e.get("master"), torch.Tensor)
+            or e["master"].numel() != s.param.numel()
+        ]
+        if len(params) != len(self.shards) or bad:
+            raise ValueError(
+                f"{_API}.load_full_state_dict: params must hold {len(self.shards)} entries, each "
+                f"with the parameter's whole master (got {len(params)}, first mismatch at {bad[:1]})"
+            )
         state: dict[int, dict[str, Any]] = {}
         with torch.no_grad():
             for i, (s, entry) in enumerate(zip(self.shards, full["params"], strict=True)):
