@@ -13,7 +13,25 @@ import torch
 _API = "GeminiDDP"
 
 
+def _number(api: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{api}: {name} must be a number (got {value!r})")
+
+
+def _int(api: str, name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{api}: {name} must be an int (got {value!r})")
+
+
+def _flags(api: str, obj: object, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{api}: {name} must be a bool (got {value!r})")
+
+
 def _share(api: str, name: str, value: float) -> None:
+    _number(api, name, value)
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{api}: {name} must be in [0, 1] (got {value}); pass a share")
 
@@ -39,17 +57,48 @@ class ChunkConfig:
     accumulate several backward passes before one reduction. Default False."""
 
     def __post_init__(self) -> None:
+        _number(_API, "search_range_m", self.search_range_m)
+        _number(_API, "min_chunk_size_m", self.min_chunk_size_m)
+        _flags(_API, self, "pin_memory", "enable_gradient_accumulation")
+        if self.hidden_dim is not None:
+            _int(_API, "hidden_dim", self.hidden_dim)
+            if self.hidden_dim < 1:
+                raise ValueError(
+                    f"{_API}: hidden_dim must be >= 1 or None (got {self.hidden_dim}); it is the "
+                    "step of the chunk size search"
+                )
+        if self.chunk_config_dict is not None and not isinstance(self.chunk_config_dict, Mapping):
+            raise TypeError(
+                f"{_API}: chunk_config_dict must be a dict {{dp size: {{'chunk_size': int}}}} "
+                f"or None (got {self.chunk_config_dict!r})"
+            )
         if self.search_range_m < 0 or self.min_chunk_size_m < 0:
             raise ValueError(
                 f"{_API}: search_range_m and min_chunk_size_m must be >= 0 "
                 f"(got {self.search_range_m}, {self.min_chunk_size_m})"
             )
         for key, entry in (self.chunk_config_dict or {}).items():
+            if not isinstance(entry, Mapping):
+                raise TypeError(
+                    f"{_API}: chunk_config_dict[{key!r}] must be a dict with chunk_size (got "
+                    f"{entry!r}); see search_chunk_configuration"
+                )
             unknown = sorted(set(entry) - {"chunk_size", "keep_gathered"})
             if unknown or "chunk_size" not in entry:
                 raise ValueError(
                     f"{_API}: chunk_config_dict[{key!r}] must hold chunk_size (and optionally "
                     f"keep_gathered) (got keys {sorted(entry)}); see search_chunk_configuration"
+                )
+            size = entry["chunk_size"]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"{_API}: chunk_config_dict[{key!r}]['chunk_size'] must be an int >= 1 "
+                    f"(got {size!r})"
+                )
+            if not isinstance(entry.get("keep_gathered", False), bool):
+                raise TypeError(
+                    f"{_API}: chunk_config_dict[{key!r}]['keep_gathered'] must be a bool "
+                    f"(got {entry['keep_gathered']!r})"
                 )
 
 
@@ -90,6 +139,9 @@ class AutoPlacementConfig:
     def __post_init__(self) -> None:
         _share(_API, "warmup_non_model_data_ratio", self.warmup_non_model_data_ratio)
         _share(_API, "steady_cuda_cap_ratio", self.steady_cuda_cap_ratio)
+        _int(_API, "max_prefetch", self.max_prefetch)
+        if self.gpu_capacity_bytes is not None:
+            _int(_API, "gpu_capacity_bytes", self.gpu_capacity_bytes)
         if self.max_prefetch < 0:
             raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {self.max_prefetch})")
         if self.gpu_capacity_bytes is not None and self.gpu_capacity_bytes <= 0:
@@ -114,6 +166,12 @@ class MixedPrecision:
     """Cast floating-point buffers to ``param_dtype`` at wrap time. Default True."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.param_dtype, torch.dtype):
+            raise TypeError(
+                f"{_API}: mixed_precision must be float16, bfloat16 or float32, a torch.dtype "
+                f"(got {self.param_dtype!r})"
+            )
+        _flags(_API, self, "cast_forward_inputs", "cast_buffers")
         if self.param_dtype not in _DTYPES:
             raise ValueError(
                 f"{_API}: mixed_precision must be float16, bfloat16 or float32 (got {self.param_dtype})"
@@ -143,6 +201,13 @@ class GeminiConfig:
                 f"{_API}: placement must be a StaticPlacementConfig or AutoPlacementConfig "
                 f"(got {type(self.placement).__name__})"
             )
+        for name, kind in (("chunk", ChunkConfig), ("precision", MixedPrecision)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(
+                    f"{_API}: {name} must be a {kind.__name__} (got "
+                    f"{type(getattr(self, name)).__name__})"
+                )
+        _flags(_API, self, "enable_async_reduce", "scatter_after_inference")
 
     @property
     def auto(self) -> bool:

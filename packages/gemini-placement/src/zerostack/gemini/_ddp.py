@@ -6,7 +6,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from enum import Enum
 from typing import Any
 
@@ -141,6 +141,13 @@ class GeminiDDP(nn.Module):
             raise TypeError(
                 f"{_API}: pass either config or keyword settings (got both: {sorted(settings)})"
             )
+        if config is not None and not isinstance(config, GeminiConfig):
+            raise TypeError(
+                f"{_API}: config must be a GeminiConfig or None (got {type(config).__name__}); "
+                "or pass the settings as keywords"
+            )
+        _check_module(module)
+        device = _check_device(compute_device)
         self.config = config = config or GeminiConfig.from_kwargs(**settings)
         if debug_collectives is not None:
             _set_debug(debug_collectives)
@@ -148,9 +155,7 @@ class GeminiDDP(nn.Module):
         self.process_group = process_group
         self.rank, self.world_size = rank_and_world(process_group)
         self.mixed_precision = config.precision.param_dtype
-        self.compute_device = torch.device(compute_device) if compute_device else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )  # fmt: skip
+        self.compute_device = device
         self.accumulate = config.chunk.enable_gradient_accumulation
         self._register_params(module, init_fn)
         self._state = T.IDLE
@@ -166,6 +171,7 @@ class GeminiDDP(nn.Module):
         # ready (complete: every tensor got a gradient in this backward).
         self.chunk_reduced_callbacks: list[Callable[[Chunk, bool], None]] = []
         self._register_hooks()
+        _WRAPPED.add(module)
         self._log_layout()
 
     # -- construction ------------------------------------------------------------
@@ -646,6 +652,11 @@ class GeminiDDP(nn.Module):
             KeyError: ``strict`` and a parameter or buffer is missing or unexpected.
             ValueError: a shape does not match.
         """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"{_API}.load_state_dict: state_dict must be a dict of tensors (got "
+                f"{type(state_dict).__name__})"
+            )
         self.wait_updates()
         names = self.aliases
         buffers = _persistent_buffers(self.module)
@@ -660,6 +671,25 @@ class GeminiDDP(nn.Module):
                 raise KeyError(
                     f"{_API}.load_state_dict: missing {missing[:5]}, unexpected {unexpected[:5]}; "
                     "pass strict=False to load what matches"
+                )
+        # Every value is checked before the first is loaded: a bad one leaves
+        # the model as it was.
+        for name, value in state_dict.items():
+            target = buffers.get(name)
+            shape = None if target is None else target.shape
+            if target is None and name in names:
+                p = names[name]
+                shape = self.chunk_manager.get_chunk(p).tensors_info[p].shape
+            if shape is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{_API}.load_state_dict: {name} must be a tensor (got {type(value).__name__})"
+                )
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"{_API}.load_state_dict: {name} has shape {tuple(value.shape)}, the model's "
+                    f"is {tuple(shape)}"
                 )
         for name, value in state_dict.items():
             if name in buffers:
@@ -688,6 +718,48 @@ class GeminiDDP(nn.Module):
 
 
 _set_debug = debug_collectives  # the argument of GeminiDDP shadows the function
+# Modules a GeminiDDP holds: their parameters are views into its chunks.
+_WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _check_module(module: object) -> None:
+    if isinstance(module, GeminiDDP):
+        raise TypeError(f"{_API}: the module is a GeminiDDP already; wrap the plain model once")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{_API}: module must be an nn.Module (got {type(module).__name__})")
+    if module in _WRAPPED:
+        raise RuntimeError(
+            f"{_API}: the module is wrapped by another GeminiDDP already (got "
+            f"{type(module).__name__}); its parameters live in that wrapper's chunks"
+        )
+
+
+def _check_device(value: object) -> torch.device:
+    """The compute device: the current CUDA device, else the CPU, when None."""
+    if value is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if not isinstance(value, torch.device | str):
+        raise TypeError(
+            f"{_API}: compute_device must be a torch.device, str or None (got {value!r})"
+        )
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(
+            f"{_API}: compute_device is not a device (got {value!r}); pass e.g. 'cpu' or 'cuda'"
+        ) from None
+    if device.type == "meta":
+        raise ValueError(
+            f"{_API}: compute_device cannot be meta (got {value!r}); build the model under "
+            "LazyInitContext instead"
+        )
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{_API}: compute_device is {value!r} but CUDA is not available; pass 'cpu'"
+        )
+    return device
 
 
 class _WeakCall:

@@ -83,11 +83,25 @@ class GeminiOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         **scaler_kwargs: Any,
     ) -> None:
+        _check_wrap(optimizer, module)
         _check_covers(optimizer, module)
-        if max_norm < 0:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+            raise TypeError(
+                f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
+            )
+        if not max_norm >= 0:
             raise ValueError(
                 f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
             )
+        if not isinstance(overlap_cpu_step, bool):
+            raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+        fp16 = module.mixed_precision == torch.float16
+        scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
+        collector = CollectorSchedule(_API, gc_every_n_steps)
+        # Everything is checked: from here on the module and optimizer change.
+        _OPTIMIZERS[module] = weakref.ref(self)
+        _WRAPPED.add(optimizer)
+        self._closed = False
         self.module = module
         self.manager = module.chunk_manager
         self.pipeline = module.cpu_step
@@ -99,11 +113,10 @@ class GeminiOptimizer:
         # What users (and lr schedulers) see and change; copied into the
         # inner group at each step, when no worker is reading it.
         self.param_groups = [{**optimizer.param_groups[0], "params": trainable}]
-        fp16 = module.mixed_precision == torch.float16
-        self.scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
+        self.scaler = scaler
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
-        self.collector = CollectorSchedule(_API, gc_every_n_steps)
+        self.collector = collector
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
         self._bind_masters()
@@ -114,8 +127,9 @@ class GeminiOptimizer:
         self._scaled_backward = False
         self._warned_idle = False
         self.last_grad_norm = 0.0
-        module.backward_end_callbacks.append(_WeakCall(self, "_stage_grads"))
-        module.chunk_reduced_callbacks.append(_WeakCall(self, "_on_chunk_reduced"))
+        self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"))
+        module.backward_end_callbacks.append(self._callbacks[0])
+        module.chunk_reduced_callbacks.append(self._callbacks[1])
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
@@ -147,11 +161,37 @@ class GeminiOptimizer:
 
     def close(self) -> None:
         """Finish pending CPU updates and stop the worker thread (also done
-        when the optimizer is garbage-collected)."""
+        when the optimizer is garbage-collected). The optimizer cannot step
+        any more; the model may get a new GeminiOptimizer."""
         _close(self.pipeline, self.collector)
+        if self._closed:
+            return
+        self._closed = True
+        module = self.module
+        for callbacks, callback in zip(
+            (module.backward_end_callbacks, module.chunk_reduced_callbacks), self._callbacks,
+            strict=True,
+        ):  # fmt: skip
+            if callback in callbacks:
+                callbacks.remove(callback)
+        ref = _OPTIMIZERS.get(module)
+        if ref is not None and ref() is self:
+            del _OPTIMIZERS[module]
+
+    def _check_open(self, api: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"{_API}.{api}: the optimizer is closed; build a new GeminiOptimizer for the model"
+            )
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled for fp16."""
+        self._check_open("backward")
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
+                "loss before .item()"
+            )
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
@@ -212,6 +252,7 @@ class GeminiOptimizer:
                 gradients not scaled through ``backward``.
             CpuStepError: an earlier CPU update failed.
         """
+        self._check_open("step")
         self.pipeline.check()
         if not self._ready_to_step():
             return False
@@ -412,6 +453,8 @@ class GeminiOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load ``state_dict()`` output of the same rank and world size."""
+        self._check_open("load_state_dict")
+        _check_state(state, ("optimizer", "scaler"), "load_state_dict")
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -466,12 +509,25 @@ class GeminiOptimizer:
             KeyError: a trainable parameter is missing from ``full``.
             ValueError: a parameter's size differs.
         """
+        self._check_open("load_full_state_dict")
+        _check_state(full, ("params", "param_group", "scaler"), "load_full_state_dict")
         module = self.module
         module.wait_updates()
         names = [module.param_names[p] for p in self._trainable()]
         missing = [n for n in names if n not in full["params"]]
         if missing:
             raise KeyError(f"{_API}.load_full_state_dict: no state for {missing[:5]}")
+        # Sizes are checked before the first master is written: a bad entry
+        # leaves the model and the optimizer as they were.
+        for chunk, _ in self.pairs:
+            for t, info in chunk.tensors_info.items():
+                name = module.param_names[t]
+                for k, v in full["params"][name].items():
+                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() != info.numel:
+                        raise ValueError(
+                            f"{_API}.load_full_state_dict: {name} has {v.numel()} elements in "
+                            f"the state ({k}), {info.numel} in the model"
+                        )
         state: dict[int, dict[str, Any]] = {}
         for i, (chunk, _) in enumerate(self.pairs):
             master = self.masters[i]
@@ -559,6 +615,52 @@ def _grad_share(chunk: Chunk) -> torch.Tensor:
     return (chunk.grad_chunk if chunk.grad_chunk is not None else chunk).local_share()
 
 
+# Each GeminiDDP's live GeminiOptimizer, and the inner optimizers wrapped already.
+_OPTIMIZERS: weakref.WeakKeyDictionary[GeminiDDP, weakref.ref] = weakref.WeakKeyDictionary()
+_WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _check_module(api: str, module: object) -> None:
+    if not isinstance(module, GeminiDDP):
+        raise TypeError(
+            f"{api}: module must be the GeminiDDP model (got {type(module).__name__}); wrap the "
+            "model in GeminiDDP first"
+        )
+
+
+def _check_wrap(optimizer: object, module: object) -> None:
+    if isinstance(optimizer, GeminiOptimizer):
+        raise TypeError(
+            f"{_API}: the optimizer is a GeminiOptimizer already; wrap the torch optimizer once"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"{_API}: optimizer must be a torch.optim.Optimizer (got {type(optimizer).__name__}); "
+            "e.g. HybridAdam(model.parameters())"
+        )
+    _check_module(_API, module)
+    if optimizer in _WRAPPED:
+        raise RuntimeError(
+            f"{_API}: this optimizer is wrapped by a GeminiOptimizer already (its parameters are "
+            "that wrapper's master shards); build a new one"
+        )
+    ref = _OPTIMIZERS.get(module)
+    if ref is not None and ref() is not None:
+        raise RuntimeError(
+            f"{_API}: the model has a GeminiOptimizer already; one optimizer per GeminiDDP (call "
+            "close() on the old one first)"
+        )
+
+
+def _check_state(state: object, keys: tuple[str, ...], api: str) -> None:
+    if not isinstance(state, dict) or not set(keys) <= state.keys():
+        got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise TypeError(
+            f"{_API}.{api}: the state must be a dict with {list(keys)} (got {got}); pass what "
+            f"{api.replace('load_', '')}() returned"
+        )
+
+
 def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:
     if len(optimizer.param_groups) != 1:
         raise NotImplementedError(
@@ -594,6 +696,7 @@ class GeminiAdamOptimizer(GeminiOptimizer):
         bias_correction: bool = True,
         **kwargs: Any,
     ) -> None:
+        _check_module("GeminiAdamOptimizer", module)
         params = [p for p in module.params if p.requires_grad]
         adam = HybridAdam(
             params,
