@@ -98,9 +98,6 @@ class GeminiOptimizer:
         fp16 = module.mixed_precision == torch.float16
         scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
         collector = CollectorSchedule(_API, gc_every_n_steps)
-        # Everything is checked: from here on the module and optimizer change.
-        _OPTIMIZERS[module] = weakref.ref(self)
-        _WRAPPED.add(optimizer)
         self._closed = False
         self.module = module
         self.manager = module.chunk_manager
@@ -130,6 +127,8 @@ class GeminiOptimizer:
         self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"))
         module.backward_end_callbacks.append(self._callbacks[0])
         module.chunk_reduced_callbacks.append(self._callbacks[1])
+        _OPTIMIZERS[module] = weakref.ref(self)
+        _WRAPPED.add(optimizer)
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
