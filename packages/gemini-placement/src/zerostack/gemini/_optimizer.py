@@ -388,6 +388,7 @@ class GeminiOptimizer:
         """Copies of ``params``' elements in this rank's master shards and
         states, by pair index."""
         saved: dict[int, list] = {}
+        keep_on_disk = getattr(self.optimizer, "keep_disk_states", None)
         for p in params:
             chunk = self.manager.get_chunk(p)
             info = chunk.tensors_info[p]
@@ -400,6 +401,11 @@ class GeminiOptimizer:
             state = self.optimizer.state.get(master, {})
             for t in (master, *(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)):
                 saved.setdefault(self._index[chunk], []).append((t, sl, t[sl].clone()))
+            if (
+                keep_on_disk is not None
+            ):  # moments on disk are not in the state: the optimizer keeps them
+                with self._lock:
+                    keep_on_disk(master, sl)
         return saved
 
     def state_dict(self) -> dict[str, Any]:
