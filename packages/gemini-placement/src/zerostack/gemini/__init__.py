@@ -10,6 +10,11 @@ from zerostack.gemini._config import (
 )
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline
 from zerostack.gemini._ddp import ChunkGroup, GeminiDDP, TrainingState
+from zerostack.gemini._local_state import (
+    load_local_model_state,
+    local_model_state,
+    local_ranges,
+)
 from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
 from zerostack.gemini._placement import AutoPlacement, MemStats, Placement, StaticPlacement
 
@@ -31,4 +36,7 @@ __all__ = [
     "StaticPlacementConfig",
     "TrainingState",
     "__version__",
+    "load_local_model_state",
+    "local_model_state",
+    "local_ranges",
 ]
