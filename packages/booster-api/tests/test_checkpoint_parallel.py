@@ -8,6 +8,10 @@ nvme_offload_fraction) are saved and restored."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -137,17 +141,12 @@ def _back_at_2(rank, world, root):
     booster.load_optimizer(opt, f"{root}/optim5")  # either order
     booster.load_model(model, f"{root}/model5")
     torch.testing.assert_close(_train(booster, model, opt, 5, 2), expected[2:], **TOL)
-
-
-def test_parallel_save_reshards_across_plugins_and_world_sizes(tmp_path):
-    root = str(tmp_path)
-    spawn(_save_at_2, 2, args=(root,), backend="gloo", timeout_s=180)
-    spawn(_load_at_1, 1, args=(root,), backend="gloo", timeout_s=120)
-    spawn(_back_at_2, 2, args=(root,), backend="gloo", timeout_s=180)
+    _nvme(rank, world, root)  # in the same processes: a spawn costs seconds
 
 
 def _nvme(rank, world, root):
-    torch.set_num_threads(1)
+    """Optimizer states held on disk (HybridAdam nvme_offload_fraction=1)
+    are saved and restored."""
     disk = dict(nvme_offload_fraction=1.0, nvme_offload_dir=f"{root}/swap-{rank}")
     plugin = _gemini(world, offload_optim_frac=1.0)
     booster, model, opt = _boost(plugin, seed=0, **disk)
@@ -165,8 +164,60 @@ def _nvme(rank, world, root):
     assert _train(booster, model, opt, 2, 2) == pytest.approx(expected, rel=1e-5, abs=1e-5)
 
 
-def test_states_on_disk_are_saved_and_restored(tmp_path):
-    spawn(_nvme, 2, args=(str(tmp_path),), backend="gloo", timeout_s=180)
+def test_parallel_save_reshards_across_plugins_and_world_sizes(tmp_path):
+    """Gemini at 2 -> LowLevelZero and DDP at 1 -> Gemini at 2; then NVMe."""
+    root = str(tmp_path)
+    spawn(_save_at_2, 2, args=(root,), backend="gloo", timeout_s=180)
+    spawn(_load_at_1, 1, args=(root,), backend="gloo", timeout_s=120)
+    spawn(_back_at_2, 2, args=(root,), backend="gloo", timeout_s=240)
+
+
+# A child saves over the checkpoint at PATH and stops for good while DCP writes.
+CHILD = r"""
+import os, sys, time, torch
+path, marker = sys.argv[1:]
+from zerostack.booster import Booster, _checkpoint_dcp
+from zerostack.testing import GPTConfig, TinyGPT
+
+def stop(*args):
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+
+_checkpoint_dcp._PieceSavePlanner.resolve_data = stop
+torch.manual_seed(1)
+booster = Booster(device="cpu")
+model, *_ = booster.boost(TinyGPT(GPTConfig(bias=False, vocab_size=128, dim=32, max_seq_len=32)))
+booster.save_model(model, path, shard=True)
+raise SystemExit("the save was not stopped")
+"""
+
+
+def test_a_killed_parallel_save_leaves_the_previous_checkpoint(tmp_path):
+    booster = Booster(device="cpu")
+    torch.manual_seed(0)
+    model, *_ = booster.boost(TinyGPT(CONFIG))
+    path, marker = tmp_path / "ckpt", tmp_path / "marker"
+    booster.save_model(model, path, shard=True)
+    assert (path / ".metadata").is_file()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path), str(marker)], env=env)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), f"the child did not reach the write (exit code {child.poll()})"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # its half-written directory
+    torch.manual_seed(5)
+    fresh, *_ = Booster(device="cpu").boost(TinyGPT(CONFIG))
+    booster.load_model(fresh, path)
+    for (name, a), b in zip(
+        model.unwrap().state_dict().items(), fresh.unwrap().state_dict().values()
+    ):
+        assert torch.equal(a, b), name
+    booster.save_model(fresh, path, shard=True)  # the next save cleans up
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "marker"]
 
 
 def test_parallel_save_refuses_bad_input(tmp_path):
