@@ -16,8 +16,10 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from zerostack.booster.consolidate import consolidate
 from zerostack.chunk import _comm
 from zerostack.fused_adam import HybridAdam
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
@@ -168,6 +170,14 @@ def test_parallel_save_reshards_across_plugins_and_world_sizes(tmp_path):
     """Gemini at 2 -> LowLevelZero and DDP at 1 -> Gemini at 2; then NVMe."""
     root = str(tmp_path)
     spawn(_save_at_2, 2, args=(root,), backend="gloo", timeout_s=180)
+    # The consolidator turns the parallel checkpoint into the gathered one's tensors.
+    consolidate(f"{root}/model", f"{root}/hf")
+    with safe_open(f"{root}/hf/model-00001-of-00001.safetensors", "pt") as f:
+        exported = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    gathered = torch.load(f"{root}/model.pt")
+    assert exported.keys() <= gathered.keys()
+    for name, value in exported.items():
+        assert torch.equal(value, gathered[name]), name
     spawn(_load_at_1, 1, args=(root,), backend="gloo", timeout_s=120)
     spawn(_back_at_2, 2, args=(root,), backend="gloo", timeout_s=240)
 
@@ -212,9 +222,8 @@ def test_a_killed_parallel_save_leaves_the_previous_checkpoint(tmp_path):
     torch.manual_seed(5)
     fresh, *_ = Booster(device="cpu").boost(TinyGPT(CONFIG))
     booster.load_model(fresh, path)
-    for (name, a), b in zip(
-        model.unwrap().state_dict().items(), fresh.unwrap().state_dict().values()
-    ):
+    mine, theirs = model.unwrap().state_dict(), fresh.unwrap().state_dict()
+    for (name, a), b in zip(mine.items(), theirs.values(), strict=True):
         assert torch.equal(a, b), name
     booster.save_model(fresh, path, shard=True)  # the next save cleans up
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "marker"]

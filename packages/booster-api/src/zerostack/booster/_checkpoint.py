@@ -232,7 +232,9 @@ class CheckpointIO:
         path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
         if parallel:
             _check_kind(api, path, True)
-            parallel_io.save_model(api, model, path)
+            parallel_io.save_model(
+                api, model, path, extra=lambda tmp: _save_hf_config(model.unwrap(), tmp)
+            )
             return
         state = model.full_state_dict(only_rank_0=True)
         error = None

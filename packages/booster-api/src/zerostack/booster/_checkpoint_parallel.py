@@ -58,13 +58,21 @@ def _shapes(model: Any) -> dict[str, Any]:
     return shapes
 
 
-def save_model(api: str, model: Any, path: str) -> None:
-    """Every rank writes its part of ``model`` into the directory ``path``."""
+def save_model(api: str, model: Any, path: str, extra: Any = None) -> None:
+    """Every rank writes its part of ``model`` into the directory ``path``;
+    rank 0 then calls ``extra(directory)`` (e.g. to write ``config.json``)."""
     state: dict[str, Any] = {_MODEL + name: v for name, v in model.sharded_state_dict().items()}
     state["meta"] = _meta("model", _shapes(model))
     with atomic.collective_dir(path, api) as tmp:
         engine.save(tmp, state)
+        if extra is not None and _rank() == 0:
+            extra(tmp)
     logger.info("%s: every rank wrote its part of %s", api, path)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _dest(api: str, key: str, md: Any, ranges: tuple[int, int, int]) -> Piece:
