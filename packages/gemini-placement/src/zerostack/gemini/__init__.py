@@ -15,14 +15,17 @@ from zerostack.gemini._local_state import (
     local_model_state,
     local_ranges,
 )
+from zerostack.gemini._memory import TIERS, ChunkRow, MemoryTimeline, format_placement, tier_bytes
 from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
 from zerostack.gemini._placement import AutoPlacement, MemStats, Placement, StaticPlacement
 
 __all__ = [
+    "TIERS",
     "AutoPlacement",
     "AutoPlacementConfig",
     "ChunkConfig",
     "ChunkGroup",
+    "ChunkRow",
     "CpuStepError",
     "CpuStepPipeline",
     "GeminiAdamOptimizer",
@@ -30,13 +33,16 @@ __all__ = [
     "GeminiDDP",
     "GeminiOptimizer",
     "MemStats",
+    "MemoryTimeline",
     "MixedPrecision",
     "Placement",
     "StaticPlacement",
     "StaticPlacementConfig",
     "TrainingState",
     "__version__",
+    "format_placement",
     "load_local_model_state",
     "local_model_state",
     "local_ranges",
+    "tier_bytes",
 ]
