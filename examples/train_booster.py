@@ -71,7 +71,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps (default 120; 8 with --smoke)"
+        "--steps", type=int, default=None, help="steps (default 100; 8 with --smoke)"
     )
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
@@ -238,7 +238,7 @@ def report(rank: int, result: dict, device: torch.device, run_dir: Path) -> None
 def main() -> int:
     args = parse_args()
     if args.steps is None:
-        args.steps = 8 if args.smoke else 120
+        args.steps = 8 if args.smoke else 100
     if args.steps < 3 or args.log_every < 1:
         print("train_booster: --steps must be >= 3 and --log-every >= 1", file=sys.stderr)
         return 2
