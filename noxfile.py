@@ -147,6 +147,14 @@ def examples(session: nox.Session) -> None:
 
 
 @nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml, docs/) with warnings as errors; the
+    API pages are read from the sources, so no package or torch is installed."""
+    session.install("-r", "docs/requirements.txt")
+    session.run("mkdocs", "build", "--strict", env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session
 def build(session: nox.Session) -> None:
     """sdist + wheel of every package; metadata checked with twine, and the
     wheels checked for the PEP 420 namespace and the compiled modules."""
@@ -181,6 +189,7 @@ def train(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, unit for every package, integration, examples."""
+    """What CI runs: lint, unit for every package, integration, examples, docs."""
     for name in ["lint", *[f"unit(package='{p}')" for p in PACKAGES], "integration", "examples"]:
         session.notify(name)
+    session.notify("docs")

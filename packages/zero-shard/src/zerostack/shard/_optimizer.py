@@ -15,9 +15,11 @@ import torch.distributed as dist
 from zerostack.chunk import (
     all_gather_into,
     all_reduce_sum,
+    debug_collectives,
     phase,
     rank_and_world,
     reduce_scatter_sum,
+    set_collective_label,
 )
 from zerostack.shard import _partition as part
 from zerostack.shard._bucket import (
@@ -153,6 +155,11 @@ class ZeroOptimizer:
         process_group: the data-parallel group. Default: the default group.
         module: the model, optional; when given, every trainable parameter of
             it must be in ``optimizer`` and messages use its parameter names.
+        debug_collectives: True: before every collective, check that all
+            ranks issue the same one, and raise CollectiveMismatchError on
+            every rank instead of hanging (a blocking exchange per collective;
+            for debugging). Switches it for the whole process. Default None:
+            the ``ZEROSTACK_DEBUG_COLLECTIVES`` environment variable decides.
         **scaler_kwargs: ``initial_scale``, ``min_scale``, ``growth_factor``,
             ``backoff_factor``, ``growth_interval``, ``hysteresis``,
             ``max_scale`` of the ``DynamicLossScaler`` (its defaults when
@@ -181,9 +188,12 @@ class ZeroOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         process_group: dist.ProcessGroup | None = None,
         module: torch.nn.Module | None = None,
+        debug_collectives: bool | None = None,
         **scaler_kwargs: Any,
     ) -> None:
         _check_args(optimizer, stage, reduce_bucket_size, max_norm)
+        if debug_collectives is not None:
+            _set_debug(debug_collectives)
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
         self.stage = stage
@@ -285,6 +295,7 @@ class ZeroOptimizer:
             bucket = self.buckets[self._next_bucket]
             if not flush and not all(s.ready for s in bucket.shards):
                 return
+            set_collective_label(f"gradient reduction of bucket {self._next_bucket}")
             self._launch(bucket)
             self._next_bucket += 1
 
@@ -423,6 +434,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def _gather_params(self) -> None:
         # The same buckets carry the pieces back (params, not grads, this time).
+        set_collective_label("parameter all-gather after the step")
         with phase("zerostack::gather"):
             for bucket in self.buckets:
                 dtype = bucket.shards[0].param.dtype
@@ -523,6 +535,7 @@ class ZeroOptimizer:
     def _gather_piece(self, t: torch.Tensor, s: _Shard) -> torch.Tensor:
         src = t.detach().reshape(-1).to(self.device)
         full = torch.empty(self.world * s.piece, dtype=src.dtype, device=self.device)
+        set_collective_label("gathering a parameter's state for a checkpoint")
         all_gather_into(full, src, self.group)
         return full[: s.param.numel()].cpu()
 
@@ -624,3 +637,6 @@ class ZeroOptimizer:
             self.scaler.load_state_dict(local["scaler"])
         if masters:
             self._gather_params()
+
+
+_set_debug = debug_collectives  # ZeroOptimizer's argument shadows the function

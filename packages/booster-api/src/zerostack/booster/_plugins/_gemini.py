@@ -285,9 +285,10 @@ class GeminiPlugin(Plugin):
         pin_memory: pin CPU chunk shards. Default False.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk search.
             Defaults 32, None, 32.
-        initial_scale, min_scale, growth_factor, backoff_factor,
-            growth_interval, hysteresis, max_scale: the fp16 loss scaler's
-            (defaults 2**16, 1, 2, 0.5, 1000, 2, 2**32).
+        initial_scale: the fp16 loss scaler's first scale; min_scale,
+            growth_factor, backoff_factor, growth_interval, hysteresis and
+            max_scale are its other settings (defaults 2**16, 1, 2, 0.5,
+            1000, 2, 2**32).
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         norm_type: 2.0 only. Default 2.0.
         enable_async_reduce: reduce chunks asynchronously. Default True.
@@ -296,12 +297,12 @@ class GeminiPlugin(Plugin):
         strict_ddp_mode: accepted either way (only data parallelism exists here).
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
-        force_outputs_fp32, memstats, gpu_margin_mem_ratio, tp_size,
-            extra_dp_size, enable_all_optimization, enable_fused_normalization,
+        force_outputs_fp32: the seed's, not implemented, as are memstats,
+            gpu_margin_mem_ratio, tp_size, extra_dp_size,
+            enable_all_optimization, enable_fused_normalization,
             enable_flash_attention, enable_sequence_parallelism,
-            enable_jit_fused, enable_sequence_overlap, use_fp8,
-            fp8_communication: the seed's; not implemented: anything but
-            their default raises.
+            enable_jit_fused, enable_sequence_overlap, use_fp8 and
+            fp8_communication: anything but their default raises.
 
     Raises:
         ValueError: a bad precision, share, policy or max_norm.

@@ -322,9 +322,10 @@ class LowLevelZeroPlugin(Plugin):
         stage: 1 or 2. Default 1.
         precision: "fp16", "bf16" or "fp32"; parameters are cast to it.
             Default "fp16".
-        initial_scale, min_scale, growth_factor, backoff_factor,
-            growth_interval, hysteresis, max_scale: the fp16 loss scaler's
-            (defaults 2**32, 1, 2, 0.5, 1000, 2, 2**32).
+        initial_scale: the fp16 loss scaler's first scale; min_scale,
+            growth_factor, backoff_factor, growth_interval, hysteresis and
+            max_scale are its other settings (defaults 2**32, 1, 2, 0.5,
+            1000, 2, 2**32).
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         norm_type: 2.0 only. Default 2.0.
         reduce_bucket_size_in_m: gradient bucket size in millions (2**20)

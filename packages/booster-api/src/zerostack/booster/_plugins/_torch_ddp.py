@@ -187,10 +187,9 @@ class TorchDDPPlugin(Plugin):
     ``Booster(mixed_precision=...)``.
 
     Args:
-        broadcast_buffers, bucket_cap_mb, find_unused_parameters,
-        check_reduction, gradient_as_bucket_view, static_graph:
-            DistributedDataParallel's (its defaults: True, 25, False, False,
-            False, False).
+        broadcast_buffers: DistributedDataParallel's, as are bucket_cap_mb,
+            find_unused_parameters, check_reduction, gradient_as_bucket_view
+            and static_graph (its defaults: True, 25, False, False, False, False).
 
     Raises:
         RuntimeError (at configure): torch.distributed is not initialised.
