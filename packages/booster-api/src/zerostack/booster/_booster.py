@@ -348,8 +348,12 @@ class Booster:
 
         Args:
             checkpoint: the directory ``save_state`` wrote.
-            model, optimizer, lr_scheduler, dataloader: as for ``save_state``;
-                each one given must have been saved.
+            model: the model ``boost`` returned.
+            optimizer: the optimizer ``boost`` returned; it must have been
+                saved. Default None.
+            lr_scheduler: the lr scheduler ``boost`` returned; it must have
+                been saved. Default None.
+            dataloader: the dataloader whose position was saved. Default None.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
