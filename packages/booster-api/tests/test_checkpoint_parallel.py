@@ -244,3 +244,22 @@ def test_parallel_save_refuses_bad_input(tmp_path):
     small, *_ = other.boost(small, None)
     with pytest.raises(ValueError, match=r"saved with shape \(4096,\), this model's has 2048"):
         other.load_model(small, tmp_path / "m")
+
+
+def test_kept_gathered_chunks_round_trip_into_other_chunks(tmp_path):
+    """One process: Gemini with kept-gathered chunks and parameter shards on
+    the host -> Gemini with other, sharded chunks: the same full state."""
+    plugin = GeminiPlugin(
+        precision="fp32", chunk_config_dict={1: {"chunk_size": 9_000, "keep_gathered": True}}
+    )
+    booster, model, opt = _boost(plugin, seed=0)
+    _train(booster, model, opt, 0, 2)
+    booster.save_model(model, tmp_path / "m", shard=True)
+    booster.save_optimizer(opt, tmp_path / "o", shard=True)
+    other, target, target_opt = _boost(_gemini(1, offload_param_frac=0.5), seed=1)
+    other.load_model(target, tmp_path / "m")
+    other.load_optimizer(target_opt, tmp_path / "o")
+    torch.testing.assert_close(target.full_state_dict(), model.full_state_dict(), rtol=0, atol=0)
+    mine, theirs = opt.full_state_dict(), target_opt.full_state_dict()
+    torch.testing.assert_close(theirs["state"], mine["state"], rtol=0, atol=0)
+    assert _train(other, target, target_opt, 2, 2) == _train(booster, model, opt, 2, 2)
