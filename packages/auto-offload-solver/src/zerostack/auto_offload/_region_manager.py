@@ -5,9 +5,10 @@ gradient-carrying value crosses it (the residual stream between two
 transformer sub-blocks, say). The runtime wraps that value in an autograd
 function whose backward runs once every later use of the value has
 produced its gradient, which is exactly when the region before it starts
-its backward: the moment to upload (or wait for) its parameters. A new
-region starts at a node that reads a not-yet-owned parameter, when such a
-cut is available there. A parameter belongs to the first region that reads
+its backward: the moment to upload (or wait for) its parameters. Before a
+node that reads a not-yet-seen parameter, a new region starts at the latest
+such cut after the previous parameter read (before an RMSNorm's arithmetic,
+say, not at its weight multiply). A parameter belongs to the first region that reads
 it; if a later region reads it too (tied embeddings, any number of them),
 its owner is ``shared`` and stays resident from its forward to its
 backward, which is the last one to touch it, so every reader finds it.
@@ -136,26 +137,43 @@ class RegionManager:
                 cuts[k] = self.nodes[next(iter(live))].node
         return cuts
 
+    def _boundaries(self) -> dict[int, torch.fx.Node]:
+        """Where regions start: at the latest clean cut between the previous
+        parameter read and the next read of a not-yet-seen parameter."""
+        cuts = self._clean_cuts()
+        seen: set[int] = set()
+        starts: dict[int, torch.fx.Node] = {}
+        last_read = None
+        for info in self.nodes:
+            new = any(id(p) not in seen for p in info.params)
+            if new and last_read is not None:
+                k = next((k for k in range(info.index, last_read, -1) if k in cuts), None)
+                if k is not None:
+                    starts[k] = cuts[k]
+            if info.params:
+                last_read = info.index
+                seen.update(id(p) for p in info.params)
+        return starts
+
     def _linearize_graph(self) -> list[Region]:
         """First cut: a region per parameter-reading run of nodes."""
-        cuts = self._clean_cuts()
+        starts = self._boundaries()
         owner: dict[int, Region] = {}
         readers: dict[int, set[int]] = {}
         region = Region(r_id=0)
         regions = [region]
         for info in self.nodes:
-            new = [p for p in info.params if id(p) not in owner]
-            if new and region.params and info.index in cuts:
+            if info.index in starts:
                 region = Region(r_id=len(regions))
-                region.cut_node = cuts[info.index]
+                region.cut_node = starts[info.index]
                 regions.append(region)
             region.nodes.append(info)
-            for p in new:
-                owner[id(p)] = region
-                region.params.append(p)
-                if p.requires_grad:
-                    region.grad_params.append(p)
             for p in info.params:
+                if id(p) not in owner:
+                    owner[id(p)] = region
+                    region.params.append(p)
+                    if p.requires_grad:
+                        region.grad_params.append(p)
                 readers.setdefault(id(p), set()).add(region.r_id)
         for pid, rids in readers.items():
             if len(rids) > 1:
