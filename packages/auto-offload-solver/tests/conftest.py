@@ -37,7 +37,9 @@ class LogitsOnly(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+        ).logits
 
 
 def tiny_gpt2(num_layers: int = 3) -> torch.nn.Module:
@@ -63,3 +65,72 @@ def batch(batch_size: int = 2, seq: int = 8, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy in fp32 (the seed's GPTLMLoss)."""
+    shift = logits[:, :-1].float()
+    return torch.nn.functional.cross_entropy(
+        shift.reshape(-1, shift.size(-1)), input_ids[:, 1:].reshape(-1)
+    )
+
+
+def reference_losses(model, inputs, *, steps, dtype, device, clip, lr, weight_decay, scale=1.0,
+                     sgd=False):  # fmt: skip
+    """Plain training of a copy of ``model``: ``dtype`` compute on ``device``,
+    fp32 masters stepped by torch's Adam in L2 mode, global-norm clipping.
+    Returns the losses and the final masters (``model.parameters()`` order)."""
+    import copy
+
+    masters = [p.detach().clone().float() for p in model.parameters()]
+    work = copy.deepcopy(model).to(device=device, dtype=dtype)
+    params = list(work.parameters())
+    cls = torch.optim.SGD if sgd else torch.optim.Adam
+    opt = cls(masters, lr=lr, weight_decay=weight_decay)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    losses = []
+    for _ in range(steps):
+        loss = lm_loss(work(**inputs), inputs["input_ids"])
+        (loss * scale).backward()
+        grads = [p.grad.float() / scale for p in params]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
+        for m, g in zip(masters, grads, strict=True):
+            m.grad = (g * coef).cpu()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+                p.grad = None
+        losses.append(float(loss))
+    return losses, masters
+
+
+def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_decay, solver,
+                   budget, profile, check=None, sgd=False):  # fmt: skip
+    """The same training through memory_optimize + AMPOptimizer + HybridAdam."""
+    from zerostack.auto_offload import AMPOptimizer, memory_optimize
+    from zerostack.fused_adam import HybridAdam
+
+    params = list(model.parameters())
+    om = memory_optimize(model, inputs, budget, solver, precision=precision, profile=profile,
+                         device=device)  # fmt: skip
+    inner = (
+        torch.optim.SGD(om.master_parameters(), lr=lr, weight_decay=weight_decay) if sgd
+        else HybridAdam(om.master_parameters(), lr=lr, weight_decay=weight_decay, adamw_mode=False)
+    )  # fmt: skip
+    opt = AMPOptimizer(inner, om, clipping_norm=clip)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = om(**inputs)
+        if check is not None:
+            check("forward", om)
+        loss = lm_loss(out, inputs["input_ids"].to(out.device))
+        opt.backward(loss)
+        if check is not None:
+            check("backward", om)
+        opt.step()
+        losses.append(float(loss))
+    return losses, [om.master_of(p) for p in params], om, opt

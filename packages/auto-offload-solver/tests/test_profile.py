@@ -51,7 +51,9 @@ def test_from_dict_names_missing_and_unknown_fields():
     data = fake_profile().to_dict()
     del data["gemm_flops"]
     data["flops"] = 1
-    with pytest.raises(ValueError, match=r"missing fields \['gemm_flops'\], unknown fields \['flops'\]"):
+    with pytest.raises(
+        ValueError, match=r"missing fields \['gemm_flops'\], unknown fields \['flops'\]"
+    ):
         HardwareProfile.from_dict(data)
     with pytest.raises(ValueError, match="link must be 'h2d' or 'd2h'"):
         fake_profile().bandwidth("d2d", 10)
@@ -59,5 +61,5 @@ def test_from_dict_names_missing_and_unknown_fields():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_measure_without_cuda_says_what_to_do():
-    with pytest.raises(RuntimeError, match="HardwareProfile.from_dict"):
+    with pytest.raises(RuntimeError, match=r"HardwareProfile\.from_dict"):
         HardwareProfile.measure()

@@ -70,7 +70,7 @@ def test_impossible_budget_states_the_least(traced, solver):
         _plan(traced, solver, 1000)
     least = info.value.least_bytes
     assert least > 1000
-    rm, s = _plan(traced, solver, least * 1.0001)  # and that much is enough
+    _, s = _plan(traced, solver, least * 1.0001)  # and that much is enough
     assert s.best_ts.peak_mem <= least * 1.0001 * 0.95
 
 

@@ -78,7 +78,10 @@ def test_retarget_devices_rewrites_the_trace_constants():
     gm = trace_model(model, batch())
     assert retarget_devices(gm, torch.device("cpu"), torch.device("meta")) > 0
     devices = {
-        a for n in gm.graph.nodes for a in [*n.args, *n.kwargs.values()] if isinstance(a, torch.device)
+        a
+        for n in gm.graph.nodes
+        for a in [*n.args, *n.kwargs.values()]
+        if isinstance(a, torch.device)
     }
     assert devices == {torch.device("meta")}
 

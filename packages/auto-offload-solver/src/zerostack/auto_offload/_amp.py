@@ -111,7 +111,9 @@ class AMPOptimizer:
                 gets_grad = any(p is q for q in region.grad_params)
                 grad = region.cpu_grad[begin:end].view(p.shape) if gets_grad else None
                 self._views.append((m, grad, half))
-                if has_copy_out and any(m is q for g in self.optim.param_groups for q in g["params"]):
+                if has_copy_out and any(
+                    m is q for g in self.optim.param_groups for q in g["params"]
+                ):
                     self.optim.set_copy_out(m, half)
         self._copy_out = has_copy_out
 
@@ -140,7 +142,9 @@ class AMPOptimizer:
             NotImplementedError: ``norm_type`` other than 2.
         """
         if norm_type != 2.0:
-            raise NotImplementedError(f"AMPOptimizer.clip_grad_norm: norm_type must be 2.0 (got {norm_type})")
+            raise NotImplementedError(
+                f"AMPOptimizer.clip_grad_norm: norm_type must be 2.0 (got {norm_type})"
+            )
         self.max_norm = float(max_norm)
         norm_sq = float(self.module.grad_norm_sq())
         return math.sqrt(norm_sq) / self.loss_scale if math.isfinite(norm_sq) else norm_sq
@@ -163,8 +167,9 @@ class AMPOptimizer:
         with torch.profiler.record_function("zerostack::cpu_update"):
             ret = step_with_div_scale(self.optim, plan.div_scale)
         if not self._copy_out:
-            for master, _, half in self._views:
-                half.copy_(master)
+            with torch.no_grad():
+                for master, _, half in self._views:
+                    half.copy_(master)
         for master, _, _ in self._views:
             master.grad = None
         self.zero_grad()
@@ -188,4 +193,3 @@ class AMPOptimizer:
         self.optim.load_state_dict(state["optimizer"])
         if self.grad_scaler is not None and state.get("loss_scaler") is not None:
             self.grad_scaler.load_state_dict(state["loss_scaler"])
-

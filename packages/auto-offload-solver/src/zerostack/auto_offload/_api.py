@@ -52,7 +52,9 @@ def plan_offload(
         )
     SolverFactory.create(solver_name)  # a bad name fails before the slow work
     if profile is None:
-        raise ValueError("plan_offload: pass a HardwareProfile (HardwareProfile.measure() on a GPU)")
+        raise ValueError(
+            "plan_offload: pass a HardwareProfile (HardwareProfile.measure() on a GPU)"
+        )
     dtype = _PRECISIONS[precision]
     model = model.cpu()
     # Keep each parameter's full-precision value for its master (no copy).
@@ -131,6 +133,8 @@ def memory_optimize(
     for region in manager.region_list:
         if region.params:
             region.init_param_data(device, dtype, masters)
-    apply = runtime_syn_offload_apply_pass if solver_name == "syn" else runtime_asyn_offload_apply_pass
+    apply = (
+        runtime_syn_offload_apply_pass if solver_name == "syn" else runtime_asyn_offload_apply_pass
+    )
     gm = apply(gm, manager.region_list, device)
     return BaseOffloadModule(gm, manager, solver_name == "syn", dtype=dtype, device=device)

@@ -98,7 +98,9 @@ class HardwareProfile:
         """Bytes/s of a ``link`` ("h2d" or "d2h") copy of ``nbytes``: linear in
         log(size) between measured sizes, the end values outside them."""
         if link not in _LINKS:
-            raise ValueError(f"HardwareProfile.bandwidth: link must be 'h2d' or 'd2h' (got {link!r})")
+            raise ValueError(
+                f"HardwareProfile.bandwidth: link must be 'h2d' or 'd2h' (got {link!r})"
+            )
         curve = getattr(self, f"{link}_bandwidth")
         sizes = self._sizes[link]
         if nbytes <= sizes[0]:
@@ -123,7 +125,9 @@ class HardwareProfile:
         memory time, never below its kernel launches."""
         name = str(dtype).removeprefix("torch.")
         rate = self.gemm_flops.get(name) or max(self.gemm_flops.values())
-        return max(flops / rate, bytes_moved / self.memory_bandwidth, kernels * self.kernel_launch_s)
+        return max(
+            flops / rate, bytes_moved / self.memory_bandwidth, kernels * self.kernel_launch_s
+        )
 
     # -- (de)serialisation ---------------------------------------------------
 
@@ -226,7 +230,9 @@ def _cache_path(cache_dir, name: str, uuid: str, device: torch.device) -> Path:
         Path(os.environ["ZEROSTACK_CACHE_DIR"]) / "auto_offload" if "ZEROSTACK_CACHE_DIR" in os.environ
         else Path.home() / ".cache" / "zerostack" / "auto_offload"
     )  # fmt: skip
-    key = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{name}-{uuid or device.index}-torch{torch.__version__}")
+    key = re.sub(
+        r"[^A-Za-z0-9_.-]+", "_", f"{name}-{uuid or device.index}-torch{torch.__version__}"
+    )
     return root / f"{key}.json"
 
 
@@ -255,7 +261,7 @@ def _measure_rates(device: torch.device) -> dict:
             curves["h2d"][n], curves["d2h"][n] = n / h2d, n / d2h
         other = torch.empty_like(dev)
         hbm = 2 * dev.numel() / _time_cuda(lambda: other.copy_(dev), 10)
-        del host, dev, other
+        host = dev = other = None  # free them before the matmuls
         gemm = {}
         for name in _DTYPES:
             dt = getattr(torch, name)

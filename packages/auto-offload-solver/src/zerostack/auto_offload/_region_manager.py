@@ -16,6 +16,7 @@ backward, which is the last one to touch it, so every reader finds it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 
@@ -112,7 +113,9 @@ class RegionManager:
         try:
             return self.param_region_map[param]
         except KeyError:
-            raise KeyError("RegionManager.get_region: not a parameter of the traced model") from None
+            raise KeyError(
+                "RegionManager.get_region: not a parameter of the traced model"
+            ) from None
 
     # -- cutting -------------------------------------------------------------
 
@@ -245,5 +248,5 @@ class RegionManager:
 
     def _link_forward_prefetch(self) -> None:
         with_params = [r for r in self.region_list if r.params]
-        for a, b in zip(with_params, with_params[1:], strict=False):
+        for a, b in itertools.pairwise(with_params):
             a.fwd_prefetch_region = b

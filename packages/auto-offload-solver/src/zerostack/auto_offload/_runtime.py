@@ -151,7 +151,9 @@ def _insert_boundary(gm, runtime_node_target, before, value, fwd_info, bwd_info)
     return new
 
 
-def _apply_pass(gm: torch.fx.GraphModule, regions: list[Region], runtime: OffloadRuntime, asyn: bool):
+def _apply_pass(
+    gm: torch.fx.GraphModule, regions: list[Region], runtime: OffloadRuntime, asyn: bool
+):
     gm.add_submodule(RUNTIME_NAME, runtime)
     for idx, region in enumerate(regions):
         fwd, bwd = {}, {}
@@ -166,7 +168,9 @@ def _apply_pass(gm: torch.fx.GraphModule, regions: list[Region], runtime: Offloa
             if asyn and region.fwd_prefetch_region is not None:
                 fwd["prefetch"] = region.fwd_prefetch_region.r_id
         if idx and region.cut_node is None and bwd:
-            raise AssertionError(f"auto_offload: region {idx} has no boundary value for its backward")
+            raise AssertionError(
+                f"auto_offload: region {idx} has no boundary value for its backward"
+            )
         if fwd or bwd:
             _insert_boundary(gm, RUNTIME_NAME, region.nodes[0].node, region.cut_node, fwd, bwd)
     last = regions[-1]
@@ -174,10 +178,14 @@ def _apply_pass(gm: torch.fx.GraphModule, regions: list[Region], runtime: Offloa
         # The last region's backward starts when the output's gradient arrives.
         out = next(n for n in gm.graph.nodes if n.op == "output")
         infos = {n.node: n for r in regions for n in r.nodes}
-        value = next((a for a in out.all_input_nodes if a in infos and infos[a].requires_grad), None)
+        value = next(
+            (a for a in out.all_input_nodes if a in infos and infos[a].requires_grad), None
+        )
         if value is None:
             raise AssertionError("auto_offload: a prefetch is planned but no output needs grad")
-        _insert_boundary(gm, RUNTIME_NAME, out, value, {}, {"prefetch": last.bwd_prefetch_region.r_id})
+        _insert_boundary(
+            gm, RUNTIME_NAME, out, value, {}, {"prefetch": last.bwd_prefetch_region.r_id}
+        )
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -15,6 +15,7 @@ activation replay plus the region's resident parameter bytes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,14 +40,18 @@ class ActivationProfile:
             for i in info.inputs:
                 last_read[i] = max(last_read[i], info.index)
             for i in info.saves:
-                saved_until[i] = info.index if saved_until[i] is None else min(saved_until[i], info.index)
+                saved_until[i] = (
+                    info.index if saved_until[i] is None else min(saved_until[i], info.index)
+                )
         for info in nodes:
             if info.is_output:
                 saved_until[info.index] = min(saved_until[info.index] or info.index, info.index)
         free_fwd: list[list[int]] = [[] for _ in range(n)]
         free_bwd: list[list[int]] = [[] for _ in range(n)]
         for i in range(n):
-            (free_bwd[saved_until[i]] if saved_until[i] is not None else free_fwd[last_read[i]]).append(i)
+            (
+                free_bwd[saved_until[i]] if saved_until[i] is not None else free_fwd[last_read[i]]
+            ).append(i)
         self.fwd = [0] * n
         self.bwd = [0] * n
         mem = 0
@@ -103,7 +108,9 @@ def region_costs(
             dtype = n.dtype or next((p.dtype for p in r.params), None)
             fwd_t += profile.compute_time(n.fwd_flops, n.fwd_bytes_moved, dtype, n.kernels)
             if n.requires_grad and n.kernels:
-                bwd_t += profile.compute_time(n.bwd_flops, 2 * n.fwd_bytes_moved, dtype, 2 * n.kernels)
+                bwd_t += profile.compute_time(
+                    n.bwd_flops, 2 * n.fwd_bytes_moved, dtype, 2 * n.kernels
+                )
         fwd = [act.fwd[i] for i in idx] or [0]
         bwd = [act.bwd[i] for i in idx] or [0]
         out.append(RegionCost(
@@ -145,7 +152,9 @@ class TrainingSimulator:
 
     def execute(self) -> TrainingSimulator:
         """Run the simulation; returns self."""
-        raise NotImplementedError("TrainingSimulator.execute: use SynTrainingSimulator or AsynTrainingSimulator")
+        raise NotImplementedError(
+            "TrainingSimulator.execute: use SynTrainingSimulator or AsynTrainingSimulator"
+        )
 
     def _account(self, r: int, resident: int, fwd: bool) -> None:
         c = self.costs[r]
@@ -213,7 +222,7 @@ class AsynTrainingSimulator(TrainingSimulator):
         ready = [0.0] * n
         resident = 0
         with_params = [r for r in range(n) if costs[r].param_bytes]
-        nxt = {a: b for a, b in zip(with_params, with_params[1:], strict=False)}
+        nxt = dict(itertools.pairwise(with_params))
         for r in range(n):
             if r == (with_params[0] if with_params else -1):
                 h2d = ready[r] = max(h2d, comp) + self._h2d(r)

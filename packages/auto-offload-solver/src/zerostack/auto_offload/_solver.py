@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 from zerostack.auto_offload._profile import HardwareProfile
 from zerostack.auto_offload._region import Region
@@ -64,7 +65,9 @@ class Solver:
         baseline_bytes: int = 0,
     ) -> None:
         if not 0 < error_factor <= 1:
-            raise ValueError(f"{type(self).__name__}: error_factor must be in (0, 1] (got {error_factor})")
+            raise ValueError(
+                f"{type(self).__name__}: error_factor must be in (0, 1] (got {error_factor})"
+            )
         if len(costs) != len(region_list):
             raise ValueError(
                 f"{type(self).__name__}: {len(region_list)} regions but {len(costs)} costs"
@@ -216,7 +219,9 @@ class AsynGreedySolver(Solver):
 
     def __init__(self, *args, search_window_size: int = 3, **kwargs) -> None:
         if search_window_size < 1:
-            raise ValueError(f"AsynGreedySolver: search_window_size must be >= 1 (got {search_window_size})")
+            raise ValueError(
+                f"AsynGreedySolver: search_window_size must be >= 1 (got {search_window_size})"
+            )
         self.search_window_size = search_window_size
         self.region_to_region_map: dict[int, Region] = {}
         """Offloaded region id -> the region that prefetches it in backward."""
@@ -248,7 +253,9 @@ class AsynGreedySolver(Solver):
             elif not self._repair_strategy():
                 return
 
-    def _try_to_offload(self, host: Region | None, region: Region) -> tuple[TrainingSimulator, tuple]:
+    def _try_to_offload(
+        self, host: Region | None, region: Region
+    ) -> tuple[TrainingSimulator, tuple]:
         region.need_offload = True
         region.is_syn = host is None
         if host is not None:
@@ -283,7 +290,7 @@ class AsynGreedySolver(Solver):
 class SolverFactory:
     """Solvers by name: "syn" and "asyn"."""
 
-    solvers: dict[str, type[Solver]] = {"syn": SynGreedySolver, "asyn": AsynGreedySolver}
+    solvers: ClassVar[dict[str, type[Solver]]] = {"syn": SynGreedySolver, "asyn": AsynGreedySolver}
 
     @staticmethod
     def create(solver_name: str) -> type[Solver]:

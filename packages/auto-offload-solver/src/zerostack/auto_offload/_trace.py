@@ -186,9 +186,7 @@ class _Propagator:
             if p is not None and not any(p is q for q in params):
                 params.append(p)
         info.params = tuple(params)
-        info.param_grad_bytes = sum(
-            p.numel() * p.element_size() for p in params if p.requires_grad
-        )
+        info.param_grad_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         # Device constants baked in by the trace run on meta here.
         args = torch.fx.node.map_aggregate(
             torch.fx.node.map_arg(node.args, self.env.__getitem__), _to_meta_device
@@ -208,9 +206,7 @@ class _Propagator:
                 new[k] = t
                 self.owner[k] = info.index
         info.out_bytes = sum(t.untyped_storage().nbytes() for t in new.values())
-        info.grad_bytes = sum(
-            t.untyped_storage().nbytes() for t in new.values() if t.requires_grad
-        )
+        info.grad_bytes = sum(t.untyped_storage().nbytes() for t in new.values() if t.requires_grad)
         info.requires_grad = any(t.requires_grad for t in out_flat)
         info.dtype = next((t.dtype for t in out_flat if t.is_floating_point()), None)
         info.kernels = 1 if new and node.target is not operator.getitem else 0
@@ -256,15 +252,17 @@ class _Propagator:
             saved[_key(t)] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with FlopCounterMode(display=False) as fc:
-                out = fn(*args, **kwargs)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with hooks, FlopCounterMode(display=False) as fc:
+            out = fn(*args, **kwargs)
         info.fwd_flops = float(fc.get_total_flops())
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         wrt = list(leaves.values())
         if outs and wrt:
             with FlopCounterMode(display=False) as fc:
-                torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+                torch.autograd.grad(
+                    outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True
+                )
             info.bwd_flops = float(fc.get_total_flops())
         return out, saved
 

@@ -1,0 +1,118 @@
+"""The runtime on a CPU device: the same ops, hooks and optimizer as on a GPU
+(streams aside), checked against plain training and for their effect."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import batch, fake_profile, offload_losses, reference_losses, tiny_gpt2, tiny_llama
+
+from zerostack.auto_offload import memory_optimize, plan_offload
+
+HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
+
+
+@functools.cache
+def _budget(build, solver):
+    """A budget halfway between no offload and the least that works (one trace
+    per model and solver)."""
+    _, rm, _ = plan_offload(
+        build(), batch(2, 8), -1, solver, precision="bf16", profile=fake_profile()
+    )
+    free = rm.solver.best_ts.peak_mem
+    least = rm.solver.least_memory_plan().peak_mem
+    return (least + 0.5 * (free - least)) / 0.95
+
+
+def _gpt2():
+    return tiny_gpt2(2)
+
+
+@pytest.mark.parametrize(
+    ("build", "solver"), [(_gpt2, "syn"), (_gpt2, "asyn"), (tiny_llama, "asyn")],
+    ids=["gpt2-syn", "gpt2-asyn", "llama-asyn"],
+)  # fmt: skip
+def test_parity_and_effect_bf16(build, solver):
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = build()
+    ref_losses, ref_masters = reference_losses(
+        model, inputs, steps=4, dtype=torch.bfloat16, device="cpu", **HYPER
+    )
+    seen = {"forward": 0, "backward": 0}
+
+    def check(phase, om):
+        seen[phase] += 1
+        for r in om.regions:
+            if phase == "forward" and r.params:
+                # offloaded regions were freed after their forward, the others kept
+                assert r.is_resident == (not r.need_offload), r
+            if phase == "backward":
+                assert not r.is_resident, r  # every buffer freed after the downloads
+        if phase == "forward":
+            assert any(r.need_offload for r in om.regions), "the budget forces an offload"
+
+    budget = _budget(build, solver)
+    losses, masters, om, opt = offload_losses(
+        model, inputs, steps=4, precision="bf16", device="cpu", solver=solver, budget=budget,
+        profile=fake_profile(), check=check, **HYPER,
+    )  # fmt: skip
+    assert seen == {"forward": 4, "backward": 4}
+    assert om.region_manager.solver.best_ts.peak_mem <= budget * 0.95
+    assert opt.grad_scaler is None and opt.last_grad_norm > HYPER["clip"]  # clipping was active
+    # the same bf16 ops on the same values: the losses agree closely
+    # bf16 rounding of slightly different updates: observed within 3e-4 relative
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        # Adam moves a parameter by ~lr whatever its gradient, so a near-zero bf16
+        # gradient whose sign rounds the other way can differ by two steps' worth.
+        torch.testing.assert_close(m.detach(), r, rtol=0, atol=2 * HYPER["lr"])
+        assert (m.detach() - r).abs().gt(2e-3).float().mean() < 1e-2
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_parity_sgd_sees_the_gradient_scale(solver):
+    """SGD's update is linear in the gradient: a wrong scale or clip shows."""
+    inputs = batch(2, 8)
+    torch.manual_seed(1)
+    model = _gpt2()
+    hyper = dict(lr=0.5, weight_decay=0.01, clip=0.3)
+    ref_losses, ref_masters = reference_losses(
+        model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **hyper
+    )
+    losses, masters, _, opt = offload_losses(
+        model, inputs, steps=3, precision="bf16", device="cpu", solver=solver,
+        budget=_budget(_gpt2, solver), profile=fake_profile(), sgd=True,
+        **hyper,
+    )  # fmt: skip
+    assert opt.last_grad_norm > hyper["clip"]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
+
+
+def test_fp16_uses_the_loss_scaler():
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = tiny_gpt2(2)
+    losses, _, om, opt = offload_losses(
+        model, inputs, steps=2, precision="fp16", device="cpu", solver="syn", budget=-1,
+        profile=fake_profile(), **HYPER,
+    )  # fmt: skip
+    assert opt.grad_scaler is not None and opt.loss_scale == 2.0**16
+    assert om.dtype == torch.float16 and all(p.dtype == torch.float16 for p in om.parameters())
+    assert losses[1] < losses[0]
+
+
+def test_without_cuda_memory_optimize_says_what_to_do():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only error")
+    with pytest.raises(RuntimeError, match="pass device='cpu' and a HardwareProfile"):
+        memory_optimize(tiny_gpt2(1), batch())
+    with pytest.raises(ValueError, match="precision must be one of"):
+        memory_optimize(
+            tiny_gpt2(1), batch(), precision="fp8", device="cpu", profile=fake_profile()
+        )
