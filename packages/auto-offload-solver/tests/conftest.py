@@ -103,12 +103,12 @@ def reference_losses(model, inputs, *, steps, dtype, device, clip, lr, weight_de
             for p, m in zip(params, masters, strict=True):
                 p.copy_(m)
                 p.grad = None
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, masters
 
 
 def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_decay, solver,
-                   budget, profile, check=None, sgd=False):  # fmt: skip
+                   budget, profile, check=None, sgd=False, on_model_params=False):  # fmt: skip
     """The same training through memory_optimize + AMPOptimizer + HybridAdam."""
     from zerostack.auto_offload import AMPOptimizer, memory_optimize
     from zerostack.fused_adam import HybridAdam
@@ -116,9 +116,11 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
     params = list(model.parameters())
     om = memory_optimize(model, inputs, budget, solver, precision=precision, profile=profile,
                          device=device)  # fmt: skip
+    # the seed built the optimizer on the model's parameters; AMPOptimizer swaps them
+    targets = list(om.parameters()) if on_model_params else om.master_parameters()
     inner = (
-        torch.optim.SGD(om.master_parameters(), lr=lr, weight_decay=weight_decay) if sgd
-        else HybridAdam(om.master_parameters(), lr=lr, weight_decay=weight_decay, adamw_mode=False)
+        torch.optim.SGD(targets, lr=lr, weight_decay=weight_decay) if sgd
+        else HybridAdam(targets, lr=lr, weight_decay=weight_decay, adamw_mode=False)
     )  # fmt: skip
     opt = AMPOptimizer(inner, om, clipping_norm=clip)
     losses = []
@@ -132,5 +134,5 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
         if check is not None:
             check("backward", om)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, [om.master_of(p) for p in params], om, opt

@@ -94,17 +94,35 @@ def test_parity_sgd_sees_the_gradient_scale(solver):
         torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
 
 
-def test_fp16_uses_the_loss_scaler():
+def test_fp16_uses_the_loss_scaler_and_model_params_are_swapped():
     inputs = batch(2, 8)
     torch.manual_seed(0)
     model = tiny_gpt2(2)
-    losses, _, om, opt = offload_losses(
+    losses, masters, om, opt = offload_losses(
         model, inputs, steps=2, precision="fp16", device="cpu", solver="syn", budget=-1,
-        profile=fake_profile(), **HYPER,
+        profile=fake_profile(), on_model_params=True, **HYPER,
     )  # fmt: skip
     assert opt.grad_scaler is not None and opt.loss_scale == 2.0**16
     assert om.dtype == torch.float16 and all(p.dtype == torch.float16 for p in om.parameters())
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert {id(p) for p in held} == {id(m) for m in masters}  # the masters, not the model's
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in held)
+    assert all(len(opt.optim.state[m]) for m in masters)  # they were stepped
     assert losses[1] < losses[0]
+
+
+def test_errors_of_amp_optimizer():
+    from zerostack.auto_offload import AMPOptimizer
+
+    om = memory_optimize(
+        tiny_gpt2(1), batch(), precision="bf16", device="cpu", profile=fake_profile()
+    )
+    with pytest.raises(ValueError, match="not a parameter of the offloaded module"):
+        AMPOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=1.0), om)
+    with pytest.raises(NotImplementedError, match=r"norm_type must be 2\.0"):
+        AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, norm_type=1.0)
+    with pytest.warns(UserWarning, match="no effect without fp16"):
+        AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, initial_scale=8.0)
 
 
 def test_without_cuda_memory_optimize_says_what_to_do():
