@@ -47,6 +47,9 @@ def test_trace_and_propagate(build):
     for i in infos:
         if i.node.target is operator.getitem or "view" in str(i.node.target):
             assert i.out_bytes == 0, f"{i.node.name} is a view and allocates nothing"
+    for i in infos:  # attention keeps what the fused CUDA kernels keep
+        if str(i.node.target) == "aten.scaled_dot_product_attention.default":
+            assert i.index in i.saves and i.temp_bytes == 2 * 4 * 8 * 4  # fp32 lse per (b, h, q)
     read = {id(p) for i in infos for p in i.params}
     assert read == {id(p) for p in model.parameters()}
 

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 _PLACEHOLDER = -1  # owner index of storages that belong to inputs, params and buffers
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 @dataclass(slots=True)
@@ -220,9 +221,21 @@ class _Propagator:
             elif owner >= 0:
                 saves.add(owner)
         info.saves, info.temp_bytes = tuple(sorted(saves)), temp
+        if node.target is _SDPA and info.requires_grad:
+            self._fused_attention_saves(info, args, new)
         self.env[node] = out
         self.infos.append(info)
         return info
+
+    def _fused_attention_saves(self, info: NodeInfo, args, new: dict) -> None:
+        """What the fused CUDA attention kernels keep for backward: q, k, v,
+        the output and an fp32 log-sum-exp per query row. (Meta tensors run
+        the math kernel, which keeps its score matrices too.)"""
+        q = args[0]
+        qkv = [t for t in args[:3] if isinstance(t, torch.Tensor)]
+        owners = {self.owner.get(_key(t), _PLACEHOLDER) for t in qkv}
+        info.saves = tuple(sorted({o for o in owners if o >= 0} | {info.index}))
+        info.temp_bytes = q[..., 0].numel() * 4 if isinstance(q, torch.Tensor) else 0
 
     def _run(self, node, info, args, kwargs, in_flat):
         """Forward (and, when something needs grad, backward) of one node."""
