@@ -51,10 +51,12 @@ def tiny_gpt2(num_layers: int = 3) -> torch.nn.Module:
     return LogitsOnly(transformers.GPT2LMHeadModel(cfg))
 
 
-def tiny_llama(num_layers: int = 2, tie: bool = False) -> torch.nn.Module:
+def tiny_llama(
+    num_layers: int = 2, tie: bool = False, hidden: int = 64, intermediate: int = 128
+) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
         max_position_embeddings=32, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip

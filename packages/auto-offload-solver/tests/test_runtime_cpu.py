@@ -123,6 +123,15 @@ def test_errors_of_amp_optimizer():
         AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, norm_type=1.0)
     with pytest.warns(UserWarning, match="no effect without fp16"):
         AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, initial_scale=8.0)
+    opt = AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om)
+    with pytest.raises(RuntimeError, match=r"no gradients since the last step"):
+        opt.step()
+    opt.backward(om(**batch()).float().mean())
+    with pytest.raises(RuntimeError, match="no gradient accumulation"):
+        opt.backward(om(**batch()).float().mean())
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"no gradients since the last step"):
+        opt.step()  # the same gradients are never applied twice
 
 
 def test_without_cuda_memory_optimize_says_what_to_do():

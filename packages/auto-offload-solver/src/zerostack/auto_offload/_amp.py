@@ -156,6 +156,11 @@ class AMPOptimizer:
         Returns:
             The inner optimizer's return value, or None when skipped.
         """
+        if not self.module.grads_ready:
+            raise RuntimeError(
+                "AMPOptimizer.step: no gradients since the last step or zero_grad(); call "
+                "AMPOptimizer.backward(loss) first"
+            )
         norm_sq = float(self.module.grad_norm_sq())  # the step's one host read
         plan = plan_step("AMPOptimizer", norm_sq, self.grad_scaler, self.max_norm)
         self.last_grad_norm = plan.grad_norm

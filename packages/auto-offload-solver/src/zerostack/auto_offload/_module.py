@@ -53,6 +53,8 @@ class BaseOffloadModule:
         self.runtime: OffloadRuntime = model.get_submodule(RUNTIME_NAME)
         self.regions: list[Region] = region_manager.region_list
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        self.grads_ready = False
+        """A backward's gradients wait in the host buffers for the optimizer."""
         self._param_region: dict[torch.nn.Parameter, Region] = {}
         self._hooks = []
         ref = weakref.ref(self)
@@ -100,10 +102,18 @@ class BaseOffloadModule:
 
         Raises:
             RuntimeError: a region did not receive all its gradients (the loss
-                does not depend on some trained parameter).
+                does not depend on some trained parameter), or the last
+                backward's gradients were not consumed yet (there is no
+                gradient accumulation: the host buffers hold one backward).
         """
+        if self.grads_ready:
+            raise RuntimeError(
+                "BaseOffloadModule.backward: the previous backward's gradients are still waiting; "
+                "call AMPOptimizer.step() or zero_grad() between backwards (no gradient accumulation)"
+            )
         loss.backward()
         self._post_backward()
+        self.grads_ready = True
 
     def _post_backward(self) -> None:
         self.runtime.finish()
@@ -132,8 +142,9 @@ class BaseOffloadModule:
         return self._norm_sq
 
     def zero_grad(self) -> None:
-        """Forget the last backward's gradient norm."""
+        """Forget the last backward's gradients (and their norm)."""
         self._norm_sq.zero_()
+        self.grads_ready = False
 
     # -- nn.Module-like ------------------------------------------------------
 
