@@ -19,12 +19,32 @@ HYPER = dict(lr=1e-3, weight_decay=0.1, clip=0.5)
 PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _gpt2():
+    return tiny_gpt2(4)
+
+
+def _llama():
+    return tiny_llama(8, hidden=512, intermediate=2048)  # ~8 MiB of bf16 parameters a layer
+
+
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory):
     return HardwareProfile.measure(cache_dir=tmp_path_factory.mktemp("profile"))
 
 
+_BUDGETS: dict = {}
+
+
 def _budget(build, solver, precision, profile, inputs, frac=0.5):
+    """Between the least plan and no offload (one trace per model and solver:
+    fp16 and bf16 plans have the same bytes)."""
+    key = (build.__name__, solver, frac)
+    if key not in _BUDGETS:
+        _BUDGETS[key] = _plan_budget(build, solver, precision, profile, inputs, frac)
+    return _BUDGETS[key]
+
+
+def _plan_budget(build, solver, precision, profile, inputs, frac):
     _, rm, _ = plan_offload(build(), inputs, -1, solver, precision=precision, profile=profile)
     free = rm.solver.best_ts.peak_mem
     least = rm.solver.least_memory_plan().peak_mem
@@ -43,13 +63,12 @@ def test_measured_profile_is_sane(profile):
 def test_parity_ten_steps(precision, solver, profile):
     inputs = batch(4, 32)
     torch.manual_seed(0)
-    build = lambda: tiny_gpt2(4)  # noqa: E731
-    model = build()
+    model = _gpt2()
     scale = 2.0**16 if precision == "fp16" else 1.0
     ref, ref_masters = reference_losses(
         model, inputs, steps=10, dtype=PRECISION[precision], device="cuda", scale=scale, **HYPER
     )
-    budget = _budget(build, solver, precision, profile, inputs)
+    budget = _budget(_gpt2, solver, precision, profile, inputs)
     losses, masters, om, opt = offload_losses(
         model, inputs, steps=10, precision=precision, device="cuda", solver=solver,
         budget=budget, profile=profile, **HYPER,
@@ -67,9 +86,8 @@ def test_parity_ten_steps(precision, solver, profile):
 def test_peak_within_budget(solver, profile):
     """A model whose parameters matter: the measured peak stays under the budget."""
     inputs = batch(8, 128)
-    build = lambda: tiny_llama(8, hidden=512, intermediate=2048)  # noqa: E731  ~8 MiB a layer
-    budget = _budget(build, solver, "bf16", profile, inputs, frac=0.3)
-    om = memory_optimize(build(), inputs, budget, solver, precision="bf16", profile=profile)
+    budget = _budget(_llama, solver, "bf16", profile, inputs, frac=0.3)
+    om = memory_optimize(_llama(), inputs, budget, solver, precision="bf16", profile=profile)
     opt = AMPOptimizer(HybridAdam(om.master_parameters(), lr=1e-3), om, clipping_norm=1.0)
     # cuBLAS allocates its workspace through the caching allocator at the first
     # matmul, outside any plan: allocate it before the baseline is read.
