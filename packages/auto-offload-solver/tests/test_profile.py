@@ -63,3 +63,15 @@ def test_from_dict_names_missing_and_unknown_fields():
 def test_measure_without_cuda_says_what_to_do():
     with pytest.raises(RuntimeError, match=r"HardwareProfile\.from_dict"):
         HardwareProfile.measure()
+
+
+def test_gemm_curve_for_small_matmuls():
+    p = fake_profile(gemm_curve={"bfloat16": {"1000": 1e9, "1000000": 1e12}})
+    assert HardwareProfile.from_dict(p.to_dict()) == p
+    assert p.gemm_rate(torch.bfloat16, 10) == 1e9  # below the curve
+    assert math.isclose(p.gemm_rate(torch.bfloat16, 31622.776601683792), 5.005e11)  # log-midpoint
+    assert p.gemm_rate(torch.float16, 10) == 1e12  # no curve: the peak
+    # a small matmul runs at the curve's rate, not the peak
+    assert math.isclose(p.compute_time(1000, 0, torch.bfloat16, kernels=0), 1e-6)
+    with pytest.raises(ValueError, match=r"gemm_curve\['bfloat16'\] needs positive sizes"):
+        fake_profile(gemm_curve={"bfloat16": {"0": 1.0}})

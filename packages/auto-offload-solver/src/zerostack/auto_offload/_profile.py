@@ -66,6 +66,10 @@ class HardwareProfile:
     """Device-to-device copy rate in bytes/s (bounds element-wise ops)."""
     kernel_launch_s: float = 0.0
     """Seconds per kernel launch (floor of every op's time). Default 0."""
+    gemm_curve: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Achieved matmul FLOP/s per dtype name, keyed by FLOPs per call (small
+    matmuls reach a fraction of the peak). Default empty: ``gemm_flops``
+    for every size."""
     _sizes: dict[str, list[int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,9 +92,13 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile: kernel_launch_s must be >= 0 (got {self.kernel_launch_s!r})"
             )
-        object.__setattr__(
-            self, "_sizes", {k: list(getattr(self, f"{k}_bandwidth")) for k in _LINKS}
-        )
+        curves = {
+            name: _check_curve(f"gemm_curve[{name!r}]", c) for name, c in self.gemm_curve.items()
+        }
+        object.__setattr__(self, "gemm_curve", curves)
+        sizes = {k: list(getattr(self, f"{k}_bandwidth")) for k in _LINKS}
+        sizes.update({f"gemm:{name}": list(c) for name, c in curves.items()})
+        object.__setattr__(self, "_sizes", sizes)
 
     # -- rates ---------------------------------------------------------------
 
@@ -101,16 +109,16 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile.bandwidth: link must be 'h2d' or 'd2h' (got {link!r})"
             )
-        curve = getattr(self, f"{link}_bandwidth")
-        sizes = self._sizes[link]
-        if nbytes <= sizes[0]:
-            return curve[sizes[0]]
-        if nbytes >= sizes[-1]:
-            return curve[sizes[-1]]
-        i = bisect.bisect_left(sizes, nbytes)
-        lo, hi = sizes[i - 1], sizes[i]
-        w = (math.log(nbytes) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return curve[lo] + w * (curve[hi] - curve[lo])
+        return _interpolate(getattr(self, f"{link}_bandwidth"), self._sizes[link], nbytes)
+
+    def gemm_rate(self, dtype: torch.dtype, flops: float) -> float:
+        """Achieved FLOP/s of a matmul of ``flops`` in ``dtype``: the measured
+        curve where there is one, else the peak (the largest peak for a dtype
+        not measured)."""
+        name = str(dtype).removeprefix("torch.")
+        if name in self.gemm_curve:
+            return _interpolate(self.gemm_curve[name], self._sizes[f"gemm:{name}"], flops)
+        return self.gemm_flops.get(name) or max(self.gemm_flops.values())
 
     def transfer_time(self, link: str, nbytes: float) -> float:
         """Seconds to copy ``nbytes`` over ``link`` (0 for nothing)."""
@@ -123,11 +131,8 @@ class HardwareProfile:
     ) -> float:
         """Roofline estimate of one op: the larger of its matmul time and its
         memory time, never below its kernel launches."""
-        name = str(dtype).removeprefix("torch.")
-        rate = self.gemm_flops.get(name) or max(self.gemm_flops.values())
-        return max(
-            flops / rate, bytes_moved / self.memory_bandwidth, kernels * self.kernel_launch_s
-        )
+        matmul = flops / self.gemm_rate(dtype, flops) if flops > 0 else 0.0
+        return max(matmul, bytes_moved / self.memory_bandwidth, kernels * self.kernel_launch_s)
 
     # -- (de)serialisation ---------------------------------------------------
 
@@ -137,6 +142,7 @@ class HardwareProfile:
         d.pop("_sizes", None)
         for link in _LINKS:
             d[f"{link}_bandwidth"] = {str(k): v for k, v in d[f"{link}_bandwidth"].items()}
+        d["gemm_curve"] = {n: {str(k): v for k, v in c.items()} for n, c in d["gemm_curve"].items()}
         return d
 
     @classmethod
@@ -147,8 +153,8 @@ class HardwareProfile:
             ValueError: a missing or unknown field, or a bad value.
         """
         fields = {"device_name", "device_memory_bytes", "h2d_bandwidth", "d2h_bandwidth",
-                  "gemm_flops", "memory_bandwidth", "kernel_launch_s"}  # fmt: skip
-        missing = fields - {"kernel_launch_s"} - set(data)
+                  "gemm_flops", "memory_bandwidth", "kernel_launch_s", "gemm_curve"}  # fmt: skip
+        missing = fields - {"kernel_launch_s", "gemm_curve"} - set(data)
         unknown = set(data) - fields
         if missing or unknown:
             raise ValueError(
@@ -186,8 +192,8 @@ class HardwareProfile:
                 "HardwareProfile.from_dict(...) (e.g. one measured on the GPU machine) to plan on "
                 "a CPU-only machine"
             )
-        device = torch.device("cuda", torch.cuda.current_device() if device is None else
-                              torch.device(device).index or 0)  # fmt: skip
+        index = None if device is None else torch.device(device).index
+        device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
         name, uuid, total = _device_facts(device)
         path = _cache_path(cache_dir, name, uuid, device)
         if path.exists() and not refresh:
@@ -202,6 +208,18 @@ class HardwareProfile:
         tmp.write_text(json.dumps(profile.to_dict(), indent=1))
         tmp.replace(path)
         return profile
+
+
+def _interpolate(curve: dict[int, float], sizes: list[int], x: float) -> float:
+    """Linear in log(x) between measured points; the end values outside them."""
+    if x <= sizes[0]:
+        return curve[sizes[0]]
+    if x >= sizes[-1]:
+        return curve[sizes[-1]]
+    i = bisect.bisect_left(sizes, x)
+    lo, hi = sizes[i - 1], sizes[i]
+    w = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return curve[lo] + w * (curve[hi] - curve[lo])
 
 
 def _device_facts(device: torch.device) -> tuple[str, str, int]:
@@ -248,7 +266,7 @@ def _time_cuda(fn, repeat: int, warmup: int = 2) -> float:
 
 
 def _measure_rates(device: torch.device) -> dict:
-    """Copy curves from 4 KiB to 256 MiB, matmul FLOP/s, HBM copy rate, launch cost."""
+    """Copy curves from 4 KiB to 256 MiB, matmul FLOP/s by size, HBM copy rate, launch cost."""
     with torch.cuda.device(device):
         curves: dict[str, dict[int, float]] = {"h2d": {}, "d2h": {}}
         host = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=True)
@@ -262,17 +280,22 @@ def _measure_rates(device: torch.device) -> dict:
         other = torch.empty_like(dev)
         hbm = 2 * dev.numel() / _time_cuda(lambda: other.copy_(dev), 10)
         host = dev = other = None  # free them before the matmuls
-        gemm = {}
+        gemm, gemm_curve = {}, {}
         for name in _DTYPES:
             dt = getattr(torch, name)
-            a = torch.randn(8192, 8192, device=device, dtype=dt)
-            b = torch.randn(8192, 8192, device=device, dtype=dt)
-            gemm[name] = 2 * 8192**3 / _time_cuda(lambda a=a, b=b: a @ b, 5)
-            del a, b
+            b = torch.randn(4096, 4096, device=device, dtype=dt)
+            curve = {}
+            for rows in (64, 256, 1024, 4096, 16384):  # (rows x 4096) @ (4096 x 4096)
+                a = torch.randn(rows, 4096, device=device, dtype=dt)
+                flops = 2 * rows * 4096 * 4096
+                repeat = max(20, 2**37 // flops)
+                curve[flops] = flops / _time_cuda(lambda a=a, b=b: a @ b, repeat)
+            gemm_curve[name], gemm[name] = curve, max(curve.values())
+            a = b = None
         tiny = torch.zeros(1, device=device)
         launch = _time_cuda(lambda: tiny.add_(1), 2000, warmup=50)
         torch.cuda.empty_cache()
     return dict(
         h2d_bandwidth=curves["h2d"], d2h_bandwidth=curves["d2h"], gemm_flops=gemm,
-        memory_bandwidth=hbm, kernel_launch_s=launch,
+        gemm_curve=gemm_curve, memory_bandwidth=hbm, kernel_launch_s=launch,
     )  # fmt: skip
