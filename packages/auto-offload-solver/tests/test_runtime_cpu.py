@@ -123,6 +123,12 @@ def test_errors_of_amp_optimizer():
         AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, norm_type=1.0)
     with pytest.warns(UserWarning, match="no effect without fp16"):
         AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, initial_scale=8.0)
+    with pytest.raises(TypeError, match=r"unknown \['input_id'\], missing \['input_ids'\]"):
+        om(input_id=batch()["input_ids"], attention_mask=batch()["attention_mask"])
+    with pytest.raises(
+        ValueError, match=r"input .input_ids. has shape \(2, 4\) but the module was traced"
+    ):
+        om(**batch(2, 4))
     opt = AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om)
     with pytest.raises(RuntimeError, match=r"no gradients since the last step"):
         opt.step()

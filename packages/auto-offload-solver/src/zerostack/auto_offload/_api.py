@@ -137,4 +137,10 @@ def memory_optimize(
         runtime_syn_offload_apply_pass if solver_name == "syn" else runtime_asyn_offload_apply_pass
     )
     gm = apply(gm, manager.region_list, device)
-    return BaseOffloadModule(gm, manager, solver_name == "syn", dtype=dtype, device=device)
+    module = BaseOffloadModule(gm, manager, solver_name == "syn", dtype=dtype, device=device)
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    flat = [inputs[n] for n in names] if isinstance(inputs, dict) else list(inputs)
+    module.input_shapes = {
+        n: tuple(x.shape) for n, x in zip(names, flat, strict=False) if isinstance(x, torch.Tensor)
+    }
+    return module

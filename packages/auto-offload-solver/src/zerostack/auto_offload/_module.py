@@ -6,7 +6,7 @@ import weakref
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_unflatten
 
 from zerostack.auto_offload._region import Region
 from zerostack.auto_offload._region_manager import RegionManager
@@ -51,6 +51,10 @@ class BaseOffloadModule:
         self.dtype = dtype
         self.device = device
         self.runtime: OffloadRuntime = model.get_submodule(RUNTIME_NAME)
+        self._input_names = [n.target for n in model.graph.nodes if n.op == "placeholder"]
+        self._out_spec = getattr(model, "zerostack_out_spec", None)
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        """Traced shape of each tensor input, by name (set by memory_optimize)."""
         self.regions: list[Region] = region_manager.region_list
         self._norm_sq = torch.zeros((), dtype=torch.float32, device=device)
         self.grads_ready = False
@@ -89,13 +93,45 @@ class BaseOffloadModule:
             return x.to(self.dtype) if x.is_floating_point() else x
         return x
 
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list:
+        """The graph's inputs in placeholder order (no pytree: see
+        ``_plain_calling``)."""
+        if len(args) > len(self._input_names):
+            raise TypeError(
+                f"BaseOffloadModule: {len(args)} positional inputs for a graph that takes "
+                f"{len(self._input_names)} ({self._input_names})"
+            )
+        unknown = set(kwargs) - set(self._input_names[len(args) :])
+        missing = [n for n in self._input_names[len(args) :] if n not in kwargs]
+        if unknown or missing:
+            raise TypeError(
+                f"BaseOffloadModule: the traced inputs are {self._input_names} (unknown "
+                f"{sorted(unknown)}, missing {missing}); call it as it was traced"
+            )
+        flat = [*args, *(kwargs[n] for n in self._input_names[len(args) :])]
+        for name, x in zip(self._input_names, flat, strict=True):
+            want = self.input_shapes.get(name)
+            if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
+                raise ValueError(
+                    f"BaseOffloadModule: input {name!r} has shape {tuple(x.shape)} but the module "
+                    f"was traced and planned for {want}; run memory_optimize for that shape"
+                )
+        return [self._cast(x) for x in flat]
+
     def forward(self, *args, **kwargs):
-        """Run the model on ``args``/``kwargs`` (floating tensors cast to the
-        compute dtype, every tensor moved to the device)."""
-        args, kwargs = tree_map(self._cast, (args, kwargs))
+        """Run the model on the traced inputs (floating tensors cast to the
+        compute dtype, every tensor moved to the device).
+
+        Raises:
+            TypeError: inputs other than those traced.
+        """
+        flat = self._flat_inputs(args, kwargs)
         for region in self.regions:
             region.grad_numel_done = 0
-        return self.model(*args, **kwargs)
+        out = self.model(*flat)
+        if self._out_spec is None:
+            return out
+        return tree_unflatten(list(out), self._out_spec)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the gradient downloads.

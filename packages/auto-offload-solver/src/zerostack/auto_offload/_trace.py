@@ -99,7 +99,26 @@ def trace_model(model: torch.nn.Module, inputs: dict | tuple) -> torch.fx.GraphM
             f"{err}); outputs must be tensors or tuples/dicts of them (e.g. pass use_cache=False to "
             "transformers models or wrap the model to return logits)"
         ) from err
-    return exported.module()
+    return _plain_calling(exported.module())
+
+
+def _plain_calling(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Drop the exported module's pytree calling convention (its input-spec
+    pre-hook and pytree codegen rebuild closures that form reference cycles on
+    every call, i.e. garbage-collector work in every step). The module then
+    takes its placeholders positionally and returns the flat outputs;
+    ``gm.zerostack_out_spec`` rebuilds the original output structure. Input
+    shapes are still checked by the graph's own guard node."""
+    codegen = gm.graph._codegen
+    out_spec = codegen.pytree_info.out_spec if hasattr(codegen, "pytree_info") else None
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    gm._forward_pre_hooks.clear()
+    gm._forward_pre_hooks_with_kwargs.clear()
+    gm._forward_hooks.clear()
+    gm._forward_hooks_always_called.clear()
+    gm.zerostack_out_spec = out_spec
+    gm.recompile()
+    return gm
 
 
 def _cpu_stand_in(x):
