@@ -174,7 +174,8 @@ class _Propagator:
         self.params: dict[torch.fx.Node, torch.nn.Parameter] = {}
         self.infos: list[NodeInfo] = []
 
-    def _leaf(self, value, owner: int, requires_grad: bool):
+    def _register(self, value, owner: int):
+        """Record the owner of every storage in ``value``; returns ``value``."""
         flat, _ = tree_flatten(value)
         for t in flat:
             if isinstance(t, torch.Tensor):
@@ -185,7 +186,7 @@ class _Propagator:
         meta = tree_map(
             lambda t: _meta_like(t, False) if isinstance(t, torch.Tensor) else t, example
         )
-        self.env[node] = self._leaf(meta, _PLACEHOLDER, False)
+        self.env[node] = self._register(meta, _PLACEHOLDER)
 
     def get_attr(self, node: torch.fx.Node) -> None:
         attr = _fetch_attr(self.gm, node.target)
@@ -196,7 +197,7 @@ class _Propagator:
             value = _meta_like(attr, False)
         else:
             value = attr
-        self.env[node] = self._leaf(value, _PLACEHOLDER, False)
+        self.env[node] = self._register(value, _PLACEHOLDER)
 
     def call(self, node: torch.fx.Node) -> NodeInfo:
         info = NodeInfo(index=len(self.infos), node=node)
