@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, lm_loss, offload_losses, reference_losses, tiny_gpt2, tiny_llama
+from offload_helpers import batch, lm_loss, offload_losses, reference_losses, tiny_gpt2, tiny_llama
 
 from zerostack.auto_offload import AMPOptimizer, HardwareProfile, memory_optimize, plan_offload
 from zerostack.fused_adam import HybridAdam

@@ -7,9 +7,9 @@ import collections
 import gc
 
 import pytest
-from conftest import batch, fake_profile, lm_loss, tiny_gpt2
+from offload_helpers import batch, fake_profile, gpt2_2, halfway_budget, lm_loss
 
-from zerostack.auto_offload import AMPOptimizer, memory_optimize, plan_offload
+from zerostack.auto_offload import AMPOptimizer, memory_optimize
 from zerostack.fused_adam import HybridAdam
 
 
@@ -31,12 +31,8 @@ def _garbage_of(step) -> tuple[int, collections.Counter]:
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
 def test_step_makes_no_cyclic_garbage(solver):
     inputs = batch()
-    _, rm, _ = plan_offload(
-        tiny_gpt2(2), inputs, -1, solver, precision="bf16", profile=fake_profile()
-    )
-    budget = (rm.solver.least_memory_plan().peak_mem + rm.solver.best_ts.peak_mem) / 2 / 0.95
-    om = memory_optimize(tiny_gpt2(2), inputs, budget, solver, precision="bf16", device="cpu",
-                         profile=fake_profile())  # fmt: skip
+    om = memory_optimize(gpt2_2(), inputs, halfway_budget(gpt2_2, solver), solver,
+                         precision="bf16", device="cpu", profile=fake_profile())  # fmt: skip
     assert any(r.need_offload for r in om.regions)
     opt = AMPOptimizer(HybridAdam(om.master_parameters(), lr=1e-3), om, clipping_norm=1.0)
 

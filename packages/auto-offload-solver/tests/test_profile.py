@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import fake_profile
+from offload_helpers import fake_profile
 
 from zerostack.auto_offload import HardwareProfile
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-from conftest import batch, fake_profile, lm_loss, tiny_gpt2
+from offload_helpers import batch, fake_profile, lm_loss, tiny_gpt2
 
 from zerostack.auto_offload import AMPOptimizer, Region, memory_optimize
 

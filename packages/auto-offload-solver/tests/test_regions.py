@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batch, fake_profile, tiny_gpt2, tiny_llama
+from offload_helpers import batch, fake_profile, tiny_gpt2, tiny_llama
 
 from zerostack.auto_offload import Region, RegionManager, propagate, trace_model
 

@@ -3,35 +3,26 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from conftest import batch, fake_profile, offload_losses, reference_losses, tiny_gpt2, tiny_llama
+from offload_helpers import (
+    batch,
+    fake_profile,
+    gpt2_2,
+    halfway_budget,
+    offload_losses,
+    reference_losses,
+    tiny_gpt2,
+    tiny_llama,
+)
 
-from zerostack.auto_offload import memory_optimize, plan_offload
+from zerostack.auto_offload import memory_optimize
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
 
 
-@functools.cache
-def _budget(build, solver):
-    """A budget halfway between no offload and the least that works (one trace
-    per model and solver)."""
-    _, rm, _ = plan_offload(
-        build(), batch(2, 8), -1, solver, precision="bf16", profile=fake_profile()
-    )
-    free = rm.solver.best_ts.peak_mem
-    least = rm.solver.least_memory_plan().peak_mem
-    return (least + 0.5 * (free - least)) / 0.95
-
-
-def _gpt2():
-    return tiny_gpt2(2)
-
-
 @pytest.mark.parametrize(
-    ("build", "solver"), [(_gpt2, "syn"), (_gpt2, "asyn"), (tiny_llama, "asyn")],
+    ("build", "solver"), [(gpt2_2, "syn"), (gpt2_2, "asyn"), (tiny_llama, "asyn")],
     ids=["gpt2-syn", "gpt2-asyn", "llama-asyn"],
 )  # fmt: skip
 def test_parity_and_effect_bf16(build, solver):
@@ -54,7 +45,7 @@ def test_parity_and_effect_bf16(build, solver):
         if phase == "forward":
             assert any(r.need_offload for r in om.regions), "the budget forces an offload"
 
-    budget = _budget(build, solver)
+    budget = halfway_budget(build, solver)
     losses, masters, om, opt = offload_losses(
         model, inputs, steps=4, precision="bf16", device="cpu", solver=solver, budget=budget,
         profile=fake_profile(), check=check, **HYPER,
@@ -78,14 +69,14 @@ def test_parity_sgd_sees_the_gradient_scale(solver):
     """SGD's update is linear in the gradient: a wrong scale or clip shows."""
     inputs = batch(2, 8)
     torch.manual_seed(1)
-    model = _gpt2()
+    model = gpt2_2()
     hyper = dict(lr=0.5, weight_decay=0.01, clip=0.3)
     ref_losses, ref_masters = reference_losses(
         model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **hyper
     )
     losses, masters, _, opt = offload_losses(
         model, inputs, steps=3, precision="bf16", device="cpu", solver=solver,
-        budget=_budget(_gpt2, solver), profile=fake_profile(), sgd=True,
+        budget=halfway_budget(gpt2_2, solver), profile=fake_profile(), sgd=True,
         **hyper,
     )  # fmt: skip
     assert opt.last_grad_norm > hyper["clip"]

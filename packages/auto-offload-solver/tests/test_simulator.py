@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import fake_profile
+from offload_helpers import fake_profile
 
 from zerostack.auto_offload import (
     ActivationProfile,

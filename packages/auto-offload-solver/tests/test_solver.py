@@ -4,7 +4,7 @@ an impossible budget names the least that works."""
 from __future__ import annotations
 
 import pytest
-from conftest import batch, fake_profile, tiny_gpt2
+from offload_helpers import batch, fake_profile, tiny_gpt2
 
 from zerostack.auto_offload import (
     AsynGreedySolver,

@@ -6,7 +6,7 @@ import operator
 
 import pytest
 import torch
-from conftest import batch, tiny_gpt2, tiny_llama
+from offload_helpers import batch, tiny_gpt2, tiny_llama
 
 from zerostack.auto_offload import propagate, retarget_devices, trace_model
 

@@ -1,6 +1,10 @@
-"""Shared fixtures: a profile given as a dict, tiny transformers models."""
+"""Test helpers: a profile given as a dict, tiny transformers models, the
+parity recipe. (A distinct module name: conftest would collide with the
+other packages' conftest modules in a combined pytest run.)"""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -22,11 +26,6 @@ def fake_profile(**over) -> HardwareProfile:
     )
     data.update(over)
     return HardwareProfile.from_dict(data)
-
-
-@pytest.fixture
-def profile() -> HardwareProfile:
-    return fake_profile()
 
 
 class LogitsOnly(torch.nn.Module):
@@ -138,3 +137,22 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
         opt.step()
         losses.append(float(loss.detach()))
     return losses, [om.master_of(p) for p in params], om, opt
+
+
+def gpt2_2() -> torch.nn.Module:
+    """The two-layer tiny GPT-2 most runtime tests train."""
+    return tiny_gpt2(2)
+
+
+@functools.cache
+def halfway_budget(build, solver: str) -> float:
+    """A budget halfway between no offload and the least plan, for ``build()``
+    on ``batch(2, 8)`` in bf16 (one trace per model and solver per session)."""
+    from zerostack.auto_offload import plan_offload
+
+    _, rm, _ = plan_offload(
+        build(), batch(2, 8), -1, solver, precision="bf16", profile=fake_profile()
+    )
+    free = rm.solver.best_ts.peak_mem
+    least = rm.solver.least_memory_plan().peak_mem
+    return (least + 0.5 * (free - least)) / 0.95
