@@ -128,7 +128,7 @@ def memory_optimize(
     gm, manager, masters = plan_offload(
         model, inputs, memory_budget, solver_name, precision=precision, profile=profile
     )
-    retarget_devices(gm, torch.device("cpu"), device)
+    retarget_devices(gm, torch.device("cpu"), device)  # See [Note: tracer choice]
     dtype = _PRECISIONS[precision]
     for region in manager.region_list:
         if region.params:

@@ -163,6 +163,9 @@ class BaseOffloadModule:
                 )
 
     def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        # The gradient overwrites the parameter's slice of the region buffer:
+        # every use of the parameter is done once its gradient is complete.
+        # See [Note: region storage].
         region = self._param_region[param]
         with torch.profiler.record_function("zerostack::grad_to_region"):
             region.copy_grad_to_region_slice(param, param.grad)

@@ -93,7 +93,7 @@ class RegionManager:
         for i, reg in enumerate(self.region_list):
             reg.r_id = i
         self.param_region_map = {p: reg for reg in self.region_list for p in reg.params}
-        self.activations = ActivationProfile(self.nodes)
+        self.activations = ActivationProfile(self.nodes)  # See [Note: memory model]
         self.costs = region_costs(self.region_list, self.activations, self.profile)
         self.solver = self.solver_cls(
             self.region_list, self.costs, self.profile, self.memory_budget,

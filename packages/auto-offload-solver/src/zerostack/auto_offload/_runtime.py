@@ -139,7 +139,7 @@ class OffloadRuntime(torch.nn.Module):
 
 def _insert_boundary(gm, runtime_node_target, before, value, fwd_info, bwd_info):
     """Insert ``value' = runtime(value, fwd, bwd)`` before ``before`` and make
-    the readers of ``value`` from ``before`` on read ``value'``."""
+    the readers of ``value`` from ``before`` on read ``value'``. See [Note: region cuts]."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     with graph.inserting_before(before):
