@@ -62,6 +62,21 @@ def tiny_llama(
     return LogitsOnly(transformers.LlamaForCausalLM(cfg))
 
 
+def tiny_ref_gpt(num_layers: int = 2, dim: int = 64, vocab: int = VOCAB) -> torch.nn.Module:
+    """zerostack.testing's TinyGPT with a tied head and an unused parameter
+    (no transformers needed: what the GPU tests train)."""
+    from zerostack.testing import GPTConfig, TinyGPT
+
+    cfg = GPTConfig(vocab_size=vocab, max_seq_len=256, num_layers=num_layers, dim=dim,
+                    num_heads=4, tie_embeddings=True, add_unused_param=True)  # fmt: skip
+    return TinyGPT(cfg)
+
+
+def ref_batch(batch_size: int = 2, seq: int = 8, seed: int = 0) -> dict:
+    """TinyGPT's input: ``idx``."""
+    return {"idx": batch(batch_size, seq, seed)["input_ids"]}
+
+
 def batch(batch_size: int = 2, seq: int = 8, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (batch_size, seq), generator=g)
@@ -90,14 +105,16 @@ def reference_losses(model, inputs, *, steps, dtype, device, clip, lr, weight_de
     opt = cls(masters, lr=lr, weight_decay=weight_decay)
     inputs = {k: v.to(device) for k, v in inputs.items()}
     losses = []
+    ids = next(iter(inputs.values()))
     for _ in range(steps):
-        loss = lm_loss(work(**inputs), inputs["input_ids"])
+        loss = lm_loss(work(**inputs), ids)
         (loss * scale).backward()
-        grads = [p.grad.float() / scale for p in params]
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        grads = [None if p.grad is None else p.grad.float() / scale for p in params]
+        norms = [torch.linalg.vector_norm(g) for g in grads if g is not None]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
         coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
         for m, g in zip(masters, grads, strict=True):
-            m.grad = (g * coef).cpu()
+            m.grad = None if g is None else (g * coef).cpu()
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
@@ -130,7 +147,7 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
         out = om(**inputs)
         if check is not None:
             check("forward", om)
-        loss = lm_loss(out, inputs["input_ids"].to(out.device))
+        loss = lm_loss(out, next(iter(inputs.values())).to(out.device))
         opt.backward(loss)
         if check is not None:
             check("backward", om)
@@ -145,14 +162,14 @@ def gpt2_2() -> torch.nn.Module:
 
 
 @functools.cache
-def halfway_budget(build, solver: str) -> float:
+def halfway_budget(build, solver: str, make_inputs=None) -> float:
     """A budget halfway between no offload and the least plan, for ``build()``
-    on ``batch(2, 8)`` in bf16 (one trace per model and solver per session)."""
+    on ``make_inputs()`` (default ``batch(2, 8)``) in bf16: one trace per model
+    and solver per session."""
     from zerostack.auto_offload import plan_offload
 
-    _, rm, _ = plan_offload(
-        build(), batch(2, 8), -1, solver, precision="bf16", profile=fake_profile()
-    )
+    inputs = batch(2, 8) if make_inputs is None else make_inputs()
+    _, rm, _ = plan_offload(build(), inputs, -1, solver, precision="bf16", profile=fake_profile())
     free = rm.solver.best_ts.peak_mem
     least = rm.solver.least_memory_plan().peak_mem
     return (least + 0.5 * (free - least)) / 0.95

@@ -72,3 +72,18 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     opt.step()
     assert not all(torch.equal(m, b) for m, b in zip(om.master_parameters(), before, strict=True))
     assert math.isfinite(opt.last_grad_norm) and opt.last_grad_norm > 0
+
+
+def test_frozen_and_unread_values_are_not_gradients():
+    r = Region(0)
+    a = torch.nn.Parameter(torch.zeros(3))
+    frozen = torch.nn.Parameter(torch.full((2,), math.inf), requires_grad=False)
+    b = torch.nn.Parameter(torch.zeros(2))
+    r.params, r.grad_params = [a, frozen, b], [a, b]
+    r.init_param_data(torch.device("cpu"), torch.bfloat16, {id(p): p.data for p in r.params})
+    r.move_param_to_cuda()
+    r.copy_grad_to_region_slice(a, torch.ones(3))
+    r.copy_grad_to_region_slice(b, torch.full((2,), 3.0))
+    assert r.can_release and r.grad_numel == 5
+    assert math.isclose(float(r.grad_norm_sq()), 3 * 1.0 + 2 * 9.0, rel_tol=1e-6)  # inf: a value
+    assert not bool(r.has_inf_or_nan)

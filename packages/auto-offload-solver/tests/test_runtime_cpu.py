@@ -11,14 +11,17 @@ from offload_helpers import (
     gpt2_2,
     halfway_budget,
     offload_losses,
+    ref_batch,
     reference_losses,
     tiny_gpt2,
     tiny_llama,
+    tiny_ref_gpt,
 )
 
 from zerostack.auto_offload import memory_optimize
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
+SGD = dict(lr=0.5, weight_decay=0.01, clip=0.3)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +73,7 @@ def test_parity_sgd_sees_the_gradient_scale(solver):
     inputs = batch(2, 8)
     torch.manual_seed(1)
     model = gpt2_2()
-    hyper = dict(lr=0.5, weight_decay=0.01, clip=0.3)
+    hyper = SGD
     ref_losses, ref_masters = reference_losses(
         model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **hyper
     )
@@ -83,6 +86,32 @@ def test_parity_sgd_sees_the_gradient_scale(solver):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=1e-3)
     for m, r in zip(masters, ref_masters, strict=True):
         torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
+
+
+def test_parity_tied_head_and_unused_parameter():
+    """zerostack.testing's TinyGPT: tied head, a parameter forward never reads."""
+    torch.manual_seed(2)
+    model = tiny_ref_gpt(2)
+    inputs = ref_batch(2, 8)
+    ref, ref_masters = reference_losses(
+        model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **SGD
+    )
+    budget = halfway_budget(tiny_ref_gpt, "asyn", ref_batch)
+    losses, masters, om, _ = offload_losses(
+        model, inputs, steps=3, precision="bf16", device="cpu", solver="asyn", budget=budget,
+        profile=fake_profile(), sgd=True, **SGD,
+    )  # fmt: skip
+    assert om.region_manager.get_region(model.tok_emb.weight).shared
+    assert any(r.need_offload for r in om.regions)
+    torch.testing.assert_close(losses, ref, rtol=1e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
+    unused = om.master_of(model.unused.weight)
+    assert unused.grad is None and not opt_state(om, unused)
+
+
+def opt_state(om, master):
+    return any(master is p for r in om.regions for p in r.grad_params)
 
 
 def test_fp16_uses_the_loss_scaler_and_model_params_are_swapped():

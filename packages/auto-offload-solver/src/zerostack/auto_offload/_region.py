@@ -170,17 +170,31 @@ class Region:
         """Every gradient of the region has arrived."""
         return bool(self.grad_params) and self.grad_numel_done >= self.grad_numel
 
+    def _grad_slices(self) -> list[torch.Tensor]:
+        """The buffer's gradient parts: frozen and unread parameters keep their
+        values in the buffer, and must not count as gradients."""
+        ranges = sorted(self.param_to_range[p] for p in self.grad_params)
+        merged: list[list[int]] = []
+        for begin, end in ranges:
+            if merged and merged[-1][1] == begin:
+                merged[-1][1] = end
+            else:
+                merged.append([begin, end])
+        return [self.cuda_data[b:e] for b, e in merged]
+
     @property
     def has_inf_or_nan(self) -> torch.Tensor:
         """A device bool: the gradients now in the buffer hold an inf or a nan."""
-        return ~torch.isfinite(self.cuda_data).all()
+        flags = [~torch.isfinite(s).all() for s in self._grad_slices()]
+        return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
     def grad_norm_sq(self) -> torch.Tensor:
         """Squared L2 norm (fp32, on the device) of the gradients in the buffer;
         non-finite when any of them is."""
         total = torch.zeros((), dtype=torch.float32, device=self.cuda_data.device)
-        for chunk in self.cuda_data.split(_NORM_CHUNK_NUMEL):
-            total += torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
+        for part in self._grad_slices():
+            for chunk in part.split(_NORM_CHUNK_NUMEL):
+                total += torch.linalg.vector_norm(chunk, dtype=torch.float32).square()
         return total
 
     def move_grad_to_cpu(self) -> None:
