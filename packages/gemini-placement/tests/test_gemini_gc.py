@@ -105,3 +105,28 @@ def test_the_collector_runs_on_the_schedule():
     assert gc.isenabled() == (others == 0)
     with pytest.raises(ValueError, match=r"gc_every_n_steps must be an int >= 0 \(got -1\)"):
         _trainer({}, gc_every_n_steps=-1)
+
+
+def test_the_hooks_look_no_tensor_up_by_hash(monkeypatch):
+    # Host time per step: a dict or set keyed by a tensor calls Tensor.__hash__,
+    # a Python function, and the hooks run for every module three times a step.
+    # The hooks hold each parameter's chunk and TensorInfo instead; what is
+    # left in forward and backward is one set insertion per parameter that got
+    # a gradient and the reduction's walk over each chunk's tensors.
+    step, opt = _trainer({})
+    step()
+    ddp = opt.module
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    calls = [0]
+    original = torch.Tensor.__hash__
+
+    def counting(self):
+        calls[0] += 1
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "__hash__", counting)
+    opt.backward(ddp(idx, tgt).float())
+    monkeypatch.undo()
+    opt.step()
+    # The old hooks looked every parameter up about 15 times in forward and backward.
+    assert 0 < calls[0] <= 2 * len(ddp.params), (calls[0], len(ddp.params))

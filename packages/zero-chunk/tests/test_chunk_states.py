@@ -46,13 +46,22 @@ def test_the_table_is_the_documented_one():
     } == TRANSITIONS
 
 
+@pytest.mark.parametrize("by_info", [False, True], ids=["by-tensor", "by-info"])
 @pytest.mark.parametrize(("old", "new"), list(itertools.product(TensorState, TensorState)))
-def test_every_pair(old, new):
+def test_every_pair(old, new, by_info):
     chunk, t = _chunk_with_tensor()
     _reach(chunk, t, old)
     counts = dict(chunk.state_count)
+    info = chunk.tensors_info[t]
+
+    def move(tensor, state):  # trans_info_state is the hooks' lookup-free twin
+        if by_info:
+            chunk.trans_info_state(info, state)
+        else:
+            chunk.trans_tensor_state(tensor, state)
+
     if new in TRANSITIONS[old]:
-        chunk.trans_tensor_state(t, new)
+        move(t, new)
         assert chunk.tensor_state(t) is new
         assert chunk.state_count[new] == 1 and sum(chunk.state_count.values()) == 1
     else:
@@ -60,7 +69,7 @@ def test_every_pair(old, new):
             RuntimeError,
             match=rf"chunk 0: illegal transition {old.name} -> {new.name} for tensor at offset 0 \(shape \(4,\)\)",
         ):
-            chunk.trans_tensor_state(t, new)
+            move(t, new)
         assert chunk.tensor_state(t) is old
         assert dict(chunk.state_count) == counts
 

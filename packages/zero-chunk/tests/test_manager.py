@@ -118,3 +118,12 @@ def test_zero_chunk_gives_a_zeroed_buffer_without_gathering_and_counts_it():
     assert manager.total_mem["cpu"] == before + chunk.chunk_size * 4
     with pytest.raises(RuntimeError, match=r"zero_buffer: the chunk is gathered"):
         manager.zero_chunk(chunk)
+    # Accessing a chunk that is gathered already moves and counts nothing, and
+    # makes it an accessed chunk that a release drops.
+    gathered = manager.total_mem["cpu"]
+    buffer = chunk.buffer
+    assert manager.access_chunk(chunk) is None
+    assert chunk.buffer is buffer and chunk in manager.accessed_chunks
+    assert manager.total_mem["cpu"] == gathered
+    manager.release_chunk(chunk)
+    assert not chunk.is_gathered and manager.total_mem["cpu"] == before

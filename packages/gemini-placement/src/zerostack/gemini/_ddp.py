@@ -18,11 +18,14 @@ from zerostack.chunk import (
     Chunk,
     ChunkManager,
     LazyInitContext,
+    TensorInfo,
     TensorState,
+    debug_collectives,
     path_between,
     phase,
     rank_and_world,
     search_chunk_configuration,
+    set_collective_label,
 )
 from zerostack.gemini._config import GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
 S = TensorState
 _GATHERABLE = frozenset({S.HOLD, S.FREE, S.HOLD_AFTER_BWD})
+_Slot = tuple[Chunk, TensorInfo]  # a parameter's chunk and its entry in the chunk
 
 
 class ChunkGroup(Enum):
@@ -94,12 +98,19 @@ class GeminiDDP(nn.Module):
         init_fn: for a model built under LazyInitContext without
             ``reset_parameters`` on every module (e.g. transformers models):
             a model-level initialiser, see LazyInitContext.distribute.
+        debug_collectives: True: before every gather and reduce, check that
+            all ranks issue the same collective (for the same module), and
+            raise CollectiveMismatchError on every rank, naming what each was
+            about to do, instead of hanging. A blocking exchange per
+            collective: for debugging. Switches it for the whole process.
+            Default None: the ``ZEROSTACK_DEBUG_COLLECTIVES`` environment
+            variable decides.
         placement_policy: "static" (shard_param_frac, offload_optim_frac,
             offload_param_frac) or "auto" (see AutoPlacement and
             warmup_non_model_data_ratio, steady_cuda_cap_ratio,
             gpu_capacity_bytes, max_prefetch). Default "static".
-        search_range_m, hidden_dim, min_chunk_size_m, chunk_config_dict,
-            pin_memory, enable_gradient_accumulation: see ChunkConfig.
+        search_range_m: see ChunkConfig, as for hidden_dim, min_chunk_size_m,
+            chunk_config_dict, pin_memory and enable_gradient_accumulation.
         mixed_precision: the compute dtype, torch.float16 (default),
             torch.bfloat16 or torch.float32; cast_forward_inputs: see
             MixedPrecision.
@@ -122,6 +133,7 @@ class GeminiDDP(nn.Module):
         process_group: dist.ProcessGroup | None = None,
         compute_device: torch.device | str | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
+        debug_collectives: bool | None = None,
         **settings: Any,
     ) -> None:
         super().__init__()
@@ -130,6 +142,8 @@ class GeminiDDP(nn.Module):
                 f"{_API}: pass either config or keyword settings (got both: {sorted(settings)})"
             )
         self.config = config = config or GeminiConfig.from_kwargs(**settings)
+        if debug_collectives is not None:
+            _set_debug(debug_collectives)
         self.module = module
         self.process_group = process_group
         self.rank, self.world_size = rank_and_world(process_group)
@@ -357,6 +371,26 @@ class GeminiDDP(nn.Module):
         """Finish every pending optimizer update."""
         self.cpu_step.await_all()
 
+    def chunk_placement(self, *, table: bool = False) -> Any:
+        """Where every chunk lives now (this rank): a list of
+        zerostack.gemini ChunkRow (index, kind, dtype, chunk_size, sharded,
+        home tier, gathered, bytes per tier), or with ``table`` a text table
+        of them with a per-tier summary and the chunk size. See [Note:
+        memory tiers]."""
+        from zerostack.gemini._memory import chunk_placement, format_placement
+
+        rows = chunk_placement(self)
+        return format_placement(rows) if table else rows
+
+    def memory_timeline(self, optimizer: Any = None) -> Any:
+        """A zerostack.gemini MemoryTimeline: ``with model.memory_timeline(opt)
+        as t:`` around one step records the bytes on each tier (gpu, pinned,
+        pageable host, disk) at every module's forward and backward;
+        ``t.table()``, ``t.save_png(path)``."""
+        from zerostack.gemini._memory import MemoryTimeline
+
+        return MemoryTimeline(self, optimizer)
+
     # -- hooks -------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
@@ -364,15 +398,19 @@ class GeminiDDP(nn.Module):
         # graph, out of the garbage collector's sight, and would keep the
         # model (and all its chunks) alive forever through a strong reference.
         self._handles = []
-        on_grad = _WeakCall(self, "_on_grad")
-        for p in self.params:
+        # A parameter's hook names its slot by index: a chunk held by the hook
+        # would be a cycle through autograd's C++ side, never collected.
+        tensor_chunk = self.chunk_manager.tensor_chunk_map
+        self._slots = [(tensor_chunk[p], tensor_chunk[p].tensors_info[p]) for p in self.params]
+        for i, p in enumerate(self.params):
             if p.requires_grad:
+                on_grad = _WeakCall(self, "_on_grad", i)
                 self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
-        for m in self.module.modules():
+        for name, m in self.module.named_modules():
             direct = [p for p in m.parameters(recurse=False) if p in self.param_names]
             if not direct:
                 continue
-            hooks = _ModuleHooks(self, direct, self._chunks(direct))
+            hooks = _ModuleHooks(self, name or "(the root)", direct, self._chunks(direct))
             self._handles.append(m.register_forward_pre_hook(hooks.pre_forward))
             self._handles.append(m.register_forward_hook(hooks.post_forward))
 
@@ -385,10 +423,14 @@ class GeminiDDP(nn.Module):
         # evaluation forward has another order).
         return self._state in (T.FORWARD, T.BACKWARD)
 
-    def _gather(self, params: list[torch.Tensor], state: TensorState, chunks: list[Chunk]) -> None:
-        """Gather ``chunks`` (those holding ``params``) and mark ``params`` in use.
-        The hot path: it runs for every module with parameters, three times a step."""
+    def _gather(
+        self, slots: list[_Slot], state: TensorState, chunks: list[Chunk], label: str
+    ) -> None:
+        """Gather ``chunks`` (those holding the tensors of ``slots``) and mark
+        the tensors in use. The hot path: it runs for every module with
+        parameters, three times a step."""
         pipeline, manager = self.cpu_step, self.chunk_manager
+        set_collective_label(label)
         with phase("zerostack::gather"):
             training = self._state is T.FORWARD or self._state is T.BACKWARD
             self.placement.before_access(chunks, training)
@@ -397,11 +439,9 @@ class GeminiDDP(nn.Module):
                     pipeline.await_chunk(chunk)
                 manager.access_chunk(chunk)
             self.placement.after_access(chunks, training)
-        tensor_chunk = manager.tensor_chunk_map
-        for p in params:
-            chunk = tensor_chunk[p]
-            if chunk.tensors_info[p].state in _GATHERABLE:
-                chunk.trans_tensor_state(p, state)
+        for chunk, info in slots:
+            if info.state in _GATHERABLE:
+                chunk.trans_info_state(info, state)
 
     def _release(self, params: list[torch.Tensor], state: TensorState) -> None:
         for p in params:
@@ -417,7 +457,7 @@ class GeminiDDP(nn.Module):
             if chunk.can_release:
                 self.chunk_manager.release_chunk(chunk)
 
-    def _pre_forward(self, params: list[torch.Tensor], chunks: list[Chunk]) -> None:
+    def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk], label: str) -> None:
         if self._state is not T.BACKWARD and not self.placement.keeps_cache:
             # Forward has moved past the chunks this module does not use:
             # release those (a chunk shared by consecutive modules is gathered
@@ -426,14 +466,12 @@ class GeminiDDP(nn.Module):
             idle = [c for c in self.chunk_manager.accessed_chunks if c not in chunks]
             if idle:
                 self._release_idle(idle)
-        self._gather(params, S.COMPUTE, chunks)
+        self._gather(slots, S.COMPUTE, chunks, label)
 
-    def _post_forward(self, params: list[torch.Tensor], pre_backward: Callable, out: Any) -> None:
-        tensor_chunk = self.chunk_manager.tensor_chunk_map
-        for p in params:
-            chunk = tensor_chunk[p]
-            if chunk.tensors_info[p].state is S.COMPUTE:
-                chunk.trans_tensor_state(p, S.HOLD)
+    def _post_forward(self, slots: list[_Slot], pre_backward: Callable, out: Any) -> None:
+        for chunk, info in slots:
+            if info.state is S.COMPUTE:
+                chunk.trans_info_state(info, S.HOLD)
         if not torch.is_grad_enabled():
             return
         # Before this module's backward, gather its chunks again. One output
@@ -449,30 +487,31 @@ class GeminiDDP(nn.Module):
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
 
-    def _pre_backward(self, params: list[torch.Tensor], chunks: list[Chunk], grads: Any) -> None:
+    def _pre_backward(
+        self, slots: list[_Slot], chunks: list[Chunk], label: str, grads: Any
+    ) -> None:
         if self._state is not T.BACKWARD:
             self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._gather(params, S.COMPUTE, chunks)
+        self._gather(slots, S.COMPUTE, chunks, label)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        chunk = self.chunk_manager.tensor_chunk_map[p]
+    def _on_grad(self, index: int, p: torch.Tensor) -> None:
+        chunk, info = self._slots[index]
         self.used.add(p)
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
             chunk.grad_view(p).add_(p.grad)
         else:
-            chunk.copy_into_slot(
-                p, p.grad
-            )  # the value is no longer needed: its slot takes the gradient
+            # The value is no longer needed: its slot takes the gradient.
+            chunk.buffer[info.offset : info.end].copy_(p.grad.reshape(-1))
         p.grad = None
-        if chunk.tensor_state(p) is S.HOLD:
-            chunk.trans_tensor_state(p, S.COMPUTE)
-        chunk.trans_tensor_state(p, S.HOLD_AFTER_BWD)
+        if info.state is S.HOLD:
+            chunk.trans_info_state(info, S.COMPUTE)
+        chunk.trans_info_state(info, S.HOLD_AFTER_BWD)
         if self._no_sync:
             return  # HOLD_AFTER_BWD -> COMPUTE in the next forward, -> READY in the last backward
-        chunk.trans_tensor_state(p, S.READY_FOR_REDUCE)
+        chunk.trans_info_state(info, S.READY_FOR_REDUCE)
         self._reduce_ready()
 
     # -- reduction -----------------------------------------------------------------
@@ -489,6 +528,7 @@ class GeminiDDP(nn.Module):
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
+            set_collective_label(f"gradient reduction of chunk {chunk.index}")
             with phase("zerostack::reduce"):
                 handle = self.chunk_manager.reduce_chunk(
                     chunk, async_op=self.config.enable_async_reduce
@@ -667,6 +707,9 @@ class GeminiDDP(nn.Module):
         return None
 
 
+_set_debug = debug_collectives  # the argument of GeminiDDP shadows the function
+
+
 class _WeakCall:
     """``getattr(target, name)(*args, *call_args)``, holding ``target``
     weakly; built once, so a step creates no closure."""
@@ -688,22 +731,30 @@ class _ModuleHooks:
     its own (and the chunks holding them); holds the GeminiDDP weakly and is
     built once."""
 
-    __slots__ = ("_ddp", "_pre_backward", "chunks", "params")
+    __slots__ = ("_ddp", "_forward_label", "_pre_backward", "chunks", "slots")
 
-    def __init__(self, ddp: GeminiDDP, params: list[torch.Tensor], chunks: list[Chunk]) -> None:
+    def __init__(
+        self, ddp: GeminiDDP, name: str, params: list[torch.Tensor], chunks: list[Chunk]
+    ) -> None:
         self._ddp = weakref.ref(ddp)
-        self.params, self.chunks = params, chunks
-        self._pre_backward = _WeakCall(ddp, "_pre_backward", params, chunks)
+        tensor_chunk = ddp.chunk_manager.tensor_chunk_map
+        # (chunk, TensorInfo) per parameter, looked up once: a lookup keyed by
+        # a tensor calls Tensor.__hash__ in Python, thousands of times a step.
+        self.slots = [(tensor_chunk[p], tensor_chunk[p].tensors_info[p]) for p in params]
+        self.chunks = chunks
+        self._forward_label = f"forward of module {name}"
+        backward_label = f"backward of module {name}"
+        self._pre_backward = _WeakCall(ddp, "_pre_backward", self.slots, chunks, backward_label)
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:
-            ddp._pre_forward(self.params, self.chunks)
+            ddp._pre_forward(self.slots, self.chunks, self._forward_label)
 
     def post_forward(self, module: nn.Module, args: Any, out: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:
-            ddp._post_forward(self.params, self._pre_backward, out)
+            ddp._post_forward(self.slots, self._pre_backward, out)
 
 
 def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:

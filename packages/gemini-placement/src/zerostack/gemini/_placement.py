@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerostack.chunk import Chunk, ChunkManager, all_reduce_max
+from zerostack.chunk import Chunk, ChunkManager, all_reduce_max, set_collective_label
 from zerostack.gemini._config import AutoPlacementConfig, StaticPlacementConfig
 
 logger = logging.getLogger(__name__)
@@ -325,6 +325,7 @@ class AutoPlacement(Placement):
         mine = torch.tensor(
             [float(self.stats.max_non_model_bytes), -float(self.capacity)], device=device
         )
+        set_collective_label("auto placement's agreement after the warm-up")
         all_reduce_max(mine, self.process_group)
         worst, neg_capacity = mine.tolist()
         self.non_model_reserve = int(worst)

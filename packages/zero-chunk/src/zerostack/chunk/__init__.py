@@ -4,11 +4,14 @@ gathered, released, reduced and moved as one."""
 from zerostack.chunk.__about__ import __version__
 from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
 from zerostack.chunk._comm import (
+    CollectiveMismatchError,
     all_gather_into,
     all_reduce_max,
     all_reduce_sum,
+    debug_collectives,
     rank_and_world,
     reduce_scatter_sum,
+    set_collective_label,
 )
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
@@ -22,6 +25,7 @@ __all__ = [
     "ChunkFullError",
     "ChunkManager",
     "ChunkSearchResult",
+    "CollectiveMismatchError",
     "Handle",
     "LazyInitContext",
     "TensorInfo",
@@ -30,9 +34,11 @@ __all__ = [
     "all_gather_into",
     "all_reduce_max",
     "all_reduce_sum",
+    "debug_collectives",
     "path_between",
     "phase",
     "rank_and_world",
     "reduce_scatter_sum",
     "search_chunk_configuration",
+    "set_collective_label",
 ]

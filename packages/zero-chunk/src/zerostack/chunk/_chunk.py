@@ -439,12 +439,19 @@ class Chunk:
         return self.tensors_info[tensor].state
 
     def _transition(self, tensor: torch.Tensor, new: TensorState) -> None:
-        """The only place a tensor's state changes. See [Note: tensor state table]."""
         info = self.tensors_info.get(tensor)
         if info is None:
             raise ValueError(
                 f"chunk {self.index}: tensor of shape {tuple(tensor.shape)} is not in this chunk"
             )
+        self.trans_info_state(info, new)
+
+    def trans_info_state(self, info: TensorInfo, new: TensorState) -> None:
+        """``trans_tensor_state`` for a caller holding the tensor's ``TensorInfo``
+        (of this chunk's ``tensors_info``): no lookup by tensor, which costs a
+        Python ``Tensor.__hash__`` call. The hooks' hot path.
+
+        The only place a tensor's state changes. See [Note: tensor state table]."""
         old = info.state
         if new not in TRANSITIONS[old]:
             raise RuntimeError(

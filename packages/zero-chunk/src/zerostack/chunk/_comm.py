@@ -6,9 +6,23 @@ that both users may import (zero-shard depends on zero-chunk for it), so
 torch-version differences (renamed collectives, deprecations) are handled
 once. Every function works without an initialised process group (a single
 process: the result is this rank's own data).
+
+[Note: collective debug mode] Ranks that disagree on the next collective (a
+module skipped on one rank, a data-dependent branch) hang: each waits in a
+collective the others never join. With ``ZEROSTACK_DEBUG_COLLECTIVES=1`` (or
+``debug_collectives(True)``, or the wrappers' ``debug_collectives=True``)
+every collective here is preceded by an all-gather of a fingerprint (which
+collective, how many elements, which dtype, and a hash of the caller's label,
+such as "forward of module h.0.attn"). Every rank sees every fingerprint, so
+on a difference every rank raises the same CollectiveMismatchError, naming
+what each rank was about to do. It costs a blocking all-gather of 4 integers
+per collective (and a device sync with NCCL): a debugging aid, off by default.
 """
 
 from __future__ import annotations
+
+import os
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -17,6 +31,69 @@ import torch.distributed as dist
 # the *_single names; the device machine's torch 2.11 may only have the old ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_debug = os.environ.get("ZEROSTACK_DEBUG_COLLECTIVES", "0") not in ("", "0")
+_label = "no label"
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives (see [Note: collective
+    debug mode]); raised on every rank of the group."""
+
+
+def debug_collectives(enabled: bool | None = None) -> bool:
+    """Whether every collective first checks that all ranks issue the same
+    one (see [Note: collective debug mode]); ``enabled`` switches it for
+    this process. Returns the setting in force."""
+    global _debug
+    if enabled is not None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"debug_collectives: enabled must be a bool or None (got {enabled!r})")
+        _debug = enabled
+    return _debug
+
+
+def set_collective_label(label: str) -> str:
+    """Name what the next collectives are for ("forward of module h.0.attn"),
+    for the debug mode's check and its error; returns the previous label."""
+    global _label
+    previous, _label = _label, label
+    return previous
+
+
+def _describe(op: str, t: torch.Tensor) -> str:
+    return f"{op} of {t.numel()} x {t.dtype} ({_label})"
+
+
+def _check(op: str, t: torch.Tensor, group) -> None:
+    """The debug mode's fingerprint exchange before a collective."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    fields = (op, str(t.dtype), _label)
+    mine = torch.tensor(
+        [t.numel(), *(zlib.crc32(f.encode()) for f in fields)], dtype=torch.int64, device=t.device
+    )
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=t.device)
+    _all_gather(every, mine, group=group)
+    rows = every.view(world, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    described: list[str | None] = [None] * world
+    dist.all_gather_object(described, _describe(op, t), group=group)
+    by_text: dict[str, list[int]] = {}
+    for rank, text in enumerate(described):
+        by_text.setdefault(str(text), []).append(rank)
+    lines = "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {text}"
+        for text, r in by_text.items()
+    )
+    raise CollectiveMismatchError(
+        f"ranks disagree on the next collective: {lines}. Every rank must run forward and "
+        "backward through the same modules with parameters, and put the same outputs into "
+        "its loss (a data-dependent branch or a module skipped on some ranks hangs the group)"
+    )
 
 
 def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
@@ -31,6 +108,8 @@ def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group=None, async_op
     if not dist.is_initialized():
         out.copy_(shard)
         return None
+    if _debug:
+        _check("all_gather", shard, group)
     return _all_gather(out, shard, group=group, async_op=async_op)
 
 
@@ -39,6 +118,8 @@ def reduce_scatter_sum(out: torch.Tensor, full: torch.Tensor, group=None, async_
     if not dist.is_initialized():
         out.copy_(full)
         return None
+    if _debug:
+        _check("reduce_scatter", full, group)
     return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -46,10 +127,14 @@ def all_reduce_sum(t: torch.Tensor, group=None, async_op: bool = False):
     """Sum ``t`` over ranks, in place."""
     if not dist.is_initialized():
         return None
+    if _debug:
+        _check("all_reduce(sum)", t, group)
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def all_reduce_max(t: torch.Tensor, group=None) -> None:
     """Element-wise maximum of ``t`` over ranks, in place."""
     if dist.is_initialized():
+        if _debug:
+            _check("all_reduce(max)", t, group)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -164,6 +164,10 @@ class ChunkManager:
         """Gather ``chunk`` on the compute device."""
         if chunk in self.accessed_chunks:
             return None
+        if chunk.is_gathered:  # kept gathered (or zero-filled): nothing moves, nothing to count
+            if not chunk.keep_gathered:
+                self.accessed_chunks.add(chunk)
+            return None
         handle = self._apply(chunk, chunk.access, async_op)
         if not chunk.keep_gathered:
             self.accessed_chunks.add(chunk)

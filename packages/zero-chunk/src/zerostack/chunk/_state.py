@@ -9,11 +9,18 @@ import torch
 
 
 class TensorState(Enum):
+    """The state of a tensor in its chunk; ``TRANSITIONS`` lists the legal moves."""
+
     FREE = 0  # nothing needed: the chunk may drop its gathered copy
     COMPUTE = 1  # in use by forward or backward: the gathered copy is needed
     HOLD = 2  # between uses: data valid (gathered or in this rank's shard)
     HOLD_AFTER_BWD = 3  # backward used it; its gradient is not complete yet
     READY_FOR_REDUCE = 4  # its gradient is complete and waits for the chunk's reduce
+
+    # Members are singletons compared by identity: hash them by identity too,
+    # in C. Enum's own __hash__ is a Python call, and the hooks look states up
+    # in sets and counters thousands of times a step.
+    __hash__ = object.__hash__
 
 
 # [Note: tensor state table]
@@ -27,6 +34,7 @@ TRANSITIONS: dict[TensorState, frozenset[TensorState]] = {
     TensorState.HOLD_AFTER_BWD: frozenset({TensorState.COMPUTE, TensorState.READY_FOR_REDUCE}),
     TensorState.READY_FOR_REDUCE: frozenset({TensorState.HOLD}),
 }
+"""Every legal move between tensor states; any other raises (see [Note: tensor state table])."""
 
 
 @dataclass(slots=True)

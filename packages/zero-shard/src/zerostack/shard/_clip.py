@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zerostack.chunk import all_reduce_sum
+from zerostack.chunk import all_reduce_sum, set_collective_label
 
 
 def grad_stats(
@@ -31,6 +31,7 @@ def grad_stats(
     else:
         norm_sq = torch.zeros((), dtype=torch.float32, device=device)
     packed = torch.cat([norm_sq.view(1), extra.float()])
+    set_collective_label("the step's gradient norm and overflow check")
     all_reduce_sum(packed, group)
     return packed.tolist()
 
