@@ -169,3 +169,24 @@ def test_without_cuda_memory_optimize_says_what_to_do():
         memory_optimize(
             tiny_gpt2(1), batch(), precision="fp8", device="cpu", profile=fake_profile()
         )
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    model = tiny_gpt2(1)
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    om = memory_optimize(model, batch(), precision="bf16", device="cpu", profile=fake_profile())
+    sd = om.state_dict()
+    assert set(sd) >= {k for k in original if not k.endswith("attn.bias")}
+    for k, v in sd.items():  # fp32 masters: the original values, not bf16-rounded
+        if k in original:
+            assert v.dtype == torch.float32 and torch.equal(v, original[k].float()), k
+    out = om(**batch()).float()
+    changed = {k: v + 0.5 if v.is_floating_point() else v for k, v in sd.items()}
+    om.load_state_dict(changed)
+    assert torch.equal(om.state_dict()["model.lm_head.weight"], changed["model.lm_head.weight"])
+    assert not torch.allclose(om(**batch()).float(), out)  # the next forward uploads them
+    with pytest.raises(KeyError, match="unknown \\['nope'\\]"):
+        om.load_state_dict({**changed, "nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="has shape"):
+        om.load_state_dict({**changed, "model.lm_head.weight": torch.zeros(2)})

@@ -209,6 +209,47 @@ class BaseOffloadModule:
         self.master_parameters()
         return self._masters[param]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights by the model's names: each parameter's fp32 master (on
+        the host; tied names share one tensor) and each buffer, detached. The
+        device copies are not used: between steps their storage is freed."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out[name] = self.master_of(p).detach()
+        for name, b in self.model.named_buffers():
+            out[name] = b.detach()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights by name into the masters (and the half copies the next
+        forward uploads) and the buffers.
+
+        Raises:
+            KeyError: a parameter or buffer of the model is missing, or a name
+                is unknown.
+            ValueError: a shape differs.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers())
+        missing = sorted((set(params) | set(buffers)) - set(state))
+        unknown = sorted(set(state) - set(params) - set(buffers))
+        if missing or unknown:
+            raise KeyError(
+                f"BaseOffloadModule.load_state_dict: missing {missing}, unknown {unknown}"
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                target = self.master_of(params[name]) if name in params else buffers[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"BaseOffloadModule.load_state_dict: {name} has shape "
+                        f"{tuple(value.shape)}, the model {tuple(target.shape)}"
+                    )
+                target.copy_(value)
+            for region in self.regions:
+                if region.params:
+                    region.cpu_half.copy_(region.cpu_master)
+
     def train(self, mode: bool = True) -> BaseOffloadModule:
         """Kept for API parity; the traced graph is fixed in training mode."""
         if not mode:
