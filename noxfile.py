@@ -23,6 +23,7 @@ CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
 TEST_REQUIREMENTS = {
     "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
+    "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
 
 nox.options.sessions = ["tests"]
