@@ -181,3 +181,64 @@ def test_a_failed_write_keeps_the_state_and_training_goes_on(tmp_path, monkeypat
     got += _train(ddp, opt, 3, start=1)
     assert failures and "state write(s)" in caplog.text
     assert got == expected  # the failed write's state stayed in RAM, nothing lost
+
+
+class _WithSideHead(torch.nn.Module):
+    """TinyGPT plus a head that only some steps use: its parameter then has no
+    gradient, and its Adam moments (on disk) must stay as they were."""
+
+    def __init__(self):
+        super().__init__()
+        self.gpt = TinyGPT(CONFIG)
+        self.side = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, idx, tgt, use_side):
+        loss = self.gpt(idx, tgt)
+        if use_side:
+            loss = loss + 1e-2 * self.side(torch.ones(16)).pow(2).sum()
+        return loss
+
+
+def _unused(rank, world, directory):
+    torch.manual_seed(0)
+    ref_model = _WithSideHead()
+    model = copy.deepcopy(ref_model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu", offload_optim_frac=1.0,
+        chunk_config_dict={world: {"chunk_size": 20_000}},
+    )  # fmt: skip
+    adam = HybridAdam(
+        list(model.parameters()), lr=1e-3, weight_decay=0.1, nvme_offload_fraction=1.0,
+        nvme_offload_dir=directory,
+    )  # fmt: skip
+    opt = GeminiOptimizer(adam, ddp)
+    for step in range(4):
+        use_side = step == 0  # moments built at step 0, then left alone
+        idx, tgt = make_batch(CONFIG, 4, 32, seed=100 * step + rank)
+        ref_loss = ref(idx, tgt, use_side)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(ddp(idx, tgt, use_side))
+        opt.step()
+        ddp.wait_updates()
+    assert adam.nvme_bytes_on_disk() == 8 * _masters_numel("gemini", opt)
+    got = ddp.state_dict()
+    for name, p in ref.module.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-5, atol=5e-6, msg=name)
+    # The side head's moments on disk are those of step 0, AdamW's, up to the
+    # kernel's other rounding order (a few ulp); three more decays would be
+    # off by 0.999**3 (v) and 0.9**3 (m).
+    ref_state = ref_opt.state[ref.module.side.weight]
+    got_state = opt.full_state_dict()["params"]["side.weight"]
+    rtol = 4 * torch.finfo(torch.float32).eps
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(
+            got_state[key].view_as(ref_state[key]), ref_state[key], rtol=rtol, atol=0
+        )
+
+
+def test_a_parameter_without_gradient_keeps_its_moments_on_disk(tmp_path):
+    spawn(_unused, 1, args=(str(tmp_path),), backend="gloo", timeout_s=300)

@@ -223,7 +223,8 @@ def test_argument_errors(tmp_path):
     model = PlainModel(mlp(0, depth=1))
     with pytest.raises(ValueError, match=r"size_per_shard must be a positive int .*got 0"):
         io.save_model(model, tmp_path / "m", shard=True, size_per_shard=0)
-    with pytest.raises(NotImplementedError, match=r"parallel save is not implemented"):
+    # A wrapper without a per-rank state: parallel=True is refused, shard=True gathers.
+    with pytest.raises(NotImplementedError, match=r"PlainModel.sharded_state_dict: no per-rank"):
         io.save_model(model, tmp_path / "m", parallel=True)
     with pytest.raises(TypeError, match=r"model must be a ModelWrapper \(got Sequential\)"):
         io.save_model(model.module, tmp_path / "m")

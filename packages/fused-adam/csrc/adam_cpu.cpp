@@ -81,7 +81,7 @@ void check_dtype(int code, const char* what, bool allow_none) {
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                const std::vector<uintptr_t>& outs, const std::vector<int64_t>& numels,
-               int param_dtype, int grad_dtype, int out_dtype, float lr, float beta1, float beta2,
+               int param_dtype, int grad_dtype, int out_dtype, float lr, double beta1, double beta2,
                float eps, float weight_decay, float bias_correction1, float bias_correction2,
                bool adamw_mode, float grad_scale, int num_threads) {
   const size_t n = params.size();
@@ -116,8 +116,11 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     a.grad_dtype = grad_dtype;
     a.out_dtype = out_dtype;
     a.lr = lr;
-    a.beta1 = beta1;
-    a.beta2 = beta2;
+    a.beta1 = static_cast<float>(beta1);
+    a.beta2 = static_cast<float>(beta2);
+    // 1 - beta in float would be 1 - float(0.999) = 0.00099998713: 1.3e-5 off.
+    a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+    a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
     a.eps = eps;
     a.weight_decay = weight_decay;
     a.step_size = lr / bias_correction1;

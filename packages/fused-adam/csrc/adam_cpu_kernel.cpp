@@ -217,7 +217,8 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   float* v = a.exp_avg_sq;
   int64_t i = begin;
 #if ZS_LEVEL > 0
-  const vf vb1 = vset(b1), vb2 = vset(b2), v1b1 = vset(1.0f - b1), v1b2 = vset(1.0f - b2);
+  const vf vb1 = vset(b1), vb2 = vset(b2), v1b1 = vset(a.one_minus_beta1),
+           v1b2 = vset(a.one_minus_beta2);
   const vf vgs = vset(gs), vwd = vset(wd), vdecay = vset(decay), veps = vset(eps);
   const vf vstep = vset(step_size), vibc2 = vset(inv_sqrt_bc2);
   bool stream_out = false;
@@ -252,8 +253,8 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
     float g = load1<GT>(a.grad, i) * gs;
     float p = load1<PT>(a.param, i);
     if (l2) g = std::fma(wd, p, g);
-    float mi = std::fma(b1, m[i], (1.0f - b1) * g);
-    float vi = std::fma(b2, v[i], (1.0f - b2) * (g * g));
+    float mi = std::fma(b1, m[i], a.one_minus_beta1 * g);
+    float vi = std::fma(b2, v[i], a.one_minus_beta2 * (g * g));
     p = p * decay;
     float denom = std::fma(std::sqrt(vi), inv_sqrt_bc2, eps);
     p = std::fma(-step_size, mi / denom, p);

@@ -21,6 +21,7 @@ struct AdamArgs {
   int grad_dtype;
   int out_dtype;  // -1 when out is nullptr
   float lr, beta1, beta2, eps, weight_decay;
+  float one_minus_beta1, one_minus_beta2;  // formed in double, as torch and the CUDA kernel do
   float step_size;     // lr / bias_correction1
   float inv_sqrt_bc2;  // 1 / sqrt(bias_correction2)
   float grad_scale;    // 1 / div_scale, or 1

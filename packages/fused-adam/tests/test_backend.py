@@ -134,3 +134,21 @@ def test_cpu_threads_per_rank_under_torchrun(monkeypatch, caplog):
         ValueError, match=r"ZEROSTACK_CPU_THREADS must be an int >= 1 \(got 'zero'\)"
     ):
         _kernels.cpu_threads()
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.8, 0.95)])
+def test_first_moments_match_torch_to_a_few_ulp(simd_level, betas):
+    # 1 - beta is formed in double, as torch does: in float, 1 - 0.999f is
+    # 1.3e-5 off, which every second moment carried.
+    torch.manual_seed(0)
+    p = torch.randn(1000)
+    ref = p.clone().requires_grad_()
+    grad = torch.randn(1000)
+    p.grad, ref.grad = grad.clone(), grad.clone()
+    opt = CPUAdam([p], lr=1e-3, betas=betas, weight_decay=0.0)
+    torch_opt = torch.optim.Adam([ref], lr=1e-3, betas=betas, foreach=False)
+    opt.step()
+    torch_opt.step()
+    tol = 4 * torch.finfo(torch.float32).eps
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(opt.state[p][key], torch_opt.state[ref][key], rtol=tol, atol=0)

@@ -90,6 +90,30 @@ def test_large_params_are_swapped_in_pieces(backend, monkeypatch, tmp_path):
     run_parity(torch.bfloat16, torch.float32, True, sizes=[2500], div_scale=-1, opt_cls=make)
 
 
+def test_kept_slices_of_states_on_disk_survive_one_step(monkeypatch, tmp_path):
+    # A slice across two pieces (pieces of 1000 elements) keeps its moments
+    # through the next step only; the rest of the parameter is stepped.
+    monkeypatch.setattr(nvme_bridge, "PIECE_NUMEL", 1000)
+    (p,) = make_params([2500], torch.float32)
+    opt = CPUAdam([p], nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = [t.clone() for t in opt._nvme.snapshot(p)]
+    opt.keep_disk_states(p, slice(900, 1100))
+    opt.step()
+    after = opt._nvme.snapshot(p)
+    for old, new in zip(before, after, strict=True):
+        assert torch.equal(new[900:1100], old[900:1100])
+        assert not torch.equal(new[:900], old[:900]) and not torch.equal(new[1100:], old[1100:])
+    moved = [t.clone() for t in after]
+    opt.step()  # the request was for one step
+    assert not torch.equal(opt._nvme.snapshot(p)[0][900:1100], moved[0][900:1100])
+    with pytest.raises(
+        TypeError, match=r"elements must be a slice of step 1 \(got slice\(0, 4, 2\)\)"
+    ):
+        opt.keep_disk_states(p, slice(0, 4, 2))
+
+
 def test_states_on_disk_are_not_kept_in_the_state(tmp_path):
     params = make_params([1000, 1000], torch.float32)
     opt = CPUAdam(params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))

@@ -1,5 +1,5 @@
 """zerostack's Booster: one call that wraps a model, optimizer, dataloader and
-scheduler for a plugin (DDP, ZeRO-1/2, Gemini), and checkpoints that move
+scheduler for a plugin (DDP, ZeRO-1/2, Gemini, auto-offload), and checkpoints that move
 between plugins and world sizes."""
 
 from zerostack.booster.__about__ import __version__
@@ -9,6 +9,9 @@ from zerostack.booster._checkpoint_files import CheckpointCorruptError
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._launch import launch_from_torch
 from zerostack.booster._plugins import (
+    AutoOffloadModel,
+    AutoOffloadOptimizer,
+    AutoOffloadPlugin,
     GeminiModel,
     GeminiOptimizerWrapper,
     GeminiPlugin,
@@ -24,6 +27,9 @@ from zerostack.booster._plugins import (
 from zerostack.chunk import LazyInitContext
 
 __all__ = [
+    "AutoOffloadModel",
+    "AutoOffloadOptimizer",
+    "AutoOffloadPlugin",
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",

@@ -289,3 +289,78 @@ class Booster:
             checkpoint: the file ``save_lr_scheduler`` wrote.
         """
         self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+
+    def save_state(
+        self,
+        checkpoint: str,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+    ) -> None:
+        """Save everything an exact resume needs into one directory, atomically
+        (every rank calls it): the model and optimizer (each rank writes its
+        own part), the lr scheduler, and per rank the RNG states (Python,
+        numpy, torch CPU, every CUDA device) and the dataloader's position
+        (its epoch and the batches consumed in it). See [Note: training
+        state directory] in zerostack.booster._checkpoint_state.
+
+        ```python
+        booster.save_state("ckpt/step-100", model, optimizer, lr_scheduler, dataloader)
+        # a later run, after boost:
+        booster.load_state("ckpt/step-100", model, optimizer, lr_scheduler, dataloader)
+        for epoch in range(dataloader.sampler.epoch, num_epochs):
+            dataloader.sampler.set_epoch(epoch)
+            for batch in dataloader:  # the resumed epoch skips the batches already seen
+                ...
+        ```
+
+        Args:
+            checkpoint: the directory to write (replaced whole).
+            model: the model ``boost`` returned.
+            optimizer: the optimizer ``boost`` returned. Default None.
+            lr_scheduler: the lr scheduler ``boost`` returned. Default None.
+            dataloader: a dataloader from ``plugin.prepare_dataloader`` (its
+                sampler keeps the position). Default None.
+
+        Raises:
+            TypeError: ``model`` is not a boosted model, ``dataloader`` has no
+                ``state_dict``, ``checkpoint`` is not a path.
+            RuntimeError: another rank failed to write its part.
+        """
+        from zerostack.booster._checkpoint_state import save_state
+
+        save_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader)
+
+    def load_state(
+        self,
+        checkpoint: str,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper | None = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+    ) -> None:
+        """Load what :meth:`save_state` wrote (every rank calls it), RNG states
+        last. At the world size it was saved with, training goes on exactly as
+        the uninterrupted run; at another one, with a warning, each rank
+        takes the RNG states of saved rank ``rank % saved_world`` and the
+        sampler position is scaled.
+
+        Args:
+            checkpoint: the directory ``save_state`` wrote.
+            model: the model ``boost`` returned.
+            optimizer: the optimizer ``boost`` returned; it must have been
+                saved. Default None.
+            lr_scheduler: the lr scheduler ``boost`` returned; it must have
+                been saved. Default None.
+            dataloader: the dataloader whose position was saved. Default None.
+
+        Raises:
+            FileNotFoundError: nothing at ``checkpoint``.
+            ValueError: ``checkpoint`` is not a state directory, or lacks an
+                object that was given.
+            CheckpointCorruptError: a file is missing, truncated or altered.
+        """
+        from zerostack.booster._checkpoint_state import load_state
+
+        load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader)

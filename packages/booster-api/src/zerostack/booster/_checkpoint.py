@@ -10,13 +10,15 @@ host memory. Every rank then waits for rank 0's outcome (a broadcast, which
 is also the barrier), so no rank goes on to load a checkpoint that is not
 yet in place, and an error on rank 0 is raised on every rank.
 
-A per-rank parallel save (``parallel=True``, through
-``torch.distributed.checkpoint``) is not implemented: the wrapper protocol
-only hands out the whole gathered state, so CheckpointIO cannot tell which
-parameters a rank owns. It needs a wrapper method that returns the whole
-parameters (and their optimizer states) a rank owns without gathering the
-rest; each rank would then ``dcp.save`` those into the temporary directory,
-and rank 0 would rename it into place after a barrier.
+[Note: which saves are parallel] ``parallel=None`` (the default) picks the
+per-rank parallel save (zerostack.booster._checkpoint_parallel: every rank
+writes its own part through ``torch.distributed.checkpoint``, nothing is
+gathered) for ``shard=True`` saves of wrappers that implement
+``sharded_state_dict`` (every plugin's), except a model saved with
+``use_safetensors=True``: that is the Hugging Face export, which
+``from_pretrained`` reads, and it is gathered. ``shard=False`` (one file)
+is gathered. ``parallel=True`` / ``False`` forces either. Loads tell the
+layouts apart by their files.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerostack.booster import _checkpoint_atomic as atomic
+from zerostack.booster import _checkpoint_dcp as engine
 from zerostack.booster import _checkpoint_files as files
+from zerostack.booster import _checkpoint_parallel as parallel_io
 from zerostack.booster._checkpoint_names import alias_fill, alias_groups, drop_aliases, state_names
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 
@@ -139,8 +143,10 @@ class CheckpointIO:
     checkpoints hold the name-keyed full state, a single torch file or a
     directory of shards by parameter plus an index.
 
-    Saves gather the state to rank 0, which writes (see [Note: gathered
-    checkpoint save]); every save is atomic (see [Note: atomic checkpoint
+    Sharded saves are written by every rank in parallel, nothing gathered
+    (see [Note: which saves are parallel]); single files and the Hugging
+    Face export gather the state to rank 0, which writes (see [Note:
+    gathered checkpoint save]). Every save is atomic (see [Note: atomic checkpoint
     save]): the previous checkpoint at the path stays whole until the new one
     is complete. Loads check every file against the sizes and hashes the save
     recorded (see [Note: checkpoint integrity]).
@@ -173,21 +179,27 @@ class CheckpointIO:
         size_per_shard: int = 1024,
         use_safetensors: bool = False,
         *,
-        parallel: bool = False,
+        parallel: bool | None = None,
     ) -> None:
-        """Save the model's full state; rank 0 writes it.
+        """Save the model: with ``shard=True`` every rank writes its own part
+        in parallel (see [Note: which saves are parallel]), else rank 0 writes
+        the full state.
 
-        This gathers the whole fp32 model into rank 0's host memory (see
-        [Note: gathered checkpoint save]). Tied weights are written once
-        (see [Note: tied weights in checkpoints]).
+        The gathered layouts (one file, the Hugging Face export) hold the
+        whole fp32 model in rank 0's host memory (see [Note: gathered
+        checkpoint save]); tied weights are written once there (see [Note:
+        tied weights in checkpoints]).
 
         Args:
             model: the model ``Booster.boost`` returned.
             checkpoint: with ``shard=False`` the file to write; with
                 ``shard=True`` the directory to write (replaced whole).
-            shard: write a Hugging Face style directory: shards named
-                ``model-00001-of-0000N.safetensors`` (or ``pytorch_model-...bin``),
-                the index ``model.safetensors.index.json`` (or
+            shard: write a directory: in parallel (the default without
+                safetensors), one DCP file per rank and ``.metadata``; with
+                ``use_safetensors=True`` (or ``parallel=False``) the Hugging
+                Face layout: shards named ``model-00001-of-0000N.safetensors``
+                (or ``pytorch_model-...bin``), the index
+                ``model.safetensors.index.json`` (or
                 ``pytorch_model.bin.index.json``) and, for a transformers
                 model, ``config.json``. Default False: one file.
             gather_dtensor: accepted for the seed's signature; the state is
@@ -199,20 +211,31 @@ class CheckpointIO:
                 file of its own). Default 1024.
             use_safetensors: write safetensors instead of torch files.
                 Default False.
-            parallel: each rank writes its own part through
-                ``torch.distributed.checkpoint``. Not implemented yet.
-                Default False.
+            parallel: each rank writes its own part (no gather) through
+                ``torch.distributed.checkpoint`` into the directory
+                ``checkpoint``, loadable at any world size and with any
+                plugin. Default None: see [Note: which saves are parallel].
 
         Raises:
             TypeError: ``model`` is not a ModelWrapper, or ``checkpoint`` not a path.
             ValueError: a bad ``size_per_shard`` or ``prefix``; ``checkpoint``
                 is a file where a directory goes or the other way round.
-            NotImplementedError: ``parallel=True``.
-            RuntimeError: on ranks other than 0, when rank 0 failed to write.
+            NotImplementedError: ``parallel=True`` for a wrapper without
+                ``sharded_state_dict``.
+            RuntimeError: on other ranks, when one rank failed to write.
         """
         api = "CheckpointIO.save_model"
-        path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
         _check_type(api, "model", model, ModelWrapper)
+        parallel = _resolve_parallel(
+            api, parallel, shard, use_safetensors, _supports(model, ModelWrapper)
+        )
+        path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
+        if parallel:
+            _check_kind(api, path, True)
+            parallel_io.save_model(
+                api, model, path, extra=lambda tmp: _save_hf_config(model.unwrap(), tmp)
+            )
+            return
         state = model.full_state_dict(only_rank_0=True)
         error = None
         if _rank() == 0:
@@ -274,8 +297,10 @@ class CheckpointIO:
     def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True) -> None:
         """Load a model checkpoint on every rank.
 
-        Accepts what :meth:`save_model` writes (a torch or safetensors file, a
-        sharded directory with either) and Hugging Face directories (with an
+        Accepts what :meth:`save_model` writes (a parallel directory, of
+        which each rank reads only the ranges it holds; a torch or
+        safetensors file, a sharded directory with either) and Hugging Face
+        directories (with an
         index, or one ``model.safetensors`` / ``pytorch_model.bin``). A
         directory with an index is read one shard at a time, each passed to
         ``model.load_full_state_dict(part, strict=False)`` after the names
@@ -299,6 +324,9 @@ class CheckpointIO:
         api = "CheckpointIO.load_model"
         _check_type(api, "model", model, ModelWrapper)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
+        if engine.is_dcp_dir(path):
+            parallel_io.load_model(api, model, path, strict)
+            return
         module = model.unwrap()
         expected = set(state_names(module))
         groups = alias_groups(module)
@@ -331,19 +359,21 @@ class CheckpointIO:
         prefix: str | None = None,
         size_per_shard: int = 1024,
         *,
-        parallel: bool = False,
+        parallel: bool | None = None,
     ) -> None:
-        """Save the optimizer's full, name-keyed state; rank 0 writes it.
-
-        Every rank gathers the whole state (``optimizer.full_state_dict()``,
-        see [Note: gathered checkpoint save]); it loads at any world size and
-        with any plugin.
+        """Save the optimizer's name-keyed state: with ``shard=True`` every rank
+        writes its own part in parallel (see [Note: which saves are
+        parallel]), else rank 0 writes the gathered state
+        (``optimizer.full_state_dict()``, see [Note: gathered checkpoint
+        save]). Either loads at any world size and with any plugin.
 
         Args:
             optimizer: the optimizer ``Booster.boost`` returned.
             checkpoint: with ``shard=False`` the file to write; with
                 ``shard=True`` the directory to write (replaced whole).
-            shard: write a directory: each parameter's state whole in one of
+            shard: write a directory: in parallel, one DCP file per rank
+                (``__<rank>_0.distcp``) and ``.metadata``; with
+                ``parallel=False``, each parameter's state whole in one of
                 ``pytorch_optim-0000i-of-0000N.bin`` (at most
                 ``size_per_shard`` MB each), the param groups and loss scaler
                 in ``pytorch_optim_group.bin``, and the index
@@ -353,21 +383,30 @@ class CheckpointIO:
             prefix: inserted before the last extension of every file name, as
                 the seed does. Default None.
             size_per_shard: most MB per shard file. Default 1024.
-            parallel: each rank writes its own part through
-                ``torch.distributed.checkpoint``. Not implemented yet.
-                Default False.
+            parallel: each rank writes its own part (no gather) through
+                ``torch.distributed.checkpoint`` into the directory
+                ``checkpoint``, loadable at any world size and with any
+                plugin. Default None: see [Note: which saves are parallel].
 
         Raises:
             TypeError: ``optimizer`` is not an OptimizerWrapper, or
                 ``checkpoint`` not a path.
             ValueError: a bad ``size_per_shard`` or ``prefix``; ``checkpoint``
                 is a file where a directory goes or the other way round.
-            NotImplementedError: ``parallel=True``.
-            RuntimeError: on ranks other than 0, when rank 0 failed to write.
+            NotImplementedError: ``parallel=True`` for a wrapper without
+                ``sharded_state_dict``.
+            RuntimeError: on other ranks, when one rank failed to write.
         """
         api = "CheckpointIO.save_optimizer"
-        path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
         _check_type(api, "optimizer", optimizer, OptimizerWrapper)
+        parallel = _resolve_parallel(
+            api, parallel, shard, False, _supports(optimizer, OptimizerWrapper)
+        )
+        path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
+        if parallel:
+            _check_kind(api, path, True)
+            parallel_io.save_optimizer(api, optimizer, path)
+            return
         state = optimizer.full_state_dict()
         error = None
         if _rank() == 0:
@@ -419,8 +458,10 @@ class CheckpointIO:
         prefix: str | None = None,
         size_per_shard: int = 1024,
     ) -> None:
-        """Load an optimizer checkpoint on every rank: each rank reads the
-        whole state and passes it to ``optimizer.load_full_state_dict``.
+        """Load an optimizer checkpoint on every rank: from a parallel
+        directory each rank reads the ranges it holds
+        (``optimizer.load_sharded_state_dict``); from the gathered layouts
+        each rank reads the whole state (``optimizer.load_full_state_dict``).
 
         Args:
             optimizer: the optimizer ``Booster.boost`` returned.
@@ -441,6 +482,9 @@ class CheckpointIO:
         _check_type(api, "optimizer", optimizer, OptimizerWrapper)
         _check_prefix(api, prefix)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
+        if engine.is_dcp_dir(path):
+            parallel_io.load_optimizer(api, optimizer, path)
+            return
         if os.path.isdir(path):
             stem = files.add_prefix(files.OPTIM_INDEX_NAME, prefix).removesuffix(".json")
             index_path = files.find_index(path, (stem,), api)
@@ -530,18 +574,41 @@ class CheckpointIO:
         path = os.path.abspath(_check_path(api, checkpoint))
         _check_size(api, size_per_shard)
         _check_prefix(api, prefix)
-        if parallel:
-            raise NotImplementedError(
-                f"{api}: a per-rank parallel save is not implemented (got parallel=True); "
-                "pass parallel=False, which gathers to rank 0"
+        if parallel and (prefix is not None or size_per_shard != 1024):
+            _warn_once(
+                "parallel-names",
+                f"{api}: prefix and size_per_shard have no effect on a parallel save (got "
+                f"prefix={prefix!r}, size_per_shard={size_per_shard}); every rank writes one "
+                "file (__<rank>_0.distcp)",
             )
-        if not gather_dtensor:
+        if not gather_dtensor and not parallel:
             _warn_once(
                 "gather_dtensor",
                 f"{api}: gather_dtensor=False has no effect; the state is always gathered "
                 "whole (see zerostack.booster._checkpoint)",
             )
         return path
+
+
+def _supports(obj: Any, base: type) -> bool:
+    """True when the wrapper implements the per-rank sharded state."""
+    return type(obj).sharded_state_dict is not base.sharded_state_dict
+
+
+def _resolve_parallel(
+    api: str, parallel: bool | None, shard: bool, use_safetensors: bool, supported: bool
+) -> bool:
+    """See [Note: which saves are parallel]."""
+    if parallel is None:
+        return shard and not use_safetensors and supported
+    if not isinstance(parallel, bool):
+        raise TypeError(f"{api}: parallel must be a bool or None (got {parallel!r})")
+    if parallel and use_safetensors:
+        raise ValueError(
+            f"{api}: a parallel save writes DCP files, not safetensors (got parallel=True, "
+            "use_safetensors=True); pass parallel=False for a Hugging Face export"
+        )
+    return parallel
 
 
 def _find_model_files(api: str, path: str) -> tuple[str | None, str | None]:

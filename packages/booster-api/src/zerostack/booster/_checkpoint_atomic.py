@@ -180,3 +180,96 @@ def resolve_for_load(path: str, api: str) -> str:
         f"{api}: no checkpoint at {path} (got a path that does not exist); "
         "pass the path a save wrote"
     )
+
+
+def _rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_outcomes(error: BaseException | None, world: int) -> list[str | None]:
+    """Every rank's error (as text), or None where it succeeded: a collective."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    if world == 1:
+        return [mine]
+    import torch.distributed as dist
+
+    out: list[str | None] = [None] * world
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _raise_failed(api: str, path: str, outcomes: list[str | None], error: BaseException | None):
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise RuntimeError(
+            f"{api}: rank {rank} failed to write {path} (got {message}); see rank {rank}'s "
+            "traceback, fix it and save again"
+        )
+
+
+@contextlib.contextmanager
+def collective_dir(path: str, api: str) -> Iterator[str]:
+    """Every rank writes its own files under one temporary sibling directory
+    of ``path``; once all of them finished, rank 0 moves it onto ``path``
+    (see [Note: atomic checkpoint save]). A failure on any rank removes the
+    temporary directory and raises on every rank; every rank must enter.
+    The ranks must share the file system at ``path``.
+
+    [Note: parallel checkpoint save] No rank waits for another to write:
+    the only collectives are the broadcast of the temporary name, the
+    exchange of outcomes (also the barrier before the rename) and the
+    broadcast of the rename's outcome.
+    """
+    final = os.path.abspath(path)
+    rank, world = _rank_world()
+    tmp, error = None, None
+    if rank == 0:
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            prepare(final)
+            tmp = _sibling(final, _TMP_TAG)
+            os.mkdir(tmp)
+        except BaseException as exc:
+            error = exc
+    if world > 1:
+        import torch.distributed as dist
+
+        box = [tmp]
+        dist.broadcast_object_list(box, src=0)
+        tmp = box[0]
+    outcomes = _all_outcomes(error, world)
+    _raise_failed(api, final, outcomes, error)
+    error = None
+    try:
+        yield tmp
+    except BaseException as exc:
+        error = exc
+    outcomes = _all_outcomes(error, world)
+    if any(o is not None for o in outcomes):
+        if rank == 0:
+            _remove(tmp)
+        _raise_failed(api, final, outcomes, error)
+    error = None
+    if rank == 0:
+        try:
+            fsync_dir(tmp)
+            _replace_dir(tmp, final)
+            fsync_dir(os.path.dirname(final))
+        except BaseException as exc:
+            _remove(tmp)
+            error = exc
+    if world > 1:
+        outcomes = [None] * world
+        import torch.distributed as dist
+
+        box = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(box, src=0)
+        outcomes[0] = box[0]
+    _raise_failed(api, final, outcomes if world > 1 else [None], error)

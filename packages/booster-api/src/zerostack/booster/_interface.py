@@ -9,6 +9,9 @@ tensors, fp32 for floating parameters, on the CPU. Optimizer:
 parameter, ...}}, "param_groups": [{hyperparameters..., "params": [names]}],
 "loss_scaler": dict | None}`` keyed by parameter name, never by position, so
 it does not depend on how a plugin shards or orders parameters.
+
+The per-rank counterpart, which nothing gathers, is the [Note: sharded state
+format] (zerostack.booster._plugins._sharded).
 """
 
 from __future__ import annotations
@@ -46,6 +49,30 @@ class ModelWrapper(nn.Module, ABC):
     ) -> None:
         """Load the [Note: full state format] (every rank passes the whole dict)."""
 
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """``{name: (start, end, numel)}``: the flattened elements of every
+        parameter (first names) and persistent buffer this rank holds in
+        :meth:`sharded_state_dict` (see [Note: sharded state format])."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.local_ranges: no per-rank state; save with parallel=False"
+        )
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the model, never gathered, in the [Note:
+        sharded state format] (pieces of flattened tensors, or whole plain
+        tensors where every rank holds the same)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.sharded_state_dict: no per-rank state; save with parallel=False"
+        )
+
+    def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Load 1-D tensors holding this rank's :meth:`local_ranges` (names it
+        lacks keep their values); a collective where the plugin syncs."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.load_sharded_state_dict: no per-rank state; load a "
+            "checkpoint saved with parallel=False"
+        )
+
 
 class OptimizerWrapper(ABC):
     """The optimizer ``boost`` returns: ``step``, ``zero_grad``,
@@ -76,3 +103,24 @@ class OptimizerWrapper(ABC):
     @abstractmethod
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the [Note: full state format], saved at any world size."""
+
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """The model's ``local_ranges()``: the states' ranges are the parameters'."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.local_ranges: no per-rank state; save with parallel=False"
+        )
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, never gathered, in the
+        [Note: sharded state format]."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.sharded_state_dict: no per-rank state; save with parallel=False"
+        )
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the [Note: sharded state format] with 1-D tensors holding this
+        rank's ranges (saved at any world size, by any plugin)."""
+        raise NotImplementedError(
+            f"{type(self).__name__}.load_sharded_state_dict: no per-rank state; load a "
+            "checkpoint saved with parallel=False"
+        )

@@ -4,8 +4,9 @@ without ``torch.distributed``::
     python -m zerostack.booster.consolidate CKPT OUT [--size-per-shard MB]
 
 ``CKPT`` is what ``CheckpointIO.save_model`` wrote: a single torch or
-safetensors file, or a sharded directory (torch or safetensors shards plus an
-index). ``OUT`` becomes a directory of ``model-0000i-of-0000N.safetensors``
+safetensors file, a sharded directory (torch or safetensors shards plus an
+index), or a parallel directory (one DCP file per rank, read one tensor at a
+time). ``OUT`` becomes a directory of ``model-0000i-of-0000N.safetensors``
 files, ``model.safetensors.index.json`` and, when ``CKPT`` is a directory that
 has them, a copy of ``config.json`` and ``generation_config.json``; with a
 config, ``transformers.AutoModel*.from_pretrained(OUT)`` loads it.
@@ -28,7 +29,9 @@ from typing import Any
 import torch
 
 from zerostack.booster import _checkpoint_atomic as atomic
+from zerostack.booster import _checkpoint_dcp as engine
 from zerostack.booster import _checkpoint_files as files
+from zerostack.booster import _checkpoint_parallel as parallel_io
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,24 @@ _MODEL_FILES = (files.SAFE_WEIGHTS_NAME, files.WEIGHTS_NAME)
 _COPIED = (files.CONFIG_NAME, files.GENERATION_CONFIG_NAME)
 
 
+def _dcp_sources(path: str) -> Iterator[dict[str, Any]]:
+    """A parallel (DCP) model checkpoint, one whole tensor at a time, in the
+    shapes it was saved with. See zerostack.booster._checkpoint_parallel."""
+    meta = parallel_io.read_meta(_API, path, "model")
+    keys = engine.saved_keys(path)
+    for key, md in keys.items():
+        if not key.startswith("model/"):
+            continue
+        name = key[len("model/") :]
+        flat = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        engine.load(path, {key: flat})
+        yield {name: flat.view(meta["shapes"].get(name, list(md.size)))}
+
+
 def _sources(path: str, verify: bool) -> Iterator[dict[str, Any]]:
+    if engine.is_dcp_dir(path):
+        yield from _dcp_sources(path)
+        return
     if os.path.isdir(path):
         index = files.find_index(path, _MODEL_INDEX_STEMS, _API)
         if index is not None:

@@ -121,6 +121,8 @@ class _Adam(torch.optim.Optimizer):
         ):
             _kernels.require_cuda(self._api)
         self._nvme = None
+        # Slices of on-disk states the next step leaves alone, by parameter.
+        self._keep_on_disk: dict[torch.Tensor, list[slice]] = {}
         if nvme_offload_fraction > 0.0:
             from zerostack.fused_adam._nvme import NVMeStates
 
@@ -164,6 +166,27 @@ class _Adam(torch.optim.Optimizer):
                 if state and "exp_avg" in state:
                     self._nvme.load(p, state.pop("exp_avg"), state.pop("exp_avg_sq"))
         return self._nvme.keys
+
+    def keep_disk_states(self, p: torch.Tensor, elements: slice) -> None:
+        """Leave ``elements`` (of ``p`` flattened) of ``p``'s Adam moments as
+        they are in the next step that steps ``p``, where those moments are on
+        disk (a no-op for moments in RAM, which the caller can copy itself).
+
+        For a wrapper that steps flat shards in which some parameters got no
+        gradient: torch's optimizers skip a parameter whose gradient is None,
+        and an update with a zero gradient would still decay its moments. The
+        caller keeps ``p``'s own values.
+
+        Raises:
+            TypeError: ``elements`` is not a slice of step 1.
+        """
+        if not isinstance(elements, slice) or elements.step not in (None, 1):
+            raise TypeError(
+                f"{self._api}.keep_disk_states: elements must be a slice of step 1 "
+                f"(got {elements!r})"
+            )
+        if self._nvme is not None and p in self._disk():
+            self._keep_on_disk.setdefault(p, []).append(elements)
 
     def nvme_plan(self, params: list[torch.Tensor]) -> None:
         """The next ``step`` calls will each step one of ``params``, in this
@@ -361,6 +384,7 @@ class _Adam(torch.optim.Optimizer):
 
                 def piece_update(p, start, end, m, v, launch=launch):
                     out = self._copy_out.get(p)
+                    kept = _kept(self._keep_on_disk.get(p, ()), start, end, m, v)
                     launch(
                         [
                             (
@@ -373,8 +397,16 @@ class _Adam(torch.optim.Optimizer):
                         ],
                         float(self.state[p]["step"]),
                     )
+                    for sl, old_m, old_v in kept:  # before the piece goes back to disk
+                        m[sl].copy_(old_m)
+                        v[sl].copy_(old_v)
 
-                self._nvme.step([p for p, _ in disk_items], piece_update)
+                stepped = [p for p, _ in disk_items]
+                try:
+                    self._nvme.step(stepped, piece_update)
+                finally:
+                    for p in stepped:
+                        self._keep_on_disk.pop(p, None)
         return loss
 
     # -- state dict --------------------------------------------------------
@@ -554,3 +586,17 @@ class HybridAdam(_Adam):
     """
 
     _api = "HybridAdam"
+
+
+def _kept(
+    slices: Iterable[slice], start: int, end: int, m: torch.Tensor, v: torch.Tensor
+) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+    """Copies of the moments of the piece [start, end) (read into ``m``,
+    ``v``) that fall in ``slices``, as slices of the piece."""
+    kept = []
+    for sl in slices:
+        lo, hi = max(sl.start or 0, start), min(end if sl.stop is None else sl.stop, end)
+        if lo < hi:
+            piece = slice(lo - start, hi - start)
+            kept.append((piece, m[piece].clone(), v[piece].clone()))
+    return kept

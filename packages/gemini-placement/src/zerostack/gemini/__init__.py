@@ -10,14 +10,22 @@ from zerostack.gemini._config import (
 )
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline
 from zerostack.gemini._ddp import ChunkGroup, GeminiDDP, TrainingState
+from zerostack.gemini._local_state import (
+    load_local_model_state,
+    local_model_state,
+    local_ranges,
+)
+from zerostack.gemini._memory import TIERS, ChunkRow, MemoryTimeline, format_placement, tier_bytes
 from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
 from zerostack.gemini._placement import AutoPlacement, MemStats, Placement, StaticPlacement
 
 __all__ = [
+    "TIERS",
     "AutoPlacement",
     "AutoPlacementConfig",
     "ChunkConfig",
     "ChunkGroup",
+    "ChunkRow",
     "CpuStepError",
     "CpuStepPipeline",
     "GeminiAdamOptimizer",
@@ -25,10 +33,16 @@ __all__ = [
     "GeminiDDP",
     "GeminiOptimizer",
     "MemStats",
+    "MemoryTimeline",
     "MixedPrecision",
     "Placement",
     "StaticPlacement",
     "StaticPlacementConfig",
     "TrainingState",
     "__version__",
+    "format_placement",
+    "load_local_model_state",
+    "local_model_state",
+    "local_ranges",
+    "tier_bytes",
 ]

@@ -377,6 +377,26 @@ class GeminiDDP(nn.Module):
         """Finish every pending optimizer update."""
         self.cpu_step.await_all()
 
+    def chunk_placement(self, *, table: bool = False) -> Any:
+        """Where every chunk lives now (this rank): a list of
+        zerostack.gemini ChunkRow (index, kind, dtype, chunk_size, sharded,
+        home tier, gathered, bytes per tier), or with ``table`` a text table
+        of them with a per-tier summary and the chunk size. See [Note:
+        memory tiers]."""
+        from zerostack.gemini._memory import chunk_placement, format_placement
+
+        rows = chunk_placement(self)
+        return format_placement(rows) if table else rows
+
+    def memory_timeline(self, optimizer: Any = None) -> Any:
+        """A zerostack.gemini MemoryTimeline: ``with model.memory_timeline(opt)
+        as t:`` around one step records the bytes on each tier (gpu, pinned,
+        pageable host, disk) at every module's forward and backward;
+        ``t.table()``, ``t.save_png(path)``."""
+        from zerostack.gemini._memory import MemoryTimeline
+
+        return MemoryTimeline(self, optimizer)
+
     # -- hooks -------------------------------------------------------------------
 
     def _register_hooks(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
+from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
@@ -428,6 +429,7 @@ class GeminiOptimizer:
         """Copies of ``params``' elements in this rank's master shards and
         states, by pair index."""
         saved: dict[int, list] = {}
+        keep_on_disk = getattr(self.optimizer, "keep_disk_states", None)
         for p in params:
             chunk = self.manager.get_chunk(p)
             info = chunk.tensors_info[p]
@@ -440,6 +442,11 @@ class GeminiOptimizer:
             state = self.optimizer.state.get(master, {})
             for t in (master, *(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)):
                 saved.setdefault(self._index[chunk], []).append((t, sl, t[sl].clone()))
+            if (
+                keep_on_disk is not None
+            ):  # moments on disk are not in the state: the optimizer keeps them
+                with self._lock:
+                    keep_on_disk(master, sl)
         return saved
 
     def state_dict(self) -> dict[str, Any]:
@@ -458,6 +465,26 @@ class GeminiOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+    # -- this rank's part, by parameter name (per-rank parallel checkpoints) ----------
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state by parameter name, without
+        any gather: ``{"params": {name: {key: view of this rank's range of
+        the flattened parameter, or the step}}, "param_group", "scaler"}``
+        (ranges from ``zerostack.gemini.local_ranges``; see [Note: local
+        ranges]). The masters are left out: ``local_model_state`` has them."""
+        return local_optim_state(self)
+
+    def load_local_state_dict(self, local: dict[str, Any]) -> None:
+        """Load ``local_state_dict()``-shaped state whose tensors are this
+        rank's ranges (read from a checkpoint of any world size and plugin).
+        The masters keep their values.
+
+        Raises:
+            ValueError: a tensor is not sized as this rank's range.
+        """
+        load_local_optim_state(self, local)
 
     # -- whole-model optimizer state, any world size ---------------------------------
 

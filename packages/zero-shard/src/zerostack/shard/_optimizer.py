@@ -669,5 +669,83 @@ class ZeroOptimizer:
             self.scaler.load_state_dict(full["scaler"])
         self._gather_params()
 
+    # -- this rank's part (per-rank parallel checkpoints) ----------------------------
+
+    def local_ranges(self) -> list[tuple[int, int]]:
+        """Per parameter (``shards`` order): the ``[start, end)`` of its
+        flattened elements this rank's piece holds (the padding left out)."""
+        return [part.shard_bounds(s.param.numel(), self.world, self.rank) for s in self.shards]
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's part without any gather: ``{"params": [per parameter
+        {"master": view, key: view of the inner optimizer's state, or the
+        step}], "param_groups", "scaler"}``, each view holding the
+        :meth:`local_ranges` elements (no copy)."""
+        packed = self.optimizer.state_dict()
+        params: list[dict[str, Any]] = []
+        for i, (s, (start, end)) in enumerate(zip(self.shards, self.local_ranges(), strict=True)):
+            n = end - start
+            entry: dict[str, Any] = {"master": s.master.detach().reshape(-1)[:n]}
+            for k, v in packed["state"].get(i, {}).items():
+                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == s.piece:
+                    entry[k] = v.reshape(-1)[:n]
+                else:
+                    entry[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            params.append(entry)
+        return {
+            "params": params,
+            "param_groups": copy.deepcopy(packed["param_groups"]),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_local_state_dict(self, local: dict[str, Any]) -> None:
+        """Load :meth:`local_state_dict`-shaped state whose tensors hold this
+        rank's :meth:`local_ranges` (read from a checkpoint of any world size):
+        a parameter's ``master``, when given, replaces its piece (then the
+        parameters are all-gathered); the other keys become the inner
+        optimizer's state. ``param_groups`` None keeps the current ones.
+
+        Raises:
+            ValueError: another number of parameters, or a tensor not sized
+                as this rank's range.
+        """
+        if len(local["params"]) != len(self.shards):
+            raise ValueError(
+                f"{_API}.load_local_state_dict: {len(local['params'])} parameters given, this "
+                f"optimizer has {len(self.shards)}; pass one entry per parameter"
+            )
+        state: dict[int, dict[str, Any]] = {}
+        masters = False
+        ranges = self.local_ranges()
+        for i, (s, entry, (start, end)) in enumerate(
+            zip(self.shards, local["params"], ranges, strict=True)
+        ):
+            mine: dict[str, Any] = {}
+            for k, v in entry.items():
+                if not (torch.is_tensor(v) and v.dim() == 1):
+                    mine[k] = v
+                    continue
+                if v.numel() != end - start:
+                    raise ValueError(
+                        f"{_API}.load_local_state_dict: {k} of parameter {i} has {v.numel()} "
+                        f"elements, this rank's range {end - start}; slice by local_ranges()"
+                    )
+                piece = torch.zeros(s.piece, dtype=v.dtype, device=s.master.device)
+                piece[: end - start].copy_(v)
+                mine[k] = piece
+            if "master" in mine:
+                s.master.copy_(mine.pop("master").view_as(s.master))
+                masters = True
+            if mine:
+                state[i] = mine
+        groups = local.get("param_groups") or self.optimizer.state_dict()["param_groups"]
+        if state or local.get("param_groups"):
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        if self.scaler is not None and local.get("scaler") is not None:
+            self.scaler.load_state_dict(local["scaler"])
+        if masters:
+            self._gather_params()
+
 
 _set_debug = debug_collectives  # ZeroOptimizer's argument shadows the function

@@ -1,6 +1,11 @@
 """The plugins: one private module each (see zerostack.booster for the public names)."""
 
 from zerostack.booster._plugins._amp import MixedPrecision
+from zerostack.booster._plugins._auto_offload import (
+    AutoOffloadModel,
+    AutoOffloadOptimizer,
+    AutoOffloadPlugin,
+)
 from zerostack.booster._plugins._base import Plugin
 from zerostack.booster._plugins._gemini import GeminiModel, GeminiOptimizerWrapper, GeminiPlugin
 from zerostack.booster._plugins._low_level_zero import (
@@ -16,6 +21,9 @@ from zerostack.booster._plugins._torch_ddp import (
 )
 
 __all__ = [
+    "AutoOffloadModel",
+    "AutoOffloadOptimizer",
+    "AutoOffloadPlugin",
     "DefaultPlugin",
     "GeminiModel",
     "GeminiOptimizerWrapper",

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from zerostack.booster._interface import OptimizerWrapper
+from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,10 @@ class Plugin(ABC):
     ) -> DataLoader:
         """A DataLoader whose DistributedSampler gives each data-parallel rank
         its own samples (call ``dataloader.sampler.set_epoch(epoch)`` each
-        epoch when shuffling).
+        epoch when shuffling). The sampler is a StatefulDistributedSampler:
+        ``Booster.save_state`` / ``load_state`` carry its epoch and position,
+        so a resumed run skips the batches it trained on (see [Note: sampler
+        position]).
 
         Args:
             dataset: the dataset.
@@ -125,16 +129,17 @@ class Plugin(ABC):
             pin_memory: pin batches (CUDA). Default False.
             num_workers: loader processes. Default 0.
             distributed_sampler_cls: a DistributedSampler subclass. Default
-                None (DistributedSampler).
+                None (StatefulDistributedSampler; another class has no
+                position to resume from).
             **kwargs: passed to DataLoader.
 
         Returns:
-            The DataLoader.
+            The DataLoader (a ResumableDataLoader).
         """
         rank, world = rank_and_world()
-        sampler_cls = distributed_sampler_cls or DistributedSampler
+        sampler_cls = distributed_sampler_cls or StatefulDistributedSampler
         sampler = sampler_cls(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
-        return DataLoader(
+        return ResumableDataLoader(
             dataset,
             batch_size=batch_size,
             sampler=sampler,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerostack.booster._checkpoint_dcp import Piece
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import (
     PRECISION_DTYPES,
@@ -20,6 +21,12 @@ from zerostack.booster._plugins._base import (
     compute_device,
 )
 from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._sharded import (
+    buffer_ranges,
+    buffer_state,
+    load_buffers,
+    optimizer_pieces,
+)
 from zerostack.booster._plugins._state import (
     ModelFacts,
     check_names,
@@ -28,7 +35,14 @@ from zerostack.booster._plugins._state import (
     merge_hyper,
     scaler_state,
 )
-from zerostack.gemini import GeminiConfig, GeminiDDP, GeminiOptimizer
+from zerostack.gemini import (
+    GeminiConfig,
+    GeminiDDP,
+    GeminiOptimizer,
+    load_local_model_state,
+    local_model_state,
+    local_ranges,
+)
 
 logger = logging.getLogger(__name__)
 _API = "GeminiPlugin"
@@ -84,6 +98,27 @@ class GeminiModel(ModelWrapper):
         """GeminiDDP.load_state_dict: parameters and their fp32 masters."""
         self.module.load_state_dict(state_dict, strict=strict)
 
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """Each parameter's elements in this rank's chunk shares (see
+        zerostack.gemini's [Note: local ranges]); buffers whole."""
+        return {**local_ranges(self.module), **buffer_ranges(self.unwrap())}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shares of the fp32 masters (frozen parameters: of their
+        chunks) as pieces, buffers whole; see [Note: sharded state format]."""
+        out: dict[str, Any] = {}
+        for name, (start, _end, values) in local_model_state(self.module).items():
+            numel = self._facts.shapes[name].numel()
+            out[name] = Piece(values.float(), start, numel)
+        out.update(buffer_state(self.unwrap(), self._facts.dtypes))
+        return out
+
+    def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Masters and parameter chunks from this rank's ranges (a collective:
+        kept-gathered chunks are synchronised), buffers whole."""
+        load_local_model_state(self.module, values)
+        load_buffers(self.unwrap(), values)
+
 
 class GeminiOptimizerWrapper(BoostedOptimizer):
     """The zerostack.gemini.GeminiOptimizer of a GeminiModel (``.optim``)."""
@@ -122,6 +157,43 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
             "loss_scaler": full["scaler"],
         }
 
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        return self._model.local_ranges()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """GeminiOptimizer.local_state_dict as pieces (no gather); see
+        [Note: sharded state format]."""
+        local = self.optim.local_state_dict()
+        names = [name for name, _ in self._trainable()]
+        return {
+            "state": optimizer_pieces(
+                {n: e for n, e in local["params"].items() if e}, self.local_ranges()
+            ),
+            "param_groups": [{**local["param_group"], "params": names}],
+            "loss_scaler": local["scaler"],
+        }
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """GeminiOptimizer.load_local_state_dict from this rank's ranges of a
+        checkpoint of any plugin and world size; the masters keep their values.
+
+        Raises:
+            KeyError: the state names a parameter this optimizer lacks.
+            NotImplementedError: the state's groups differ in hyperparameters.
+        """
+        opt = self.optim
+        names = [name for name, _ in self._trainable()]
+        check_names(self._API, state_dict["state"], set(names))
+        hyper = _one_group(self._API, opt, state_dict["param_groups"], names)
+        own = opt.scaler.state_dict() if opt.scaler is not None else None
+        opt.load_local_state_dict(
+            {
+                "params": state_dict["state"],
+                "param_group": hyper,
+                "scaler": scaler_state(own, state_dict.get("loss_scaler")),
+            }
+        )
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the [Note: full state format] (from any plugin and world size).
@@ -155,20 +227,7 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
                     whole[a - info.offset : b - info.offset] = master[a - lo : b - lo].cpu()
                 mine["master"] = whole
                 params[name] = mine
-        groups = {
-            repr(sorted(merged.items())): merged
-            for merged in (
-                merge_hyper(opt.param_groups[0], g)
-                for g in state_dict["param_groups"]
-                if set(g["params"]) & set(names)
-            )
-        }
-        if len(groups) > 1:
-            raise NotImplementedError(
-                f"{self._API}: the state's parameter groups differ in hyperparameters (got "
-                f"{len(groups)} different groups); GeminiOptimizer holds one group"
-            )
-        hyper = next(iter(groups.values()), merge_hyper(opt.param_groups[0], None))
+        hyper = _one_group(self._API, opt, state_dict["param_groups"], names)
         own = opt.scaler.state_dict() if opt.scaler is not None else None
         opt.load_full_state_dict(
             {
@@ -177,6 +236,23 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
                 "scaler": scaler_state(own, state_dict.get("loss_scaler")),
             }
         )
+
+
+def _one_group(api: str, opt: GeminiOptimizer, saved: list[dict], names: list[str]) -> dict:
+    """The saved hyperparameters of the groups holding ``names`` (one set:
+    GeminiOptimizer holds one group), merged into the current ones."""
+    groups = {
+        repr(sorted(merged.items())): merged
+        for merged in (
+            merge_hyper(opt.param_groups[0], g) for g in saved if set(g["params"]) & set(names)
+        )
+    }
+    if len(groups) > 1:
+        raise NotImplementedError(
+            f"{api}: the state's parameter groups differ in hyperparameters (got "
+            f"{len(groups)} different groups); GeminiOptimizer holds one group"
+        )
+    return next(iter(groups.values()), merge_hyper(opt.param_groups[0], None))
 
 
 class GeminiPlugin(Plugin):

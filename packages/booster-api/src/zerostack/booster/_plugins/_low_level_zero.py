@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerostack.booster._checkpoint_dcp import Piece
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import (
     PRECISION_DTYPES,
@@ -20,6 +21,12 @@ from zerostack.booster._plugins._base import (
     compute_device,
 )
 from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._sharded import (
+    buffer_ranges,
+    buffer_state,
+    load_buffers,
+    optimizer_pieces,
+)
 from zerostack.booster._plugins._state import (
     ModelFacts,
     check_names,
@@ -101,6 +108,53 @@ class LowLevelZeroModel(ModelWrapper):
             s.master.zero_()  # the padding stays zero (see zerostack.shard's [Note: per-parameter pieces])
             s.master[: end - start].copy_(value.detach().reshape(-1)[start:end])
 
+    def _first_names(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """ZeRO's pieces for parameters with fp32 masters; the others and the
+        buffers whole (every rank holds them)."""
+        names = self._first_names()
+        out = {n: (0, p.numel(), p.numel()) for n, p in self.module.named_parameters()}
+        zero = self.zero
+        if zero is not None:
+            for s, (start, end) in zip(zero.shards, zero.local_ranges(), strict=True):
+                out[names[id(s.param)]] = (start, end, s.param.numel())
+        return {**out, **buffer_ranges(self.module)}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's pieces of the fp32 masters (no gather); parameters
+        without masters and buffers whole. See [Note: sharded state format]."""
+        names = self._first_names()
+        out: dict[str, Any] = {
+            n: p.detach().reshape(-1).float() for n, p in self.module.named_parameters()
+        }
+        zero = self.zero
+        if zero is not None:
+            local = zero.local_state_dict()["params"]
+            for s, (start, _), entry in zip(zero.shards, zero.local_ranges(), local, strict=True):
+                out[names[id(s.param)]] = Piece(entry["master"], start, s.param.numel())
+        out.update(buffer_state(self.module, self._facts.dtypes))
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """This rank's master pieces (then the parameters are all-gathered: a
+        collective), whole parameters without masters, buffers."""
+        names = self._first_names()
+        zero = self.zero
+        sharded = {id(s.param) for s in zero.shards} if zero is not None else set()
+        for n, p in self.module.named_parameters():
+            if id(p) not in sharded and n in values:
+                p.copy_(values[n].reshape(p.shape))
+        if zero is not None:
+            entries = [
+                {"master": values[names[id(s.param)]]} if names[id(s.param)] in values else {}
+                for s in zero.shards
+            ]
+            zero.load_local_state_dict({"params": entries, "param_groups": None, "scaler": None})
+        load_buffers(self.module, values)
+
 
 def _gather_master(zero: ZeroOptimizer, s: Any) -> torch.Tensor:
     """The whole fp32 master of shard ``s``, on the CPU (a collective)."""
@@ -162,6 +216,66 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         ]
         return {"state": state, "param_groups": groups, "loss_scaler": full["scaler"]}
 
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        return self._model.local_ranges()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """ZeroOptimizer.local_state_dict as pieces (no gather); see [Note:
+        sharded state format]."""
+        zero = self.optim
+        local = zero.local_state_dict()
+        names = self._names()
+        per_param = {
+            name: entry
+            for name, entry in zip(names, local["params"], strict=True)
+            if set(entry) - {"master"}
+        }
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [names[i] for i in g["params"]],
+            }
+            for g in local["param_groups"]
+        ]
+        return {
+            "state": optimizer_pieces(per_param, self.local_ranges()),
+            "param_groups": groups,
+            "loss_scaler": local["scaler"],
+        }
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """ZeroOptimizer.load_local_state_dict from this rank's ranges of a
+        checkpoint of any plugin and world size; the masters keep their values.
+
+        Raises:
+            KeyError: the state names a parameter this optimizer lacks.
+        """
+        zero = self.optim
+        names = self._names()
+        check_names(self._API, state_dict["state"], set(names))
+        entries = [
+            {k: v for k, v in state_dict["state"].get(name, {}).items() if k != "master"}
+            for name in names
+        ]
+        own = zero.scaler.state_dict() if zero.scaler is not None else None
+        zero.load_local_state_dict(
+            {
+                "params": entries,
+                "param_groups": self._merged_groups(state_dict["param_groups"], names),
+                "scaler": scaler_state(own, state_dict.get("loss_scaler")),
+            }
+        )
+
+    def _merged_groups(self, saved: list[dict[str, Any]], names: list[str]) -> list[dict]:
+        current = self.optim.optimizer.state_dict()["param_groups"]
+        return [
+            {
+                **merge_hyper(g, saved_group(saved, [names[i] for i in g["params"]])),
+                "params": g["params"],
+            }
+            for g in current
+        ]
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the [Note: full state format] (from any plugin and world size).
@@ -187,16 +301,7 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
             master[start:end] = s.master[: end - start].cpu()
             mine["master"] = master
             params.append(mine)
-        current = zero.optimizer.state_dict()["param_groups"]
-        groups = [
-            {
-                **merge_hyper(
-                    g, saved_group(state_dict["param_groups"], [names[i] for i in g["params"]])
-                ),
-                "params": g["params"],
-            }
-            for g in current
-        ]
+        groups = self._merged_groups(state_dict["param_groups"], names)
         own = zero.scaler.state_dict() if zero.scaler is not None else None
         zero.load_full_state_dict(
             {

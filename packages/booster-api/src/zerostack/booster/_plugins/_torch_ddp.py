@@ -20,6 +20,12 @@ from zerostack.booster._plugins._base import (
     compute_device,
     nothing,
 )
+from zerostack.booster._plugins._sharded import (
+    buffer_ranges,
+    buffer_state,
+    load_buffers,
+    whole_pieces,
+)
 from zerostack.booster._plugins._state import (
     ModelFacts,
     full_to_positional,
@@ -71,6 +77,31 @@ class TorchDDPModel(ModelWrapper):
         """Load the whole model on this rank (every rank passes the same dict)."""
         self.unwrap().load_state_dict(state_dict, strict=strict)
 
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        """Everything whole: every rank holds the whole model."""
+        module = self.unwrap()
+        out = {n: (0, p.numel(), p.numel()) for n, p in module.named_parameters()}
+        return {**out, **buffer_ranges(module)}
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The whole model as plain flat tensors (the same on every rank: DCP
+        writes each once, spread over the ranks); see [Note: sharded state format]."""
+        module = self.unwrap()
+        out: dict[str, Any] = {
+            n: p.detach().reshape(-1).float() for n, p in module.named_parameters()
+        }
+        out.update(buffer_state(module, self._facts.dtypes))
+        return out
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Whole flat tensors into the parameters and buffers they name."""
+        module = self.unwrap()
+        for n, p in module.named_parameters():
+            if n in values:
+                p.copy_(values[n].reshape(p.shape))
+        load_buffers(module, values)
+
     @contextlib.contextmanager
     def no_sync(self):
         """DDP's no_sync (nothing to skip in a single process)."""
@@ -117,6 +148,20 @@ class TorchDDPOptimizer(BoostedOptimizer):
         )  # fmt: skip
         scaler = self.scaler.state_dict() if self.scaler is not None else None
         return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+
+    def local_ranges(self) -> dict[str, tuple[int, int, int]]:
+        return self._model.local_ranges()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The whole state, flat and plain (every rank holds it); see
+        [Note: sharded state format]."""
+        full = self.full_state_dict()
+        return {**full, "state": whole_pieces(full["state"])}
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Whole flat states (this rank's ranges are whole): as
+        :meth:`load_full_state_dict`."""
+        self.load_full_state_dict(state_dict)
 
     def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load the [Note: full state format] (from any plugin and world size).

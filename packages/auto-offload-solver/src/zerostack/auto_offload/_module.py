@@ -1,0 +1,276 @@
+"""BaseOffloadModule: the offloaded model as training code calls it."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_unflatten
+
+from zerostack.auto_offload._region import Region
+from zerostack.auto_offload._region_manager import RegionManager
+from zerostack.auto_offload._runtime import RUNTIME_NAME, OffloadRuntime
+
+
+def _grad_ready(module_ref, param: torch.nn.Parameter) -> None:
+    module = module_ref()
+    if module is not None:
+        module._grad_ready(param)
+
+
+class BaseOffloadModule:
+    """A model whose parameters move between host and device by a plan.
+
+    Built by :func:`~zerostack.auto_offload.memory_optimize`. Each
+    parameter's gradient is folded into its region's device buffer as soon as
+    it is complete; when a region has all of them, their norm is added on the
+    device and they are copied to pinned host memory (behind compute, in the
+    asynchronous plan) and the buffer is freed.
+
+    Args:
+        model: the graph module with the offload ops inserted.
+        region_manager: the manager that planned it.
+        is_sync: the plan is "syn". Default True.
+        dtype: the compute dtype (float16 or bfloat16).
+        device: the compute device.
+    """
+
+    def __init__(
+        self,
+        model: torch.fx.GraphModule,
+        region_manager: RegionManager,
+        is_sync: bool = True,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.region_manager = region_manager
+        self.is_sync = is_sync
+        self.dtype = dtype
+        self.device = device
+        self.runtime: OffloadRuntime = model.get_submodule(RUNTIME_NAME)
+        self._input_names = [n.target for n in model.graph.nodes if n.op == "placeholder"]
+        self._out_spec = getattr(model, "zerostack_out_spec", None)
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        """Traced shape of each tensor input, by name (set by memory_optimize)."""
+        self.regions: list[Region] = region_manager.region_list
+        self._norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        self.grads_ready = False
+        """A backward's gradients wait in the host buffers for the optimizer."""
+        self._param_region: dict[torch.nn.Parameter, Region] = {}
+        self._hooks = []
+        ref = weakref.ref(self)
+        for region in self.regions:
+            for p in region.grad_params:
+                self._param_region[p] = region
+                # Built once; holds the module weakly (no cycle through the hook).
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, ref=ref: _grad_ready(ref, p)
+                ))  # fmt: skip
+        # Buffers and lifted constants the graph reads go to the device once.
+        for node in model.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            owner, _, attr = node.target.rpartition(".")
+            holder = model.get_submodule(owner)
+            value = getattr(holder, attr)
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                if attr in holder._buffers:
+                    holder._buffers[attr] = value.to(device)
+                else:
+                    setattr(holder, attr, value.to(device))
+
+    # -- calling -------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _cast(self, x):
+        if isinstance(x, torch.Tensor):
+            x = x.to(self.device, non_blocking=True)
+            return x.to(self.dtype) if x.is_floating_point() else x
+        return x
+
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list:
+        """The graph's inputs in placeholder order (no pytree: see
+        ``_plain_calling``)."""
+        if len(args) > len(self._input_names):
+            raise TypeError(
+                f"BaseOffloadModule: {len(args)} positional inputs for a graph that takes "
+                f"{len(self._input_names)} ({self._input_names})"
+            )
+        unknown = set(kwargs) - set(self._input_names[len(args) :])
+        missing = [n for n in self._input_names[len(args) :] if n not in kwargs]
+        if unknown or missing:
+            raise TypeError(
+                f"BaseOffloadModule: the traced inputs are {self._input_names} (unknown "
+                f"{sorted(unknown)}, missing {missing}); call it as it was traced"
+            )
+        flat = [*args, *(kwargs[n] for n in self._input_names[len(args) :])]
+        for name, x in zip(self._input_names, flat, strict=True):
+            want = self.input_shapes.get(name)
+            if want is not None and isinstance(x, torch.Tensor) and tuple(x.shape) != want:
+                raise ValueError(
+                    f"BaseOffloadModule: input {name!r} has shape {tuple(x.shape)} but the module "
+                    f"was traced and planned for {want}; run memory_optimize for that shape"
+                )
+        return [self._cast(x) for x in flat]
+
+    def forward(self, *args, **kwargs):
+        """Run the model on the traced inputs (floating tensors cast to the
+        compute dtype, every tensor moved to the device).
+
+        Raises:
+            TypeError: inputs other than those traced.
+        """
+        flat = self._flat_inputs(args, kwargs)
+        for region in self.regions:
+            region.grad_numel_done = 0
+        out = self.model(*flat)
+        if self._out_spec is None:
+            return out
+        return tree_unflatten(list(out), self._out_spec)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, then wait for the gradient downloads.
+
+        Raises:
+            RuntimeError: a region did not receive all its gradients (the loss
+                does not depend on some trained parameter), or the last
+                backward's gradients were not consumed yet (there is no
+                gradient accumulation: the host buffers hold one backward).
+        """
+        if self.grads_ready:
+            raise RuntimeError(
+                "BaseOffloadModule.backward: the previous backward's gradients are still waiting; "
+                "call AMPOptimizer.step() or zero_grad() between backwards (no gradient accumulation)"
+            )
+        loss.backward()
+        self._post_backward()
+        self.grads_ready = True
+
+    def _post_backward(self) -> None:
+        self.runtime.finish()
+        for region in self.regions:
+            if region.grad_numel_done:
+                got, want = region.grad_numel_done, region.grad_numel
+                region.grad_numel_done = 0
+                raise RuntimeError(
+                    f"BaseOffloadModule.backward: region {region.r_id} got {got} of {want} gradient "
+                    "elements; every trained parameter must take part in the loss"
+                )
+
+    def _grad_ready(self, param: torch.nn.Parameter) -> None:
+        # The gradient overwrites the parameter's slice of the region buffer:
+        # every use of the parameter is done once its gradient is complete.
+        # See [Note: region storage].
+        region = self._param_region[param]
+        with torch.profiler.record_function("zerostack::grad_to_region"):
+            region.copy_grad_to_region_slice(param, param.grad)
+            param.grad = None
+            if region.can_release:
+                self._norm_sq += region.grad_norm_sq()
+                self.runtime.offload_grads(region)
+
+    # -- gradients -----------------------------------------------------------
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """The squared L2 norm of all gradients of the last backward, on the device."""
+        return self._norm_sq
+
+    def zero_grad(self) -> None:
+        """Forget the last backward's gradients (and their norm)."""
+        self._norm_sq.zero_()
+        self.grads_ready = False
+
+    # -- nn.Module-like ------------------------------------------------------
+
+    def master_parameters(self) -> list[torch.nn.Parameter]:
+        """fp32 CPU masters, one per owned parameter, views of the regions'
+        host buffers: build the optimizer on these (or on ``parameters()``;
+        :class:`AMPOptimizer` swaps those for these)."""
+        if not hasattr(self, "_masters"):
+            self._masters: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
+            for region in self.regions:
+                for p in region.params:
+                    begin, end = region.param_to_range[p]
+                    m = torch.nn.Parameter(
+                        region.cpu_master[begin:end].view(p.shape), requires_grad=p.requires_grad
+                    )
+                    if hasattr(m, "grad_dtype"):
+                        m.grad_dtype = None  # torch >= 2.10: half gradients stepped as they came
+                    self._masters[p] = m
+        return list(self._masters.values())
+
+    def master_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The fp32 master of a model parameter."""
+        self.master_parameters()
+        return self._masters[param]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights by the model's names: each parameter's fp32 master (on
+        the host; tied names share one tensor) and each buffer, detached. The
+        device copies are not used: between steps their storage is freed."""
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out[name] = self.master_of(p).detach()
+        for name, b in self.model.named_buffers():
+            out[name] = b.detach()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load weights by name into the masters (and the half copies the next
+        forward uploads) and the buffers.
+
+        Raises:
+            KeyError: a parameter or buffer of the model is missing, or a name
+                is unknown.
+            ValueError: a shape differs.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers())
+        missing = sorted((set(params) | set(buffers)) - set(state))
+        unknown = sorted(set(state) - set(params) - set(buffers))
+        if missing or unknown:
+            raise KeyError(
+                f"BaseOffloadModule.load_state_dict: missing {missing}, unknown {unknown}"
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                target = self.master_of(params[name]) if name in params else buffers[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"BaseOffloadModule.load_state_dict: {name} has shape "
+                        f"{tuple(value.shape)}, the model {tuple(target.shape)}"
+                    )
+                target.copy_(value)
+            for region in self.regions:
+                if region.params:
+                    region.cpu_half.copy_(region.cpu_master)
+
+    def train(self, mode: bool = True) -> BaseOffloadModule:
+        """Kept for API parity; the traced graph is fixed in training mode."""
+        if not mode:
+            raise NotImplementedError(
+                "BaseOffloadModule.train(False): the graph was traced in training mode "
+                "(dropout on); evaluate the original model instead"
+            )
+        return self
+
+    def parameters(self, recurse: bool = True):
+        """The model's (half-precision, device) parameters."""
+        return self.model.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True):
+        return self.model.named_parameters(prefix, recurse)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True):
+        return self.model.named_buffers(prefix, recurse)
+
+    def named_children(self):
+        return self.model.named_children()
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        return self.model.named_modules(memo, prefix, remove_duplicate)

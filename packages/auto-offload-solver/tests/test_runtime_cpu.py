@@ -1,0 +1,192 @@
+"""The runtime on a CPU device: the same ops, hooks and optimizer as on a GPU
+(streams aside), checked against plain training and for their effect."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from offload_helpers import (
+    batch,
+    fake_profile,
+    gpt2_2,
+    halfway_budget,
+    offload_losses,
+    ref_batch,
+    reference_losses,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_ref_gpt,
+)
+
+from zerostack.auto_offload import memory_optimize
+
+HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
+SGD = dict(lr=0.5, weight_decay=0.01, clip=0.3)
+
+
+@pytest.mark.parametrize(
+    ("build", "solver"), [(gpt2_2, "syn"), (gpt2_2, "asyn"), (tiny_llama, "asyn")],
+    ids=["gpt2-syn", "gpt2-asyn", "llama-asyn"],
+)  # fmt: skip
+def test_parity_and_effect_bf16(build, solver):
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = build()
+    ref_losses, ref_masters = reference_losses(
+        model, inputs, steps=4, dtype=torch.bfloat16, device="cpu", **HYPER
+    )
+    seen = {"forward": 0, "backward": 0}
+
+    def check(phase, om):
+        seen[phase] += 1
+        for r in om.regions:
+            if phase == "forward" and r.params:
+                # offloaded regions were freed after their forward, the others kept
+                assert r.is_resident == (not r.need_offload), r
+            if phase == "backward":
+                assert not r.is_resident, r  # every buffer freed after the downloads
+        if phase == "forward":
+            assert any(r.need_offload for r in om.regions), "the budget forces an offload"
+
+    budget = halfway_budget(build, solver)
+    losses, masters, om, opt = offload_losses(
+        model, inputs, steps=4, precision="bf16", device="cpu", solver=solver, budget=budget,
+        profile=fake_profile(), check=check, **HYPER,
+    )  # fmt: skip
+    assert seen == {"forward": 4, "backward": 4}
+    assert om.region_manager.solver.best_ts.peak_mem <= budget * 0.95
+    assert opt.grad_scaler is None and opt.last_grad_norm > HYPER["clip"]  # clipping was active
+    # the same bf16 ops on the same values: the losses agree closely
+    # bf16 rounding of slightly different updates: observed within 3e-4 relative
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        # Adam moves a parameter by ~lr whatever its gradient, so a near-zero bf16
+        # gradient whose sign rounds the other way can differ by two steps' worth.
+        torch.testing.assert_close(m.detach(), r, rtol=0, atol=2 * HYPER["lr"])
+        assert (m.detach() - r).abs().gt(2e-3).float().mean() < 1e-2
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_parity_sgd_sees_the_gradient_scale(solver):
+    """SGD's update is linear in the gradient: a wrong scale or clip shows."""
+    inputs = batch(2, 8)
+    torch.manual_seed(1)
+    model = gpt2_2()
+    hyper = SGD
+    ref_losses, ref_masters = reference_losses(
+        model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **hyper
+    )
+    losses, masters, _, opt = offload_losses(
+        model, inputs, steps=3, precision="bf16", device="cpu", solver=solver,
+        budget=halfway_budget(gpt2_2, solver), profile=fake_profile(), sgd=True,
+        **hyper,
+    )  # fmt: skip
+    assert opt.last_grad_norm > hyper["clip"]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
+
+
+def test_parity_tied_head_and_unused_parameter():
+    """zerostack.testing's TinyGPT: tied head, a parameter forward never reads."""
+    torch.manual_seed(2)
+    model = tiny_ref_gpt(2)
+    inputs = ref_batch(2, 8)
+    ref, ref_masters = reference_losses(
+        model, inputs, steps=3, dtype=torch.bfloat16, device="cpu", sgd=True, **SGD
+    )
+    budget = halfway_budget(tiny_ref_gpt, "asyn", ref_batch)
+    losses, masters, om, _ = offload_losses(
+        model, inputs, steps=3, precision="bf16", device="cpu", solver="asyn", budget=budget,
+        profile=fake_profile(), sgd=True, **SGD,
+    )  # fmt: skip
+    assert om.region_manager.get_region(model.tok_emb.weight).shared
+    assert any(r.need_offload for r in om.regions)
+    torch.testing.assert_close(losses, ref, rtol=1e-3, atol=1e-3)
+    for m, r in zip(masters, ref_masters, strict=True):
+        torch.testing.assert_close(m.detach(), r, rtol=1e-2, atol=1e-4)
+    unused = om.master_of(model.unused.weight)
+    assert unused.grad is None and not opt_state(om, unused)
+
+
+def opt_state(om, master):
+    return any(master is p for r in om.regions for p in r.grad_params)
+
+
+def test_fp16_uses_the_loss_scaler_and_model_params_are_swapped():
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = tiny_gpt2(2)
+    losses, masters, om, opt = offload_losses(
+        model, inputs, steps=2, precision="fp16", device="cpu", solver="syn", budget=-1,
+        profile=fake_profile(), on_model_params=True, **HYPER,
+    )  # fmt: skip
+    assert opt.grad_scaler is not None and opt.loss_scale == 2.0**16
+    assert om.dtype == torch.float16 and all(p.dtype == torch.float16 for p in om.parameters())
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert {id(p) for p in held} == {id(m) for m in masters}  # the masters, not the model's
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in held)
+    assert all(len(opt.optim.state[m]) for m in masters)  # they were stepped
+    assert losses[1] < losses[0]
+
+
+def test_errors_of_amp_optimizer():
+    from zerostack.auto_offload import AMPOptimizer
+
+    om = memory_optimize(
+        tiny_gpt2(1), batch(), precision="bf16", device="cpu", profile=fake_profile()
+    )
+    with pytest.raises(ValueError, match="not a parameter of the offloaded module"):
+        AMPOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=1.0), om)
+    with pytest.raises(NotImplementedError, match=r"norm_type must be 2\.0"):
+        AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, norm_type=1.0)
+    with pytest.warns(UserWarning, match="no effect without fp16"):
+        AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om, initial_scale=8.0)
+    with pytest.raises(TypeError, match=r"unknown \['input_id'\], missing \['input_ids'\]"):
+        om(input_id=batch()["input_ids"], attention_mask=batch()["attention_mask"])
+    with pytest.raises(
+        ValueError, match=r"input .input_ids. has shape \(2, 4\) but the module was traced"
+    ):
+        om(**batch(2, 4))
+    opt = AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=1.0), om)
+    with pytest.raises(RuntimeError, match=r"no gradients since the last step"):
+        opt.step()
+    opt.backward(om(**batch()).float().mean())
+    with pytest.raises(RuntimeError, match="no gradient accumulation"):
+        opt.backward(om(**batch()).float().mean())
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"no gradients since the last step"):
+        opt.step()  # the same gradients are never applied twice
+
+
+def test_without_cuda_memory_optimize_says_what_to_do():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only error")
+    with pytest.raises(RuntimeError, match="pass device='cpu' and a HardwareProfile"):
+        memory_optimize(tiny_gpt2(1), batch())
+    with pytest.raises(ValueError, match="precision must be one of"):
+        memory_optimize(
+            tiny_gpt2(1), batch(), precision="fp8", device="cpu", profile=fake_profile()
+        )
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    model = tiny_gpt2(1)
+    original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    om = memory_optimize(model, batch(), precision="bf16", device="cpu", profile=fake_profile())
+    sd = om.state_dict()
+    assert set(sd) >= {k for k in original if not k.endswith("attn.bias")}
+    for k, v in sd.items():  # fp32 masters: the original values, not bf16-rounded
+        if k in original:
+            assert v.dtype == torch.float32 and torch.equal(v, original[k].float()), k
+    out = om(**batch()).float()
+    changed = {k: v + 0.5 if v.is_floating_point() else v for k, v in sd.items()}
+    om.load_state_dict(changed)
+    assert torch.equal(om.state_dict()["model.lm_head.weight"], changed["model.lm_head.weight"])
+    assert not torch.allclose(om(**batch()).float(), out)  # the next forward uploads them
+    with pytest.raises(KeyError, match="unknown \\['nope'\\]"):
+        om.load_state_dict({**changed, "nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="has shape"):
+        om.load_state_dict({**changed, "model.lm_head.weight": torch.zeros(2)})

@@ -1,0 +1,226 @@
+"""AutoOffloadPlugin: zerostack-auto-offload's planned parameter offload
+(``memory_optimize`` + ``AMPOptimizer``) behind the Booster, on one device."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerostack.booster._interface import ModelWrapper
+from zerostack.booster._plugins._base import BoostedOptimizer, Plugin, attach_scheduler
+from zerostack.booster._plugins._state import (
+    ModelFacts,
+    full_to_positional,
+    positional_to_full,
+    scaler_state,
+)
+from zerostack.chunk import rank_and_world
+
+_API = "AutoOffloadPlugin"
+_SOLVERS = ("asyn", "syn")
+_PRECISIONS = ("fp16", "bf16")
+
+
+class AutoOffloadModel(ModelWrapper):
+    """A model made by ``memory_optimize``: calls run the planned graph;
+    checkpoints hold its fp32 masters by the model's names."""
+
+    def __init__(self, offload: Any, facts: ModelFacts) -> None:
+        super().__init__(offload)
+        self._facts = facts
+
+    def unwrap(self) -> nn.Module:
+        """The traced module (its parameters are the device copies)."""
+        return self.module.model
+
+    def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
+        """The fp32 masters and buffers; see [Note: full state format]."""
+        return self._facts.export_model(self.module.state_dict())
+
+    def load_full_state_dict(
+        self, state_dict: dict[str, torch.Tensor], strict: bool = True
+    ) -> None:
+        """Load weights by name into the masters (the next forward uploads them).
+
+        Raises:
+            KeyError: with ``strict``, a name is missing or unknown.
+        """
+        if not strict:  # names not given keep their values; unknown ones are left out
+            current = self.module.state_dict()
+            state_dict = {**current, **{k: v for k, v in state_dict.items() if k in current}}
+        self.module.load_state_dict(state_dict)
+
+
+class AutoOffloadOptimizer(BoostedOptimizer):
+    """An ``AMPOptimizer`` (fp32 masters stepped on the host, the fp16 loss
+    scaler, clipping) next to an AutoOffloadModel."""
+
+    _API = "AutoOffloadOptimizer"
+
+    def __init__(self, optimizer: Any, model: AutoOffloadModel) -> None:
+        super().__init__(optimizer)
+        self._model = model
+        offload = model.module
+        self._names = {id(offload.master_of(p)): n for n, p in offload.model.named_parameters()}
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 loss scaler (None in bf16)."""
+        return self.optim.grad_scaler
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward through the planned graph, the loss scaled in fp16."""
+        self.optim.backward(loss)
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optim.param_groups for p in g["params"]]
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """See [Note: full state format]: the masters' states by name."""
+        state, groups = positional_to_full(
+            self._API, self.optim.optim.state_dict(), self._params(), self._names,
+            self._model._facts.shapes,
+        )  # fmt: skip
+        scaler = self.scaler.state_dict() if self.scaler is not None else None
+        return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the [Note: full state format] (from any plugin and world size).
+
+        Raises:
+            KeyError: the state names a parameter this optimizer lacks.
+            ValueError: a state tensor's size differs from its parameter's.
+        """
+        inner = self.optim.optim
+        positional = full_to_positional(
+            self._API, state_dict, inner.state_dict(), self._params(), self._names, flat=False
+        )
+        inner.load_state_dict(positional)
+        if self.scaler is not None:
+            saved = scaler_state(self.scaler.state_dict(), state_dict.get("loss_scaler"))
+            if saved is not None:
+                self.scaler.load_state_dict(saved)
+
+
+class AutoOffloadPlugin(Plugin):
+    """Plan which parts of the model leave the device between forward and
+    backward so that a training step fits ``memory_budget`` (see
+    zerostack-auto-offload), on one device.
+
+    The model is traced on ``example_inputs`` and specialised to their shapes:
+    every batch must have them. Build the optimizer on ``model.parameters()``
+    before ``boost`` (fused-adam's HybridAdam steps the host masters fastest).
+
+    Args:
+        memory_budget: device memory for the step, in GB as the seed's
+            (``memory_budget=16`` is 16 * 1024**3 bytes); ``<= 0`` means the
+            whole device. Default -1.
+        solver_name: "asyn" (uploads prefetched on side streams) or "syn".
+            Default "asyn".
+        precision: "fp16" (loss scaling) or "bf16". Default "fp16".
+        example_inputs: one batch, as ``memory_optimize``'s ``inputs`` (a dict
+            of keyword arguments or a tuple of positional ones). Required.
+        initial_scale, growth_factor, backoff_factor, growth_interval,
+            hysteresis, min_scale, max_scale: the fp16 loss scaler's (defaults
+            2**16, 2, 0.5, 1000, 2, 1, 2**32).
+        max_norm: clip the gradient norm to this; 0 turns clipping off. Default 0.
+        profile: a ``HardwareProfile`` (default: measured on the device).
+        device: the compute device (default: the current CUDA device; "cpu"
+            with a ``profile`` runs the mechanics on the CPU).
+
+    Raises:
+        ValueError: an unknown ``solver_name`` or ``precision``, or a negative
+            ``max_norm``.
+        NotImplementedError (at configure): more than one process (the plan
+            is for one device; data parallelism is not built).
+    """
+
+    def __init__(
+        self,
+        memory_budget: float = -1.0,
+        solver_name: str = "asyn",
+        precision: str = "fp16",
+        example_inputs: dict | tuple | None = None,
+        initial_scale: float = 2**16,
+        growth_factor: float = 2,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1,
+        max_scale: float = 2**32,
+        max_norm: float = 0.0,
+        profile: Any = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if solver_name not in _SOLVERS:
+            raise ValueError(f"{_API}: solver_name must be one of {_SOLVERS} (got {solver_name!r})")
+        if precision not in _PRECISIONS:
+            raise ValueError(f"{_API}: precision must be one of {_PRECISIONS} (got {precision!r})")
+        if not max_norm >= 0:
+            raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
+        self.memory_budget = memory_budget
+        self.solver_name = solver_name
+        self.precision = precision
+        self.example_inputs = example_inputs
+        self.max_norm = max_norm
+        self.profile = profile
+        self.device = device
+        self.scaler_kwargs = dict(
+            initial_scale=initial_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+        )  # fmt: skip
+
+    def supported_precisions(self) -> list[str]:
+        return list(_PRECISIONS)
+
+    def control_precision(self) -> bool:
+        return True
+
+    def configure(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable | None = None,
+        dataloader: Any | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> tuple[nn.Module, AutoOffloadOptimizer | None, Callable | None, Any, Any]:
+        """Trace, plan and rewrite ``model``; wrap ``optimizer`` in an AMPOptimizer.
+
+        Raises:
+            ValueError: no ``example_inputs`` were given to the plugin.
+            NotImplementedError: more than one process.
+            MemoryBudgetError: no plan fits the budget (its message states
+                the least budget that works).
+        """
+        from zerostack.auto_offload import AMPOptimizer, memory_optimize
+
+        _, world = rank_and_world()
+        if world > 1:
+            raise NotImplementedError(
+                f"{_API}: {world} processes; the offload plan is for one device and data "
+                "parallelism over it is not built (use GeminiPlugin for several GPUs)"
+            )
+        if self.example_inputs is None:
+            raise ValueError(
+                f"{_API}: example_inputs is required: one batch as a dict of keyword "
+                "arguments or a tuple of positional ones (the model is traced on it)"
+            )
+        facts = ModelFacts.of(model)
+        budget = self.memory_budget * 1024**3 if self.memory_budget > 0 else -1.0
+        offload = memory_optimize(
+            model, self.example_inputs, budget, self.solver_name, precision=self.precision,
+            profile=self.profile, device=self.device,
+        )  # fmt: skip
+        wrapped = AutoOffloadModel(offload, facts)
+        boosted = None
+        if optimizer is not None:
+            amp = AMPOptimizer(
+                optimizer, offload, clipping_norm=self.max_norm, **self.scaler_kwargs
+            )
+            boosted = AutoOffloadOptimizer(amp, wrapped)
+            attach_scheduler(lr_scheduler, boosted, optimizer)
+        return wrapped, boosted, criterion, dataloader, lr_scheduler

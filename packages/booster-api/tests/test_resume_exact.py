@@ -1,0 +1,150 @@
+"""Booster.save_state / load_state resume exactly: a run saved at step k and
+continued by a fresh process group gives the losses of the uninterrupted run,
+bitwise (fp32, CPU), with dropout on and a shuffled sampler, so that both the
+RNG states and the sampler position must come back. The same resume with
+either one spoiled gives other losses (the test can fail)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin
+from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
+from zerostack.booster._rng import rng_state, set_rng_state
+from zerostack.fused_adam import HybridAdam
+from zerostack.testing import GPTConfig, TinyGPT, spawn
+
+CONFIG = GPTConfig(bias=False, vocab_size=64, dim=32, num_layers=2, max_seq_len=16, dropout=0.2)
+SAMPLES, BATCH, STEPS, SAVE_AT = 40, 4, 8, 3  # 5 batches a rank and epoch at world 2
+
+
+def _dataset():
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randint(0, CONFIG.vocab_size, (SAMPLES, 17), generator=gen))
+
+
+def _setup(world, seed):
+    plugin = GeminiPlugin(precision="fp32", chunk_config_dict={world: {"chunk_size": 5_000}})
+    torch.manual_seed(seed)
+    model = TinyGPT(CONFIG)
+    opt = HybridAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    loader = plugin.prepare_dataloader(_dataset(), batch_size=BATCH, shuffle=True, seed=3)
+    booster = Booster(plugin=plugin)
+    model, opt, _, loader, sched = booster.boost(model, opt, None, loader, sched)
+    return booster, model, opt, sched, loader
+
+
+def _train(parts, steps_done, path=None):
+    """Train to STEPS from ``steps_done``; losses of this rank, and a state
+    saved at SAVE_AT when ``path`` is given."""
+    booster, model, opt, sched, loader = parts
+    losses, epoch = [], loader.sampler.epoch
+    while steps_done < STEPS:
+        loader.sampler.set_epoch(epoch)  # the loaded epoch keeps its position
+        epoch += 1
+        for (batch,) in loader:
+            loss = model(batch[:, :-1], batch[:, 1:])
+            booster.backward(loss, opt)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            losses.append(loss.item())
+            steps_done += 1
+            if path is not None and steps_done == SAVE_AT:
+                booster.save_state(path, model, opt, sched, loader)
+            if steps_done == STEPS:
+                break
+    return losses
+
+
+def _uninterrupted(rank, world, root):
+    torch.set_num_threads(1)
+    losses = _train(_setup(world, seed=0), 0, os.path.join(root, "state"))
+    torch.save(losses, os.path.join(root, f"losses-{rank}.pt"))
+
+
+def _resumed(rank, world, root):
+    torch.set_num_threads(1)
+    expected = torch.load(os.path.join(root, f"losses-{rank}.pt"))[SAVE_AT:]
+    state = os.path.join(root, "state")
+    parts = _setup(world, seed=1)
+    parts[0].load_state(state, *parts[1:])
+    assert parts[4].sampler.epoch == 0 and parts[4].sampler.consumed == SAVE_AT * BATCH
+    assert _train(parts, SAVE_AT) == expected  # bitwise
+    # Spoiled RNG: the dropout masks differ.
+    parts = _setup(world, seed=1)
+    parts[0].load_state(state, *parts[1:])
+    torch.manual_seed(1234)
+    assert _train(parts, SAVE_AT) != expected
+    # Spoiled position: the epoch starts over with batches already seen.
+    parts = _setup(world, seed=1)
+    parts[0].load_state(state, *parts[1:])
+    parts[4].sampler.load_state_dict({"epoch": 0, "consumed": 0})
+    assert _train(parts, SAVE_AT) != expected
+
+
+def test_resume_is_exact_with_dropout_and_shuffle(tmp_path):
+    spawn(_uninterrupted, 2, args=(str(tmp_path),), backend="gloo", timeout_s=180)
+    assert sorted(os.listdir(tmp_path / "state")) == [
+        "lr_scheduler.pt", "model", "optimizer", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"
+    ]  # fmt: skip
+    spawn(_resumed, 2, args=(str(tmp_path),), backend="gloo", timeout_s=180)
+
+
+def test_sampler_position_round_trip():
+    dataset = TensorDataset(torch.arange(20))
+    sampler = StatefulDistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    loader = ResumableDataLoader(dataset, batch_size=3, sampler=sampler)
+    sampler.set_epoch(1)
+    seen = [int(i) for (b,) in loader for i in b]
+    it = iter(loader)
+    first = [int(i) for i in next(it)[0]]
+    assert sampler.state_dict()["consumed"] == 3 and first == seen[:3]
+    state = sampler.state_dict()
+    other = StatefulDistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+    resumed = ResumableDataLoader(dataset, batch_size=3, sampler=other)
+    other.load_state_dict(state)
+    other.set_epoch(1)  # the loaded epoch: the position holds
+    before = torch.get_rng_state()
+    assert [int(i) for (b,) in resumed for i in b] == seen[3:]
+    assert torch.equal(torch.get_rng_state(), before)  # the resumed iter drew under fork_rng
+    assert other.consumed == 10
+    other.set_epoch(2)  # a new epoch starts from its beginning
+    assert len([i for (b,) in resumed for i in b]) == 10
+    # Saved at world 2, loaded at world 1: the same number of samples over all ranks.
+    alone = StatefulDistributedSampler(dataset, num_replicas=1, rank=0)
+    alone.load_state_dict(state)
+    assert alone.consumed == 6
+    with pytest.raises(ValueError, match=r"state must be a state_dict\(\) of this sampler"):
+        alone.load_state_dict({"epoch": 1})
+
+
+def test_rng_state_round_trip():
+    np = pytest.importorskip("numpy")
+    state = rng_state()
+    drawn = (random.random(), np.random.rand(), torch.rand(2))
+    set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(2))
+    assert drawn[:2] == again[:2] and torch.equal(drawn[2], again[2])
+    with pytest.raises(ValueError, match=r"state must be what rng_state\(\) returned"):
+        set_rng_state({"torch": state["torch"]})
+
+
+def test_load_state_refuses_what_was_not_saved(tmp_path):
+    plugin = LowLevelZeroPlugin(stage=1, precision="fp32")
+    booster = Booster(plugin=plugin)
+    model, *_ = booster.boost(TinyGPT(CONFIG), None)
+    booster.save_state(tmp_path / "s", model)
+    assert not os.path.exists(tmp_path / "s" / "optimizer")
+    sampler_less = torch.utils.data.DataLoader(_dataset())
+    with pytest.raises(TypeError, match=r"dataloader must have state_dict"):
+        booster.save_state(tmp_path / "s", model, dataloader=sampler_less)
+    sched = object()
+    with pytest.raises(ValueError, match=r"holds no lr_scheduler"):
+        booster.load_state(tmp_path / "s", model, lr_scheduler=sched)
