@@ -35,9 +35,14 @@ class AMPOptimizer:
     Args:
         optimizer: a torch optimizer (fused-adam's for speed).
         module: the offloaded module.
-        initial_scale, growth_factor, backoff_factor, growth_interval,
-            hysteresis, min_scale, max_scale: the fp16 loss scaler (defaults
-            2**16, 2, 0.5, 1000, 2, 1, 2**32); warned about and unused in bf16.
+        initial_scale: the fp16 loss scaler's first scale. Default 2**16.
+        growth_factor: the scale's growth after growth_interval clean steps. Default 2.
+        backoff_factor: the scale's factor after an overflow. Default 0.5.
+        growth_interval: clean steps before the scale grows. Default 1000.
+        hysteresis: overflows tolerated before backing off. Default 2.
+        min_scale: the least scale. Default 1.
+        max_scale: the largest scale. Default 2**32. (The scaler's arguments
+            are warned about and unused in bf16.)
         clipping_norm: clip the global gradient L2 norm to this; 0 turns it
             off. Default 0.
         norm_type: only 2.0 is supported. Default 2.0.

@@ -123,9 +123,13 @@ class AutoOffloadPlugin(Plugin):
         precision: "fp16" (loss scaling) or "bf16". Default "fp16".
         example_inputs: one batch, as ``memory_optimize``'s ``inputs`` (a dict
             of keyword arguments or a tuple of positional ones). Required.
-        initial_scale, growth_factor, backoff_factor, growth_interval,
-            hysteresis, min_scale, max_scale: the fp16 loss scaler's (defaults
-            2**16, 2, 0.5, 1000, 2, 1, 2**32).
+        initial_scale: the fp16 loss scaler's first scale. Default 2**16.
+        growth_factor: the scale's growth after growth_interval clean steps. Default 2.
+        backoff_factor: the scale's factor after an overflow. Default 0.5.
+        growth_interval: clean steps before the scale grows. Default 1000.
+        hysteresis: overflows tolerated before backing off. Default 2.
+        min_scale: the least scale. Default 1.
+        max_scale: the largest scale. Default 2**32.
         max_norm: clip the gradient norm to this; 0 turns clipping off. Default 0.
         profile: a ``HardwareProfile`` (default: measured on the device).
         device: the compute device (default: the current CUDA device; "cpu"
