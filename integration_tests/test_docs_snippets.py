@@ -51,7 +51,7 @@ MARKER = re.compile(r"<!--\s*docs-test:\s*(\w+)\s*-->")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,})(?P<info>.*)$")
 LANGUAGES = {"python", "bash", "json", "text", "mermaid"}
 # Commands a bash block may name besides those checked one by one below.
-KNOWN_COMMANDS = {"apt-get", "cd", "export", "git", "mkdocs", "ruff"}
+KNOWN_COMMANDS = {"apt-get", "cd", "export", "git", "mkdir", "mkdocs", "ruff", "tar"}
 
 
 @dataclass(frozen=True)
