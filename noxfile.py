@@ -248,19 +248,19 @@ def _install_tensornvme(session: nox.Session) -> None:
             home.mkdir(parents=True, exist_ok=True)
             session.install("setuptools", "wheel", "packaging", "click")
             env = {"WITH_ROOT": "1", "LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"}
-            log = session.run("python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
-                              TENSORNVME, "--wheel-dir", str(home), env=env, silent=True,
-                              success_codes=list(range(256)))  # fmt: skip
+            # --no-cache-dir: pip would reuse a wheel it built against another torch.
+            log = session.run("python", "-m", "pip", "wheel", "--no-cache-dir", "--no-deps",
+                              "--no-build-isolation", TENSORNVME, "--wheel-dir", str(home),
+                              env=env, silent=True, success_codes=list(range(256)))  # fmt: skip
             wheels = list(home.glob("tensornvme-*.whl"))
             if not wheels:
                 (home / "build.log").write_text(str(log))
                 reason = f"its build failed (log: {home / 'build.log'}; delete {failed} to retry)"
                 failed.write_text(reason)
         if not wheels:
-            message = f"tensornvme skipped, {reason}; the NVMe tests use the thread backend"
             if required:
-                session.error(f"{message} (ZEROSTACK_REQUIRE_TENSORNVME=1)")
-            session.log(message)
+                session.error(f"ZEROSTACK_REQUIRE_TENSORNVME=1, but tensornvme {reason}")
+            session.log(f"tensornvme skipped, {reason}; the NVMe tests use the thread backend")
             return
     session.install("packaging", "click", *[str(w) for w in wheels])
 
