@@ -265,6 +265,12 @@ def _install_tensornvme(session: nox.Session) -> None:
     session.install("packaging", "click", *[str(w) for w in wheels])
 
 
+def _spec(folder: str) -> str:
+    """The requirement that asks pip for a package with its zerostack-only extras."""
+    extras = _zerostack_extras(folder)
+    return _meta(folder)["name"] + (f"[{','.join(extras)}]" if extras else "")
+
+
 def _check_installed(session: nox.Session, python: str, expected: list[str]) -> None:
     """Exactly the `expected` zerostack distributions (folders) are installed."""
     out = session.run(python, "-m", "pip", "list", "--format=json", silent=True, external=True)
@@ -295,9 +301,8 @@ def _install_packages(
     names = [_meta(f)["name"] for f in PACKAGES]
     # A reused environment: the new wheels carry the same versions, so drop the old ones.
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *names, silent=True)
-    specs = [_meta(f)["name"] + (f"[{','.join(_zerostack_extras(f))}]" if _zerostack_extras(f) else "")
-             for f in ["testing", *requested] if f != "testing" or testing]  # fmt: skip
-    session.install(*links, *dict.fromkeys(specs))
+    specs = dict.fromkeys(_spec(f) for f in [*(["testing"] if testing else []), *requested])
+    session.install(*links, *specs)
     _check_installed(session, "python", closure)
 
 
@@ -346,13 +351,16 @@ def examples(session: nox.Session) -> None:
         session.run("python", str(script), "--smoke")
 
 
-def _readme_install_snippet(folder: str) -> str:
+def _readme_install_snippet(session: nox.Session, folder: str) -> str:
     """The python block of a package README's Install section."""
     text = (ROOT / "packages" / folder / "README.md").read_text()
     section = re.search(r"^## Install\n(.*?)(?=^## |\Z)", text, re.S | re.M)
     block = section and re.search(r"^```python\n(.*?)^```", section.group(1), re.S | re.M)
     if not block:
-        raise ValueError(f"packages/{folder}/README.md: no ```python block under '## Install'")
+        session.error(
+            f"packages/{folder}/README.md: no ```python block under '## Install' (the first "
+            "check of an install, which this session runs; see another package's README)"
+        )
     return block.group(1)
 
 
@@ -408,7 +416,7 @@ def build(session: nox.Session) -> None:
         module = "zerostack." + next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
         snippet = tmp / f"{folder}_install.py"
         snippet.write_text(
-            f"from {module} import *  # noqa: F403\n" + _readme_install_snippet(folder)
+            f"from {module} import *  # noqa: F403\n" + _readme_install_snippet(session, folder)
         )
         with session.chdir(tmp):  # not the repository: only the installed packages import
             session.run(python, str(snippet), external=True)
