@@ -184,6 +184,30 @@ def _source_key(folder: str, env: dict) -> str:
     return h.hexdigest()[:16]
 
 
+def _builder(session: nox.Session) -> str:
+    """The python of an environment holding every package's build requirements
+    (hatchling, pybind11), made once: one build environment for all the
+    wheels instead of one per wheel (pip's isolation). The `build` session
+    still builds each package in isolation, from its sdist."""
+    requires = sorted(
+        {
+            r
+            for f in PACKAGES
+            for r in tomllib.loads((ROOT / "packages" / f / "pyproject.toml").read_text())[
+                "build-system"
+            ]["requires"]
+        }
+    )
+    venv = ROOT / ".nox" / f"_builder-{hashlib.sha256(repr(requires).encode()).hexdigest()[:8]}"
+    python = venv / "bin" / "python"
+    if not (venv / "ready").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(sys.executable, "-m", "virtualenv", "--quiet", str(venv), external=True)
+        session.run(str(python), "-m", "pip", "install", "--quiet", *requires, external=True)
+        (venv / "ready").touch()
+    return str(python)
+
+
 def _wheel_dirs(session: nox.Session, folders: list[str], env: dict) -> list[Path]:
     """One folder per package holding its wheel, built from this tree when
     its sources changed since the last build (one pip call for all)."""
@@ -192,8 +216,9 @@ def _wheel_dirs(session: nox.Session, folders: list[str], env: dict) -> list[Pat
     if stale:
         tmp = WHEELHOUSE / "_partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        session.run("python", "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir",
-                    str(tmp), *[f"packages/{f}" for f in stale], env=env, external=True)  # fmt: skip
+        session.run(_builder(session), "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(tmp),
+                    *[f"packages/{f}" for f in stale], env=env, external=True)  # fmt: skip
         for f in stale:
             name = _meta(f)["name"].replace("-", "_")
             for old in WHEELHOUSE.glob(f"{f}-*"):
