@@ -1,9 +1,26 @@
-"""The one task runner. `nox -s tests` is what CI runs (see README)."""
+"""The one task runner. `nox -s tests` is what CI runs (see README).
+
+[Note: installs as from an index] Every session that needs zerostack
+packages installs them the way a user does: each package is built once into
+a wheel (.nox/_dist, rebuilt only when its sources change) and requested by
+its distribution name with `pip install --find-links`, so pip resolves the
+siblings from their declared requirements, and a session then checks that
+exactly the expected zerostack distributions are installed. torch and numpy
+are installed once per machine (.nox/_torch) and hard-linked into each
+session's environment: unpacking and byte-compiling torch took about 45 s
+per session on a 2-core machine, linking it takes under a second.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
+import shutil
+import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 import nox
@@ -25,6 +42,13 @@ TEST_REQUIREMENTS = {
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
+# What CI runs, in order; `tests` requires them all (nox then reports each one).
+CI_SESSIONS = ["lint", "unit", "integration", "examples", "build", "docs"]
+WHEELHOUSE = ROOT / ".nox" / "_dist"  # See [Note: installs as from an index]
+TORCH_HOME = ROOT / ".nox" / "_torch"
+TENSORNVME_HOME = ROOT / ".nox" / "_wheels"
+TENSORNVME = "tensornvme==0.1.0"
+TENSORNVME_APT = "apt-get install -y liburing-dev libaio-dev cmake"
 
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
@@ -38,69 +62,274 @@ def _dist_to_folder() -> dict[str, str]:
     return {_meta(f)["name"]: f for f in PACKAGES}
 
 
-def _requirements(folder: str) -> list[str]:
-    meta = _meta(folder)
-    extras = [r for group in meta.get("optional-dependencies", {}).values() for r in group]
-    return [*meta.get("dependencies", []), *extras]
+def _req_name(req: str) -> str:
+    return re.split(r"[\s;\[<>=!~]", req, maxsplit=1)[0].lower().replace("_", "-")
 
 
-def _zerostack_deps(folder: str) -> list[str]:
-    """The package's declared zerostack dependencies (extras included),
-    transitively, as folders."""
+def _zerostack_extras(folder: str) -> list[str]:
+    """The extras of a package that consist only of zerostack packages
+    (fused-adam's `nvme`, zero-shard's `cpu-offload`)."""
+    by_name = _dist_to_folder()
+    groups = _meta(folder).get("optional-dependencies", {})
+    return sorted(k for k, reqs in groups.items() if all(_req_name(r) in by_name for r in reqs))
+
+
+def _zerostack_deps(folder: str, extras: bool = True) -> list[str]:
+    """The package's declared zerostack dependencies, transitively, as
+    folders; with `extras`, its zerostack-only extras' too (theirs never)."""
     by_name = _dist_to_folder()
     seen: list[str] = []
-    todo = [folder]
+    todo = [(folder, extras)]
     while todo:
-        for req in _requirements(todo.pop()):
-            name = req.split(";")[0].split("[")[0]
-            for op in "<>=!~ ":
-                name = name.split(op)[0]
-            dep = by_name.get(name.strip())
+        current, with_extras = todo.pop()
+        meta = _meta(current)
+        reqs = list(meta.get("dependencies", []))
+        for extra in _zerostack_extras(current) if with_extras else []:
+            reqs += meta["optional-dependencies"][extra]
+        for req in reqs:
+            # An extra named in a requirement (zerostack-fused-adam[nvme]) counts.
+            requested = re.search(r"\[([^\]]*)\]", req.split(";")[0])
+            dep = by_name.get(_req_name(req))
             if dep and dep not in seen:
                 seen.append(dep)
-                todo.append(dep)
+                todo.append((dep, False))
+                if requested:
+                    for extra in requested.group(1).split(","):
+                        for r in _meta(dep)["optional-dependencies"][extra.strip()]:
+                            sub = by_name.get(_req_name(r))
+                            if sub and sub not in seen:
+                                seen.append(sub)
+                                todo.append((sub, False))
     return seen
 
 
-def _install_tensornvme(session: nox.Session) -> None:
-    """tensornvme builds from source against the installed torch and needs
-    liburing-dev/libaio-dev (.ci/run installs them). Built once per machine,
-    then installed from .nox/_wheels. Without it the nvme tests run on the
-    thread backend only, unless ZEROSTACK_REQUIRE_TENSORNVME=1 makes that fatal."""
-    wheels = ROOT / ".nox" / "_wheels"
-    failed = wheels / "tensornvme.failed"  # the decision, cached: not retried every session
-    required = os.environ.get("ZEROSTACK_REQUIRE_TENSORNVME") == "1"
-    if failed.exists() and not required:
-        session.log(f"tensornvme skipped ({failed.read_text().strip()}); delete {failed} to retry")
-        return
-    if not list(wheels.glob("tensornvme-*.whl")):
-        session.install("setuptools", "wheel", "packaging", "click")
+def _python_facts(session: nox.Session, python: str) -> dict:
+    code = (
+        "import json, sys, sysconfig; print(json.dumps({'purelib': sysconfig.get_path('purelib'),"
+        " 'tag': f'cp{sys.version_info[0]}{sys.version_info[1]}', 'exe': sys.executable}))"
+    )
+    out = session.run(python, "-c", code, silent=True, external=True)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _dist_key(dist_info: str) -> str:
+    return _req_name(dist_info.split("-")[0])
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    def link(s: str, d: str) -> None:
         try:
-            session.run(
-                "pip", "wheel", "--no-build-isolation", "--no-deps", "tensornvme==0.1.0",
-                "--wheel-dir", str(wheels), silent=True,
-                env={"WITH_ROOT": "1", "LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"},
-            )  # fmt: skip
-        except nox.command.CommandFailed:
+            os.link(s, d)
+        except OSError:  # another filesystem
+            shutil.copy2(s, d)
+
+    if src.is_dir():
+        shutil.copytree(src, dst, copy_function=link, symlinks=True)
+    else:
+        link(str(src), str(dst))
+
+
+def _install_torch(session: nox.Session, python: str = "python") -> None:
+    """torch and numpy (torch warns at import without it), installed once per
+    machine into .nox/_torch and hard-linked into the environment of `python`.
+    See [Note: installs as from an index]."""
+    facts = _python_facts(session, python)
+    site = Path(facts["purelib"])
+    if (site / "torch").exists():
+        return
+    slug = re.sub(r"[^A-Za-z0-9.]+", "_", TORCH) + "-" + facts["tag"]
+    home = TORCH_HOME / slug
+    if not (home / "torch").exists():
+        tmp = TORCH_HOME / f"{slug}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        session.run(python, "-m", "pip", "install", "--quiet", "--target", str(tmp), TORCH,
+                    "numpy", external=True)  # fmt: skip
+        shutil.rmtree(home, ignore_errors=True)
+        tmp.rename(home)
+    # Each distribution with its files (its RECORD), unless the environment
+    # already has it (virtualenv seeds setuptools, which torch also requires).
+    present = {_dist_key(p.name) for p in site.glob("*.dist-info")}
+    for info in home.glob("*.dist-info"):
+        if _dist_key(info.name) in present:
+            continue
+        rows = (info / "RECORD").read_text().splitlines()
+        tops = {r.split(",")[0].split("/")[0] for r in rows if r and not r.startswith("..")}
+        for top in sorted(tops | {info.name}):
+            if (home / top).exists() and not (site / top).exists():
+                _link_tree(home / top, site / top)
+    # Console scripts (torchrun, ...): the same, with this environment's python.
+    bindir = Path(facts["exe"]).parent
+    for script in (home / "bin").iterdir() if (home / "bin").exists() else []:
+        lines = script.read_text().splitlines(keepends=True)
+        if lines and lines[0].startswith("#!"):
+            lines[0] = f"#!{facts['exe']}\n"
+        (bindir / script.name).write_text("".join(lines))
+        (bindir / script.name).chmod(0o755)
+
+
+def _source_key(folder: str, env: dict) -> str:
+    """A hash of what goes into a package's wheel: its files but the tests,
+    and the build settings."""
+    h = hashlib.sha256(json.dumps(sorted(env.items())).encode())
+    base = ROOT / "packages" / folder
+    skip_dirs = {"tests", "__pycache__", "build", "dist", ".pytest_cache"}
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in skip_dirs and not d.endswith(".egg-info")
+        )
+        for name in sorted(filenames):
+            if name.endswith((".so", ".o", ".pyc")):
+                continue
+            path = Path(dirpath) / name
+            h.update(str(path.relative_to(base)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _builder(session: nox.Session) -> str:
+    """The python of an environment holding every package's build requirements
+    (hatchling, pybind11), made once: one build environment for all the
+    wheels instead of one per wheel (pip's isolation). The `build` session
+    still builds each package in isolation, from its sdist."""
+    requires = sorted(
+        {
+            r
+            for f in PACKAGES
+            for r in tomllib.loads((ROOT / "packages" / f / "pyproject.toml").read_text())[
+                "build-system"
+            ]["requires"]
+        }
+    )
+    venv = ROOT / ".nox" / f"_builder-{hashlib.sha256(repr(requires).encode()).hexdigest()[:8]}"
+    python = venv / "bin" / "python"
+    if not (venv / "ready").exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(sys.executable, "-m", "virtualenv", "--quiet", str(venv), external=True)
+        session.run(str(python), "-m", "pip", "install", "--quiet", *requires, external=True)
+        (venv / "ready").touch()
+    return str(python)
+
+
+def _wheel_dirs(session: nox.Session, folders: list[str], env: dict) -> list[Path]:
+    """One folder per package holding its wheel, built from this tree when
+    its sources changed since the last build (one pip call for all)."""
+    dirs = {f: WHEELHOUSE / f"{f}-{_source_key(f, env)}" for f in folders}
+    stale = [f for f, d in dirs.items() if not list(d.glob("*.whl"))]
+    if stale:
+        tmp = WHEELHOUSE / "_partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        session.run(_builder(session), "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--wheel-dir", str(tmp),
+                    *[f"packages/{f}" for f in stale], env=env, external=True)  # fmt: skip
+        for f in stale:
+            name = _meta(f)["name"].replace("-", "_")
+            for old in WHEELHOUSE.glob(f"{f}-*"):
+                shutil.rmtree(old)
+            dirs[f].mkdir(parents=True)
+            for wheel in tmp.glob(f"{name}-*.whl"):
+                wheel.rename(dirs[f] / wheel.name)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return list(dirs.values())
+
+
+def _tensornvme_missing() -> list[str]:
+    """What tensornvme's source build needs and this machine lacks."""
+
+    def dirs(*names: str) -> list[str]:
+        return [d for n in names for d in os.environ.get(n, "").split(":") if d]
+
+    include = [
+        *dirs("CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH"),
+        "/usr/local/include",
+        "/usr/include",
+    ]
+    libs = [*dirs("LIBRARY_PATH"), "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]
+    missing = [
+        h for h in ("liburing.h", "libaio.h") if not any(Path(d, h).exists() for d in include)
+    ]
+    if not any(Path(d, "liburing.a").exists() for d in libs):
+        missing.append("liburing.a")
+    return missing + [tool for tool in ("cmake", "make", "g++") if shutil.which(tool) is None]
+
+
+def _install_tensornvme(session: nox.Session) -> None:
+    """tensornvme (the uring/aio backends of nvme-offload) builds from source
+    against the installed torch: built once per machine and torch, then
+    installed from .nox/_wheels. Where it cannot be built, one line says why
+    and the NVMe tests run on the thread backend; ZEROSTACK_REQUIRE_TENSORNVME=1
+    (CI) makes that an error."""
+    required = os.environ.get("ZEROSTACK_REQUIRE_TENSORNVME") == "1"
+    home = TENSORNVME_HOME / re.sub(r"[^A-Za-z0-9.]+", "_", TORCH)
+    failed = home / "tensornvme.failed"  # the decision, cached: not retried every session
+    wheels = list(home.glob("tensornvme-*.whl"))
+    if not wheels:
+        missing = _tensornvme_missing()
+        reason = (
+            f"needs {', '.join(missing)}: `{TENSORNVME_APT}` enables it"
+            if missing
+            else failed.read_text().strip()
+            if failed.exists()
+            else None
+        )
+        if reason is None:
+            home.mkdir(parents=True, exist_ok=True)
+            session.install("setuptools", "wheel", "packaging", "click")
+            env = {"WITH_ROOT": "1", "LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"}
+            # --no-cache-dir: pip would reuse a wheel it built against another torch.
+            log = session.run("python", "-m", "pip", "wheel", "--no-cache-dir", "--no-deps",
+                              "--no-build-isolation", TENSORNVME, "--wheel-dir", str(home),
+                              env=env, silent=True, success_codes=list(range(256)))  # fmt: skip
+            wheels = list(home.glob("tensornvme-*.whl"))
+            if not wheels:
+                (home / "build.log").write_text(str(log))
+                reason = f"its build failed (log: {home / 'build.log'}; delete {failed} to retry)"
+                failed.write_text(reason)
+        if not wheels:
             if required:
-                raise
-            wheels.mkdir(parents=True, exist_ok=True)
-            failed.write_text(
-                "it did not build: apt-get install liburing-dev libaio-dev enables it; the nvme "
-                "tests use the thread backend"
-            )
-            session.warn(f"tensornvme {failed.read_text()}")
+                session.error(f"ZEROSTACK_REQUIRE_TENSORNVME=1, but tensornvme {reason}")
+            session.log(f"tensornvme skipped, {reason}; the NVMe tests use the thread backend")
             return
-    session.install("packaging", "click", *[str(w) for w in wheels.glob("tensornvme-*.whl")])
+    session.install("packaging", "click", *[str(w) for w in wheels])
 
 
-def _install_packages(session: nox.Session, folders: list[str], env: dict | None = None) -> None:
-    session.install(TORCH, "numpy")  # numpy: torch warns at import without it
-    if "nvme-offload" in folders:
+def _spec(folder: str) -> str:
+    """The requirement that asks pip for a package with its zerostack-only extras."""
+    extras = _zerostack_extras(folder)
+    return _meta(folder)["name"] + (f"[{','.join(extras)}]" if extras else "")
+
+
+def _check_installed(session: nox.Session, python: str, expected: list[str]) -> None:
+    """Exactly the `expected` zerostack distributions (folders) are installed."""
+    out = session.run(python, "-m", "pip", "list", "--format=json", silent=True, external=True)
+    listed = json.loads(out.strip().splitlines()[-1])
+    have = {_req_name(d["name"]) for d in listed if _req_name(d["name"]).startswith("zerostack")}
+    want = {_meta(f)["name"] for f in expected}
+    if have != want:
+        session.error(
+            f"zerostack distributions installed {sorted(have)}, expected {sorted(want)}: "
+            f"undeclared {sorted(have - want)}, missing {sorted(want - have)}"
+        )
+
+
+def _install_packages(
+    session: nox.Session, requested: list[str], env: dict | None = None, testing: bool = True
+) -> None:
+    """Install the `requested` packages (folders; each with its zerostack-only
+    extras) as a user would from an index, plus zerostack-testing, the dev-only
+    helper every suite uses. See [Note: installs as from an index]."""
+    env = CPU_ENV if env is None else env
+    _install_torch(session)
+    closure = list(dict.fromkeys(f for r in requested for f in [*_zerostack_deps(r), r]))
+    if testing:
+        closure = list(dict.fromkeys(["testing", *closure]))
+    if "nvme-offload" in closure:
         _install_tensornvme(session)
-    # zerostack-testing is a dev-only helper every suite uses; never a runtime dependency.
-    paths = [f"packages/{f}" for f in dict.fromkeys(["testing", *folders])]
-    session.install(*paths, env=CPU_ENV if env is None else env)
+    links = [a for d in _wheel_dirs(session, closure, env) for a in ("--find-links", str(d))]
+    names = [_meta(f)["name"] for f in PACKAGES]
+    # A reused environment: the new wheels carry the same versions, so drop the old ones.
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *names, silent=True)
+    specs = dict.fromkeys(_spec(f) for f in [*(["testing"] if testing else []), *requested])
+    session.install(*links, *specs)
+    _check_installed(session, "python", closure)
 
 
 @nox.session
@@ -115,9 +344,10 @@ def lint(session: nox.Session) -> None:
 @nox.parametrize("package", PACKAGES)
 def unit(session: nox.Session, package: str) -> None:
     """One package's tests, with only that package and its declared zerostack
-    dependencies installed (plus its TEST_REQUIREMENTS): an undeclared import
-    fails here."""
-    _install_packages(session, [*_zerostack_deps(package), package])
+    dependencies (and zerostack-only extras) installed, resolved by pip from
+    the wheels as from an index, plus its TEST_REQUIREMENTS: an undeclared
+    import fails here."""
+    _install_packages(session, [package])
     if package in TEST_REQUIREMENTS:
         session.install(*TEST_REQUIREMENTS[package])
     session.run(
@@ -127,10 +357,10 @@ def unit(session: nox.Session, package: str) -> None:
 
 @nox.session
 def integration(session: nox.Session) -> None:
-    """Cross-package tests (integration_tests/) with every package installed."""
+    """Cross-package tests (integration_tests/) with every package installed,
+    and the torchrun runner of the multi-GPU checks in its CPU (gloo) mode."""
     _install_packages(session, PACKAGES)
     session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
-    # The torchrun runner of the multi-GPU checks, in its CPU (gloo) mode.
     runner = ["torchrun", "--nproc-per-node"]
     script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
     session.run(*runner, "2", script, "parity", "--cpu", env=CPU_ENV)
@@ -147,6 +377,42 @@ def examples(session: nox.Session) -> None:
         session.run("python", str(script), "--smoke")
 
 
+def _readme_install_snippet(session: nox.Session, folder: str) -> str:
+    """The python block of a package README's Install section."""
+    text = (ROOT / "packages" / folder / "README.md").read_text()
+    section = re.search(r"^## Install\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    block = section and re.search(r"^```python\n(.*?)^```", section.group(1), re.S | re.M)
+    if not block:
+        session.error(
+            f"packages/{folder}/README.md: no ```python block under '## Install' (the first "
+            "check of an install, which this session runs; see another package's README)"
+        )
+    return block.group(1)
+
+
+def _check_wheel_contents(session: nox.Session, out: Path) -> None:
+    """Every wheel keeps the PEP 420 namespace (no zerostack/__init__.py) and
+    its __about__.py; fused-adam's carries its compiled CPU kernel."""
+    problems = []
+    for folder in PACKAGES:
+        name = _meta(folder)["name"].replace("-", "_")
+        wheels = sorted(out.glob(f"{name}-*.whl"))
+        if len(wheels) != 1:
+            problems.append(f"{name}: {len(wheels)} wheels in {out}, expected 1")
+            continue
+        files = zipfile.ZipFile(wheels[0]).namelist()
+        if "zerostack/__init__.py" in files:
+            problems.append(f"{wheels[0].name}: ships zerostack/__init__.py (breaks the namespace)")
+        if not any(f.startswith("zerostack/") and f.endswith("/__about__.py") for f in files):
+            problems.append(f"{wheels[0].name}: no zerostack/<name>/__about__.py")
+        if folder == "fused-adam" and not any(
+            f.startswith("zerostack/fused_adam/_adam_cpu") and f.endswith(".so") for f in files
+        ):
+            problems.append(f"{wheels[0].name}: the compiled CPU kernel is missing")
+    if problems:
+        session.error("; ".join(problems))
+
+
 @nox.session
 def docs(session: nox.Session) -> None:
     """The documentation site (mkdocs.yml, docs/) with warnings as errors; the
@@ -157,21 +423,44 @@ def docs(session: nox.Session) -> None:
 
 @nox.session
 def build(session: nox.Session) -> None:
-    """sdist + wheel of every package; metadata checked with twine, and the
-    wheels checked for the PEP 420 namespace and the compiled modules."""
+    """sdist + wheel of every package into dist/, checked with twine and for
+    the PEP 420 namespace and the compiled modules; then, for every package,
+    a fresh environment gets only `pip install --find-links dist <name>` (its
+    README's command), must hold exactly its declared zerostack dependencies,
+    and runs its imports and the python block of its README's Install section."""
     session.install("build", "twine")
     out = ROOT / "dist"
+    for old in out.glob("zerostack*"):
+        old.unlink()
     for folder in PACKAGES:
         session.run("python", "-m", "build", f"packages/{folder}", "--outdir", str(out))
-    session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.iterdir())])
-    session.run("python", "tools/check_wheels.py", str(out))
+    session.run("twine", "check", "--strict", *[str(p) for p in sorted(out.glob("zerostack*"))])
+    _check_wheel_contents(session, out)
+    tmp = Path(session.create_tmp()).resolve()
+    for folder in PACKAGES:
+        venv = tmp / f"venv-{folder}"
+        shutil.rmtree(venv, ignore_errors=True)
+        session.run(sys.executable, "-m", "virtualenv", "--quiet", str(venv), external=True)
+        python = str(venv / "bin" / "python")
+        _install_torch(session, python)  # the user's torch build, installed first
+        name = _meta(folder)["name"]
+        session.run(python, "-m", "pip", "install", "--quiet", "--find-links", str(out), name,
+                    external=True)  # fmt: skip
+        _check_installed(session, python, [folder, *_zerostack_deps(folder, extras=False)])
+        module = "zerostack." + next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
+        snippet = tmp / f"{folder}_install.py"
+        snippet.write_text(
+            f"from {module} import *  # noqa: F403\n" + _readme_install_snippet(session, folder)
+        )
+        with session.chdir(tmp):  # not the repository: only the installed packages import
+            session.run(python, str(snippet), external=True)
 
 
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the current environment (its own CUDA torch):
     build the kernels in place, with CUDA, and run the tests marked gpu."""
-    session.run("bash", "tools/gpu_check.sh", *session.posargs, external=True)
+    session.run("bash", "tools/device.sh", "gpu-tests", *session.posargs, external=True)
 
 
 @nox.session
@@ -188,9 +477,9 @@ def train(session: nox.Session) -> None:
     session.run("python", "examples/train_booster.py", *session.posargs)
 
 
-@nox.session(python=False)
+@nox.session(python=False, requires=CI_SESSIONS)
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, unit for every package, integration, examples, docs."""
-    for name in ["lint", *[f"unit(package='{p}')" for p in PACKAGES], "integration", "examples"]:
-        session.notify(name)
-    session.notify("docs")
+    """What CI runs: lint, unit for every package, integration, examples,
+    build and docs, each its own session (nox lists each result; this one only runs
+    when all of them passed)."""
+    session.log(f"every session passed: {', '.join(CI_SESSIONS)}")

@@ -40,14 +40,35 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
     ap = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--dim", type=int, default=1600)
-    ap.add_argument("--heads", type=int, default=25)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--only", default=only)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=48,
+        help="gpt2 model: transformer blocks (default %(default)s, GPT-2 XL)",
+    )
+    ap.add_argument(
+        "--dim", type=int, default=1600, help="gpt2 model: hidden size (default %(default)s)"
+    )
+    ap.add_argument(
+        "--heads", type=int, default=25, help="gpt2 model: attention heads (default %(default)s)"
+    )
+    ap.add_argument(
+        "--batch-size", type=int, default=8, help="sequences per step (default %(default)s)"
+    )
+    ap.add_argument(
+        "--seq-len", type=int, default=1024, help="tokens per sequence (default %(default)s)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=5, help="timed steps per configuration (default %(default)s)"
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=2, help="untimed steps first (default %(default)s)"
+    )
+    ap.add_argument(
+        "--only",
+        default=only,
+        help="comma-separated configurations to run (default: all, %(default)s)",
+    )
     ap.add_argument(
         "--model", choices=["gpt2", "llama"], default="gpt2",
         help="gpt2: TinyGPT of GPT-2 XL shape (--layers/--dim/--heads); llama: a transformers "

@@ -305,7 +305,12 @@ def checks(rows: list[dict], bw: dict[str, dict], bw_ref: dict[str, float]) -> l
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "all"],
+        default="all",
+        help="which kernels to time (default %(default)s: CPU, and CUDA when present)",
+    )
     ap.add_argument("--cpu-params", type=count, help="fp32 params on the CPU (default 256M)")
     ap.add_argument("--gpu-params", type=count, help="fp32 params on the GPU (default 1B)")
     ap.add_argument("--tensors", type=int, default=8, help="split params into this many tensors")

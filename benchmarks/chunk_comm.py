@@ -46,8 +46,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=48,
+        help="GPT-2 XL blocks whose parameters are moved (default %(default)s)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed moves per way; the median is shown (default %(default)s)",
+    )
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("chunk_comm: needs a CUDA device", file=sys.stderr)

@@ -129,8 +129,17 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
 
     def extra(ap):
-        ap.add_argument("--cap-gib", type=float, default=24.0)
-        ap.add_argument("--static-fracs", default="0.5,1.0")
+        ap.add_argument(
+            "--cap-gib",
+            type=float,
+            default=24.0,
+            help="GPU memory cap of the capped rows, GiB (default %(default)s)",
+        )
+        ap.add_argument(
+            "--static-fracs",
+            default="0.5,1.0",
+            help="comma-separated offload_optim_frac values of the capped static rows (default %(default)s)",
+        )
         ap.add_argument("--lazy", action="store_true", help="build the Gemini models lazily")
         ap.add_argument(
             "--nvme-fractions", default="0",

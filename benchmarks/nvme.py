@@ -126,11 +126,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--params", default="1B")
-    ap.add_argument("--raw-gb", type=float, default=8.0)
+    ap.add_argument(
+        "--params",
+        default="1B",
+        help="fp32 params of the CPUAdam step, e.g. 64M, 1B (default %(default)s)",
+    )
+    ap.add_argument(
+        "--raw-gb",
+        type=float,
+        default=8.0,
+        help="GB written and read back per backend in the raw test (default %(default)s)",
+    )
     ap.add_argument("--dir", default=None, help="where the files go (default: the temp dir)")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per setting (default %(default)s)"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (4M params, 0.25 GB): checks the script, not speed",
+    )
     a = ap.parse_args()
     if a.smoke:
         a.params, a.raw_gb, a.repeats = "4M", 0.25, 2

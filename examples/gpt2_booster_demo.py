@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 examples/gpt2_booster_demo.py --model gpt2_xl
     torchrun --nproc-per-node 2 examples/gpt2_booster_demo.py --plugin zero2
     python examples/gpt2_booster_demo.py --smoke                  # a tiny GPT-2 on the CPU (CI)
+    python examples/gpt2_booster_demo.py     # without a GPU: a small GPT-2 (11M) on the CPU
     python examples/gpt2_booster_demo.py --smoke --plugin gemini_auto --lazy
 
 A Hugging Face GPT2LMHeadModel built from a config, activation
@@ -45,6 +46,7 @@ MODELS = {
     "gpt2_xl": (1600, 48, 32),
     "gpt2_4b": (2304, 64, 16),
     "gpt2_10b": (4096, 50, 16),
+    "small": (384, 6, 6),  # the CPU default
     "smoke": (64, 2, 4),
 }
 VOCAB = 50257
@@ -105,7 +107,7 @@ def peak_memory() -> str:
 
 
 def single_process_env() -> None:
-    """--smoke without torchrun: the environment of a one-process torchrun."""
+    """Without torchrun: the environment of a one-process torchrun."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -117,22 +119,50 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--plugin", choices=["ddp", "zero1", "zero2", "gemini", "gemini_auto"],
-                    default="gemini")  # fmt: skip
-    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2_medium")
-    ap.add_argument("--precision", choices=["fp16", "bf16"], default="fp16")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--plugin", choices=["ddp", "zero1", "zero2", "gemini", "gemini_auto"], default="gemini",
+        help="ddp: TorchDDPPlugin; zero1/zero2: LowLevelZeroPlugin; gemini: GeminiPlugin "
+        "(static placement); gemini_auto: GeminiPlugin with auto placement (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--model", choices=sorted(MODELS), default=None,
+        help="GPT-2 size from the seed's table; default: gpt2_medium on CUDA, small on a CPU",
+    )  # fmt: skip
+    ap.add_argument(
+        "--precision", choices=["fp16", "bf16"], default=None,
+        help="mixed precision of the plugin (default: fp16 on CUDA as in the seed, bf16 on a CPU)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batch-size", type=int, default=None,
+        help="sequences per step and rank (default: 8; 4 for small)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--seq-len", type=int, default=None,
+        help="tokens per sequence (default: 1024; 128 for small)",
+    )  # fmt: skip
+    ap.add_argument("--steps", type=int, default=10, help="training steps (default %(default)s)")
     ap.add_argument("--lazy", action="store_true", help="build under LazyInitContext")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, 3 steps, CPU is fine")
     a = ap.parse_args()
     if a.smoke:
         a.model, a.batch_size, a.seq_len, a.steps = "smoke", 2, 64, 3
         torch.set_num_threads(1)
-        if "RANK" not in os.environ:
-            single_process_env()
-    vocab = 256 if a.smoke else VOCAB
+    elif a.model is None:
+        a.model = "gpt2_medium" if torch.cuda.is_available() else "small"
+        if a.model == "small" and os.environ.get("RANK", "0") == "0":
+            print(
+                "gpt2_booster_demo: no CUDA device, so a small GPT-2 (6 layers x 384, 256-token "
+                "vocabulary, bf16, batch 4 x 128) trains on the CPU instead of gpt2_medium "
+                "(355M); --model gpt2_medium forces that, --smoke runs a tiny one",
+                file=sys.stderr,
+            )
+    small = a.model == "small"
+    a.seq_len = a.seq_len or (128 if small else 1024)
+    a.batch_size = a.batch_size or (4 if small else 8)
+    a.precision = a.precision or ("fp16" if torch.cuda.is_available() or a.smoke else "bf16")
+    if "RANK" not in os.environ:  # plain `python`: one process
+        single_process_env()
+    vocab = 256 if a.model in ("smoke", "small") else VOCAB
     launch_from_torch(seed=42)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 examples/gpt2_gemini.py                    # GPT-2 medium, bf16
     torchrun --nproc-per-node 1 examples/gpt2_gemini.py --placement auto
     python examples/gpt2_gemini.py --smoke                                 # a tiny GPT on the CPU (CI)
+    python examples/gpt2_gemini.py         # without a GPU: a small GPT (11M params) on the CPU
 
 The model is built under LazyInitContext (nothing allocated) and
 materialized module by module into bf16 chunks; each rank keeps 1/N of
@@ -36,12 +37,34 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--offload-optim", type=float, default=1.0, help="offload_optim_frac (static)")
-    ap.add_argument("--placement", choices=["static", "auto"], default="static")
-    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--steps", type=int, default=20, help="training steps (default %(default)s)")
+    ap.add_argument(
+        "--model", choices=["gpt2_medium", "small"], default=None,
+        help="gpt2_medium (355M params, bf16) or small (6 layers x 384, 11M params, fp32); "
+        "default: gpt2_medium on CUDA, small on a CPU",
+    )  # fmt: skip
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="sequences per step and rank (default %(default)s)",
+    )
+    ap.add_argument(
+        "--seq-len", type=int, default=None,
+        help="tokens per sequence (default: 1024 for gpt2_medium, 256 for small)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--offload-optim", type=float, default=1.0,
+        help="static placement: offload_optim_frac, the share of optimizer state on the CPU "
+        "(default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--placement", choices=["static", "auto"], default="static",
+        help="Gemini placement policy (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny GPT for at most 6 steps on the CPU (CI)"
+    )
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if "RANK" in os.environ:
@@ -51,6 +74,15 @@ def main() -> int:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
+    if a.model is None and not a.smoke:
+        a.model = "gpt2_medium" if device == "cuda" else "small"
+        if device == "cpu" and rank == 0:
+            print(
+                "gpt2_gemini: no CUDA device, so a small GPT (6 layers x 384, 11M params, fp32) "
+                "trains on the CPU instead of GPT-2 medium (355M); --model gpt2_medium forces "
+                "that, --smoke runs a tiny one",
+                file=sys.stderr,
+            )
     if a.smoke:
         config = GPTConfig(num_layers=2, dim=64, num_heads=4, max_seq_len=64)
         a.steps, a.batch_size, a.seq_len = min(a.steps, 6), 4, 64
@@ -58,7 +90,12 @@ def main() -> int:
             max(1, dist.get_world_size() if dist.is_initialized() else 1): {"chunk_size": 65536}
         }
         dtype = torch.float32
+    elif a.model == "small":
+        a.seq_len = a.seq_len or 256
+        config = GPTConfig(num_layers=6, dim=384, num_heads=6, max_seq_len=a.seq_len)
+        chunks, dtype = None, torch.float32 if device == "cpu" else torch.bfloat16
     else:
+        a.seq_len = a.seq_len or 1024
         config = GPTConfig.gpt2_medium(max_seq_len=a.seq_len, tie_embeddings=True)
         chunks, dtype = None, torch.bfloat16
     torch.manual_seed(0)
@@ -79,7 +116,7 @@ def main() -> int:
         mixed_precision=dtype,
         chunk_config_dict=chunks,
         compute_device=device,
-        min_chunk_size_m=0.5 if a.smoke else 32,
+        min_chunk_size_m=32 if a.model == "gpt2_medium" else 0.5,
         init_fn=TinyGPT.reset_parameters,
         **placement,
     )

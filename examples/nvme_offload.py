@@ -84,11 +84,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument(
+        "--steps", type=int, default=3, help="training steps per run (default %(default)s)"
+    )
+    ap.add_argument(
+        "--batch-size", type=int, default=4, help="sequences per step (default %(default)s)"
+    )
+    ap.add_argument(
+        "--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)"
+    )
     ap.add_argument("--dir", default=None, help="offload directory (default: a temporary one)")
-    ap.add_argument("--backend", default=None, choices=["uring", "aio", "threads"])
+    ap.add_argument(
+        "--backend",
+        default=None,
+        choices=["uring", "aio", "threads"],
+        help="the disk I/O backend (default: the best installed)",
+    )
     ap.add_argument("--smoke", action="store_true", help="a tiny GPT for 2 steps (CI)")
     ap.add_argument(
         "--only", choices=["plain", "gemini"], default=None,

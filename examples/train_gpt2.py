@@ -47,11 +47,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the model trains (default auto: CUDA when present)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="default: 300 on CUDA, 200 on CPU")
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="sequences per step (default: 32 on CUDA, 8 on CPU)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, default=256, help="bytes per sequence (default %(default)s)"
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=6e-4,
+        help="peak learning rate, cosine schedule (default %(default)s)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps (CI)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

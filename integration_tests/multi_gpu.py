@@ -37,8 +37,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("phase", choices=["parity", "save", "load"])
-    ap.add_argument("--path", default="/tmp/zerostack_multi_gpu.pt")
+    ap.add_argument(
+        "phase",
+        choices=["parity", "save", "load"],
+        help="parity against DDP, or save / load a checkpoint at --path",
+    )
+    ap.add_argument(
+        "--path",
+        default="/tmp/zerostack_multi_gpu.pt",
+        help="the checkpoint of save and load (default %(default)s)",
+    )
     ap.add_argument("--cpu", action="store_true", help="gloo on CPU processes")
     a = ap.parse_args()
     if "RANK" not in os.environ:

@@ -187,6 +187,14 @@ class TensorNVMeBackend(Backend):
 _warned_fallback: list[bool] = []  # the threads fallback is announced once
 
 
+# tensornvme builds from source against the installed torch (its setup.py
+# runs cmake and looks for liburing.a on LIBRARY_PATH); the nvme README's Install.
+TENSORNVME_INSTALL = (
+    "apt-get install -y liburing-dev libaio-dev cmake, then WITH_ROOT=1 "
+    "LIBRARY_PATH=/usr/lib/x86_64-linux-gnu pip install --no-build-isolation tensornvme==0.1.0"
+)
+
+
 def resolve_backend(name: str | None) -> str:
     """Pick a backend: ``name``, else $ZEROSTACK_NVME_BACKEND, else the best available."""
     requested = name or os.environ.get(BACKEND_ENV) or None
@@ -196,9 +204,9 @@ def resolve_backend(name: str | None) -> str:
             _warned_fallback.append(True)
             logger.warning(
                 "nvme: tensornvme is not installed; optimizer states go to disk through the "
-                "slower thread backend. For io_uring/libaio: apt-get install liburing-dev "
-                "libaio-dev, then WITH_ROOT=1 pip install --no-build-isolation tensornvme==0.1.0 "
-                "(set ZEROSTACK_NVME_BACKEND=threads to choose threads and silence this)"
+                "slower thread backend. For io_uring/libaio: %s (set ZEROSTACK_NVME_BACKEND="
+                "threads to choose threads and silence this)",
+                TENSORNVME_INSTALL,
             )
         return "uring" if "uring" in available else "aio" if "aio" in available else "threads"
     if requested not in BACKENDS:
@@ -207,8 +215,7 @@ def resolve_backend(name: str | None) -> str:
         )
     if requested != "threads" and requested not in available:
         hint = (
-            "install tensornvme (see DEVELOPERS.md: apt-get install liburing-dev libaio-dev, then "
-            "`WITH_ROOT=1 pip install --no-build-isolation tensornvme==0.1.0`)"
+            f"install tensornvme ({TENSORNVME_INSTALL})"
             if not available
             else f"this machine's tensornvme offers {sorted(available)}"
         )

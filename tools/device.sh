@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The runner for a CUDA machine (the device machine has python3, torch with
+# CUDA, nvcc and pybind11, but no nox): every command builds the kernels in
+# place with CUDA forced on and runs against the sources (PYTHONPATH), from
+# the repository root. Logs and tables go to $OUT (default /tmp/out).
+#
+#   tools/device.sh gpu-tests [PYTEST ARGS]  the tests marked gpu, package by package; exits
+#                                            non-zero when one fails (`nox -s gpu` runs this)
+#   tools/device.sh core [tests|gpt2|llama]  Gemini core and steady step time:
+#       tests   gpu-tests, then the benchmarks in smoke sizes (gemini GPT-2 and LLaMA, zero_shard)
+#       gpt2    benchmarks/gemini.py on GPT-2 1.5B: all on the GPU x3, capped with and without clipping
+#       llama   benchmarks/gemini.py on a TinyLlama-shape LLaMA x3, benchmarks/zero_shard.py x3
+#   tools/device.sh adam       fused-adam: GPU and CPU tests, the main job on the GPU, benchmarks/adam.py
+#   tools/device.sh nvme       examples/nvme_offload.py, benchmarks/nvme.py (1B), benchmarks/adam.py on the CPU
+#   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
+#   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
+#                              (parity, save, load at other world sizes), then benchmarks/scaling.py
+#   tools/device.sh help       this text
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+
+usage() { sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+
+build() {  # the CPU and CUDA kernels of fused-adam, in place
+  ZEROSTACK_BUILD_CUDA="${ZEROSTACK_BUILD_CUDA:-1}" python3 packages/fused-adam/hatch_build.py \
+    > "$OUT/build.log" 2>&1 || { tail -5 "$OUT/build.log"; return 1; }
+}
+
+sources() {
+  PYTHONPATH="$(ls -d packages/*/src | paste -sd:)${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONPATH
+}
+
+table() { grep -E "^\||^- |Error|error|Traceback" "$1" | tail -"${2:-30}"; }
+
+gpu_tests() {  # pytest's exit 5 (no test marked gpu in a folder) is not a failure
+  local status=0 rc
+  for tests in packages/*/tests integration_tests; do
+    [ -d "$tests" ] || continue
+    timeout 600 python3 -m pytest "$tests" -m gpu -q -p no:cacheprovider "$@" || {
+      rc=$?
+      [ $rc -eq 5 ] || status=$rc
+    }
+  done
+  return $status
+}
+
+machine() {
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -V
+    python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+    nproc; free -g | head -2; } > "$OUT/machine.txt" 2>&1
+  cat "$OUT/machine.txt"
+}
+
+cmd="${1:-help}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+gpu-tests)
+  build || exit 1
+  sources
+  gpu_tests "$@"
+  ;;
+core)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  case "${1:-tests}" in
+  tests)
+    gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped" | tail -20
+    timeout 120 python3 benchmarks/gemini.py --layers 2 --steps 2 --warmup 1 --max-norms 0,1 --static-fracs 0.5 > "$OUT/smoke_gpt2.log" 2>&1; table "$OUT/smoke_gpt2.log" 12
+    timeout 120 python3 benchmarks/gemini.py --model llama --only plain,gemini_gpu --steps 2 --warmup 1 > "$OUT/smoke_llama.log" 2>&1; table "$OUT/smoke_llama.log" 8
+    timeout 100 python3 benchmarks/zero_shard.py --layers 2 --steps 2 --warmup 1 --only plain,zero2 > "$OUT/smoke_zero.log" 2>&1; table "$OUT/smoke_zero.log" 8
+    ;;
+  gpt2)
+    timeout 280 python3 benchmarks/gemini.py --only plain,gemini_gpu --repeat 3 --steps 12 --warmup 3 > "$OUT/gpt2_gpu.log" 2>&1; table "$OUT/gpt2_gpu.log" 14
+    timeout 280 python3 benchmarks/gemini.py --only gemini_auto,gemini_static --static-fracs 0.5 --max-norms 0,1 --steps 12 --warmup 3 > "$OUT/gpt2_capped.log" 2>&1; table "$OUT/gpt2_capped.log" 12
+    ;;
+  llama)
+    timeout 280 python3 benchmarks/gemini.py --model llama --only plain,gemini_gpu --repeat 3 --steps 12 --warmup 3 > "$OUT/llama_gpu.log" 2>&1; table "$OUT/llama_gpu.log" 14
+    timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2 --repeat 3 --steps 12 --warmup 3 > "$OUT/zero_gpu.log" 2>&1; table "$OUT/zero_gpu.log" 14
+    ;;
+  *) echo "tools/device.sh core: unknown part '$1' (tests, gpt2 or llama)" >&2; exit 2 ;;
+  esac
+  ;;
+adam)
+  build; sources; machine
+  python3 -c 'import zerostack.fused_adam._adam_cuda as c; print(c.device_info())' | tee -a "$OUT/machine.txt"
+  gpu_tests -p no:randomly 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  python3 -m pytest packages/fused-adam/tests -q -m "not gpu" -p no:cacheprovider 2>&1 | tail -4 | tee "$OUT/cpu_tests.log"
+  python3 examples/train_gpt2.py --steps 60 2>&1 | tr '\r' '\n' | tail -4 | tee "$OUT/train.log"
+  python3 benchmarks/adam.py --json "$OUT/adam.json" 2>&1 | tee "$OUT/bench_adam.log" | tail -40
+  ;;
+nvme)
+  build; sources; machine
+  { df -h /tmp; lsblk; mount | grep -E " / | /tmp "; } > "$OUT/disk.txt" 2>&1
+  python3 examples/nvme_offload.py 2>&1 | tail -6 | tee "$OUT/nvme_example.log"
+  python3 benchmarks/nvme.py --params 1B --raw-gb 8 2>&1 | tee "$OUT/bench_nvme.log" | tail -22
+  python3 benchmarks/adam.py --device cpu --json "$OUT/adam_cpu.json" 2>&1 | tee "$OUT/bench_adam.log" | tail -16
+  ;;
+chunk)
+  build; sources; machine
+  python3 benchmarks/chunk_comm.py 2>&1 | tee "$OUT/bench_chunk.log" | tail -12
+  timeout 400 python3 benchmarks/zero_shard.py --steps 4 --warmup 1 2>&1 | tee "$OUT/bench_zero.log" | tail -14
+  ;;
+multi-gpu)
+  # The device's NVLink multicast variables are left as they are set there.
+  build; sources; machine
+  N=$(nvidia-smi -L | wc -l)
+  R="torchrun --nproc-per-node"
+  for n in 2 "$N"; do
+    timeout 300 $R "$n" integration_tests/multi_gpu.py parity 2>&1 | tee "$OUT/parity_$n.log" | tail -2
+  done
+  timeout 120 $R 2 integration_tests/multi_gpu.py save --path "$OUT/ck.pt" 2>&1 | tail -1
+  for n in 1 "$N"; do
+    timeout 120 $R "$n" integration_tests/multi_gpu.py load --path "$OUT/ck.pt" 2>&1 | tail -1
+  done
+  rm -f "$OUT/ck.pt"
+  for n in 1 2 4 8; do
+    [ "$n" -le "$N" ] || break
+    timeout 400 $R "$n" benchmarks/scaling.py --steps 4 --warmup 1 2>&1 | tee "$OUT/scaling_$n.log" | grep "^|"
+  done
+  ;;
+help | -h | --help) usage ;;
+*) echo "tools/device.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
+esac
