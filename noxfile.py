@@ -375,6 +375,39 @@ def examples(session: nox.Session) -> None:
     session.install("tqdm", "transformers==5.24.0")  # the Booster demo is the seed's GPT-2 one
     for script in sorted((ROOT / "examples").glob("*.py")):
         session.run("python", str(script), "--smoke")
+    # The seed's auto-offload demo writes offload_logs/ where it runs.
+    with session.chdir(session.create_tmp()):
+        session.run("python", str(ROOT / "examples/auto_offload/train_gpt_offload.py"), "--smoke")
+
+
+RELIABILITY_TESTS = [
+    "packages/gemini-placement/tests/test_gemini_debug_collectives.py",
+    "integration_tests/test_dead_peer.py",
+    "packages/booster-api/tests/test_checkpoint_atomic.py",
+    "packages/booster-api/tests/test_checkpoint_integrity.py",
+    "packages/booster-api/tests/test_determinism.py",
+    "integration_tests/test_nvme_wrappers.py",
+]
+
+
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """The reliability suite of docs/reliability.md on the CPU: every
+    package's bad-input table, collective mismatch, a dead peer, crash-safe
+    checkpoints, determinism, offload-tier faults, then the 1,000-step soak
+    of every plugin (`-- --steps 200` for a shorter one). Not in CI: its
+    quick parts run in the unit and integration sessions."""
+    _install_packages(session, PACKAGES)
+    session.install("matplotlib")  # the soak's curves
+    for folder in PACKAGES:  # one run per package: each has its own conftest
+        table = f"packages/{folder}/tests/test_bad_inputs.py"
+        if (ROOT / table).exists():
+            session.run("python", "-m", "pytest", "-q", table)
+    for test in RELIABILITY_TESTS:
+        session.run("python", "-m", "pytest", "-q", test, "-m", "not gpu")
+    out = session.create_tmp()
+    session.run("python", "integration_tests/soak.py", "--out", f"{out}/soak", *session.posargs)
+    session.log(f"soak curves and CSVs: {out}/soak")
 
 
 def _readme_install_snippet(session: nox.Session, folder: str) -> str:
