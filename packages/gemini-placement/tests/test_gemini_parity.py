@@ -81,7 +81,8 @@ def _run_case(rank, world, case, device="cpu"):
         ref_model.tok_emb.weight.requires_grad_(False)
         model.tok_emb.weight.requires_grad_(False)
     ref_model.to(device)
-    ref = DDP(ref_model, find_unused_parameters=True)
+    # Only where a parameter is unused: DDP warns about the flag otherwise.
+    ref = DDP(ref_model, find_unused_parameters=config.add_unused_param)
     ref_trainable = [p for p in ref.parameters() if p.requires_grad]
     if kwargs.get("placement_policy") == "auto":
         kwargs = dict(kwargs, gpu_capacity_bytes=_capacity(model, dtype, world))
