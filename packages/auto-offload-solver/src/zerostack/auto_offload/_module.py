@@ -250,6 +250,30 @@ class BaseOffloadModule:
                 if region.params:
                     region.cpu_half.copy_(region.cpu_master)
 
+    def placement_table(self) -> str:
+        """Where every region's parameters live over a step, as a text table
+        (the memory picture of zerostack-gemini's ``chunk_placement`` for this
+        module): device bytes in the compute dtype, whether the region leaves
+        the device between its forward and its backward, how it comes back,
+        and the host bytes that stay (fp32 masters, the half copy, gradients).
+        The plan's predicted peak and step time close it."""
+        rows = ["| region | params | device MB | between forward and backward | upload for backward | host MB |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in self.regions:
+            if not r.params:
+                continue
+            if r.need_offload:
+                where, upload = "host", "synchronous" if r.is_syn else "prefetched"
+            else:
+                where, upload = "device (shared)" if r.shared else "device", "-"
+            host = sum(t.numel() * t.element_size() for t in (r.cpu_master, r.cpu_half, r.cpu_grad)
+                       if t is not None)  # fmt: skip
+            rows.append(
+                f"| {r.r_id} | {len(r.params)} | {r.param_bytes / 2**20:.2f} | {where} | "
+                f"{upload} | {host / 2**20:.2f} |"
+            )
+        return "\n".join([*rows, "", self.region_manager.solver.describe()])
+
     def train(self, mode: bool = True) -> BaseOffloadModule:
         """Kept for API parity; the traced graph is fixed in training mode."""
         if not mode:
