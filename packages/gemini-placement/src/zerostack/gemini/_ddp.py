@@ -20,6 +20,7 @@ from zerostack.chunk import (
     LazyInitContext,
     TensorInfo,
     TensorState,
+    check_device,
     debug_collectives,
     path_between,
     phase,
@@ -760,26 +761,7 @@ def _check_device(value: object) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    if not isinstance(value, torch.device | str):
-        raise TypeError(
-            f"{_API}: compute_device must be a torch.device, str or None (got {value!r})"
-        )
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ValueError(
-            f"{_API}: compute_device is not a device (got {value!r}); pass e.g. 'cpu' or 'cuda'"
-        ) from None
-    if device.type == "meta":
-        raise ValueError(
-            f"{_API}: compute_device cannot be meta (got {value!r}); build the model under "
-            "LazyInitContext instead"
-        )
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"{_API}: compute_device is {value!r} but CUDA is not available; pass 'cpu'"
-        )
-    return device
+    return check_device(_API, "compute_device", value, optional=True)
 
 
 class _WeakCall:

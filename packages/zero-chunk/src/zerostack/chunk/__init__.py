@@ -2,7 +2,7 @@
 gathered, released, reduced and moved as one."""
 
 from zerostack.chunk.__about__ import __version__
-from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle
+from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, check_device
 from zerostack.chunk._comm import (
     CollectiveMismatchError,
     all_gather_into,
@@ -34,6 +34,7 @@ __all__ = [
     "all_gather_into",
     "all_reduce_max",
     "all_reduce_sum",
+    "check_device",
     "debug_collectives",
     "path_between",
     "phase",

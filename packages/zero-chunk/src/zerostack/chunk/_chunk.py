@@ -47,11 +47,13 @@ def _default_device() -> torch.device:
     )
 
 
-def _check_device(api: str, name: str, value: object) -> torch.device:
+def check_device(api: str, name: str, value: object, optional: bool = False) -> torch.device:
     """``value`` as a device where chunks can live: a parsed torch.device, not
-    meta, and CUDA only where CUDA is available."""
+    meta, and CUDA only where CUDA is available; errors name ``api`` and the
+    argument ``name`` (``optional``: the caller also takes None, and says so)."""
     if not isinstance(value, torch.device | str):
-        raise TypeError(f"{api}: {name} must be a torch.device or str (got {value!r})")
+        kinds = "a torch.device, str or None" if optional else "a torch.device or str"
+        raise TypeError(f"{api}: {name} must be {kinds} (got {value!r})")
     try:
         device = torch.device(value)
     except RuntimeError:
@@ -131,9 +133,9 @@ class Chunk:
         if not dtype.is_floating_point:
             raise ValueError(f"Chunk: dtype must be floating point (got {dtype})")
         if compute_device is not None:
-            compute_device = _check_device("Chunk", "compute_device", compute_device)
+            compute_device = check_device("Chunk", "compute_device", compute_device)
         if shard_device is not None:
-            shard_device = _check_device("Chunk", "shard_device", shard_device)
+            shard_device = check_device("Chunk", "shard_device", shard_device)
         self.index = index
         self.process_group = process_group
         self.rank, self.world_size = _comm.rank_and_world(process_group)
@@ -377,7 +379,7 @@ class Chunk:
     def shard_move(self, device: torch.device | str, non_blocking: bool = False) -> None:
         """Move this rank's shard to ``device`` (pinned on the CPU when asked)."""
         self._check_closed("shard_move")
-        device = _check_device(f"Chunk {self.index}.shard_move", "device", device)
+        device = check_device(f"Chunk {self.index}.shard_move", "device", device)
         if self.shard is None or self.shard.device == device:
             self.shard_device = device
             return

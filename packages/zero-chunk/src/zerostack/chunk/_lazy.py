@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
-from zerostack.chunk._chunk import _check_device, _default_device
+from zerostack.chunk._chunk import _default_device, check_device
 from zerostack.chunk._manager import ChunkManager
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LazyInitContext:
         """
         api = "LazyInitContext.materialize"
         _check_model(api, model)
-        device = _check_device(api, "device", device)
+        device = check_device(api, "device", device)
 
         def place(tensors: list[tuple[torch.Tensor, bool]]) -> None:
             for t, _ in tensors:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, _check_device
+from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, check_device
 from zerostack.chunk._state import TensorState
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class ChunkManager:
                 )
         self.config = chunk_configuration
         self.compute_device = (
-            _check_device("ChunkManager", "compute_device", compute_device)
+            check_device("ChunkManager", "compute_device", compute_device)
             if compute_device is not None
             else None
         )
