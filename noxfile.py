@@ -497,6 +497,30 @@ def gpu(session: nox.Session) -> None:
     session.run("bash", "tools/device.sh", "gpu-tests", *session.posargs, external=True)
 
 
+@nox.session(python=False)
+def multi_gpu(session: nox.Session) -> None:
+    """On a box with several GPUs, in the current environment (its own CUDA
+    torch, the packages importable): the multi-rank checks over NCCL under
+    torchrun on every visible GPU (ZeRO-1/2 and Gemini parity against DDP,
+    fp16 overflow and clipping cases; Gemini's state saved at N ranks and
+    loaded at 1 and N). Fails when fewer than 2 GPUs are visible; the gloo
+    variant runs in `integration`."""
+    count = int(
+        session.run(
+            "python", "-c", "import torch; print(torch.cuda.device_count())", silent=True,
+            external=True,
+        ).strip()
+    )  # fmt: skip
+    if count < 2:
+        session.error(f"multi_gpu needs at least 2 visible GPUs (found {count})")
+    script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
+    run = ["torchrun", "--nproc-per-node"]
+    session.run(*run, str(count), script, "parity", external=True)
+    session.run(*run, str(count), script, "save", "--path", ckpt, external=True)
+    for n in sorted({1, count}):
+        session.run(*run, str(n), script, "load", "--path", ckpt, external=True)
+
+
 @nox.session
 def train(session: nox.Session) -> None:
     """The main job: a small GPT trained through the Booster (GeminiPlugin,
