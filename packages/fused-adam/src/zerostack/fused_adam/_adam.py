@@ -303,16 +303,7 @@ class _Adam(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        if closure is not None and not callable(closure):
-            raise TypeError(
-                f"{self._api}.step: closure must be callable or None (got {type(closure).__name__})"
-            )
-        if not _is_number(div_scale) or math.isnan(float(div_scale)):
-            error = TypeError if not _is_number(div_scale) else ValueError
-            raise error(
-                f"{self._api}.step: div_scale must be a number, > 0 to divide the gradients by it "
-                f"or <= 0 for none (got {div_scale!r})"
-            )
+        self._check_step_args(closure, div_scale)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -329,33 +320,9 @@ class _Adam(torch.optim.Optimizer):
         ]
         on_disk = self._disk()
         for gi, group in enumerate(self.param_groups):
-            beta1, beta2 = group["betas"]
-
-            def launch(items, step, group=group, beta1=beta1, beta2=beta2):
-                ps, gs, ms, vs, outs = zip(*items, strict=True)
-                if group["bias_correction"]:
-                    bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
-                else:
-                    bc1 = bc2 = 1.0
-                _kernels.launch(
-                    ps,
-                    gs,
-                    ms,
-                    vs,
-                    outs if outs[0] is not None else None,
-                    lr=group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    bias_correction1=bc1,
-                    bias_correction2=bc2,
-                    adamw_mode=group["adamw_mode"],
-                    grad_scale=grad_scale,
-                )
-
+            launch = _launcher(group, grad_scale)
             buckets: dict[tuple, list[tuple]] = defaultdict(list)
-            disk_items: list[tuple[torch.Tensor, dict]] = []
+            disk_params: list[torch.Tensor] = []
             for p, g in zip(group["params"], grads[gi], strict=True):
                 if g is None:
                     continue
@@ -367,7 +334,7 @@ class _Adam(torch.optim.Optimizer):
                         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
                 state["step"] += 1
                 if p in on_disk:
-                    disk_items.append((p, state))
+                    disk_params.append(p)
                     continue
                 out = self._copy_out.get(p)
                 key = (
@@ -380,34 +347,47 @@ class _Adam(torch.optim.Optimizer):
                 buckets[key].append((p, g, state["exp_avg"], state["exp_avg_sq"], out))
             for key, items in buckets.items():
                 launch(items, key[-1])
-            if disk_items:
-
-                def piece_update(p, start, end, m, v, launch=launch):
-                    out = self._copy_out.get(p)
-                    kept = _kept(self._keep_on_disk.get(p, ()), start, end, m, v)
-                    launch(
-                        [
-                            (
-                                p.view(-1)[start:end],
-                                p.grad.view(-1)[start:end],
-                                m,
-                                v,
-                                None if out is None else out.view(-1)[start:end],
-                            )
-                        ],
-                        float(self.state[p]["step"]),
-                    )
-                    for sl, old_m, old_v in kept:  # before the piece goes back to disk
-                        m[sl].copy_(old_m)
-                        v[sl].copy_(old_v)
-
-                stepped = [p for p, _ in disk_items]
-                try:
-                    self._nvme.step(stepped, piece_update)
-                finally:
-                    for p in stepped:
-                        self._keep_on_disk.pop(p, None)
+            if disk_params:
+                self._step_on_disk(disk_params, launch)
         return loss
+
+    def _check_step_args(self, closure: Any, div_scale: Any) -> None:
+        if closure is not None and not callable(closure):
+            raise TypeError(
+                f"{self._api}.step: closure must be callable or None (got {type(closure).__name__})"
+            )
+        if not _is_number(div_scale) or math.isnan(float(div_scale)):
+            error = TypeError if not _is_number(div_scale) else ValueError
+            raise error(
+                f"{self._api}.step: div_scale must be a number, > 0 to divide the gradients by it "
+                f"or <= 0 for none (got {div_scale!r})"
+            )
+
+    def _step_on_disk(self, params: list[torch.Tensor], launch: Callable) -> None:
+        """Step ``params``, whose moments are on disk, piece by piece through
+        the prefetch pipeline; slices asked for by ``keep_disk_states`` get
+        their moments back before each piece is written."""
+
+        def piece_update(p, start, end, m, v):
+            out = self._copy_out.get(p)
+            kept = _kept(self._keep_on_disk.get(p, ()), start, end, m, v)
+            piece = (
+                p.view(-1)[start:end],
+                p.grad.view(-1)[start:end],
+                m,
+                v,
+                None if out is None else out.view(-1)[start:end],
+            )
+            launch([piece], float(self.state[p]["step"]))
+            for sl, old_m, old_v in kept:  # before the piece goes back to disk
+                m[sl].copy_(old_m)
+                v[sl].copy_(old_v)
+
+        try:
+            self._nvme.step(params, piece_update)
+        finally:
+            for p in params:
+                self._keep_on_disk.pop(p, None)
 
     # -- state dict --------------------------------------------------------
 
@@ -586,6 +566,27 @@ class HybridAdam(_Adam):
     """
 
     _api = "HybridAdam"
+
+
+def _launcher(group: dict[str, Any], grad_scale: float) -> Callable:
+    """``launch(items, step)``: the kernel over ``items`` (param, grad, m, v,
+    out) with ``group``'s hyperparameters at Adam step ``step``."""
+    beta1, beta2 = group["betas"]
+
+    def launch(items: list[tuple], step: float) -> None:
+        ps, gs, ms, vs, outs = zip(*items, strict=True)
+        if group["bias_correction"]:
+            bc1, bc2 = 1.0 - beta1**step, 1.0 - beta2**step
+        else:
+            bc1 = bc2 = 1.0
+        _kernels.launch(
+            ps, gs, ms, vs, outs if outs[0] is not None else None,
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], bias_correction1=bc1, bias_correction2=bc2,
+            adamw_mode=group["adamw_mode"], grad_scale=grad_scale,
+        )  # fmt: skip
+
+    return launch
 
 
 def _kept(

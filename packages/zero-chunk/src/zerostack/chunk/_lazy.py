@@ -3,6 +3,7 @@ by module, straight into chunks, so that it never exists whole anywhere."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import weakref
@@ -177,26 +178,7 @@ class LazyInitContext:
         api = "LazyInitContext.distribute"
         # Checked before any module is materialized: a bad argument leaves
         # the model on meta, ready for a corrected call.
-        _check_model(api, model)
-        if not isinstance(chunk_manager, ChunkManager):
-            raise TypeError(
-                f"{api}: chunk_manager must be a ChunkManager (got {type(chunk_manager).__name__})"
-            )
-        if register_fn is None and config_key not in chunk_manager.config:
-            raise KeyError(
-                f"{api}: no chunk configuration for config_key {config_key!r} (got keys "
-                f"{list(chunk_manager.config)}); pass one of the chunk manager's keys"
-            )
-        if dtype is not None and (
-            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
-        ):
-            raise TypeError(
-                f"{api}: dtype must be a floating-point torch.dtype or None (got {dtype!r})"
-            )
-        if register_fn is not None and not callable(register_fn):
-            raise TypeError(
-                f"{api}: register_fn must be callable or None (got {type(register_fn).__name__})"
-            )
+        _check_distribute_args(api, model, chunk_manager, config_key, dtype, register_fn)
         buffer_device = chunk_manager.compute_device or _default_device()
         chunks_before = len(chunk_manager.chunks())
         num_params = num_bytes = 0
@@ -218,25 +200,7 @@ class LazyInitContext:
                     t, group_type, config_key, process_group, cpu_offload, pin_memory
                 )
 
-        def check_ranks(record: _Record) -> None:
-            _, world = _comm.rank_and_world(process_group)
-            if world == 1:
-                return
-            # A tensor collective, not all_gather_object, which needs numpy.
-            mine = torch.tensor(
-                list(hashlib.sha1(bytes(record.rng_state.tolist())).digest()), dtype=torch.int64
-            )
-            device = _comm_device(process_group)
-            gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-            _comm.all_gather_into(gathered, mine.to(device), process_group, async_op=False)
-            digests = [tuple(row) for row in gathered.view(world, -1).tolist()]
-            if len(set(digests)) > 1:
-                raise RuntimeError(
-                    f"{api}: ranks entered LazyInitContext with different CPU RNG states "
-                    f"(got {len(set(digests))} distinct states over {world} ranks); call "
-                    "torch.manual_seed(<same seed>) on every rank before the `with` block"
-                )
-
+        check_ranks = functools.partial(_check_same_rng, api, process_group)
         _materialize(model, api, init_fn, place, check_ranks)
         chunk_manager.close_all_groups()
         logger.info(
@@ -247,6 +211,52 @@ class LazyInitContext:
             len(chunk_manager.chunks()) - chunks_before,
         )
         return model
+
+
+def _check_distribute_args(
+    api: str, model: object, chunk_manager: object, config_key: object, dtype: object,
+    register_fn: object,
+) -> None:  # fmt: skip
+    """distribute's arguments, checked before any module is materialized."""
+    _check_model(api, model)
+    if not isinstance(chunk_manager, ChunkManager):
+        raise TypeError(
+            f"{api}: chunk_manager must be a ChunkManager (got {type(chunk_manager).__name__})"
+        )
+    if register_fn is None and config_key not in chunk_manager.config:
+        raise KeyError(
+            f"{api}: no chunk configuration for config_key {config_key!r} (got keys "
+            f"{list(chunk_manager.config)}); pass one of the chunk manager's keys"
+        )
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(
+            f"{api}: dtype must be a floating-point torch.dtype or None (got {dtype!r})"
+        )
+    if register_fn is not None and not callable(register_fn):
+        raise TypeError(
+            f"{api}: register_fn must be callable or None (got {type(register_fn).__name__})"
+        )
+
+
+def _check_same_rng(api: str, process_group: dist.ProcessGroup | None, record: _Record) -> None:
+    """Every rank entered LazyInitContext with the same CPU RNG state."""
+    _, world = _comm.rank_and_world(process_group)
+    if world == 1:
+        return
+    # A tensor collective, not all_gather_object, which needs numpy.
+    mine = torch.tensor(
+        list(hashlib.sha1(bytes(record.rng_state.tolist())).digest()), dtype=torch.int64
+    )
+    device = _comm_device(process_group)
+    gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
+    _comm.all_gather_into(gathered, mine.to(device), process_group, async_op=False)
+    digests = [tuple(row) for row in gathered.view(world, -1).tolist()]
+    if len(set(digests)) > 1:
+        raise RuntimeError(
+            f"{api}: ranks entered LazyInitContext with different CPU RNG states "
+            f"(got {len(set(digests))} distinct states over {world} ranks); call "
+            "torch.manual_seed(<same seed>) on every rank before the `with` block"
+        )
 
 
 def _check_model(api: str, model: object) -> None:
