@@ -15,6 +15,10 @@
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
+#   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
+#                              auto-offload: its GPU tests; train_gpt_offload.py per model, budget (GB) and
+#                              solver (syn, asyn, gemini: Gemini auto capped at the budget), then plain
+#                              per model; logs in $OUT/solver_logs.tgz, the seed's lines in $OUT/solver.txt
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -121,6 +125,37 @@ multi-gpu)
     [ "$n" -le "$N" ] || break
     timeout 400 $R "$n" benchmarks/scaling.py --steps 4 --warmup 1 2>&1 | tee "$OUT/scaling_$n.log" | grep "^|"
   done
+  ;;
+solver)
+  build; sources; machine
+  logs=/tmp/solver_logs
+  mkdir -p "$logs"
+  if [ "${1:-}" = tests ]; then
+    shift
+    timeout 400 python3 -m pytest packages/auto-offload-solver/tests -m gpu -q -p no:cacheprovider \
+      2>&1 | tee "$OUT/solver_tests.log" | tail -15
+  fi
+  if [ "${1:-}" = bench ]; then
+    for model in $2; do
+      for budget in $3; do
+        for solver in $4; do
+          log="$logs/${model}_${budget}_${solver}.log"
+          echo "== $model budget=$budget GB solver=$solver" | tee -a "$OUT/solver.txt"
+          timeout 240 python3 examples/auto_offload/train_gpt_offload.py --model_type "$model" \
+            --memory_budget "$budget" --solver_type "$solver" --batch_size "${BATCH_SIZE:-64}" \
+            --precision "${PRECISION:-fp16}" > "$log" 2>&1
+          echo "exit $?" >> "$log"
+          grep -E "solver_time|tokens/s|exec_time|Error|exit [1-9]" "$log" | tail -5 | tee -a "$OUT/solver.txt"
+        done
+      done
+      log="$logs/${model}_plain.log"
+      echo "== $model plain" | tee -a "$OUT/solver.txt"
+      timeout 240 python3 examples/auto_offload/train_gpt_offload.py --model_type "$model" \
+        --solver_type plain --batch_size "${BATCH_SIZE:-64}" --precision "${PRECISION:-fp16}" > "$log" 2>&1
+      grep -E "tokens/s|exec_time|Error" "$log" | tail -3 | tee -a "$OUT/solver.txt"
+    done
+  fi
+  tar czf "$OUT/solver_logs.tgz" -C "$logs" .
   ;;
 help | -h | --help) usage ;;
 *) echo "tools/device.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;
