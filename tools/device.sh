@@ -28,7 +28,8 @@ mkdir -p "$OUT"
 
 usage() { sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
-build() {  # the CPU and CUDA kernels of fused-adam, in place
+build() {  # the CPU and CUDA kernels of fused-adam, in place (SKIP_BUILD=1: built already)
+  [ "${SKIP_BUILD:-0}" = 1 ] && return 0
   ZEROSTACK_BUILD_CUDA="${ZEROSTACK_BUILD_CUDA:-1}" python3 packages/fused-adam/hatch_build.py \
     > "$OUT/build.log" 2>&1 || { tail -5 "$OUT/build.log"; return 1; }
 }
@@ -128,7 +129,7 @@ multi-gpu)
   ;;
 solver)
   build; sources; machine
-  logs=/tmp/solver_logs
+  logs="$OUT/solver_logs"
   mkdir -p "$logs"
   if [ "${1:-}" = tests ]; then
     shift
@@ -148,6 +149,7 @@ solver)
           grep -E "solver_time|tokens/s|exec_time|Error|exit [1-9]" "$log" | tail -5 | tee -a "$OUT/solver.txt"
         done
       done
+      [ "${PLAIN:-1}" = 1 ] || continue  # PLAIN=0: no plain peer (a model too large for it)
       log="$logs/${model}_plain.log"
       echo "== $model plain" | tee -a "$OUT/solver.txt"
       timeout 240 python3 examples/auto_offload/train_gpt_offload.py --model_type "$model" \
@@ -155,7 +157,7 @@ solver)
       grep -E "tokens/s|exec_time|Error" "$log" | tail -3 | tee -a "$OUT/solver.txt"
     done
   fi
-  tar czf "$OUT/solver_logs.tgz" -C "$logs" .
+  tar czf "$OUT/solver_logs.tgz" -C "$logs" . && rm -r "$logs"
   ;;
 help | -h | --help) usage ;;
 *) echo "tools/device.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;

@@ -176,6 +176,7 @@ def gemini(args, model, batch, device):
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
+    device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     cap = int(args.memory_budget * 1024**3)
     total = torch.cuda.get_device_properties(device).total_memory

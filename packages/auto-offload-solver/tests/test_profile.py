@@ -29,6 +29,11 @@ def test_compute_time_is_a_roofline():
     assert math.isclose(p.compute_time(0, 3e12, torch.float16), 3.0)  # memory bound
     assert p.compute_time(0, 0, torch.float16, kernels=3) == pytest.approx(3e-5)
     assert math.isclose(p.compute_time(2.5e11, 0, torch.float32), 1.0)
+    # backward: twice the forward's host cost per op unless measured
+    assert p.compute_time(0, 0, torch.float16, kernels=3, backward=True) == pytest.approx(6e-5)
+    q = fake_profile(kernel_launch_s=1e-5, backward_op_s=4e-5)
+    assert q.compute_time(0, 0, torch.float16, kernels=3, backward=True) == pytest.approx(1.2e-4)
+    assert HardwareProfile.from_dict(q.to_dict()) == q
 
 
 @pytest.mark.parametrize(

@@ -65,7 +65,12 @@ class HardwareProfile:
     memory_bandwidth: float
     """Device-to-device copy rate in bytes/s (bounds element-wise ops)."""
     kernel_launch_s: float = 0.0
-    """Seconds per kernel launch (floor of every op's time). Default 0."""
+    """Host seconds per forward op under autograd (dispatch, graph recording,
+    launch): the floor of every forward op's time. Default 0."""
+    backward_op_s: float = 0.0
+    """Host seconds per op in backward (the autograd engine's node and its
+    launches): the floor of every backward op's time. Default 0: twice
+    ``kernel_launch_s``."""
     gemm_curve: dict[str, dict[int, float]] = field(default_factory=dict)
     """Achieved matmul FLOP/s per dtype name, keyed by FLOPs per call (small
     matmuls reach a fraction of the peak). Default empty: ``gemm_flops``
@@ -88,10 +93,11 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile: memory_bandwidth must be > 0 bytes/s (got {self.memory_bandwidth!r})"
             )
-        if not self.kernel_launch_s >= 0:
-            raise ValueError(
-                f"HardwareProfile: kernel_launch_s must be >= 0 (got {self.kernel_launch_s!r})"
-            )
+        for name in ("kernel_launch_s", "backward_op_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(
+                    f"HardwareProfile: {name} must be >= 0 (got {getattr(self, name)!r})"
+                )
         curves = {
             name: _check_curve(f"gemm_curve[{name!r}]", c) for name, c in self.gemm_curve.items()
         }
@@ -127,12 +133,21 @@ class HardwareProfile:
         return nbytes / self.bandwidth(link, nbytes)
 
     def compute_time(
-        self, flops: float, bytes_moved: float, dtype: torch.dtype, kernels: int = 1
+        self,
+        flops: float,
+        bytes_moved: float,
+        dtype: torch.dtype,
+        kernels: int = 1,
+        backward: bool = False,
     ) -> float:
         """Roofline estimate of one op: the larger of its matmul time and its
-        memory time, never below its kernel launches."""
+        memory time, never below the host's cost of its ``kernels`` ops
+        (``backward_op_s`` each in backward, ``kernel_launch_s`` in forward)."""
         matmul = flops / self.gemm_rate(dtype, flops) if flops > 0 else 0.0
-        return max(matmul, bytes_moved / self.memory_bandwidth, kernels * self.kernel_launch_s)
+        per_op = self.kernel_launch_s
+        if backward:
+            per_op = self.backward_op_s or 2 * self.kernel_launch_s
+        return max(matmul, bytes_moved / self.memory_bandwidth, kernels * per_op)
 
     # -- (de)serialisation ---------------------------------------------------
 
@@ -153,8 +168,9 @@ class HardwareProfile:
             ValueError: a missing or unknown field, or a bad value.
         """
         fields = {"device_name", "device_memory_bytes", "h2d_bandwidth", "d2h_bandwidth",
-                  "gemm_flops", "memory_bandwidth", "kernel_launch_s", "gemm_curve"}  # fmt: skip
-        missing = fields - {"kernel_launch_s", "gemm_curve"} - set(data)
+                  "gemm_flops", "memory_bandwidth", "kernel_launch_s", "backward_op_s",
+                  "gemm_curve"}  # fmt: skip
+        missing = fields - {"kernel_launch_s", "backward_op_s", "gemm_curve"} - set(data)
         unknown = set(data) - fields
         if missing or unknown:
             raise ValueError(
@@ -249,7 +265,7 @@ def _cache_path(cache_dir, name: str, uuid: str, device: torch.device) -> Path:
         else Path.home() / ".cache" / "zerostack" / "auto_offload"
     )  # fmt: skip
     key = re.sub(
-        r"[^A-Za-z0-9_.-]+", "_", f"{name}-{uuid or device.index}-torch{torch.__version__}"
+        r"[^A-Za-z0-9_.-]+", "_", f"{name}-{uuid or device.index}-torch{torch.__version__}-v2"
     )
     return root / f"{key}.json"
 
@@ -292,10 +308,30 @@ def _measure_rates(device: torch.device) -> dict:
                 curve[flops] = flops / _time_cuda(lambda a=a, b=b: a @ b, repeat)
             gemm_curve[name], gemm[name] = curve, max(curve.values())
             a = b = None
-        tiny = torch.zeros(1, device=device)
-        launch = _time_cuda(lambda: tiny.add_(1), 2000, warmup=50)
+        launch, backward = _host_op_costs(device)
         torch.cuda.empty_cache()
     return dict(
         h2d_bandwidth=curves["h2d"], d2h_bandwidth=curves["d2h"], gemm_flops=gemm,
         gemm_curve=gemm_curve, memory_bandwidth=hbm, kernel_launch_s=launch,
+        backward_op_s=backward,
     )  # fmt: skip
+
+
+def _host_op_costs(device: torch.device, ops: int = 200) -> tuple[float, float]:
+    """Host seconds per op of a chain of tiny ops under autograd: forward
+    (dispatch, graph recording, launch) and backward (the engine's node and
+    its launches). Small ops are bound by these, not by the GPU."""
+    x = torch.zeros(16, device=device, requires_grad=True)
+
+    def forward():
+        y = x
+        for _ in range(ops):
+            y = y * 1.5
+        return y
+
+    def forward_backward():
+        forward().sum().backward()
+
+    fwd = _time_cuda(forward, 20, warmup=5)
+    both = _time_cuda(forward_backward, 20, warmup=5)
+    return fwd / ops, max(both - fwd, 0.0) / ops

@@ -109,7 +109,7 @@ def region_costs(
             fwd_t += profile.compute_time(n.fwd_flops, n.fwd_bytes_moved, dtype, n.kernels)
             if n.requires_grad and n.kernels:
                 bwd_t += profile.compute_time(
-                    n.bwd_flops, 2 * n.fwd_bytes_moved, dtype, 2 * n.kernels
+                    n.bwd_flops, 2 * n.fwd_bytes_moved, dtype, n.kernels, backward=True
                 )
         fwd = [act.fwd[i] for i in idx] or [0]
         bwd = [act.bwd[i] for i in idx] or [0]
