@@ -84,6 +84,11 @@ class CpuStepPipeline:
             self._host_values[chunk] = buf
         return buf
 
+    def host_buffers(self, kind: str) -> list[torch.Tensor]:
+        """The host buffers held now: ``"values"`` (new fp16/bf16 shards) or
+        ``"grads"`` (pinned copies of device-held gradients)."""
+        return list((self._host_values if kind == "values" else self._host_grads).values())
+
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
         """Start copying a device-held reduced gradient to a pinned host buffer."""
         if grad.device.type == "cpu":

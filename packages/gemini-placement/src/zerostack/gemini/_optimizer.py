@@ -154,6 +154,11 @@ class GeminiOptimizer:
         states (HybridAdam's nvme_offload_fraction): the exposed I/O."""
         return getattr(self.optimizer, "nvme_wait_s", 0.0)
 
+    def host_bytes(self) -> Any:
+        """Host bytes of the model and this optimizer by owner (see
+        GeminiDDP.host_bytes and [Note: host bytes])."""
+        return self.module.host_bytes(self)
+
     @property
     def cpu_step_s(self) -> float:
         """Seconds spent in CPU updates (hidden unless forward waited for them)."""
