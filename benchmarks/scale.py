@@ -284,6 +284,9 @@ def build(a, config: GPTConfig, device: torch.device, directory: str):
     kwargs: dict = dict(
         mixed_precision=torch.bfloat16, compute_device=device, hidden_dim=config.dim
     )
+    if a.smoke:  # sharded chunks, as a large model gets (the search keeps a tiny one whole)
+        del kwargs["hidden_dim"]
+        kwargs["chunk_config_dict"] = {1: {"chunk_size": 20_000, "keep_gathered": False}}
     if a.placement == "auto":
         kwargs.update(placement_policy="auto", gpu_capacity_bytes=int(a.gpu_cap_gib * 2**30))
     else:
@@ -397,7 +400,10 @@ def main() -> int:
         a.steps, a.warmup = min(a.steps, 2), 1
     if not 0.0 <= a.nvme_fraction <= 1.0:
         ap.error(f"--nvme-fraction must be in [0, 1] (got {a.nvme_fraction})")
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.cpu else "cpu")
+    if torch.cuda.is_available() and not a.cpu:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
     if device.type == "cpu" and not a.smoke:
         log("no CUDA device (or --cpu): computing on the CPU")
     directory = a.nvme_dir or tempfile.gettempdir()
@@ -412,7 +418,11 @@ def main() -> int:
         free = shutil.disk_usage(directory).free
         raw_bytes = int(min(a.raw_gb * 1e9, 0.5 * free))
         log(f"raw disk test: {raw_bytes / 1e9:.2f} GB in {directory} ...")
-        disk = raw_disk(directory, raw_bytes)
+        try:
+            disk = raw_disk(directory, raw_bytes)
+        except OSError as exc:  # the run goes on without the raw figures
+            log(f"raw disk test failed ({exc}); no raw bandwidth in the table")
+    if disk is not None:
         log(f"raw disk: write {disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s "
             f"({disk['method']})")  # fmt: skip
     for line in plan(a, n, device, directory, disk):

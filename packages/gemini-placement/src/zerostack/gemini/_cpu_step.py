@@ -43,8 +43,11 @@ class CpuStepPipeline:
         self._pin = compute_device.type == "cuda"
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[Chunk, Future] = {}  # param chunk -> its running update
-        self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on the host
+        # See [Note: CPU-step buffers]. Staging buffers of pending chunks, and
+        # the free ones, reused by any chunk of the same size and dtype.
+        self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on their way
         self._host_grads: dict[Chunk, torch.Tensor] = {}  # pinned copies of reduced gradients
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         self._staged: dict[Chunk, torch.cuda.Event] = {}
         self.error: CpuStepError | None = None
         self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
@@ -75,19 +78,49 @@ class CpuStepPipeline:
 
     # -- host buffers ----------------------------------------------------------------
 
+    # [Note: CPU-step buffers] A CPU update writes the chunk's new fp16/bf16
+    # shard either straight into the chunk's share, where that share is a
+    # host tensor (a shard kept on the CPU: the update's copy-out overwrites
+    # the reduced gradient element by element, after reading it), or into a
+    # staging buffer that the write-back copies to the device. Staging
+    # buffers (and the pinned copies of device-held gradients) exist only
+    # while their chunk's update is pending: the write-back hands them back
+    # to a free list that any chunk of the same size reuses. So host memory
+    # holds no per-chunk copy of the model (which kept 2 B/param, more once
+    # the pinned allocator rounded each buffer up to a power of two), and the
+    # staging bytes are at most the pending device-held chunks' shards.
+
+    def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        free = self._free.get((numel, dtype))
+        if free:
+            return free.pop()
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+
+    def _give(self, buf: torch.Tensor | None) -> None:
+        if buf is not None:
+            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+
     def host_values(self, chunk: Chunk) -> torch.Tensor:
-        """The (pinned) host buffer the CPU step writes ``chunk``'s new
-        fp16/bf16 shard into."""
+        """Where the CPU step writes ``chunk``'s new fp16/bf16 shard: the
+        chunk's own share when it is a host tensor, else a (pinned) staging
+        buffer held until the write-back. See [Note: CPU-step buffers]."""
         buf = self._host_values.get(chunk)
         if buf is None:
-            buf = torch.empty(chunk.shard_size, dtype=chunk.dtype, pin_memory=self._pin)
+            share = chunk.shard
+            if share is not None and not chunk.is_gathered and share.device.type == "cpu":
+                return share
+            buf = self._take(chunk.shard_size, chunk.dtype, self._pin)
             self._host_values[chunk] = buf
         return buf
 
     def host_buffers(self, kind: str) -> list[torch.Tensor]:
-        """The host buffers held now: ``"values"`` (new fp16/bf16 shards) or
-        ``"grads"`` (pinned copies of device-held gradients)."""
-        return list((self._host_values if kind == "values" else self._host_grads).values())
+        """The host buffers held now: ``"values"`` (staged fp16/bf16 shards,
+        free ones included) or ``"grads"`` (pinned copies of device-held
+        gradients)."""
+        if kind == "values":
+            free = [b for bufs in self._free.values() for b in bufs]
+            return [*self._host_values.values(), *free]
+        return list(self._host_grads.values())
 
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
         """Start copying a device-held reduced gradient to a pinned host buffer."""
@@ -95,7 +128,7 @@ class CpuStepPipeline:
             return
         buf = self._host_grads.get(chunk)
         if buf is None:
-            buf = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+            buf = self._take(grad.numel(), grad.dtype, True)
             self._host_grads[chunk] = buf
         buf.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()
@@ -106,10 +139,20 @@ class CpuStepPipeline:
         """``grad`` on the host: itself, or its staged copy once the copy is done."""
         if grad.device.type == "cpu":
             return grad
-        event = self._staged.get(chunk)
+        event = self._staged.pop(chunk, None)
         if event is not None:
             event.synchronize()
         return self._host_grads[chunk]
+
+    def _written_back(self, chunk: Chunk) -> torch.Tensor | None:
+        """``chunk``'s staged values for its write-back (None: written in place)."""
+        return self._host_values.get(chunk)
+
+    def _release(self, chunk: Chunk) -> None:
+        """The write-back is done: ``chunk``'s staging buffers go back to the free list."""
+        self._give(self._host_values.pop(chunk, None))
+        self._give(self._host_grads.pop(chunk, None))
+        self._staged.pop(chunk, None)
 
     # -- updates -------------------------------------------------------------------
 
@@ -122,7 +165,7 @@ class CpuStepPipeline:
                 self._run(update, *args)
             except Exception as error:  # the same error as from the worker
                 self._fail(chunk, error)
-            self.write_back(chunk, self._host_values[chunk])  # a synchronous step
+            self._finish(chunk)  # a synchronous step
         else:
             self._pending[chunk] = self._executor.submit(self._run, update, *args)
 
@@ -155,7 +198,12 @@ class CpuStepPipeline:
         self.wait_s += time.perf_counter() - t0
         if error is not None:
             self._fail(chunk, error)
-        self.write_back(chunk, self._host_values[chunk])
+        self._finish(chunk)
+
+    def _finish(self, chunk: Chunk) -> None:
+        """Write ``chunk``'s update back (from its staging buffer, or in place)."""
+        self.write_back(chunk, self._written_back(chunk), staged=True)
+        self._release(chunk)
 
     def await_all(self) -> None:
         """Finish every pending update, in chunk order."""
@@ -205,17 +253,21 @@ class CpuStepPipeline:
     # -- write-back ------------------------------------------------------------------
 
     @torch.no_grad()
-    def write_back(self, chunk: Chunk, host_values: torch.Tensor | None) -> None:
+    def write_back(
+        self, chunk: Chunk, host_values: torch.Tensor | None, staged: bool = False
+    ) -> None:
         """The updated master becomes ``chunk``'s parameter shard (cast) again:
-        from ``host_values`` (the CPU step's fp16/bf16 output) or from the
-        paired master chunk. See [Note: write-back order]."""
+        from ``host_values`` (the CPU step's fp16/bf16 output), from the
+        paired master chunk (``host_values`` None), or, with ``staged`` and no
+        ``host_values``, as the CPU step already wrote it into the share
+        (see [Note: CPU-step buffers]). See [Note: write-back order]."""
         with phase("zerostack::write_back"):
             if chunk.is_gathered and chunk.can_release:
                 self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
-            if host_values is None:
-                chunk.copy_from_paired()
-            else:
+            if host_values is not None:
                 chunk.write_share(host_values, non_blocking=True)
+            elif not staged:
+                chunk.copy_from_paired()
             self.manager.consume_grad(chunk)
             if chunk.keep_gathered:
                 chunk.sync_gathered()

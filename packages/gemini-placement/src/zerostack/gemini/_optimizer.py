@@ -142,11 +142,6 @@ class GeminiOptimizer:
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
-        for i in self._host:  # fp16/bf16 results of CPU-held masters, on their way to the chunks
-            chunk, master = self.pairs[i]
-            buf = self.pipeline.host_values(chunk)
-            if self._copy_out:
-                self.optimizer.set_copy_out(master.shard, buf)
 
     @property
     def nvme_wait_s(self) -> float:
@@ -405,11 +400,16 @@ class GeminiOptimizer:
         chunk = self.pairs[i][0]
         host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
+        # The new fp16/bf16 shard goes into the chunk's host share itself, or a
+        # staging buffer (see [Note: CPU-step buffers]); bound for this update only.
+        values = self.pipeline.host_values(chunk)
         with self._lock:
             # Without div_scale in the kernel the gradient is scaled in place: a copy.
             grad = self._as_grad(host_grad, master)
             own = div_scale <= 0 or self._div_scale or grad is not host_grad
             master.grad = grad if own else grad.clone()
+            if self._copy_out:
+                self.optimizer.set_copy_out(master, values)
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
@@ -419,10 +419,11 @@ class GeminiOptimizer:
                 if not _write_failed(error):
                     raise
                 logger.error("%s: chunk %d: %s", _API, self.pairs[i][0].index, error)
-            finally:  # a failed update must not leave its gradient to the next inner step
+            finally:  # a failed update must not leave its gradient (or its buffer) behind
                 master.grad = None
+                if self._copy_out:
+                    self.optimizer.set_copy_out(master, None)
         _restore(saved)
-        values = self.pipeline.host_values(chunk)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
                 if t is master:
