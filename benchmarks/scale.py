@@ -224,18 +224,20 @@ def plan(a, n: int, device: torch.device, directory: str, disk: dict | None) -> 
         f"{8 * (1 - a.nvme_fraction):g} B/param Adam states in RAM) x {n / gb:.2f}B = "
         f"{expect / gb:.1f} GB, plus staging and the process; MemAvailable {avail / gb:.1f} GB"
     )
-    if avail and expect > 0.97 * avail and not a.force:
+    # 5% for chunk padding (chunks hold a little more than the parameters).
+    if avail and 1.05 * expect > 0.97 * avail and not a.force:
         raise SystemExit(
             f"scale: refusing: the model needs about {expect / gb:.1f} GB of host memory and "
-            f"{avail / gb:.1f} GB is available; pass --nvme-fraction 1, a smaller --params, "
-            "or --force"
+            f"{avail / gb:.1f} GB is available; pass "
+            + ("--nvme-fraction 1, " if a.nvme_fraction < 1 else "")
+            + "a smaller --params, or --force"
         )
     free = shutil.disk_usage(directory).free
     lines.append(
         f"disk: states need 8 B/param x {a.nvme_fraction:g} x {n / gb:.2f}B = "
         f"{states_disk / gb:.1f} GB of disk, free {free / gb:.1f} GB in {directory}"
     )
-    if states_disk > 0.98 * free:
+    if 1.05 * states_disk > 0.98 * free:
         raise SystemExit(
             f"scale: refusing: Adam states need {states_disk / gb:.1f} GB on disk and "
             f"{directory} has {free / gb:.1f} GB free; pass --nvme-dir on a larger disk, "
