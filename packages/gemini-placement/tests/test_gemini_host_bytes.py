@@ -14,7 +14,7 @@ from zerostack.testing import GPTConfig, TinyGPT, make_batch
 CHUNK = 20_000
 
 
-def _wrap(num_layers=2, keep_gathered=False, **adam):
+def _wrap(num_layers=2, keep_gathered=False, overlap=True, **adam):
     config = GPTConfig(bias=False, num_layers=num_layers)
     torch.manual_seed(0)
     model = TinyGPT(config)
@@ -23,8 +23,8 @@ def _wrap(num_layers=2, keep_gathered=False, **adam):
         chunk_config_dict={1: {"chunk_size": CHUNK, "keep_gathered": keep_gathered}},
         offload_optim_frac=1.0, offload_param_frac=1.0,
     )  # fmt: skip
-    opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-3, **adam), ddp)
-    return config, ddp, opt
+    adam = HybridAdam(list(model.parameters()), lr=1e-3, **adam)
+    return config, ddp, GeminiOptimizer(adam, ddp, overlap_cpu_step=overlap)
 
 
 def _steps(config, ddp, opt, n=2):
@@ -102,5 +102,26 @@ def test_staging_of_gathered_chunks_is_reused_not_grown():
     _steps(config, ddp, opt, 3)
     hb = opt.host_bytes()
     shards = sum(c.shard_size * 2 for c in ddp.grad_chunks)
-    assert 0 < hb.owners["cpu_step_values"] == first <= shards
+    # At most one buffer per pending chunk (how many overlap depends on
+    # timing), never a new set per step.
+    assert 0 < first <= shards and 0 < hb.owners["cpu_step_values"] <= shards
     assert ddp.cpu_step.pending() == [] and not ddp.cpu_step._host_values  # all handed back
+
+
+def test_grad_norm_is_taken_before_an_update_writes_over_the_gradient():
+    # Updates started during backward write the new shard over the gradient
+    # in place: the step's norm must be the gradient's, as without overlap.
+    norms = {}
+    for overlap in (True, False):
+        config, ddp, opt = _wrap(overlap=overlap)
+        idx, tgt = make_batch(config, 2, 16, seed=0)
+        norms[overlap] = []
+        for _ in range(3):
+            opt.backward(ddp(idx, tgt))
+            assert bool(opt._early) == overlap  # the in-backward path ran (or not)
+            opt.step()
+            norms[overlap].append(opt.last_grad_norm)
+        ddp.wait_updates()
+        opt.close()
+    assert norms[True] == pytest.approx(norms[False], rel=1e-5)
+    assert len(set(norms[True])) == 3 and all(n > 0 for n in norms[True])

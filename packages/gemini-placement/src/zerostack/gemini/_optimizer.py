@@ -121,6 +121,8 @@ class GeminiOptimizer:
         if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
             optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
+        # Their gradients' norms, taken before the update wrote over them.
+        self._early_norms: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
         self._warned_idle = False
@@ -232,6 +234,9 @@ class GeminiOptimizer:
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._sync_hyper()
         grad = _grad_share(chunk)
+        # The update writes the new shard over a host-held gradient (see
+        # [Note: CPU-step buffers]): the step's norm takes this one now.
+        self._early_norms[i] = torch._foreach_norm([grad])[0]
         self.pipeline.stage_grad(chunk, grad)
         self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None)
         self._early.add(i)
@@ -339,7 +344,7 @@ class GeminiOptimizer:
         used = torch.tensor(
             [float(p in module.used) for p in trainable], device=module.compute_device
         )
-        stats = grad_stats(grads, used, module.process_group)
+        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads, early))
         module.used.clear()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
         if plan.skip:
@@ -379,6 +384,24 @@ class GeminiOptimizer:
             chunk = self.pairs[i][0]
             self.pipeline.submit(chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i))
         return True
+
+    def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
+        """This rank's squared gradient norm, as zerostack.shard's grad_stats
+        takes it: per-shard norms on the compute device, those of chunks
+        updated during backward from before their update."""
+        device = self.module.compute_device
+        norms, taken = [], self._early_norms
+        self._early_norms = {}
+        rest = [g for i, g in enumerate(grads) if i not in early]
+        if rest:
+            norms += [n.float().to(device) for n in torch._foreach_norm(rest)]
+        norms += [
+            (taken[i] if i in taken else torch._foreach_norm([grads[i]])[0]).float().to(device)
+            for i in sorted(early)
+        ]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(norms).pow(2).sum()
 
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the
