@@ -213,8 +213,19 @@ def checkpoint_blocks(model: TinyGPT) -> None:
 
 def plan(a, n: int, device: torch.device, directory: str, disk: dict | None) -> list[str]:
     """What will run, with the arithmetic; raises SystemExit when it cannot fit."""
-    lines = []
     gb = 1e9
+    where = (
+        "every bf16 chunk and fp32 master on the CPU (static offload_param_frac=1, "
+        "offload_optim_frac=1)"
+        if a.placement == "cpu"
+        else f"Gemini auto placement, gpu_capacity_bytes {a.gpu_cap_gib:g} GiB"
+    )
+    lines = [
+        f"decided: {n / gb:.2f}B params on {device}, {where}; HybridAdam "
+        f"nvme_offload_fraction={a.nvme_fraction:g}"
+        + (f" in {directory}" if a.nvme_fraction else "")
+        + f"; batch {a.batch_size} x {a.seq_len}, {a.warmup} warm-up + {a.steps} timed steps"
+    ]
     states_ram = 8 * n * (1 - a.nvme_fraction)
     states_disk = 8 * n * a.nvme_fraction
     expect = 2 * n + 4 * n + states_ram
@@ -318,6 +329,7 @@ def train(a, config, ddp, opt, device) -> dict:
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             ddp.wait_updates()
+            log("host bytes after the warm-up:\n" + opt.host_bytes().table())
             peak = PeakRss()
             cpu_step0, wait0, nvme0 = opt.cpu_step_s, ddp.update_wait_s, opt.nvme_wait_s
         sync()
@@ -382,7 +394,7 @@ def main() -> int:
         default=4.0,
         help="GB of the raw disk test (default %(default)s; 0 skips it)",
     )
-    ap.add_argument("--time-budget-s", type=float, default=480.0,
+    ap.add_argument("--time-budget-s", type=float, default=400.0,
                     help="fewer timed steps when the disk-bound step would run past this (default %(default)s)")  # fmt: skip
     ap.add_argument(
         "--force", action="store_true", help="run even when host memory looks too small"

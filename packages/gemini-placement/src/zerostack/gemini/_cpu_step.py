@@ -117,9 +117,10 @@ class CpuStepPipeline:
         """The host buffers held now: ``"values"`` (staged fp16/bf16 shards,
         free ones included) or ``"grads"`` (pinned copies of device-held
         gradients)."""
+        # Snapshots first (one C call each): the worker may add a buffer meanwhile.
         if kind == "values":
-            free = [b for bufs in self._free.values() for b in bufs]
-            return [*self._host_values.values(), *free]
+            held, free = list(self._host_values.values()), list(self._free.values())
+            return [*held, *(b for bufs in free for b in list(bufs))]
         return list(self._host_grads.values())
 
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
