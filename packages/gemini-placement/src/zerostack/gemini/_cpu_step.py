@@ -47,7 +47,9 @@ class CpuStepPipeline:
         # the free ones, reused by any chunk of the same size and dtype.
         self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on their way
         self._host_grads: dict[Chunk, torch.Tensor] = {}  # pinned copies of reduced gradients
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        # Free buffers, each with the event of the last copy that read it (None: none pending).
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+        self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
         self.error: CpuStepError | None = None
         self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
@@ -91,14 +93,19 @@ class CpuStepPipeline:
     # staging bytes are at most the pending device-held chunks' shards.
 
     def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-        free = self._free.get((numel, dtype))
-        if free:
-            return free.pop()
-        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        with self._free_lock:
+            free = self._free.get((numel, dtype))
+            buf, event = free.pop() if free else (None, None)
+        if buf is None:
+            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        if event is not None:  # an asynchronous copy to the device may still read it
+            event.synchronize()
+        return buf
 
-    def _give(self, buf: torch.Tensor | None) -> None:
+    def _give(self, buf: torch.Tensor | None, event: Any = None) -> None:
         if buf is not None:
-            self._free.setdefault((buf.numel(), buf.dtype), []).append(buf)
+            with self._free_lock:
+                self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, event))
 
     def host_values(self, chunk: Chunk) -> torch.Tensor:
         """Where the CPU step writes ``chunk``'s new fp16/bf16 shard: the
@@ -119,8 +126,9 @@ class CpuStepPipeline:
         gradients)."""
         # Snapshots first (one C call each): the worker may add a buffer meanwhile.
         if kind == "values":
-            held, free = list(self._host_values.values()), list(self._free.values())
-            return [*held, *(b for bufs in free for b in list(bufs))]
+            with self._free_lock:
+                free = [b for bufs in self._free.values() for b, _ in bufs]
+            return [*list(self._host_values.values()), *free]
         return list(self._host_grads.values())
 
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
@@ -150,8 +158,16 @@ class CpuStepPipeline:
         return self._host_values.get(chunk)
 
     def _release(self, chunk: Chunk) -> None:
-        """The write-back is done: ``chunk``'s staging buffers go back to the free list."""
-        self._give(self._host_values.pop(chunk, None))
+        """The write-back is issued: ``chunk``'s staging buffers go back to the
+        free list; a pinned values buffer with the event of its (asynchronous)
+        copy to the device, which the next taker waits for. (A gradient
+        buffer's copy was waited for before the update read it.)"""
+        values = self._host_values.pop(chunk, None)
+        event = None
+        if values is not None and values.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        self._give(values, event)
         self._give(self._host_grads.pop(chunk, None))
         self._staged.pop(chunk, None)
 
