@@ -371,11 +371,16 @@ def integration(session: nox.Session) -> None:
 
 @nox.session
 def examples(session: nox.Session) -> None:
-    """Every script in examples/ in its --smoke mode."""
+    """Every script in examples/ in its --smoke mode, and benchmarks/scale.py's."""
     _install_packages(session, PACKAGES)
     session.install("tqdm", "transformers==5.24.0")  # the Booster demo is the seed's GPT-2 one
     for script in sorted((ROOT / "examples").glob("*.py")):
         session.run("python", str(script), "--smoke")
+    # The scale benchmark's CPU smoke (the GPU run is tools/device.sh scale).
+    for fraction in ("0", "1"):
+        session.run(
+            "python", str(ROOT / "benchmarks/scale.py"), "--smoke", "--nvme-fraction", fraction
+        )
     # The seed's auto-offload demo writes offload_logs/ where it runs.
     with session.chdir(session.create_tmp()):
         session.run("python", str(ROOT / "examples/auto_offload/train_gpt_offload.py"), "--smoke")

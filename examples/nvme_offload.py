@@ -70,7 +70,13 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
+    if args.child_mode == "gemini":  # the last CPU update may still be running (overlap)
+        wrapped.wait_updates()
+    # Host bytes by owner (GeminiOptimizer.host_bytes): masters, parameter
+    # shards, Adam states in RAM, staging; the plain run has no breakdown.
+    host = opt.host_bytes().total / params if args.child_mode == "gemini" else None
     return dict(
+        host_b_per_param=host,
         fraction=fraction,
         params=params,
         losses=losses,
@@ -142,14 +148,16 @@ def _compare(mode: str, args: argparse.Namespace) -> int:
         f"batch {args.batch_size} x {args.seq_len}"
     )
     print(
-        "| nvme_offload_fraction | losses | median step s | peak RSS MB | Adam states on disk MB |"
+        "| nvme_offload_fraction | losses | median step s | peak RSS MB | Adam states on disk MB "
+        "| zerostack host B/param |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
+        host = "-" if r["host_b_per_param"] is None else f"{r['host_b_per_param']:.2f}"
         print(
             f"| {r['fraction']} | {losses} | {r['step_s']:.2f} | {r['peak_rss_mb']:.0f} | "
-            f"{r['disk_mb']:.0f} |"
+            f"{r['disk_mb']:.0f} | {host} |"
         )
     saved = results[0]["peak_rss_mb"] - results[1]["peak_rss_mb"]
     print(

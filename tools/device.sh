@@ -13,6 +13,10 @@
 #   tools/device.sh adam       fused-adam: GPU and CPU tests, the main job on the GPU, benchmarks/adam.py
 #   tools/device.sh nvme       examples/nvme_offload.py, benchmarks/nvme.py (1B), benchmarks/adam.py on the CPU
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
+#   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
+#                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
+#                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
+#                              give one fraction per call (each run is up to ~9 min: the call limit is 10)
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
@@ -108,6 +112,14 @@ chunk)
   build; sources; machine
   python3 benchmarks/chunk_comm.py 2>&1 | tee "$OUT/bench_chunk.log" | tail -12
   timeout 400 python3 benchmarks/zero_shard.py --steps 4 --warmup 1 2>&1 | tee "$OUT/bench_zero.log" | tail -14
+  ;;
+scale)
+  build; sources; machine
+  { df -h /tmp; free -g; } > "$OUT/disk.txt" 2>&1
+  for f in ${2:-0 1}; do
+    timeout 530 python3 benchmarks/scale.py --params "${1:-8B}" --nvme-fraction "$f" --nvme-dir /tmp \
+      > "$OUT/scale_${1:-8B}_$f.log" 2>&1; echo "exit $?"; grep -vE "^\[scale\] step" "$OUT/scale_${1:-8B}_$f.log" | tail -30
+  done
   ;;
 multi-gpu)
   # The device's NVLink multicast variables are left as they are set there.

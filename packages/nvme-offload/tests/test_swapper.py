@@ -53,6 +53,17 @@ def test_states_are_on_disk_not_in_memory(backend, tmp_path):
     assert swapper.reserved_bytes == 6 * 4 * 2**20
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_host_buffers_are_the_slots_whatever_the_number_of_keys(backend, depth, tmp_path):
+    for num_keys in (2, 12):
+        swapper = StateSwapper(tmp_path, backend=backend, prefetch_depth=depth)
+        assert swapper.host_buffers() == []
+        _run_steps(swapper, [4096] * num_keys, steps=2)
+        held = swapper.host_buffers()
+        assert len(held) == depth + 2 and {b.numel() for b in held} == {4096}
+        swapper.close()
+
+
 def test_write_then_read_whole_buffers(backend, tmp_path):
     swapper = StateSwapper(tmp_path, backend=backend)
     swapper.register("a", 10)

@@ -207,6 +207,31 @@ def test_pinned_shards_and_moves_on_cuda():
     assert chunk.shard.is_pinned()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pin", [False, True])
+def test_reduce_writes_into_the_host_shard_it_replaces(pin):
+    # The reduced gradient goes into the existing host shard: the same
+    # storage (no fresh pages each step), still pinned when it was.
+    tensors = _tensors()
+    chunk = Chunk(
+        37, None, torch.float32, compute_device="cuda", shard_device="cpu", pin_memory=pin
+    )
+    for t in tensors:
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    shard = chunk.shard
+    chunk.access()
+    for t in tensors:
+        t.data.fill_(2.5)  # the gradient written over the parameters (reuse_fp16_chunk)
+    _to_ready(chunk, tensors)
+    chunk.reduce()
+    assert chunk.shard is shard and chunk.shard.is_pinned() == pin
+    assert not chunk.is_gathered
+    used = sum(t.numel() for t in tensors)
+    assert torch.equal(chunk.shard[:used], torch.full((used,), 2.5))
+
+
 # -- bad input ----------------------------------------------------------------
 
 

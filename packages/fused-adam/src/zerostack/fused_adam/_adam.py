@@ -200,6 +200,12 @@ class _Adam(torch.optim.Optimizer):
         """Seconds this optimizer waited for disk reads and writes (exposed I/O)."""
         return self._nvme.wait_s if self._nvme is not None else 0.0
 
+    def nvme_host_buffers(self) -> list[torch.Tensor]:
+        """The host buffers the NVMe path holds now: the prefetch pipeline's
+        slots (bounded by (prefetch depth + 2) pieces) and states kept in RAM
+        after a failed write; empty without NVMe."""
+        return self._nvme.host_buffers() if self._nvme is not None else []
+
     def nvme_bytes_on_disk(self) -> int:
         """Bytes of Adam state now on disk."""
         return self._nvme.on_disk_bytes() if self._nvme is not None else 0

@@ -178,6 +178,10 @@ class NVMeStates:
             update(p, start, end, buf[:n], buf[n:])
             pipe.post_update(i)
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The swapper's pipeline slots and states kept in RAM (failed writes)."""
+        return self.swapper.host_buffers()
+
     def on_disk_bytes(self) -> int:
         """Bytes of optimizer state now on disk."""
         return sum(

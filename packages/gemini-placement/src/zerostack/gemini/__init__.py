@@ -15,11 +15,22 @@ from zerostack.gemini._local_state import (
     local_model_state,
     local_ranges,
 )
-from zerostack.gemini._memory import TIERS, ChunkRow, MemoryTimeline, format_placement, tier_bytes
+from zerostack.gemini._memory import (
+    HOST_OWNERS,
+    TIERS,
+    ChunkRow,
+    HostBytes,
+    MemoryTimeline,
+    format_placement,
+    host_bytes,
+    rss_bytes,
+    tier_bytes,
+)
 from zerostack.gemini._optimizer import GeminiAdamOptimizer, GeminiOptimizer
 from zerostack.gemini._placement import AutoPlacement, MemStats, Placement, StaticPlacement
 
 __all__ = [
+    "HOST_OWNERS",
     "TIERS",
     "AutoPlacement",
     "AutoPlacementConfig",
@@ -32,6 +43,7 @@ __all__ = [
     "GeminiConfig",
     "GeminiDDP",
     "GeminiOptimizer",
+    "HostBytes",
     "MemStats",
     "MemoryTimeline",
     "MixedPrecision",
@@ -41,8 +53,10 @@ __all__ = [
     "TrainingState",
     "__version__",
     "format_placement",
+    "host_bytes",
     "load_local_model_state",
     "local_model_state",
     "local_ranges",
+    "rss_bytes",
     "tier_bytes",
 ]

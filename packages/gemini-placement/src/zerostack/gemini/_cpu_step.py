@@ -43,8 +43,13 @@ class CpuStepPipeline:
         self._pin = compute_device.type == "cuda"
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[Chunk, Future] = {}  # param chunk -> its running update
-        self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on the host
+        # See [Note: CPU-step buffers]. Staging buffers of pending chunks, and
+        # the free ones, reused by any chunk of the same size and dtype.
+        self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on their way
         self._host_grads: dict[Chunk, torch.Tensor] = {}  # pinned copies of reduced gradients
+        # Free buffers, each with the event of the last copy that read it (None: none pending).
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
+        self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
         self.error: CpuStepError | None = None
         self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
@@ -75,14 +80,56 @@ class CpuStepPipeline:
 
     # -- host buffers ----------------------------------------------------------------
 
+    # [Note: CPU-step buffers] A CPU update writes the chunk's new fp16/bf16
+    # shard either straight into the chunk's share, where that share is a
+    # host tensor (a shard kept on the CPU: the update's copy-out overwrites
+    # the reduced gradient element by element, after reading it), or into a
+    # staging buffer that the write-back copies to the device. Staging
+    # buffers (and the pinned copies of device-held gradients) exist only
+    # while their chunk's update is pending: the write-back hands them back
+    # to a free list that any chunk of the same size reuses. So host memory
+    # holds no per-chunk copy of the model (which kept 2 B/param, more once
+    # the pinned allocator rounded each buffer up to a power of two), and the
+    # staging bytes are at most the pending device-held chunks' shards.
+
+    def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        with self._free_lock:
+            free = self._free.get((numel, dtype))
+            buf, event = free.pop() if free else (None, None)
+        if buf is None:
+            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        if event is not None:  # an asynchronous copy to the device may still read it
+            event.synchronize()
+        return buf
+
+    def _give(self, buf: torch.Tensor | None, event: Any = None) -> None:
+        if buf is not None:
+            with self._free_lock:
+                self._free.setdefault((buf.numel(), buf.dtype), []).append((buf, event))
+
     def host_values(self, chunk: Chunk) -> torch.Tensor:
-        """The (pinned) host buffer the CPU step writes ``chunk``'s new
-        fp16/bf16 shard into."""
+        """Where the CPU step writes ``chunk``'s new fp16/bf16 shard: the
+        chunk's own share when it is a host tensor, else a (pinned) staging
+        buffer held until the write-back. See [Note: CPU-step buffers]."""
         buf = self._host_values.get(chunk)
         if buf is None:
-            buf = torch.empty(chunk.shard_size, dtype=chunk.dtype, pin_memory=self._pin)
+            share = chunk.shard
+            if share is not None and not chunk.is_gathered and share.device.type == "cpu":
+                return share
+            buf = self._take(chunk.shard_size, chunk.dtype, self._pin)
             self._host_values[chunk] = buf
         return buf
+
+    def host_buffers(self, kind: str) -> list[torch.Tensor]:
+        """The host buffers held now: ``"values"`` (staged fp16/bf16 shards,
+        free ones included) or ``"grads"`` (pinned copies of device-held
+        gradients)."""
+        # Snapshots first (one C call each): the worker may add a buffer meanwhile.
+        if kind == "values":
+            with self._free_lock:
+                free = [b for bufs in self._free.values() for b, _ in bufs]
+            return [*list(self._host_values.values()), *free]
+        return list(self._host_grads.values())
 
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
         """Start copying a device-held reduced gradient to a pinned host buffer."""
@@ -90,7 +137,7 @@ class CpuStepPipeline:
             return
         buf = self._host_grads.get(chunk)
         if buf is None:
-            buf = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=True)
+            buf = self._take(grad.numel(), grad.dtype, True)
             self._host_grads[chunk] = buf
         buf.copy_(grad, non_blocking=True)
         event = torch.cuda.Event()
@@ -101,10 +148,28 @@ class CpuStepPipeline:
         """``grad`` on the host: itself, or its staged copy once the copy is done."""
         if grad.device.type == "cpu":
             return grad
-        event = self._staged.get(chunk)
+        event = self._staged.pop(chunk, None)
         if event is not None:
             event.synchronize()
         return self._host_grads[chunk]
+
+    def _written_back(self, chunk: Chunk) -> torch.Tensor | None:
+        """``chunk``'s staged values for its write-back (None: written in place)."""
+        return self._host_values.get(chunk)
+
+    def _release(self, chunk: Chunk) -> None:
+        """The write-back is issued: ``chunk``'s staging buffers go back to the
+        free list; a pinned values buffer with the event of its (asynchronous)
+        copy to the device, which the next taker waits for. (A gradient
+        buffer's copy was waited for before the update read it.)"""
+        values = self._host_values.pop(chunk, None)
+        event = None
+        if values is not None and values.is_pinned():
+            event = torch.cuda.Event()
+            event.record()
+        self._give(values, event)
+        self._give(self._host_grads.pop(chunk, None))
+        self._staged.pop(chunk, None)
 
     # -- updates -------------------------------------------------------------------
 
@@ -117,7 +182,7 @@ class CpuStepPipeline:
                 self._run(update, *args)
             except Exception as error:  # the same error as from the worker
                 self._fail(chunk, error)
-            self.write_back(chunk, self._host_values[chunk])  # a synchronous step
+            self._finish(chunk)  # a synchronous step
         else:
             self._pending[chunk] = self._executor.submit(self._run, update, *args)
 
@@ -150,7 +215,12 @@ class CpuStepPipeline:
         self.wait_s += time.perf_counter() - t0
         if error is not None:
             self._fail(chunk, error)
-        self.write_back(chunk, self._host_values[chunk])
+        self._finish(chunk)
+
+    def _finish(self, chunk: Chunk) -> None:
+        """Write ``chunk``'s update back (from its staging buffer, or in place)."""
+        self.write_back(chunk, self._written_back(chunk), staged=True)
+        self._release(chunk)
 
     def await_all(self) -> None:
         """Finish every pending update, in chunk order."""
@@ -200,17 +270,21 @@ class CpuStepPipeline:
     # -- write-back ------------------------------------------------------------------
 
     @torch.no_grad()
-    def write_back(self, chunk: Chunk, host_values: torch.Tensor | None) -> None:
+    def write_back(
+        self, chunk: Chunk, host_values: torch.Tensor | None, staged: bool = False
+    ) -> None:
         """The updated master becomes ``chunk``'s parameter shard (cast) again:
-        from ``host_values`` (the CPU step's fp16/bf16 output) or from the
-        paired master chunk. See [Note: write-back order]."""
+        from ``host_values`` (the CPU step's fp16/bf16 output), from the
+        paired master chunk (``host_values`` None), or, with ``staged`` and no
+        ``host_values``, as the CPU step already wrote it into the share
+        (see [Note: CPU-step buffers]). See [Note: write-back order]."""
         with phase("zerostack::write_back"):
             if chunk.is_gathered and chunk.can_release:
                 self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
-            if host_values is None:
-                chunk.copy_from_paired()
-            else:
+            if host_values is not None:
                 chunk.write_share(host_values, non_blocking=True)
+            elif not staged:
+                chunk.copy_from_paired()
             self.manager.consume_grad(chunk)
             if chunk.keep_gathered:
                 chunk.sync_gathered()

@@ -389,6 +389,16 @@ class GeminiDDP(nn.Module):
         rows = chunk_placement(self)
         return format_placement(rows) if table else rows
 
+    def host_bytes(self, optimizer: Any = None) -> Any:
+        """Host bytes by owner now (this rank): a zerostack.gemini HostBytes
+        with fp16/bf16 parameter chunks, fp32 masters, optimizer states in
+        RAM (with ``optimizer``), the CPU step's staging buffers, NVMe
+        staging, the process's RSS and what it holds beyond them
+        (``unaccounted``); ``.table()`` prints it. See [Note: host bytes]."""
+        from zerostack.gemini._memory import host_bytes
+
+        return host_bytes(self, optimizer)
+
     def memory_timeline(self, optimizer: Any = None) -> Any:
         """A zerostack.gemini MemoryTimeline: ``with model.memory_timeline(opt)
         as t:`` around one step records the bytes on each tier (gpu, pinned,

@@ -266,3 +266,169 @@ def _every(samples: list[tuple[str, dict[str, int]]], step: int) -> Iterator[tup
     for i, (label, _) in enumerate(samples):
         if i % step == 0 or i == len(samples) - 1:
             yield i, label
+
+
+# -- host bytes by owner ---------------------------------------------------------------
+
+# [Note: host bytes] Every host (CPU) byte that zerostack holds for a
+# GeminiDDP model, by owner, each tensor's storage counted once (the first
+# owner in this order that holds it):
+#   param_chunks     fp16/bf16 (or fp32) parameter chunks: shards and gathered
+#                    buffers on the host (also reduced gradients written over them)
+#   grad_chunks      separate gradient chunks (gradient accumulation)
+#   masters          fp32 master chunks held on the host
+#   optim_states     the inner optimizer's state tensors in RAM (Adam m, v)
+#   cpu_step_values  CpuStepPipeline's host buffers for new fp16/bf16 shards
+#   cpu_step_grads   CpuStepPipeline's pinned copies of device-held gradients
+#   copy_out         other copy-out targets of the inner optimizer
+#   nvme_staging     the NVMe pipeline's slots and states kept after a failed write
+#   module_buffers   the model's buffers on the host
+# ``rss`` is the process's resident set (VmRSS) and ``unaccounted`` what it
+# holds beyond the owners: the interpreter, torch and CUDA libraries,
+# activations and temporaries on a CPU compute device, freed memory the C
+# heap has not returned, and pinned blocks cached by torch's host allocator
+# (``pinned_cached``, when CUDA reports it).
+HOST_OWNERS = (
+    "param_chunks",
+    "grad_chunks",
+    "masters",
+    "optim_states",
+    "cpu_step_values",
+    "cpu_step_grads",
+    "copy_out",
+    "nvme_staging",
+    "module_buffers",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HostBytes:
+    """Host bytes of a GeminiDDP model by owner (see [Note: host bytes])."""
+
+    owners: dict[str, int]  # bytes by owner, HOST_OWNERS order
+    pinned: dict[str, int]  # of which page-locked
+    num_params: int  # elements of the model's parameters (tied ones once)
+    rss: int  # the process's resident bytes now (0 where /proc is missing)
+    pinned_cached: (
+        int  # pinned bytes torch's host allocator owns beyond the owners' (rounding, freed blocks)
+    )
+
+    @property
+    def total(self) -> int:
+        return sum(self.owners.values())
+
+    @property
+    def unaccounted(self) -> int:
+        """RSS minus the owners' bytes (negative when pages of the owners are not resident)."""
+        return self.rss - self.total
+
+    def per_param(self, nbytes: int) -> float:
+        return nbytes / max(1, self.num_params)
+
+    def table(self) -> str:
+        """One line per owner: GB, bytes per parameter, pinned GB; then the total, RSS and the rest."""
+        lines = [f"{'owner':<16} {'GB':>9} {'B/param':>8} {'pinned GB':>10}"]
+        for name in HOST_OWNERS:
+            n = self.owners[name]
+            lines.append(
+                f"{name:<16} {n / 1e9:>9.3f} {self.per_param(n):>8.2f} {self.pinned[name] / 1e9:>10.3f}"
+            )
+        for name, n in (
+            ("total", self.total),
+            ("pinned_cached", self.pinned_cached),
+            ("rss", self.rss),
+            ("unaccounted", self.unaccounted),
+        ):
+            lines.append(f"{name:<16} {n / 1e9:>9.3f} {self.per_param(n):>8.2f}")
+        return "\n".join(lines)
+
+
+def rss_bytes() -> int:
+    """VmRSS of this process (0 where /proc/self/status is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _pinned_allocator_bytes() -> int:
+    """Bytes of pinned blocks torch's host allocator owns (live and cached), or 0."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return 0
+    try:
+        return int(stats().get("allocated_bytes.current", 0))
+    except Exception:  # an older torch without the counters
+        return 0
+
+
+def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
+    """Host bytes of ``ddp`` (a GeminiDDP) and, when given, its optimizer (a
+    GeminiOptimizer or the torch optimizer inside it), by owner. See [Note:
+    host bytes]."""
+    seen: set[int] = set()
+    owners = dict.fromkeys(HOST_OWNERS, 0)
+    pinned = dict.fromkeys(HOST_OWNERS, 0)
+
+    def add(owner: str, t: Any) -> None:
+        if not torch.is_tensor(t) or t.device.type != "cpu" or t.numel() == 0:
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or key == 0:
+            return
+        seen.add(key)
+        n = storage.nbytes()
+        owners[owner] += n
+        if t.is_pinned():
+            pinned[owner] += n
+
+    manager = ddp.chunk_manager
+    for prefix, owner in (("fp16_param", "param_chunks"), ("frozen_param", "param_chunks"),
+                          ("fp32_param", "masters")):  # fmt: skip
+        for c in manager.chunks(prefix):
+            add(owner, c.shard)
+            add(owner, c.buffer)
+            grad = c.grad_chunk
+            if grad is not None and grad is not c:
+                add("grad_chunks", grad.shard)
+                add("grad_chunks", grad.buffer)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if inner is not None:
+        for state in inner.state.values():
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    add("optim_states", v)
+    pipeline = ddp.cpu_step
+    for buf in pipeline.host_buffers("values"):
+        add("cpu_step_values", buf)
+    for buf in pipeline.host_buffers("grads"):
+        add("cpu_step_grads", buf)
+    if inner is not None:
+        for buf in getattr(inner, "_copy_out", {}).values():
+            add("copy_out", buf)
+        staging = getattr(inner, "nvme_host_buffers", None)
+        if callable(staging):
+            for buf in staging():
+                add("nvme_staging", buf)
+    for b in ddp.module.buffers():
+        add("module_buffers", b)
+    allocator = _pinned_allocator_bytes()
+    return HostBytes(
+        owners=owners,
+        pinned=pinned,
+        num_params=sum(_param_numels(ddp)),
+        rss=rss_bytes(),
+        pinned_cached=max(0, allocator - sum(pinned.values())) if allocator else 0,
+    )
+
+
+def _param_numels(ddp: Any) -> Iterator[int]:
+    """Elements of each parameter of ``ddp`` (its registered shape, tied ones once)."""
+    manager = ddp.chunk_manager
+    for p in ddp.params:
+        yield manager.get_chunk(p).tensors_info[p].numel

@@ -121,6 +121,8 @@ class GeminiOptimizer:
         if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
             optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
+        # Their gradients' norms, taken before the update wrote over them.
+        self._early_norms: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
         self._warned_idle = False
@@ -142,17 +144,17 @@ class GeminiOptimizer:
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
-        for i in self._host:  # fp16/bf16 results of CPU-held masters, on their way to the chunks
-            chunk, master = self.pairs[i]
-            buf = self.pipeline.host_values(chunk)
-            if self._copy_out:
-                self.optimizer.set_copy_out(master.shard, buf)
 
     @property
     def nvme_wait_s(self) -> float:
         """Seconds the CPU step waited for disk reads and writes of Adam
         states (HybridAdam's nvme_offload_fraction): the exposed I/O."""
         return getattr(self.optimizer, "nvme_wait_s", 0.0)
+
+    def host_bytes(self) -> Any:
+        """Host bytes of the model and this optimizer by owner (see
+        GeminiDDP.host_bytes and [Note: host bytes])."""
+        return self.module.host_bytes(self)
 
     @property
     def cpu_step_s(self) -> float:
@@ -232,6 +234,9 @@ class GeminiOptimizer:
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._sync_hyper()
         grad = _grad_share(chunk)
+        # The update writes the new shard over a host-held gradient (see
+        # [Note: CPU-step buffers]): the step's norm takes this one now.
+        self._early_norms[i] = torch._foreach_norm([grad])[0]
         self.pipeline.stage_grad(chunk, grad)
         self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None)
         self._early.add(i)
@@ -339,7 +344,7 @@ class GeminiOptimizer:
         used = torch.tensor(
             [float(p in module.used) for p in trainable], device=module.compute_device
         )
-        stats = grad_stats(grads, used, module.process_group)
+        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads, early))
         module.used.clear()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
         if plan.skip:
@@ -380,6 +385,24 @@ class GeminiOptimizer:
             self.pipeline.submit(chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i))
         return True
 
+    def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
+        """This rank's squared gradient norm, as zerostack.shard's grad_stats
+        takes it: per-shard norms on the compute device, those of chunks
+        updated during backward from before their update."""
+        device = self.module.compute_device
+        norms, taken = [], self._early_norms
+        self._early_norms = {}
+        rest = [g for i, g in enumerate(grads) if i not in early]
+        if rest:
+            norms += [n.float().to(device) for n in torch._foreach_norm(rest)]
+        norms += [
+            (taken[i] if i in taken else torch._foreach_norm([grads[i]])[0]).float().to(device)
+            for i in sorted(early)
+        ]
+        if not norms:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.stack(norms).pow(2).sum()
+
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the
         host reduces its gradient there), and in its dtype for optimizers
@@ -400,11 +423,16 @@ class GeminiOptimizer:
         chunk = self.pairs[i][0]
         host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
+        # The new fp16/bf16 shard goes into the chunk's host share itself, or a
+        # staging buffer (see [Note: CPU-step buffers]); bound for this update only.
+        values = self.pipeline.host_values(chunk)
         with self._lock:
             # Without div_scale in the kernel the gradient is scaled in place: a copy.
             grad = self._as_grad(host_grad, master)
             own = div_scale <= 0 or self._div_scale or grad is not host_grad
             master.grad = grad if own else grad.clone()
+            if self._copy_out:
+                self.optimizer.set_copy_out(master, values)
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
@@ -414,10 +442,11 @@ class GeminiOptimizer:
                 if not _write_failed(error):
                     raise
                 logger.error("%s: chunk %d: %s", _API, self.pairs[i][0].index, error)
-            finally:  # a failed update must not leave its gradient to the next inner step
+            finally:  # a failed update must not leave its gradient (or its buffer) behind
                 master.grad = None
+                if self._copy_out:
+                    self.optimizer.set_copy_out(master, None)
         _restore(saved)
-        values = self.pipeline.host_values(chunk)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
                 if t is master:

@@ -240,6 +240,12 @@ class StateSwapper:
             ]
         return self._slots
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host memory the swapper holds now: the pipeline's slots
+        ((prefetch_depth + 2) buffers of the largest key), and keys kept in
+        RAM after a failed write."""
+        return [*self._slots, *self._resident.values()]
+
     def close(self) -> None:
         """Wait for pending I/O, remove the files. Idempotent."""
         self._finalizer()

@@ -360,9 +360,22 @@ class Chunk:
             work = _comm.reduce_scatter_sum(out, full, self.process_group, async_op)
 
             def finish() -> None:
-                target.shard = (
-                    out if self.shard_device == self.compute_device else out.to(self.shard_device)
-                )
+                old = target.shard
+                if self.shard_device == self.compute_device:
+                    target.shard = out
+                elif (
+                    old is not None
+                    and old.device == self.shard_device
+                    and old.numel() == out.numel()
+                    and old.dtype == out.dtype
+                ):
+                    # Into the host shard it replaces (stale parameters, or a
+                    # consumed gradient): no fresh pages every step, and a
+                    # pinned shard stays pinned instead of going to the
+                    # pinned allocator's cache.
+                    old.copy_(out)
+                else:
+                    target.shard = out.to(self.shard_device)
                 if target is self:
                     self._drop_buffer()
                 else:

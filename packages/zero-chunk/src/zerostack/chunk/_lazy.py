@@ -203,6 +203,7 @@ class LazyInitContext:
         check_ranks = functools.partial(_check_same_rng, api, process_group)
         _materialize(model, api, init_fn, place, check_ranks)
         chunk_manager.close_all_groups()
+        _trim_host_heap()
         logger.info(
             "%s: %d parameters, %.1f MB, %d chunks created",
             api,
@@ -211,6 +212,18 @@ class LazyInitContext:
             len(chunk_manager.chunks()) - chunks_before,
         )
         return model
+
+
+def _trim_host_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim):
+    the per-module temporaries of a materialization are freed, but small
+    ones stay in the heap's arenas as resident memory until trimmed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def _check_distribute_args(
