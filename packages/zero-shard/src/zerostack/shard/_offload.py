@@ -1,0 +1,163 @@
+"""cpu_offload's step, piece by piece: the CPU update of each bucket on a
+worker thread, the write-back of the updated pieces in a fixed order.
+
+[Note: offloaded step pipeline] With ``cpu_offload`` a step moves, per
+parameter and per rank (N ranks, fp16/bf16 parameters, fp32 masters):
+
+- device to host: the reduced gradient piece, 2/N bytes, queued per bucket
+  on the reduce stream during backward (it is hidden there already);
+- CPU Adam: reads master, exp_avg, exp_avg_sq (12 B) and the gradient
+  (2 B), writes the three back (12 B) and the fp16/bf16 copy-out (2 B):
+  28 bytes of host memory traffic per element of this rank's piece. It is
+  memory-bound: at 100-200 GB/s of host bandwidth, 0.15-0.3 ns per element,
+  so about 0.25-0.45 s for GPT-2 1.5B (1.56e9 elements) on one GPU, and the
+  same on two ranks sharing one host's memory;
+- host to device: the updated piece, 2/N bytes (3.1 GB for GPT-2 1.5B on
+  one GPU: about 60 ms at 50 GB/s of pinned PCIe Gen5), then, with N > 1,
+  an all-gather of the piece over NVLink.
+
+Done one after the other (the step before this pipeline), the step costs
+forward + backward + CPU Adam + H2D. The floor is max(forward + backward,
+CPU Adam) plus the H2D/all-gather of the last piece: the update of bucket
+i+1 runs on the worker while bucket i crosses PCIe and is all-gathered, and
+with ``module`` given ``step()`` returns once the updates are queued, so the
+next forward runs while they go on: a module's forward pre-hook waits only
+for the buckets that hold its parameters. For the 1.5B model that hides the
+H2D copy and the forward (about a third of forward + backward) behind CPU
+Adam: up to ~0.1-0.15 s of a step of ~0.45-0.6 s. Starting a bucket's update
+during backward would hide more, but only where nothing global can change it
+(no clipping and no fp16 loss scale, the rule GeminiOptimizer follows); it is
+not done here: clipping needs the global norm first.
+
+Clipping and overflow: each bucket's squared norm is computed on the device
+when it is reduced (backward), so ``step()`` needs one all-reduce and one
+host read before any update is queued; the updates then carry the clip and
+loss-scale factor as ``div_scale``. An fp16 overflow queues no update at all.
+
+Order: write-backs are collectives (all-gathers) at N > 1, so every rank
+issues them in one fixed order (``ZeroOptimizer._order``, the order in
+which forward uses the buckets); a forward pre-hook that needs bucket k
+first writes back every pending bucket before k, and all of them are
+written back before the next gradient reduction or any other collective of
+the optimizer. Only the write-backs' timing differs between ranks, never
+their order. Streams: the write-backs run on their own CUDA stream, which
+waits for the compute stream once when the updates are queued (the last
+backward is done with the parameters); a forward waits for the ``written``
+event of each bucket it needs, and the next backward (or any reader through
+the optimizer) for the whole stream. The worker overwrites a bucket's pinned
+``host_params`` only after the ``copied`` event of its last H2D copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+_THREAD_PREFIX = "zero-cpu-step"
+
+
+class OffloadPipeline:
+    """The CPU updates of a step in flight, in write-back order.
+
+    Args:
+        api: the owner's name, for messages.
+        overlap: run updates on a worker thread (else inline, at ``submit``).
+        device: the compute device (a write-back stream on CUDA).
+    """
+
+    def __init__(self, api: str, overlap: bool, device: torch.device) -> None:
+        self.api = api
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix=_THREAD_PREFIX) if overlap else None
+        )
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
+        self.error: RuntimeError | None = None
+        self.round_open = False  # written pieces the compute stream has not waited for all of
+        self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
+        self.wait_s = 0.0  # seconds the main thread waited for them (exposed)
+        self.worker_updates = 0  # updates that ran on the worker thread
+
+    @property
+    def overlapping(self) -> bool:
+        return self._executor is not None
+
+    def close(self) -> None:
+        """Finish what is pending (errors kept, not raised) and stop the worker."""
+        for _, future in self.pending:
+            if future is not None:
+                future.exception()
+        self.pending.clear()
+        if self._executor is not None:
+            # The owner may be freed by the worker itself (its last task held
+            # it): a thread cannot join itself.
+            on_worker = threading.current_thread().name.startswith(_THREAD_PREFIX)
+            self._executor.shutdown(wait=not on_worker)
+            self._executor = None
+
+    def submit(self, position: int, update: Callable[..., None], *args: Any) -> None:
+        """Queue ``update(*args)``, written back at ``position`` in the order."""
+        if self._executor is None:
+            self._run(update, *args)
+            self.pending.append((position, None))
+        else:
+            self.pending.append((position, self._executor.submit(self._run, update, *args)))
+
+    def _run(self, update: Callable[..., None], *args: Any) -> None:
+        t0 = time.perf_counter()
+        update(*args)
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            self.worker_updates += 1
+        self.update_s += time.perf_counter() - t0
+
+    def next_done(self) -> bool:
+        """True when the next update in order has finished (or ran inline)."""
+        future = self.pending[0][1]
+        return future is None or future.done()
+
+    def pop(self) -> int:
+        """Wait for the next update in order; its position.
+
+        Raises:
+            RuntimeError: the update failed (and every later call raises too).
+        """
+        self.check()
+        position, future = self.pending.popleft()
+        if future is not None:
+            t0 = time.perf_counter()
+            error = future.exception()
+            self.wait_s += time.perf_counter() - t0
+            if error is not None:
+                self._fail(position, error)
+        return position
+
+    def check(self) -> None:
+        """Raise the error of a failed update, if any.
+
+        Raises:
+            RuntimeError: an update failed.
+        """
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, position: int, error: BaseException) -> None:
+        self.error = RuntimeError(
+            f"{self.api}: the CPU update of bucket {position} (in write-back order) failed "
+            f"({type(error).__name__}: {error}); its parameters were not written back, so the "
+            "model cannot go on: reload a checkpoint"
+        )
+        self.error.__cause__ = error
+        logger.error("%s", self.error)
+        for _, future in self.pending:  # the rest must not run on behind our back
+            if future is not None:
+                future.exception()
+        self.pending.clear()
+        raise self.error
