@@ -87,7 +87,9 @@ def test_step_returns_before_updates_and_forward_waits_per_bucket():
     # The embedding's forward waits for its own bucket only.
     model.tok_emb(torch.zeros(1, dtype=torch.long))
     torch.testing.assert_close(model.tok_emb.weight, ref_model.tok_emb.weight, rtol=0, atol=0)
-    assert torch.equal(model.lm_head.weight, old_head), "forward waited for a bucket it does not use"
+    assert torch.equal(model.lm_head.weight, old_head), (
+        "forward waited for a bucket it does not use"
+    )
     gate.open.set()
     # A whole forward waits for every bucket it uses.
     idx, _ = make_batch(CONFIG, 2, 16, seed=7)
@@ -177,7 +179,7 @@ def _fp16_overflow_parity(rank, world):
         idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank)
         poison = step == 2 and rank == 0
         handle = model.lm_head.weight.register_hook(
-            lambda g: torch.full_like(g, float("inf")) if poison else g
+            lambda g, poison=poison: torch.full_like(g, float("inf")) if poison else g
         )
         loss = model(idx, tgt).float()
         ref_loss = ref(idx, tgt)

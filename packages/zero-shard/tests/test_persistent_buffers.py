@@ -19,9 +19,7 @@ CONFIG = GPTConfig(num_layers=2, dim=32, num_heads=2, bias=False)
 def _where(zero):
     """Every persistent buffer's address, and the allocation counters."""
     rings = {key: ring.data_ptrs() for key, ring in zero._rings.items()}
-    own = {
-        (i, kind): buf.data_ptr() for i, bufs in zero._own.items() for kind, buf in bufs.items()
-    }
+    own = {(i, kind): buf.data_ptr() for i, bufs in zero._own.items() for kind, buf in bufs.items()}
     counts = (zero.buffer_allocations, {k: r.allocations for k, r in zero._rings.items()})
     return rings, own, counts
 
@@ -50,7 +48,7 @@ def _steps(rank, world, kw):
             first = _where(zero)
         else:
             assert _where(zero) == first, f"{kw}: a bucket buffer was allocated at step {step}"
-    rings, own, (per_bucket, ring_allocations) = first
+    rings, _own, (per_bucket, ring_allocations) = first
     assert rings and all(n == 2 for n in ring_allocations.values()), ring_allocations
     if kw.get("stage") == 1:  # stage 1 keeps each bucket's all-reduced buffer
         assert per_bucket == len(zero.buckets)
