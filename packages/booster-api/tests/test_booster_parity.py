@@ -66,6 +66,9 @@ CASES = [
          kwargs=dict(stage=2, precision="fp32")),
     Case(name="zero1-fp32-adam-l2-offload", plugin="zero", kind="adam_l2",
          kwargs=dict(stage=1, precision="fp32", cpu_offload=True)),
+    # The overlapped CPU step (worker thread, forward waits per bucket).
+    Case(name="zero2-fp32-adamw-clip-offload", plugin="zero", max_norm=0.05,
+         kwargs=dict(stage=2, precision="fp32", cpu_offload=True)),
     Case(name="zero2-bf16-adamw", plugin="zero", dtype=torch.bfloat16,
          kwargs=dict(stage=2, precision="bf16")),
     # The plugin's default initial_scale (2**32) overflows fp16 at once: the

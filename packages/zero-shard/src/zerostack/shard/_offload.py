@@ -39,8 +39,10 @@ issues them in one fixed order (``ZeroOptimizer._order``, the order in
 which forward uses the buckets); a forward pre-hook that needs bucket k
 first writes back every pending bucket before k, and all of them are
 written back before the next gradient reduction or any other collective of
-the optimizer. Only the write-backs' timing differs between ranks, never
-their order. Streams: the write-backs run on their own CUDA stream, which
+the optimizer. On one rank a pre-hook also writes back the later buckets
+whose updates are done (their H2D copies start early); on several it does
+not, so the all-gathers sit at the same points of the program on every
+rank, also among collectives the model itself issues in forward. Streams: the write-backs run on their own CUDA stream, which
 waits for the compute stream once when the updates are queued (the last
 backward is done with the parameters); a forward waits for the ``written``
 event of each bucket it needs, and the next backward (or any reader through

@@ -699,15 +699,32 @@ class ZeroOptimizer:
             torch.cuda.current_stream(self.device).wait_stream(pipe.stream)
         pipe.round_open = False
 
+    @torch.no_grad()
+    def masters_written(self) -> None:
+        """Call after writing the masters (``shards[i].master``) directly, with
+        the parameters already holding the same values: with ``cpu_offload``
+        the pinned low-precision copies that the next write-back sends to the
+        device are refreshed from the masters (no collective)."""
+        self.wait_updates()
+        for bucket in self.buckets:
+            if bucket.host_params is not None:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()
+                self._refresh_host(bucket)
+
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
-        every pending bucket up to the last of them, in order (and the ones
-        after whose updates are done already), and make the compute stream
-        wait for them."""
+        every pending bucket up to the last of them, in order, and make the
+        compute stream wait for them. On one rank (no collective in a
+        write-back) the later buckets whose updates are done go too, so their
+        H2D copies start early; on several, write-backs stay at points of the
+        program that are the same on every rank, so that they keep their
+        place among any collectives the model issues in forward."""
         pipe = self._pipe
         pipe.check()
         last = positions[-1]
-        while pipe.pending and (pipe.pending[0][0] <= last or pipe.next_done()):
+        eager = self.world == 1
+        while pipe.pending and (pipe.pending[0][0] <= last or (eager and pipe.next_done())):
             self._write_back(self._order[pipe.pop()])
         if pipe.stream is not None:
             stream = torch.cuda.current_stream(self.device)
