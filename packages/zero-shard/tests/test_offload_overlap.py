@@ -162,11 +162,12 @@ def test_failed_update_stops_the_model():
         zero.step()
 
 
-def _fp16_overflow_parity(rank, world):
+def _fp16_overflow_parity(rank, world, device="cpu"):
     """fp16 with clipping, an overflow on rank 0 at step 2: every rank skips
-    it; the other steps match DDP + AdamW with clipping, step by step."""
+    it; the other steps match DDP + AdamW with clipping, step by step
+    (integration_tests/multi_gpu.py runs it on GPUs)."""
     torch.manual_seed(0)
-    ref_model = TinyGPT(CONFIG)
+    ref_model = TinyGPT(CONFIG).to(device)
     model = copy.deepcopy(ref_model).half()
     ref = DDP(ref_model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
@@ -176,7 +177,7 @@ def _fp16_overflow_parity(rank, world):
         hysteresis=1,
     )  # fmt: skip
     for step in range(6):
-        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank)
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank, device=device)
         poison = step == 2 and rank == 0
         handle = model.lm_head.weight.register_hook(
             lambda g, poison=poison: torch.full_like(g, float("inf")) if poison else g
