@@ -34,7 +34,8 @@ def _zero(model, overlap=True, **kw):
 
 
 def _train(model, zero, step, rank=0):
-    idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank)
+    device = next(model.parameters()).device
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank, device=device)
     zero.backward(model(idx, tgt).float())
     return zero.step()
 
@@ -57,9 +58,9 @@ class _Gate:
         zero._cpu_update = gated
 
 
-def test_step_returns_before_updates_and_forward_waits_per_bucket():
+def _step_returns_before_updates(device):
     torch.manual_seed(0)
-    model = TinyGPT(CONFIG)
+    model = TinyGPT(CONFIG).to(device)
     ref_model = copy.deepcopy(model)
     zero = _zero(model)
     ref = _zero(ref_model, overlap=False)  # the synchronous step: the reference
@@ -85,14 +86,14 @@ def test_step_returns_before_updates_and_forward_waits_per_bucket():
     zero.param_groups[0]["lr"] = 1e-3
     ref.param_groups[0]["lr"] = 1e-3
     # The embedding's forward waits for its own bucket only.
-    model.tok_emb(torch.zeros(1, dtype=torch.long))
+    model.tok_emb(torch.zeros(1, dtype=torch.long, device=device))
     torch.testing.assert_close(model.tok_emb.weight, ref_model.tok_emb.weight, rtol=0, atol=0)
     assert torch.equal(model.lm_head.weight, old_head), (
         "forward waited for a bucket it does not use"
     )
     gate.open.set()
     # A whole forward waits for every bucket it uses.
-    idx, _ = make_batch(CONFIG, 2, 16, seed=7)
+    idx, _ = make_batch(CONFIG, 2, 16, seed=7, device=device)
     torch.testing.assert_close(model(idx), ref_model(idx), rtol=0, atol=0)
     assert not zero._pipe.pending
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
@@ -108,6 +109,17 @@ def test_step_returns_before_updates_and_forward_waits_per_bucket():
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert zero.state_dict()["optimizer"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_step_returns_before_updates_and_forward_waits_per_bucket():
+    _step_returns_before_updates("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_returns_before_updates_on_cuda():
+    # The write-back stream, the copied/written events, pinned host buffers.
+    _step_returns_before_updates("cuda")
 
 
 def test_checkpoint_while_updates_are_in_flight():
@@ -205,3 +217,14 @@ def _fp16_overflow_parity(rank, world, device="cpu"):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fp16_overflow_on_one_rank_with_offload(world_size):
     spawn(_fp16_overflow_parity, world_size, backend="gloo", timeout_s=300)
+
+
+def _gpu_overflow(rank, world):
+    torch.cuda.set_device(rank)
+    _fp16_overflow_parity(rank, world, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_overflow_on_one_rank_with_offload_on_cuda():
+    spawn(_gpu_overflow, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=300)
