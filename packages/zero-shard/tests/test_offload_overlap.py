@@ -48,12 +48,12 @@ class _Gate:
         self.entered = threading.Event()
         update = zero._cpu_update
 
-        def gated(b, pairs, div_scale):
+        def gated(b, *args):
             if b is bucket:
                 self.entered.set()
                 if not self.open.wait(timeout=30):
                     raise TimeoutError("the gate was never opened")
-            update(b, pairs, div_scale)
+            update(b, *args)
 
         zero._cpu_update = gated
 
@@ -62,8 +62,9 @@ def _step_returns_before_updates(device):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG).to(device)
     ref_model = copy.deepcopy(model)
-    zero = _zero(model)
-    ref = _zero(ref_model, overlap=False)  # the synchronous step: the reference
+    # Clipping: the updates are queued by step() (none start in backward).
+    zero = _zero(model, max_norm=1.0)
+    ref = _zero(ref_model, overlap=False, max_norm=1.0)  # the synchronous step: the reference
     assert len(zero.buckets) >= 3
     first, last = zero._order[0], zero._order[-1]
     assert any(s.param is model.tok_emb.weight for s in first.shards)
@@ -122,11 +123,38 @@ def test_step_returns_before_updates_on_cuda():
     _step_returns_before_updates("cuda")
 
 
-def test_checkpoint_while_updates_are_in_flight():
+def test_updates_start_during_backward_without_clipping():
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ref_model = copy.deepcopy(model)
     zero, ref = _zero(model), _zero(ref_model, overlap=False)
+    clipped_model = copy.deepcopy(model)
+    clipped = _zero(clipped_model, max_norm=1.0)
+    for step in range(3):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step)
+        zero.backward(model(idx, tgt))
+        early = list(zero._pipe.early)
+        assert len(early) >= len(zero.buckets) - 1, "updates waited for step()"
+        for _, future in early:
+            future.result(timeout=30)
+        # They ran on the worker before step() was called.
+        assert zero._pipe.worker_updates >= (step + 1) * len(early)
+        assert zero.step() and _train(ref_model, ref, step)
+        idx, _ = make_batch(CONFIG, 2, 16, seed=7)
+        torch.testing.assert_close(model(idx), ref_model(idx), rtol=0, atol=0)
+    # With clipping the global norm comes first: nothing starts in backward.
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    clipped.backward(clipped_model(idx, tgt))
+    assert not clipped._pipe.early
+    assert clipped.step()
+    assert clipped._pipe.pending, "the clipped step's updates are not queued after the norm"
+
+
+def test_checkpoint_while_updates_are_in_flight():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = copy.deepcopy(model)
+    zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, overlap=False, max_norm=1.0)
     for step in range(2):
         assert _train(model, zero, step) and _train(ref_model, ref, step)
     gate = _Gate(zero, zero._order[-1])
@@ -144,7 +172,7 @@ def test_checkpoint_while_updates_are_in_flight():
     # Loading into a fresh optimizer writes the saved masters into the model.
     torch.manual_seed(1)
     other = TinyGPT(CONFIG)
-    other_zero = _zero(other)
+    other_zero = _zero(other, max_norm=1.0)
     other_zero.load_state_dict(state)
     for a, b in zip(other.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -160,10 +188,10 @@ def test_failed_update_stops_the_model():
     zero = _zero(model)
     update = zero._cpu_update
 
-    def broken(b, pairs, div_scale):
+    def broken(b, *args):
         if b is zero._order[1]:
             raise ValueError("boom")
-        update(b, pairs, div_scale)
+        update(b, *args)
 
     zero._cpu_update = broken
     assert _train(model, zero, 0)

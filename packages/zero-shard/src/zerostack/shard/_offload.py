@@ -24,10 +24,15 @@ with ``module`` given ``step()`` returns once the updates are queued, so the
 next forward runs while they go on: a module's forward pre-hook waits only
 for the buckets that hold its parameters. For the 1.5B model that hides the
 H2D copy and the forward (about a third of forward + backward) behind CPU
-Adam: up to ~0.1-0.15 s of a step of ~0.45-0.6 s. Starting a bucket's update
-during backward would hide more, but only where nothing global can change it
-(no clipping and no fp16 loss scale, the rule GeminiOptimizer follows); it is
-not done here: clipping needs the global norm first.
+Adam: up to ~0.1-0.15 s of a step of ~0.45-0.6 s. Without clipping and
+without an fp16 loss scale (nothing global can change an update: the rule
+GeminiOptimizer follows) a bucket's update is queued as soon as its gradient
+is reduced and copied to the host during backward (every parameter in it had
+a gradient on this rank, so it is used on every rank, with div_scale -1);
+then CPU Adam runs under backward too, and the floor is about
+max(forward + backward, CPU Adam). Such a backward commits to the step: a
+``zero_grad()`` without ``step()`` after it still applies those updates
+(with a warning).
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -35,19 +40,22 @@ host read before any update is queued; the updates then carry the clip and
 loss-scale factor as ``div_scale``. An fp16 overflow queues no update at all.
 
 Order: write-backs are collectives (all-gathers) at N > 1, so every rank
-issues them in one fixed order (``ZeroOptimizer._order``, the order in
-which forward uses the buckets); a forward pre-hook that needs bucket k
-first writes back every pending bucket before k, and all of them are
-written back before the next gradient reduction or any other collective of
-the optimizer. On one rank a pre-hook also writes back the later buckets
-whose updates are done (their H2D copies start early); on several it does
-not, so the all-gathers sit at the same points of the program on every
-rank, also among collectives the model itself issues in forward. Streams: the write-backs run on their own CUDA stream, which
-waits for the compute stream once when the updates are queued (the last
-backward is done with the parameters); a forward waits for the ``written``
-event of each bucket it needs, and the next backward (or any reader through
-the optimizer) for the whole stream. The worker overwrites a bucket's pinned
-``host_params`` only after the ``copied`` event of its last H2D copy.
+issues them in one fixed order (``ZeroOptimizer._order``, the order in which
+forward uses the buckets); a forward pre-hook that needs bucket k first
+writes back every pending bucket before k, and all of them are written back
+before the next gradient reduction or any other collective of the optimizer.
+On one rank a pre-hook also writes back the later buckets whose updates are
+done (their H2D copies start early); on several it does not, so the all-
+gathers sit at the same points of the program on every rank, also among
+collectives the model itself issues in forward. Streams: the write-backs run
+on their own CUDA stream, which waits for the compute stream once when the
+updates are queued (the last backward is done with the parameters); a
+forward waits for the ``written`` event of each bucket it needs, and the
+next backward (or any reader through the optimizer) for the whole stream.
+The worker overwrites a bucket's pinned ``host_params`` only after the
+``copied`` event of its last H2D copy, and an update queued in backward
+reads its gradients only after the ``grad_copied`` event recorded on the
+reduce stream behind their D2H copy.
 """
 
 from __future__ import annotations
@@ -82,6 +90,7 @@ class OffloadPipeline:
         )
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
+        self.early: list[tuple[int, Future | None]] = []  # queued in backward, not yet a round
         self.error: RuntimeError | None = None
         self.round_open = False  # written pieces the compute stream has not waited for all of
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
@@ -94,10 +103,11 @@ class OffloadPipeline:
 
     def close(self) -> None:
         """Finish what is pending (errors kept, not raised) and stop the worker."""
-        for _, future in self.pending:
+        for _, future in [*self.pending, *self.early]:
             if future is not None:
                 future.exception()
         self.pending.clear()
+        self.early.clear()
         if self._executor is not None:
             # The owner may be freed by the worker itself (its last task held
             # it): a thread cannot join itself.
@@ -105,13 +115,36 @@ class OffloadPipeline:
             self._executor.shutdown(wait=not on_worker)
             self._executor = None
 
-    def submit(self, position: int, update: Callable[..., None], *args: Any) -> None:
-        """Queue ``update(*args)``, written back at ``position`` in the order."""
+    def submit(
+        self, position: int, update: Callable[..., None], *args: Any, early: bool = False
+    ) -> None:
+        """Queue ``update(*args)``, written back at ``position`` in the order;
+        ``early``: queued during backward, joins the round at ``adopt_early``."""
+        queue = self.early if early else self.pending
         if self._executor is None:
             self._run(update, *args)
-            self.pending.append((position, None))
+            queue.append((position, None))
         else:
-            self.pending.append((position, self._executor.submit(self._run, update, *args)))
+            queue.append((position, self._executor.submit(self._run, update, *args)))
+
+    def adopt_early(self) -> None:
+        """The updates queued during backward join the step's, in write-back order."""
+        if self.early:
+            self.pending = deque(sorted([*self.pending, *self.early], key=lambda e: e[0]))
+            self.early.clear()
+
+    def wait_early(self) -> None:
+        """Wait for the updates queued during backward (they stay queued).
+
+        Raises:
+            RuntimeError: one failed.
+        """
+        self.check()
+        for position, future in self.early:
+            if future is not None and future.exception() is not None:
+                self.pending.extend(self.early)
+                self.early.clear()
+                self._fail(position, future.exception())
 
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()

@@ -236,7 +236,10 @@ class ZeroOptimizer:
             forward waits for the buckets holding its parameters. Read the
             parameters in forward, through ``model.state_dict()``, or after
             ``wait_updates()``; step lr schedulers on this object's
-            ``param_groups``. Default True.
+            ``param_groups``. Without clipping and without an fp16 loss
+            scale a bucket's update starts during backward, as soon as its
+            gradient is reduced, with the hyperparameters ``param_groups``
+            hold then (step lr schedulers after ``step()``). Default True.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -345,7 +348,9 @@ class ZeroOptimizer:
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
                     bucket.copied, bucket.written = torch.cuda.Event(), torch.cuda.Event()
+                    bucket.grad_copied = torch.cuda.Event()
         self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
+        self._early: set[_Bucket] = set()  # buckets whose update started in this backward
         self._next_bucket = 0
         self._in_flight: _Bucket | None = None  # stage 2: the bucket whose input is still sent
         self._no_sync = False
@@ -463,8 +468,45 @@ class ZeroOptimizer:
             if not flush and not all(s.ready for s in bucket.shards):
                 return
             set_collective_label(f"gradient reduction of bucket {self._next_bucket}")
+            if bucket in self._early:  # a second reduction in one step (no step between)
+                self._pipe.wait_early()  # its update must be done reading host_grads
             self._launch(bucket)
+            if not flush and self._can_start_early():
+                self._start_early(bucket)
             self._next_bucket += 1
+
+    def _can_start_early(self) -> bool:
+        """A bucket's CPU update may start in backward: nothing global can
+        change it (no clipping, no fp16 loss scale). See [Note: offloaded
+        step pipeline]."""
+        return (
+            self._pipe is not None
+            and self._pipe.overlapping
+            and self.max_norm == 0
+            and self.scaler is None
+            and not self._no_sync
+        )
+
+    def _start_early(self, bucket: _Bucket) -> None:
+        """Queue ``bucket``'s CPU update now: every parameter in it had a
+        gradient on this rank, so every rank uses it, and the update is the
+        one ``step()`` would queue (div_scale -1: nothing to divide)."""
+        if self.device.type != "cuda":  # on CUDA _launch queued the copy to the host
+            bucket.wait()
+            mine = bucket.reduced if self.stage == 2 else bucket.reduced[self.rank]
+            bucket.norm_sq = mine.float().pow(2).sum()
+            bucket.host_grads.copy_(mine)
+            bucket.on_host = True
+        if not self._early:  # the first of this backward: this step's hyperparameters
+            self._push_hyper()
+        pairs = [
+            (s.master, bucket.host_grads[off : off + s.piece])
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True)
+        ]
+        position = self._order.index(bucket)
+        self._pipe.submit(position, self._cpu_update, bucket, pairs, -1.0, bucket.grad_copied,
+                          early=True)  # fmt: skip
+        self._early.add(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.comm_dtype or bucket.shards[0].param.dtype
@@ -508,6 +550,7 @@ class ZeroOptimizer:
                 bucket.wait()
                 bucket.norm_sq = mine.float().pow(2).sum()
                 bucket.host_grads.copy_(mine, non_blocking=True)
+                bucket.grad_copied.record(stream)  # an update started in backward waits for it
                 bucket.on_host = True
             if self.stage == 2:
                 if self._in_flight is not None:
@@ -643,25 +686,34 @@ class ZeroOptimizer:
         """Queue the CPU update of every bucket with a used parameter, in
         write-back order. See [Note: offloaded step pipeline]."""
         pipe = self._pipe
-        self._push_hyper()
+        if not self._early:  # else read when backward queued the first update
+            self._push_hyper()
         if pipe.stream is not None:
             # The write-backs may overwrite parameters only after the work
             # queued so far (the last backward) is done with them.
             pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
         pipe.round_open = True
         for k, bucket in enumerate(self._order):
+            if bucket in self._early:
+                continue  # queued in backward already
             pairs = [(s.master, s.grad) for s in bucket.shards if used[s.index] > 0]
             if pairs:  # else nothing changes: every rank skips it (used is global)
                 pipe.submit(k, self._cpu_update, bucket, pairs, div_scale)
+        pipe.adopt_early()
+        self._early.clear()
 
-    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float) -> None:
+    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float, grads_ready=None) -> None:
         """Step one bucket's masters on the CPU (on the worker when
-        overlapping); their fp16/bf16 values land in ``bucket.host_params``."""
+        overlapping); their fp16/bf16 values land in ``bucket.host_params``.
+        ``grads_ready``: the CUDA event after the gradients' copy to the host."""
         if bucket.copied is not None:
             bucket.copied.synchronize()  # the last H2D copy out of host_params is done
+        if grads_ready is not None:
+            grads_ready.synchronize()
         with phase("zerostack::cpu_update"):
             for master, grad in pairs:
-                master.grad = grad
+                # torch's optimizers want the master's dtype; fused-adam's read bf16/fp16 as is.
+                master.grad = grad if self._div_scale else grad.to(master.dtype)
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
@@ -781,6 +833,18 @@ class ZeroOptimizer:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending). CPU
         updates still running keep what they read."""
+        if self._early:
+            # Updates started in backward cannot be taken back: they count as
+            # the step (see overlap_cpu_step); their parameters come at the next forward.
+            logger.warning(
+                "%s.zero_grad: %d buckets' CPU updates started in backward before this "
+                "zero_grad() without a step(); they are applied", _API, len(self._early),
+            )  # fmt: skip
+            if self._pipe.stream is not None:
+                self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._pipe.round_open = True
+            self._pipe.adopt_early()
+            self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
         for s in self.shards:
@@ -812,6 +876,8 @@ class ZeroOptimizer:
         """Before reading the inner optimizer: no update running, and the
         users' hyperparameters in its groups."""
         self.wait_updates()
+        if self._pipe is not None:
+            self._pipe.wait_early()  # started in backward: done, written back after step()
         self._push_hyper()
 
     def _check_state(self, state: object, keys: tuple[str, ...], api: str) -> None:
