@@ -85,9 +85,16 @@ class OffloadPipeline:
 
     def __init__(self, api: str, overlap: bool, device: torch.device) -> None:
         self.api = api
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix=_THREAD_PREFIX) if overlap else None
-        )
+        self._executor = None
+        if overlap:
+            # On CUDA the worker syncs on events: with the rank's device made
+            # current first, or the runtime would set up a context on GPU 0.
+            cuda = device.type == "cuda"
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=_THREAD_PREFIX,
+                initializer=torch.cuda.set_device if cuda else None,
+                initargs=(device,) if cuda else (),
+            )  # fmt: skip
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
         self.early: list[tuple[int, Future | None]] = []  # queued in backward, not yet a round

@@ -347,8 +347,11 @@ class ZeroOptimizer:
                 self._groups = [dict(g) for g in self.optimizer.param_groups]
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
-                    bucket.copied, bucket.written = torch.cuda.Event(), torch.cuda.Event()
-                    bucket.grad_copied = torch.cuda.Event()
+                    # The host waits for these two (blocking: no spinning
+                    # next to CPU Adam's threads); streams wait for `written`.
+                    bucket.copied = torch.cuda.Event(blocking=True)
+                    bucket.grad_copied = torch.cuda.Event(blocking=True)
+                    bucket.written = torch.cuda.Event()
         self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
         self._early: set[_Bucket] = set()  # buckets whose update started in this backward
         self._next_bucket = 0
