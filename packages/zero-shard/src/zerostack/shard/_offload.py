@@ -2,37 +2,39 @@
 worker thread, the write-back of the updated pieces in a fixed order.
 
 [Note: offloaded step pipeline] With ``cpu_offload`` a step moves, per
-parameter and per rank (N ranks, fp16/bf16 parameters, fp32 masters):
+parameter and per rank (N ranks, bf16/fp16 parameters, fp32 masters):
 
 - device to host: the reduced gradient piece, 2/N bytes, queued per bucket
-  on the reduce stream during backward (it is hidden there already);
+  on the reduce stream during backward (hidden there already);
 - CPU Adam: reads master, exp_avg, exp_avg_sq (12 B) and the gradient
-  (2 B), writes the three back (12 B) and the fp16/bf16 copy-out (2 B):
-  28 bytes of host memory traffic per element of this rank's piece. It is
-  memory-bound: at 100-200 GB/s of host bandwidth, 0.15-0.3 ns per element,
-  so about 0.25-0.45 s for GPT-2 1.5B (1.56e9 elements) on one GPU, and the
-  same on two ranks sharing one host's memory;
-- host to device: the updated piece, 2/N bytes (3.1 GB for GPT-2 1.5B on
-  one GPU: about 60 ms at 50 GB/s of pinned PCIe Gen5), then, with N > 1,
-  an all-gather of the piece over NVLink.
+  (2 B), writes the three back (12 B) and the bf16/fp16 copy-out (2 B): 28
+  bytes of host memory traffic per element of this rank's piece, so it is
+  memory-bound. GPT-2 1.5B (1.56e9 elements) on one H200 host (16 cores,
+  ~118 GB/s measured): floor 0.37 s, measured 0.38-0.43 s (docs/benchmarks.md,
+  2026-11-29), i.e. ~0.25 ns per element; two ranks on one host share that
+  bandwidth, so the host's total stays about the same;
+- host to device: the updated piece, 2/N bytes (3.1 GB on one GPU: 0.16-0.19 s
+  measured as the step did it, ~60 ms at PCIe Gen5's ~50 GB/s), then, at
+  N > 1, an all-gather of the piece over NVLink.
 
-Done one after the other (the step before this pipeline), the step costs
-forward + backward + CPU Adam + H2D. The floor is max(forward + backward,
-CPU Adam) plus the H2D/all-gather of the last piece: the update of bucket
-i+1 runs on the worker while bucket i crosses PCIe and is all-gathered, and
-with ``module`` given ``step()`` returns once the updates are queued, so the
-next forward runs while they go on: a module's forward pre-hook waits only
-for the buckets that hold its parameters. For the 1.5B model that hides the
-H2D copy and the forward (about a third of forward + backward) behind CPU
-Adam: up to ~0.1-0.15 s of a step of ~0.45-0.6 s. Without clipping and
-without an fp16 loss scale (nothing global can change an update: the rule
+Done one after the other, as before this pipeline, the step was forward +
+backward (0.27 s) + CPU Adam + parameters back: 0.71 s (0.40x of plain
+PyTorch's 0.285 s). Now the update of bucket i+1 runs on the worker while
+bucket i crosses PCIe and is all-gathered, and with ``module`` given
+``step()`` returns once the updates are queued: a module's forward pre-hook
+waits only for the buckets that hold its parameters, so the next forward
+(~1/3 of forward + backward) runs beside the updates. With clipping (the
+global norm must come first) that leaves about forward + backward + CPU Adam
+- forward + the last bucket's copy: ~0.6 s. Without clipping and without an
+fp16 loss scale (nothing global can change an update: the rule
 GeminiOptimizer follows) a bucket's update is queued as soon as its gradient
 is reduced and copied to the host during backward (every parameter in it had
-a gradient on this rank, so it is used on every rank, with div_scale -1);
-then CPU Adam runs under backward too, and the floor is about
-max(forward + backward, CPU Adam). Such a backward commits to the step: a
-``zero_grad()`` without ``step()`` after it still applies those updates
-(with a warning).
+a gradient on this rank, so it is used on every rank; div_scale -1): CPU
+Adam then runs under backward, and the floor is about forward + max(backward,
+CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
+stays the bound either way; what is left is its bandwidth. Such a backward
+commits to the step: a ``zero_grad()`` without ``step()`` after it still
+applies those updates (with a warning).
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
