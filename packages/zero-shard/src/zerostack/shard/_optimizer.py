@@ -760,7 +760,7 @@ class ZeroOptimizer:
         the parameters already holding the same values: with ``cpu_offload``
         the pinned low-precision copies that the next write-back sends to the
         device are refreshed from the masters (no collective)."""
-        self.wait_updates()
+        self._quiesce()
         for bucket in self.buckets:
             if bucket.host_params is not None:
                 if bucket.copied is not None:
@@ -791,7 +791,7 @@ class ZeroOptimizer:
         """Write every bucket's master pieces back into the parameters
         (``from_masters``: read the masters, e.g. just loaded, not the
         step's low-precision copy-out)."""
-        self.wait_updates()
+        self._quiesce()
         for bucket in self._order:
             self._write_back(bucket, from_masters=from_masters)
         if self._pipe is not None and self._pipe.stream is not None:
@@ -875,12 +875,17 @@ class ZeroOptimizer:
             },
         }
 
+    def _quiesce(self) -> None:
+        """No CPU update running: the last step's written back, those
+        started in this backward done (they are written back after step())."""
+        self.wait_updates()
+        if self._pipe is not None:
+            self._pipe.wait_early()
+
     def _settle(self) -> None:
         """Before reading the inner optimizer: no update running, and the
         users' hyperparameters in its groups."""
-        self.wait_updates()
-        if self._pipe is not None:
-            self._pipe.wait_early()  # started in backward: done, written back after step()
+        self._quiesce()
         self._push_hyper()
 
     def _check_state(self, state: object, keys: tuple[str, ...], api: str) -> None:
@@ -907,7 +912,7 @@ class ZeroOptimizer:
                 ``full_state_dict`` / ``load_full_state_dict`` for that).
         """
         self._check_state(state, ("optimizer", "masters", "scaler", "layout"), "load_state_dict")
-        self.wait_updates()
+        self._quiesce()
         layout = state["layout"]
         self._check_layout(layout["numels"])
         masters = state["masters"]
@@ -970,7 +975,7 @@ class ZeroOptimizer:
             full, ("params", "param_groups", "scaler", "numels"), "load_full_state_dict"
         )
         self._check_layout(full["numels"], "load_full_state_dict")
-        self.wait_updates()
+        self._quiesce()
         params = full["params"]
         bad = [
             i
