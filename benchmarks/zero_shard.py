@@ -7,7 +7,12 @@ GPT-2 1.5B from config, bf16, activation checkpointing on every block, batch
 * plain PyTorch: fp32 params, bf16 autocast, torch.optim.AdamW(fused=True)
   (the reference for "no offload");
 * ZeRO-2: bf16 params, fp32 masters, ZeroOptimizer(AdamW), states on the GPU;
-* ZeRO-2 + cpu_offload: masters and states on the CPU, stepped by CPUAdam;
+* ZeRO-2 + cpu_offload: masters and states on the CPU, stepped by CPUAdam
+  bucket by bucket on a worker thread while the updated buckets go to the
+  GPU and the next forward starts (each module waits for its buckets);
+* ZeRO-2 + cpu_offload, synchronous (``zero2_offload_sync``): the same with
+  ``overlap_cpu_step=False``, every update done inside ``step()``: what the
+  overlap gains, measured in the same run;
 * FSDP2 + CPUOffloadPolicy: fully_shard per block, bf16 MixedPrecisionPolicy,
   torch AdamW on the CPU (the peer for "offload").
 
@@ -30,12 +35,14 @@ import torch.distributed as dist
 from zerostack.shard import ZeroOptimizer
 
 
-def zero(config, batch, steps, warmup, offload: bool) -> dict:
+def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> dict:
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), fused=not offload, **T.HYPER),
         stage=2,
         cpu_offload=offload,
+        overlap_cpu_step=overlap,
+        module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
     def step(loss, backward_only):
@@ -44,12 +51,18 @@ def zero(config, batch, steps, warmup, offload: bool) -> dict:
         else:
             zopt.step()
 
-    label = "ZeRO-2 + cpu_offload (CPUAdam)" if offload else "ZeRO-2 (bf16 params, fp32 masters)"
-    return T.run(label, model, step, batch, steps, warmup, False)
+    label = "ZeRO-2 (bf16 params, fp32 masters)"
+    if offload:
+        label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
+    result = T.run(label, model, step, batch, steps, warmup, False)
+    if zopt._pipe is not None:  # per step, warm-up included
+        result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
+        result["cpu_step_s"] = zopt._pipe.update_s / (steps + warmup)
+    return result
 
 
 def main() -> int:
-    ready = T.setup(__doc__, "plain,zero2,zero2_offload,fsdp2_offload")
+    ready = T.setup(__doc__, "plain,zero2,zero2_offload,zero2_offload_sync,fsdp2_offload")
     if ready is None:
         return 2
     a, args = ready
@@ -59,6 +72,10 @@ def main() -> int:
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
         T.measure(results, wanted, "zero2", lambda: zero(*args, offload=False), run)
         T.measure(results, wanted, "zero2_offload", lambda: zero(*args, offload=True), run)
+        T.measure(
+            results, wanted, "zero2_offload_sync",
+            lambda: zero(*args, offload=True, overlap=False), run,
+        )  # fmt: skip
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(
         "ZeRO-2 on one GPU",

@@ -8,7 +8,12 @@ script itself is tested on machines without GPUs).
 
 parity: every ZeRO-1/2 and Gemini case of the packages' parity tests
 (DDP + torch optimizers as the reference, step by step; fp32/bf16/fp16,
-overflow-free and clipped, offload, accumulation, auto placement).
+overflow-free and clipped, offload, accumulation, auto placement); every
+Booster plugin case of booster-api's parity test (TorchDDPPlugin,
+LowLevelZeroPlugin stage 1/2 with and without cpu_offload, GeminiPlugin
+static, auto and with the optimizer on the CPU); fp16 overflow on rank 0
+only, which every rank must skip (ZeRO-2 with the overlapped CPU step, with
+clipping, against DDP step by step).
 save/load: Gemini's full optimizer state and model saved at one world size;
 training resumed at another gives the losses the saving run went on to give.
 """
@@ -25,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-for tests in ("zero-shard", "gemini-placement"):
+for tests in ("zero-shard", "gemini-placement", "booster-api"):
     sys.path.insert(0, str(ROOT / "packages" / tests / "tests"))
 
+import test_booster_parity as booster_parity  # noqa: E402
 import test_gemini_checkpoint as gemini_ckpt  # noqa: E402
 import test_gemini_parity as gemini_parity  # noqa: E402
+import test_offload_overlap as offload_overlap  # noqa: E402
 import test_zero_parity as zero_parity  # noqa: E402
 
 
@@ -68,6 +75,9 @@ def main() -> int:
                 zero_parity._run_case(rank, world, case, device=device)
             for case in gemini_parity.CASES:
                 gemini_parity._run_case(rank, world, case, device=device)
+            for case in booster_parity.CASES:
+                booster_parity._run_case(rank, world, case, device=device)
+            offload_overlap._fp16_overflow_parity(rank, world, device=device)
         elif a.phase == "save":
             gemini_ckpt._save(rank, world, a.path, device)
         else:

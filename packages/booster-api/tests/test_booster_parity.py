@@ -66,6 +66,9 @@ CASES = [
          kwargs=dict(stage=2, precision="fp32")),
     Case(name="zero1-fp32-adam-l2-offload", plugin="zero", kind="adam_l2",
          kwargs=dict(stage=1, precision="fp32", cpu_offload=True)),
+    # The overlapped CPU step (worker thread, forward waits per bucket).
+    Case(name="zero2-fp32-adamw-clip-offload", plugin="zero", max_norm=0.05,
+         kwargs=dict(stage=2, precision="fp32", cpu_offload=True)),
     Case(name="zero2-bf16-adamw", plugin="zero", dtype=torch.bfloat16,
          kwargs=dict(stage=2, precision="bf16")),
     # The plugin's default initial_scale (2**32) overflows fp16 at once: the
@@ -80,6 +83,12 @@ CASES = [
          kwargs=dict(precision="fp32", shard_param_frac=0.0)),
     Case(name="gemini-bf16-hybridadam", plugin="gemini", kind="hybrid", dtype=torch.bfloat16,
          kwargs=dict(precision="bf16")),
+    # Auto placement (a warm-up step measures, then chunks move), and every
+    # optimizer chunk on the CPU.
+    Case(name="gemini-fp32-hybridadam-auto", plugin="gemini", kind="hybrid",
+         kwargs=dict(precision="fp32", placement_policy="auto", gpu_capacity_bytes=10**6)),
+    Case(name="gemini-fp32-hybridadam-cpu", plugin="gemini", kind="hybrid", max_norm=0.05,
+         kwargs=dict(precision="fp32", offload_optim_frac=1.0)),
 ]  # fmt: skip
 
 
@@ -130,11 +139,13 @@ def _tol(case, step, what):
     return dict(rtol=rtol, atol=atol)
 
 
-def _run_case(rank, world, case):
+def _run_case(rank, world, case, device="cpu"):
+    """``case`` next to DDP on ``device`` (the plugin picks its own: the
+    current CUDA device where there is one)."""
     torch.manual_seed(0)
     ref_model = TinyGPT(CONFIG)
     model = copy.deepcopy(ref_model)
-    ref = DDP(ref_model)
+    ref = DDP(ref_model.to(device))
     ref_opt = _optimizer("adamw" if case.kind == "hybrid" else case.kind, ref.parameters())
     booster = Booster(plugin=_plugin(case, world), mixed_precision=case.mixed_precision)
     out = booster.boost(model, _optimizer(case.kind, model.parameters()), lm_loss)
@@ -142,7 +153,7 @@ def _run_case(rank, world, case):
     model, opt, criterion = out[:3]
     assert isinstance(opt, WRAPPERS[case.plugin]), f"{case.name}: {type(opt).__name__}"
     for step in range(STEPS):
-        idx, tgt = make_batch(CONFIG, 4, 16, seed=1000 * step + rank)
+        idx, tgt = make_batch(CONFIG, 4, 16, seed=1000 * step + rank, device=device)
         ref_loss = lm_loss(ref(idx), tgt)
         ref_loss.backward()
         if case.max_norm:
@@ -156,7 +167,7 @@ def _run_case(rank, world, case):
         assert stepped is not False, f"{case.name} step {step}: skipped"
         where = f"{case.name} step {step}"
         torch.testing.assert_close(
-            loss.float(),
+            loss.float().to(device),
             ref_loss,
             **_tol(case, step, "loss"),
             msg=lambda m, w=where: f"{w} loss: {m}",
@@ -167,7 +178,7 @@ def _run_case(rank, world, case):
         for name, value in expected.items():
             assert full[name].dtype == torch.float32 and full[name].device.type == "cpu", name
             torch.testing.assert_close(
-                full[name], value, **_tol(case, step, "params"),
+                full[name], value.cpu(), **_tol(case, step, "params"),
                 msg=lambda m, n=name, w=where: f"{w} {n}: {m}",
             )  # fmt: skip
     if case.mixed_precision == "fp16":

@@ -51,6 +51,13 @@ CASES = [
     Case(name="s2-fp16-adamw-clip", dtype=torch.float16, max_norm=1.0),
     Case(name="s2-fp32-offload", kind="adam_l2", offload=True, max_norm=0.05),
     Case(name="s1-bf16-offload-accum", stage=1, dtype=torch.bfloat16, offload=True, micro=4),
+    # The offloaded step pipeline (worker thread, forward waits per bucket):
+    # plain torch SGD on the masters, and CPUAdam with clipping in fp16.
+    Case(name="s2-fp32-offload-sgd-clip", kind="sgd", offload=True, max_norm=0.05),
+    Case(name="s2-fp16-offload-adamw-clip", dtype=torch.float16, offload=True, max_norm=1.0),
+    # No clipping, no fp16 scale: updates start during backward.
+    Case(name="s2-fp32-offload-adamw", offload=True),
+    Case(name="s2-bf16-offload-sgd", kind="sgd", dtype=torch.bfloat16, offload=True),
     # Everything reduced at step(), none during backward.
     Case(name="s2-fp32-adamw-no-overlap", overlap=False),
     Case(name="s1-fp32-sgd-no-overlap", stage=1, kind="sgd", overlap=False),
@@ -101,15 +108,23 @@ def _run_case(rank, world, case, device="cpu", group=None):
             last = m == micro - 1
             ctx_ref = ref.no_sync() if not last else _null()
             with ctx_ref:
-                (ref(idx, tgt) / micro).backward()
+                ref_loss = ref(idx, tgt)
+                (ref_loss / micro).backward()
             ctx = zero.no_sync() if not last else _null()
             with ctx:
-                zero.backward(model(idx, tgt).float() / micro)
+                # With cpu_offload the forward waits for the last step's
+                # updates bucket by bucket: its loss shows it saw them.
+                loss = model(idx, tgt).float()
+                zero.backward(loss / micro)
+            torch.testing.assert_close(
+                loss, ref_loss, **TOL[dtype], msg=lambda m, s=step: f"{name} step {s} loss: {m}"
+            )
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         assert zero.step(), f"{name}: step {step} skipped"
+        zero.wait_updates()  # cpu_offload: the parameters are read outside forward
         for (pname, a), b in zip(model.named_parameters(), ref.module.parameters(), strict=True):
             torch.testing.assert_close(
                 a.float(),

@@ -23,6 +23,7 @@ from zerostack.chunk import (
 )
 from zerostack.shard import _partition as part
 from zerostack.shard._bucket import (
+    BufferRing,
     _Bucket,
     _Shard,
     make_buckets,
@@ -39,6 +40,7 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
+from zerostack.shard._offload import OffloadPipeline
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
@@ -182,6 +184,24 @@ def _grad_hook(me: weakref.ref[ZeroOptimizer], s: _Shard) -> None:
         zero._on_grad(s)
 
 
+def _forward_hook(me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...]) -> None:
+    zero = me()
+    if zero is not None and zero._pipe is not None and zero._pipe.round_open:
+        zero._await_positions(positions)
+
+
+def _state_dict_hook(me: weakref.ref[ZeroOptimizer]) -> None:
+    zero = me()
+    if zero is not None:
+        zero.wait_updates()
+
+
+def _write_failed(error: OSError) -> bool:
+    """zerostack.nvme's NVMeWriteError: the update completed and the states
+    that could not be written stay in RAM."""
+    return type(error).__name__ == "NVMeWriteError"
+
+
 class ZeroOptimizer:
     """ZeRO stage 1 or 2 around a torch optimizer built on the model's params.
 
@@ -209,6 +229,17 @@ class ZeroOptimizer:
         communication_dtype: dtype gradients travel in. Default: the params'.
         cpu_offload: keep masters and optimizer states on the CPU; Adam/AdamW
             then steps through zerostack-fused-adam's CPU kernel. Default False.
+        overlap_cpu_step: with ``cpu_offload``, update the buckets one by one
+            on a worker thread while the updated ones go to the device (see
+            [Note: offloaded step pipeline]); with ``module`` given,
+            ``step()`` returns before the updates finish and each module's
+            forward waits for the buckets holding its parameters. Read the
+            parameters in forward, through ``model.state_dict()``, or after
+            ``wait_updates()``; step lr schedulers on this object's
+            ``param_groups``. Without clipping and without an fp16 loss
+            scale a bucket's update starts during backward, as soon as its
+            gradient is reduced, with the hyperparameters ``param_groups``
+            hold then (step lr schedulers after ``step()``). Default True.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -247,6 +278,7 @@ class ZeroOptimizer:
         overlap_communication: bool = True,
         communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
+        overlap_cpu_step: bool = True,
         master_weights: bool = True,
         max_norm: float = 0.0,
         gc_every_n_steps: int = 50,
@@ -259,6 +291,8 @@ class ZeroOptimizer:
         _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module)
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
+        if not isinstance(overlap_cpu_step, bool):
+            raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
         if cpu_offload:
             _check_cpu_kernel(optimizer)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
@@ -287,13 +321,39 @@ class ZeroOptimizer:
             # they step: the masters, from now on (a full disk fails here).
             self.optimizer.nvme_plan([])
         self._div_scale = takes_div_scale(self.optimizer)
+        # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
+        self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
                 pin=torch.cuda.is_available(),
-                copy_out=self._div_scale and hasattr(self.optimizer, "set_copy_out"),
+                copy_out=self._copy_out,
             )  # fmt: skip
+        # Write-back order: the order forward uses the buckets (buckets are
+        # in backward order). See [Note: offloaded step pipeline].
+        self._order = self.buckets[::-1]
+        self._rings: dict[tuple[str, torch.dtype], BufferRing] = {}
+        self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
+        self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
+        self._pipe: OffloadPipeline | None = None
+        self._groups: list[dict] | None = (
+            None  # what users see while the worker reads the inner ones
+        )
+        if cpu_offload:
+            self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
+            weakref.finalize(self, self._pipe.close)
+            if self._pipe.overlapping:
+                self._groups = [dict(g) for g in self.optimizer.param_groups]
+            if self._pipe.stream is not None:
+                for bucket in self.buckets:
+                    # The host waits for these two (blocking: no spinning
+                    # next to CPU Adam's threads); streams wait for `written`.
+                    bucket.copied = torch.cuda.Event(blocking=True)
+                    bucket.grad_copied = torch.cuda.Event(blocking=True)
+                    bucket.written = torch.cuda.Event()
+        self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
+        self._early: set[_Bucket] = set()  # buckets whose update started in this backward
         self._next_bucket = 0
         self._in_flight: _Bucket | None = None  # stage 2: the bucket whose input is still sent
         self._no_sync = False
@@ -304,6 +364,8 @@ class ZeroOptimizer:
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
         self._hooks = self._register_hooks()
+        if self._defer:
+            self._hooks += self._register_forward_hooks(module)
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
         logger.info(
             "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
@@ -323,9 +385,46 @@ class ZeroOptimizer:
             if s.param.requires_grad
         ]
 
+    def _register_forward_hooks(
+        self, module: torch.nn.Module
+    ) -> list[torch.utils.hooks.RemovableHandle]:
+        """Each module with parameters of its own waits, before its forward,
+        for the buckets that hold them; ``module.state_dict()`` for all."""
+        me = weakref.ref(self)
+        where = {id(s.param): k for k, b in enumerate(self._order) for s in b.shards}
+        handles = []
+        for m in module.modules():
+            positions = sorted(
+                {where[id(p)] for p in m.parameters(recurse=False) if id(p) in where}
+            )
+            if positions:
+                handles.append(
+                    m.register_forward_pre_hook(
+                        lambda _m, _a, pos=tuple(positions), me=me: _forward_hook(me, pos)
+                    )
+                )
+        handles.append(module.register_state_dict_pre_hook(lambda *_a, me=me: _state_dict_hook(me)))
+        return handles
+
     @property
     def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+        """The parameter groups whose hyperparameters the next step uses."""
+        return self._groups if self._groups is not None else self.optimizer.param_groups
+
+    def _push_hyper(self) -> None:
+        """The users' hyperparameters into the groups the CPU kernel reads
+        (no update is running: called after ``wait_updates``)."""
+        if self._groups is None:
+            return
+        for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
+            inner.update({k: v for k, v in user.items() if k != "params"})
+
+    def _pull_hyper(self) -> None:
+        """The inner groups' hyperparameters (just loaded) into the users'."""
+        if self._groups is None:
+            return
+        for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
+            user.update({k: v for k, v in inner.items() if k != "params"})
 
     # -- gradients ---------------------------------------------------------------
 
@@ -347,12 +446,15 @@ class ZeroOptimizer:
                 f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
                 "loss before .item()"
             )
+        self.wait_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
 
     def _on_grad(self, s: _Shard) -> None:
+        if self._pipe is not None and self._pipe.round_open:
+            self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
         if self._no_sync or not self.overlap:
@@ -369,8 +471,45 @@ class ZeroOptimizer:
             if not flush and not all(s.ready for s in bucket.shards):
                 return
             set_collective_label(f"gradient reduction of bucket {self._next_bucket}")
+            if bucket in self._early:  # a second reduction in one step (no step between)
+                self._pipe.wait_early()  # its update must be done reading host_grads
             self._launch(bucket)
+            if not flush and self._can_start_early():
+                self._start_early(bucket)
             self._next_bucket += 1
+
+    def _can_start_early(self) -> bool:
+        """A bucket's CPU update may start in backward: nothing global can
+        change it (no clipping, no fp16 loss scale). See [Note: offloaded
+        step pipeline]."""
+        return (
+            self._pipe is not None
+            and self._pipe.overlapping
+            and self.max_norm == 0
+            and self.scaler is None
+            and not self._no_sync
+        )
+
+    def _start_early(self, bucket: _Bucket) -> None:
+        """Queue ``bucket``'s CPU update now: every parameter in it had a
+        gradient on this rank, so every rank uses it, and the update is the
+        one ``step()`` would queue (div_scale -1: nothing to divide)."""
+        if self.device.type != "cuda":  # on CUDA _launch queued the copy to the host
+            bucket.wait()
+            mine = bucket.reduced if self.stage == 2 else bucket.reduced[self.rank]
+            bucket.norm_sq = mine.float().pow(2).sum()
+            bucket.host_grads.copy_(mine)
+            bucket.on_host = True
+        if not self._early:  # the first of this backward: this step's hyperparameters
+            self._push_hyper()
+        pairs = [
+            (s.master, bucket.host_grads[off : off + s.piece])
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True)
+        ]
+        position = self._order.index(bucket)
+        self._pipe.submit(position, self._cpu_update, bucket, pairs, -1.0, bucket.grad_copied,
+                          early=True)  # fmt: skip
+        self._early.add(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.comm_dtype or bucket.shards[0].param.dtype
@@ -379,13 +518,23 @@ class ZeroOptimizer:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with phase("zerostack::reduce"), ctx:
-            buf = torch.zeros(self.world, bucket.piece_total, dtype=dtype, device=self.device)
+            if self.stage == 2:
+                # ZeRO-2 keeps 1/N of the gradients: a reduce-scatter's full
+                # input lives only until the next bucket is launched, so its
+                # buffer comes from a ring of two (slot reused by bucket i + 2,
+                # after bucket i was waited for at bucket i + 1's launch).
+                # See [Note: persistent bucket buffers]
+                buf = self._ring("send", dtype, self.world).take(self.world * bucket.piece_total)
+                buf = buf.view(self.world, bucket.piece_total)
+            else:  # stage 1 keeps every bucket's all-reduced buffer until the step
+                buf = self._bucket_buffer(bucket, "reduced_full", dtype, self.world)
+            buf.zero_()
             pack_grads(bucket, buf, stream)
             if self.world > 1:
                 buf.div_(self.world)
             bucket.launched = True
             if self.stage == 2:
-                bucket.reduced = torch.empty(bucket.piece_total, dtype=dtype, device=self.device)
+                bucket.reduced = self._bucket_buffer(bucket, "reduced", dtype, 1).view(-1)
                 bucket.send_buf = buf
                 bucket.work = reduce_scatter_sum(
                     bucket.reduced, buf.view(-1), self.group, async_op=True
@@ -404,13 +553,34 @@ class ZeroOptimizer:
                 bucket.wait()
                 bucket.norm_sq = mine.float().pow(2).sum()
                 bucket.host_grads.copy_(mine, non_blocking=True)
+                bucket.grad_copied.record(stream)  # an update started in backward waits for it
                 bucket.on_host = True
             if self.stage == 2:
-                # ZeRO-2 keeps 1/N of the gradients: a reduce-scatter's full
-                # input lives only until the next bucket is launched.
                 if self._in_flight is not None:
                     self._in_flight.wait()
                 self._in_flight = bucket
+
+    def _ring(self, kind: str, dtype: torch.dtype, rows: int) -> BufferRing:
+        """The two-slot ring of ``kind`` buffers for ``dtype``, sized for the
+        largest bucket times ``rows``. See [Note: persistent bucket buffers]."""
+        ring = self._rings.get((kind, dtype))
+        if ring is None:
+            numel = rows * max(b.piece_total for b in self.buckets)
+            ring = self._rings[(kind, dtype)] = BufferRing(2, numel, dtype, self.device)
+        return ring
+
+    def _bucket_buffer(
+        self, bucket: _Bucket, kind: str, dtype: torch.dtype, rows: int
+    ) -> torch.Tensor:
+        """``bucket``'s own (rows, piece_total) buffer, allocated at its first
+        reduction and reused at every later one (a new dtype reallocates)."""
+        buffers = self._own.setdefault(id(bucket), {})
+        buf = buffers.get(kind)
+        if buf is None or buf.dtype != dtype:
+            buf = torch.empty(rows, bucket.piece_total, dtype=dtype, device=self.device)
+            buffers[kind] = buf
+            self.buffer_allocations += 1
+        return buf
 
     def _finish_reduction(self) -> torch.Tensor | None:
         """Wait for every bucket; give each shard its reduced piece. Returns
@@ -476,6 +646,7 @@ class ZeroOptimizer:
                 f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
+        self.wait_updates()  # the last step's, when no forward ran since
         self._scaled_backward = False
         with phase("zerostack::reduce"):
             device_norm_sq = self._finish_reduction()
@@ -488,50 +659,199 @@ class ZeroOptimizer:
             self.zero_grad()
             self.collector.tick()
             return False
-        for s, u in zip(self.shards, stats[1:], strict=True):
-            s.master.grad = s.grad if u > 0 else None
-        with phase("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
-            try:
-                step_with_div_scale(self.optimizer, plan.div_scale)
-            except OSError as error:
-                # zerostack.nvme's NVMeWriteError: the update completed and
-                # the states that could not be written stay in RAM.
-                if type(error).__name__ != "NVMeWriteError":
-                    raise
-                logger.error("%s: %s", _API, error)
-        self._gather_params()
+        if self._pipe is not None:
+            self._queue_cpu_updates(plan.div_scale, stats[1:])
+            if not self._defer:
+                self.wait_updates()
+        else:
+            self._device_step(plan.div_scale, stats[1:])
         self.zero_grad()
         self.collector.tick()
         return True
 
+    def _device_step(self, div_scale: float, used: list[float]) -> None:
+        """Step every master on the device at once, then all-gather."""
+        with phase("zerostack::step"):
+            for s, u in zip(self.shards, used, strict=True):
+                s.master.grad = s.grad if u > 0 else None
+            try:
+                step_with_div_scale(self.optimizer, div_scale)
+            except OSError as error:
+                if not _write_failed(error):
+                    raise
+                logger.error("%s: %s", _API, error)
+            finally:
+                for s in self.shards:
+                    s.master.grad = None
+        self._gather_params(from_masters=False)
+
+    def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
+        """Queue the CPU update of every bucket with a used parameter, in
+        write-back order. See [Note: offloaded step pipeline]."""
+        pipe = self._pipe
+        if not self._early:  # else read when backward queued the first update
+            self._push_hyper()
+        if pipe.stream is not None:
+            # The write-backs may overwrite parameters only after the work
+            # queued so far (the last backward) is done with them.
+            pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+        pipe.round_open = True
+        for k, bucket in enumerate(self._order):
+            if bucket in self._early:
+                continue  # queued in backward already
+            pairs = [(s.master, s.grad) for s in bucket.shards if used[s.index] > 0]
+            if pairs:  # else nothing changes: every rank skips it (used is global)
+                pipe.submit(k, self._cpu_update, bucket, pairs, div_scale)
+        pipe.adopt_early()
+        self._early.clear()
+
+    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float, grads_ready=None) -> None:
+        """Step one bucket's masters on the CPU (on the worker when
+        overlapping); their fp16/bf16 values land in ``bucket.host_params``.
+        ``grads_ready``: the CUDA event after the gradients' copy to the host."""
+        if bucket.copied is not None:
+            bucket.copied.synchronize()  # the last H2D copy out of host_params is done
+        if grads_ready is not None:
+            grads_ready.synchronize()
+        with phase("zerostack::cpu_update"):
+            for master, grad in pairs:
+                # torch's optimizers want the master's dtype; fused-adam's read bf16/fp16 as is.
+                master.grad = grad if self._div_scale else grad.to(master.dtype)
+            try:
+                step_with_div_scale(self.optimizer, div_scale)
+            except OSError as error:
+                if not _write_failed(error):
+                    raise
+                logger.error("%s: %s", _API, error)
+            finally:  # a failed update must not leave its gradients to the next one
+                for master, _ in pairs:
+                    master.grad = None
+            if not self._copy_out:
+                self._refresh_host(bucket)
+
+    def _refresh_host(self, bucket: _Bucket) -> None:
+        for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+            bucket.host_params[off : off + s.piece].copy_(s.master)
+
+    def wait_updates(self) -> None:
+        """Finish the CPU updates still running from the last step and write
+        their parameters back (``cpu_offload`` with ``overlap_cpu_step``);
+        after it the parameters hold the step's values. Forward, backward,
+        ``step``, the state-dict methods and ``module.state_dict()`` call it.
+
+        Raises:
+            RuntimeError: a CPU update failed (the model cannot go on).
+        """
+        pipe = self._pipe
+        if pipe is None:
+            return
+        pipe.check()
+        if not pipe.round_open:
+            return
+        while pipe.pending:
+            self._write_back(self._order[pipe.pop()])
+        if pipe.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(pipe.stream)
+        pipe.round_open = False
+
     @torch.no_grad()
-    def _gather_params(self) -> None:
+    def masters_written(self) -> None:
+        """Call after writing the masters (``shards[i].master``) directly, with
+        the parameters already holding the same values: with ``cpu_offload``
+        the pinned low-precision copies that the next write-back sends to the
+        device are refreshed from the masters (no collective)."""
+        self._quiesce()
+        for bucket in self.buckets:
+            if bucket.host_params is not None:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()
+                self._refresh_host(bucket)
+
+    def _await_positions(self, positions: tuple[int, ...]) -> None:
+        """A forward is about to use the buckets at ``positions``: write back
+        every pending bucket up to the last of them, in order, and make the
+        compute stream wait for them. On one rank (no collective in a
+        write-back) the later buckets whose updates are done go too, so their
+        H2D copies start early; on several, write-backs stay at points of the
+        program that are the same on every rank, so that they keep their
+        place among any collectives the model issues in forward."""
+        pipe = self._pipe
+        pipe.check()
+        last = positions[-1]
+        eager = self.world == 1
+        while pipe.pending and (pipe.pending[0][0] <= last or (eager and pipe.next_done())):
+            self._write_back(self._order[pipe.pop()])
+        if pipe.stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            for k in positions:
+                stream.wait_event(self._order[k].written)
+
+    @torch.no_grad()
+    def _gather_params(self, from_masters: bool = True) -> None:
+        """Write every bucket's master pieces back into the parameters
+        (``from_masters``: read the masters, e.g. just loaded, not the
+        step's low-precision copy-out)."""
+        self._quiesce()
+        for bucket in self._order:
+            self._write_back(bucket, from_masters=from_masters)
+        if self._pipe is not None and self._pipe.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._pipe.stream)
+
+    @torch.no_grad()
+    def _write_back(self, bucket: _Bucket, from_masters: bool = False) -> None:
+        """The updated pieces of ``bucket`` to the device, all-gathered into
+        the parameters: on the write-back stream with cpu_offload on CUDA,
+        else on the current stream. See [Note: offloaded step pipeline]."""
         # The same buckets carry the pieces back (params, not grads, this time).
         set_collective_label("parameter all-gather after the step")
-        with phase("zerostack::gather"):
-            for bucket in self.buckets:
-                dtype = bucket.shards[0].param.dtype
-                if bucket.host_params is not None:
-                    if not self._div_scale or not hasattr(self.optimizer, "set_copy_out"):
-                        for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                            bucket.host_params[off : off + s.piece].copy_(s.master)
-                    mine = bucket.host_params.to(self.device, non_blocking=True)
-                else:
-                    mine = torch.cat([s.master for s in bucket.shards]).to(dtype)
-                full = torch.empty(self.world, bucket.piece_total, dtype=dtype, device=self.device)
-                all_gather_into(full.view(-1), mine, self.group)
+        stream = self._pipe.stream if self._pipe is not None else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        dtype, total = bucket.shards[0].param.dtype, bucket.piece_total
+        with phase("zerostack::gather"), ctx:
+            mine = self._ring("gather_in", dtype, 1).take(total)
+            if bucket.host_params is not None:
+                if from_masters:
+                    if bucket.copied is not None:
+                        bucket.copied.synchronize()
+                    self._refresh_host(bucket)
+                mine.copy_(bucket.host_params, non_blocking=True)
+                if bucket.copied is not None:
+                    bucket.copied.record(stream)
+            else:
                 for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                    n = s.param.numel()
-                    s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+                    mine[off : off + s.piece].copy_(s.master)
+            if self.world > 1:
+                full = self._ring("gather_out", dtype, self.world).take(self.world * total)
+                all_gather_into(full, mine, self.group)
+                full = full.view(self.world, total)
+            else:
+                full = mine.view(1, total)
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                n = s.param.numel()
+                s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+            if bucket.written is not None:
+                bucket.written.record(stream)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
-        reduction still in flight, so no collective is left pending)."""
+        reduction still in flight, so no collective is left pending). CPU
+        updates still running keep what they read."""
+        if self._early:
+            # Updates started in backward cannot be taken back: they count as
+            # the step (see overlap_cpu_step); their parameters come at the next forward.
+            logger.warning(
+                "%s.zero_grad: %d buckets' CPU updates started in backward before this "
+                "zero_grad() without a step(); they are applied", _API, len(self._early),
+            )  # fmt: skip
+            if self._pipe.stream is not None:
+                self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._pipe.round_open = True
+            self._pipe.adopt_early()
+            self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
         for s in self.shards:
             s.param.grad = None
-            s.master.grad = None
             s.grad = None
             s.ready = s.used = False
         self._next_bucket = 0
@@ -543,6 +863,7 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the inner optimizer's state over the masters, the
         masters themselves, the loss scaler, and what identifies the layout."""
+        self._settle()
         return {
             "optimizer": self.optimizer.state_dict(),
             "masters": [s.master.detach().clone() for s in self.shards],
@@ -553,6 +874,19 @@ class ZeroOptimizer:
                 "numels": [s.param.numel() for s in self.shards],
             },
         }
+
+    def _quiesce(self) -> None:
+        """No CPU update running: the last step's written back, those
+        started in this backward done (they are written back after step())."""
+        self.wait_updates()
+        if self._pipe is not None:
+            self._pipe.wait_early()
+
+    def _settle(self) -> None:
+        """Before reading the inner optimizer: no update running, and the
+        users' hyperparameters in its groups."""
+        self._quiesce()
+        self._push_hyper()
 
     def _check_state(self, state: object, keys: tuple[str, ...], api: str) -> None:
         if not isinstance(state, dict) or not set(keys) <= state.keys():
@@ -578,6 +912,7 @@ class ZeroOptimizer:
                 ``full_state_dict`` / ``load_full_state_dict`` for that).
         """
         self._check_state(state, ("optimizer", "masters", "scaler", "layout"), "load_state_dict")
+        self._quiesce()
         layout = state["layout"]
         self._check_layout(layout["numels"])
         masters = state["masters"]
@@ -598,6 +933,7 @@ class ZeroOptimizer:
             )
         # A copy: torch's loaders alias the given tensors when dtype and device match.
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self._pull_hyper()
         with torch.no_grad():
             for s, m in zip(self.shards, state["masters"], strict=True):
                 s.master.copy_(m)
@@ -608,6 +944,7 @@ class ZeroOptimizer:
     def full_state_dict(self) -> dict[str, Any]:
         """Every parameter's whole master and optimizer state, gathered on
         every rank: loadable at any world size with ``load_full_state_dict``."""
+        self._settle()
         packed = self.optimizer.state_dict()
         per_param: list[dict[str, Any]] = []
         for i, s in enumerate(self.shards):
@@ -638,6 +975,7 @@ class ZeroOptimizer:
             full, ("params", "param_groups", "scaler", "numels"), "load_full_state_dict"
         )
         self._check_layout(full["numels"], "load_full_state_dict")
+        self._quiesce()
         params = full["params"]
         bad = [
             i
@@ -665,6 +1003,7 @@ class ZeroOptimizer:
                 if mine:
                     state[i] = mine
         self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
+        self._pull_hyper()
         if self.scaler is not None and full["scaler"] is not None:
             self.scaler.load_state_dict(full["scaler"])
         self._gather_params()
@@ -681,6 +1020,7 @@ class ZeroOptimizer:
         {"master": view, key: view of the inner optimizer's state, or the
         step}], "param_groups", "scaler"}``, each view holding the
         :meth:`local_ranges` elements (no copy)."""
+        self._settle()
         packed = self.optimizer.state_dict()
         params: list[dict[str, Any]] = []
         for i, (s, (start, end)) in enumerate(zip(self.shards, self.local_ranges(), strict=True)):
@@ -710,6 +1050,7 @@ class ZeroOptimizer:
             ValueError: another number of parameters, or a tensor not sized
                 as this rank's range.
         """
+        self._settle()
         if len(local["params"]) != len(self.shards):
             raise ValueError(
                 f"{_API}.load_local_state_dict: {len(local['params'])} parameters given, this "
@@ -742,6 +1083,7 @@ class ZeroOptimizer:
         groups = local.get("param_groups") or self.optimizer.state_dict()["param_groups"]
         if state or local.get("param_groups"):
             self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            self._pull_hyper()
         if self.scaler is not None and local.get("scaler") is not None:
             self.scaler.load_state_dict(local["scaler"])
         if masters:

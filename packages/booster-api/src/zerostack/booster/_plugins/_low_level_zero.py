@@ -94,8 +94,10 @@ class LowLevelZeroModel(ModelWrapper):
     ) -> None:
         """Load the whole model: parameters (cast) and this rank's piece of
         every fp32 master."""
-        self.module.load_state_dict(state_dict, strict=strict)
         zero = self.zero
+        if zero is not None:
+            zero.wait_updates()  # no CPU update may write after the load
+        self.module.load_state_dict(state_dict, strict=strict)
         if zero is None:
             return
         for s in zero.shards:
@@ -107,6 +109,7 @@ class LowLevelZeroModel(ModelWrapper):
             start, end = shard_bounds(s.param.numel(), zero.world, zero.rank)
             s.master.zero_()  # the padding stays zero (see zerostack.shard's [Note: per-parameter pieces])
             s.master[: end - start].copy_(value.detach().reshape(-1)[start:end])
+        zero.masters_written()
 
     def _first_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.module.named_parameters()}
@@ -126,6 +129,8 @@ class LowLevelZeroModel(ModelWrapper):
         """This rank's pieces of the fp32 masters (no gather); parameters
         without masters and buffers whole. See [Note: sharded state format]."""
         names = self._first_names()
+        if self.zero is not None:
+            self.zero.wait_updates()
         out: dict[str, Any] = {
             n: p.detach().reshape(-1).float() for n, p in self.module.named_parameters()
         }

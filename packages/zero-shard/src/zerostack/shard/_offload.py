@@ -1,0 +1,207 @@
+"""cpu_offload's step, piece by piece: the CPU update of each bucket on a
+worker thread, the write-back of the updated pieces in a fixed order.
+
+[Note: offloaded step pipeline] With ``cpu_offload`` a step moves, per
+parameter and per rank (N ranks, bf16/fp16 parameters, fp32 masters):
+
+- device to host: the reduced gradient piece, 2/N bytes, queued per bucket
+  on the reduce stream during backward (hidden there already);
+- CPU Adam: reads master, exp_avg, exp_avg_sq (12 B) and the gradient
+  (2 B), writes the three back (12 B) and the bf16/fp16 copy-out (2 B): 28
+  bytes of host memory traffic per element of this rank's piece, so it is
+  memory-bound. GPT-2 1.5B (1.56e9 elements) on one H200 host (16 cores,
+  ~118 GB/s measured): floor 0.37 s, measured 0.38-0.43 s (docs/benchmarks.md,
+  2026-11-29), i.e. ~0.25 ns per element; two ranks on one host share that
+  bandwidth, so the host's total stays about the same;
+- host to device: the updated piece, 2/N bytes (3.1 GB on one GPU: 0.16-0.19 s
+  measured as the step did it, ~60 ms at PCIe Gen5's ~50 GB/s), then, at
+  N > 1, an all-gather of the piece over NVLink.
+
+Done one after the other, as before this pipeline, the step was forward +
+backward (0.27 s) + CPU Adam + parameters back: 0.71 s (0.40x of plain
+PyTorch's 0.285 s). Now the update of bucket i+1 runs on the worker while
+bucket i crosses PCIe and is all-gathered, and with ``module`` given
+``step()`` returns once the updates are queued: a module's forward pre-hook
+waits only for the buckets that hold its parameters, so the next forward
+(~1/3 of forward + backward) runs beside the updates. With clipping (the
+global norm must come first) that leaves about forward + backward + CPU Adam
+- forward + the last bucket's copy: ~0.6 s. Without clipping and without an
+fp16 loss scale (nothing global can change an update: the rule
+GeminiOptimizer follows) a bucket's update is queued as soon as its gradient
+is reduced and copied to the host during backward (every parameter in it had
+a gradient on this rank, so it is used on every rank; div_scale -1): CPU
+Adam then runs under backward, and the floor is about forward + max(backward,
+CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
+stays the bound either way; what is left is its bandwidth. Such a backward
+commits to the step: a ``zero_grad()`` without ``step()`` after it still
+applies those updates (with a warning).
+
+Clipping and overflow: each bucket's squared norm is computed on the device
+when it is reduced (backward), so ``step()`` needs one all-reduce and one
+host read before any update is queued; the updates then carry the clip and
+loss-scale factor as ``div_scale``. An fp16 overflow queues no update at all.
+
+Order: write-backs are collectives (all-gathers) at N > 1, so every rank
+issues them in one fixed order (``ZeroOptimizer._order``, the order in which
+forward uses the buckets); a forward pre-hook that needs bucket k first
+writes back every pending bucket before k, and all of them are written back
+before the next gradient reduction or any other collective of the optimizer.
+On one rank a pre-hook also writes back the later buckets whose updates are
+done (their H2D copies start early); on several it does not, so the all-
+gathers sit at the same points of the program on every rank, also among
+collectives the model itself issues in forward. Streams: the write-backs run
+on their own CUDA stream, which waits for the compute stream once when the
+updates are queued (the last backward is done with the parameters); a
+forward waits for the ``written`` event of each bucket it needs, and the
+next backward (or any reader through the optimizer) for the whole stream.
+The worker overwrites a bucket's pinned ``host_params`` only after the
+``copied`` event of its last H2D copy, and an update queued in backward
+reads its gradients only after the ``grad_copied`` event recorded on the
+reduce stream behind their D2H copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+_THREAD_PREFIX = "zero-cpu-step"
+
+
+class OffloadPipeline:
+    """The CPU updates of a step in flight, in write-back order.
+
+    Args:
+        api: the owner's name, for messages.
+        overlap: run updates on a worker thread (else inline, at ``submit``).
+        device: the compute device (a write-back stream on CUDA).
+    """
+
+    def __init__(self, api: str, overlap: bool, device: torch.device) -> None:
+        self.api = api
+        self._executor = None
+        if overlap:
+            # On CUDA the worker syncs on events: with the rank's device made
+            # current first, or the runtime would set up a context on GPU 0.
+            cuda = device.type == "cuda"
+            self._executor = ThreadPoolExecutor(
+                1, thread_name_prefix=_THREAD_PREFIX,
+                initializer=torch.cuda.set_device if cuda else None,
+                initargs=(device,) if cuda else (),
+            )  # fmt: skip
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
+        self.early: list[tuple[int, Future | None]] = []  # queued in backward, not yet a round
+        self.error: RuntimeError | None = None
+        self.round_open = False  # written pieces the compute stream has not waited for all of
+        self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
+        self.wait_s = 0.0  # seconds the main thread waited for them (exposed)
+        self.worker_updates = 0  # updates that ran on the worker thread
+
+    @property
+    def overlapping(self) -> bool:
+        return self._executor is not None
+
+    def close(self) -> None:
+        """Finish what is pending (errors kept, not raised) and stop the worker."""
+        for _, future in [*self.pending, *self.early]:
+            if future is not None:
+                future.exception()
+        self.pending.clear()
+        self.early.clear()
+        if self._executor is not None:
+            # The owner may be freed by the worker itself (its last task held
+            # it): a thread cannot join itself.
+            on_worker = threading.current_thread().name.startswith(_THREAD_PREFIX)
+            self._executor.shutdown(wait=not on_worker)
+            self._executor = None
+
+    def submit(
+        self, position: int, update: Callable[..., None], *args: Any, early: bool = False
+    ) -> None:
+        """Queue ``update(*args)``, written back at ``position`` in the order;
+        ``early``: queued during backward, joins the round at ``adopt_early``."""
+        queue = self.early if early else self.pending
+        if self._executor is None:
+            self._run(update, *args)
+            queue.append((position, None))
+        else:
+            queue.append((position, self._executor.submit(self._run, update, *args)))
+
+    def adopt_early(self) -> None:
+        """The updates queued during backward join the step's, in write-back order."""
+        if self.early:
+            self.pending = deque(sorted([*self.pending, *self.early], key=lambda e: e[0]))
+            self.early.clear()
+
+    def wait_early(self) -> None:
+        """Wait for the updates queued during backward (they stay queued).
+
+        Raises:
+            RuntimeError: one failed.
+        """
+        self.check()
+        for position, future in self.early:
+            if future is not None and future.exception() is not None:
+                self.pending.extend(self.early)
+                self.early.clear()
+                self._fail(position, future.exception())
+
+    def _run(self, update: Callable[..., None], *args: Any) -> None:
+        t0 = time.perf_counter()
+        update(*args)
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            self.worker_updates += 1
+        self.update_s += time.perf_counter() - t0
+
+    def next_done(self) -> bool:
+        """True when the next update in order has finished (or ran inline)."""
+        future = self.pending[0][1]
+        return future is None or future.done()
+
+    def pop(self) -> int:
+        """Wait for the next update in order; its position.
+
+        Raises:
+            RuntimeError: the update failed (and every later call raises too).
+        """
+        self.check()
+        position, future = self.pending.popleft()
+        if future is not None:
+            t0 = time.perf_counter()
+            error = future.exception()
+            self.wait_s += time.perf_counter() - t0
+            if error is not None:
+                self._fail(position, error)
+        return position
+
+    def check(self) -> None:
+        """Raise the error of a failed update, if any.
+
+        Raises:
+            RuntimeError: an update failed.
+        """
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, position: int, error: BaseException) -> None:
+        self.error = RuntimeError(
+            f"{self.api}: the CPU update of bucket {position} (in write-back order) failed "
+            f"({type(error).__name__}: {error}); its parameters were not written back, so the "
+            "model cannot go on: reload a checkpoint"
+        )
+        self.error.__cause__ = error
+        logger.error("%s", self.error)
+        for _, future in self.pending:  # the rest must not run on behind our back
+            if future is not None:
+                future.exception()
+        self.pending.clear()
+        raise self.error

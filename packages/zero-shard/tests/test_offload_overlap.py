@@ -1,0 +1,258 @@
+"""cpu_offload's overlapped step (see [Note: offloaded step pipeline]): the
+updates run on the worker thread, ``step()`` returns before they are done,
+a forward waits only for the buckets holding its parameters; fp16 overflow
+on one rank, lr changes and checkpoints stay right meanwhile."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import threading
+import time
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from zerostack.shard import ZeroOptimizer
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("zerostack.fused_adam") is None,
+    reason="cpu_offload with AdamW needs zerostack-fused-adam",
+)
+CONFIG = GPTConfig(num_layers=2, dim=32, num_heads=2, bias=False)
+FP16_TOL = dict(rtol=0, atol=5e-3)
+
+
+def _zero(model, overlap=True, **kw):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return ZeroOptimizer(
+        opt, cpu_offload=True, overlap_cpu_step=overlap, module=model,
+        reduce_bucket_size=2_000, **kw,
+    )  # fmt: skip
+
+
+def _train(model, zero, step, rank=0):
+    device = next(model.parameters()).device
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank, device=device)
+    zero.backward(model(idx, tgt).float())
+    return zero.step()
+
+
+class _Gate:
+    """Holds the CPU update of one bucket on the worker until opened."""
+
+    def __init__(self, zero, bucket):
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        update = zero._cpu_update
+
+        def gated(b, *args):
+            if b is bucket:
+                self.entered.set()
+                if not self.open.wait(timeout=30):
+                    raise TimeoutError("the gate was never opened")
+            update(b, *args)
+
+        zero._cpu_update = gated
+
+
+def _step_returns_before_updates(device):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG).to(device)
+    ref_model = copy.deepcopy(model)
+    # Clipping: the updates are queued by step() (none start in backward).
+    zero = _zero(model, max_norm=1.0)
+    ref = _zero(ref_model, overlap=False, max_norm=1.0)  # the synchronous step: the reference
+    assert len(zero.buckets) >= 3
+    first, last = zero._order[0], zero._order[-1]
+    assert any(s.param is model.tok_emb.weight for s in first.shards)
+    assert any(s.param is model.lm_head.weight for s in last.shards)
+    for step in range(2):
+        assert _train(ref_model, ref, step)
+    assert _train(model, zero, 0)
+    zero.wait_updates()
+
+    gate = _Gate(zero, last)
+    old_head = model.lm_head.weight.detach().clone()
+    t0 = time.perf_counter()
+    assert _train(model, zero, 1)
+    assert time.perf_counter() - t0 < 20, "step() waited for the gated update"
+    assert gate.entered.wait(timeout=30)
+    # The step returned while the last bucket's update is held on the worker.
+    assert zero._pipe.pending and zero._pipe.round_open
+    assert torch.equal(model.lm_head.weight, old_head)
+    # An lr change now is for the next step, not for the updates in flight.
+    zero.param_groups[0]["lr"] = 1e-3
+    ref.param_groups[0]["lr"] = 1e-3
+    # The embedding's forward waits for its own bucket only.
+    model.tok_emb(torch.zeros(1, dtype=torch.long, device=device))
+    torch.testing.assert_close(model.tok_emb.weight, ref_model.tok_emb.weight, rtol=0, atol=0)
+    assert torch.equal(model.lm_head.weight, old_head), (
+        "forward waited for a bucket it does not use"
+    )
+    gate.open.set()
+    # A whole forward waits for every bucket it uses.
+    idx, _ = make_batch(CONFIG, 2, 16, seed=7, device=device)
+    torch.testing.assert_close(model(idx), ref_model(idx), rtol=0, atol=0)
+    assert not zero._pipe.pending
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Every update ran on the worker thread (one per bucket with gradients, per step).
+    used = sum(1 for b in zero.buckets if any(s.param.requires_grad for s in b.shards))
+    assert zero._pipe.worker_updates == 2 * used
+    assert ref._pipe.worker_updates == 0
+    # The next step uses the new lr on both.
+    for step in (2, 3):
+        assert _train(model, zero, step) and _train(ref_model, ref, step)
+    zero.wait_updates()
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert zero.state_dict()["optimizer"]["param_groups"][0]["lr"] == 1e-3
+
+
+def test_step_returns_before_updates_and_forward_waits_per_bucket():
+    _step_returns_before_updates("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_returns_before_updates_on_cuda():
+    # The write-back stream, the copied/written events, pinned host buffers.
+    _step_returns_before_updates("cuda")
+
+
+def test_updates_start_during_backward_without_clipping():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = copy.deepcopy(model)
+    zero, ref = _zero(model), _zero(ref_model, overlap=False)
+    clipped_model = copy.deepcopy(model)
+    clipped = _zero(clipped_model, max_norm=1.0)
+    for step in range(3):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step)
+        zero.backward(model(idx, tgt))
+        early = list(zero._pipe.early)
+        assert len(early) >= len(zero.buckets) - 1, "updates waited for step()"
+        for _, future in early:
+            future.result(timeout=30)
+        # They ran on the worker before step() was called.
+        assert zero._pipe.worker_updates >= (step + 1) * len(early)
+        assert zero.step() and _train(ref_model, ref, step)
+        idx, _ = make_batch(CONFIG, 2, 16, seed=7)
+        torch.testing.assert_close(model(idx), ref_model(idx), rtol=0, atol=0)
+    # With clipping the global norm comes first: nothing starts in backward.
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    clipped.backward(clipped_model(idx, tgt))
+    assert not clipped._pipe.early
+    assert clipped.step()
+    assert clipped._pipe.pending, "the clipped step's updates are not queued after the norm"
+
+
+def test_checkpoint_while_updates_are_in_flight():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = copy.deepcopy(model)
+    zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, overlap=False, max_norm=1.0)
+    for step in range(2):
+        assert _train(model, zero, step) and _train(ref_model, ref, step)
+    gate = _Gate(zero, zero._order[-1])
+    assert _train(model, zero, 2) and _train(ref_model, ref, 2)
+    assert gate.entered.wait(timeout=30)
+    threading.Timer(0.2, gate.open.set).start()
+    # Both wait for the update held on the worker, then read its result.
+    weights = model.state_dict()
+    state = zero.state_dict()
+    ref_state = ref.state_dict()
+    for k, v in ref_model.state_dict().items():
+        torch.testing.assert_close(weights[k], v, rtol=0, atol=0)
+    for a, b in zip(state["masters"], ref_state["masters"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # Loading into a fresh optimizer writes the saved masters into the model.
+    torch.manual_seed(1)
+    other = TinyGPT(CONFIG)
+    other_zero = _zero(other, max_norm=1.0)
+    other_zero.load_state_dict(state)
+    for a, b in zip(other.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert _train(other, other_zero, 3) and _train(ref_model, ref, 3)
+    other_zero.wait_updates()
+    for a, b in zip(other.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_failed_update_stops_the_model():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    zero = _zero(model)
+    update = zero._cpu_update
+
+    def broken(b, *args):
+        if b is zero._order[1]:
+            raise ValueError("boom")
+        update(b, *args)
+
+    zero._cpu_update = broken
+    assert _train(model, zero, 0)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=1)
+    with pytest.raises(RuntimeError, match=r"CPU update of bucket 1 .* failed \(ValueError: boom"):
+        model(idx, tgt)
+    with pytest.raises(RuntimeError, match=r"reload a checkpoint"):
+        zero.step()
+
+
+def _fp16_overflow_parity(rank, world, device="cpu"):
+    """fp16 with clipping, an overflow on rank 0 at step 2: every rank skips
+    it; the other steps match DDP + AdamW with clipping, step by step
+    (integration_tests/multi_gpu.py runs it on GPUs)."""
+    torch.manual_seed(0)
+    ref_model = TinyGPT(CONFIG).to(device)
+    model = copy.deepcopy(ref_model).half()
+    ref = DDP(ref_model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    zero = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1), cpu_offload=True,
+        module=model, max_norm=0.5, reduce_bucket_size=2_000, initial_scale=1024.0,
+        hysteresis=1,
+    )  # fmt: skip
+    for step in range(6):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank, device=device)
+        poison = step == 2 and rank == 0
+        handle = model.lm_head.weight.register_hook(
+            lambda g, poison=poison: torch.full_like(g, float("inf")) if poison else g
+        )
+        loss = model(idx, tgt).float()
+        ref_loss = ref(idx, tgt)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=2e-2)
+        zero.backward(loss)
+        handle.remove()
+        ref_loss.backward()
+        stepped = zero.step()
+        assert stepped == (step != 2), f"rank {rank} step {step}: stepped={stepped}"
+        if stepped:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            ref_opt.step()
+        ref_opt.zero_grad()
+        zero.wait_updates()
+        for (name, a), b in zip(model.named_parameters(), ref.module.parameters(), strict=True):
+            torch.testing.assert_close(
+                a.float(), b, **FP16_TOL, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}"
+            )
+    assert zero.scaler.scale == 512.0
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fp16_overflow_on_one_rank_with_offload(world_size):
+    spawn(_fp16_overflow_parity, world_size, backend="gloo", timeout_s=300)
+
+
+def _gpu_overflow(rank, world):
+    torch.cuda.set_device(rank)
+    _fp16_overflow_parity(rank, world, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_overflow_on_one_rank_with_offload_on_cuda():
+    spawn(_gpu_overflow, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=300)
