@@ -174,8 +174,13 @@ def gemini(args, model, batch, device):
 
     from zerostack.gemini import GeminiDDP, GeminiOptimizer
 
+    import socket
+
+    if "MASTER_PORT" not in os.environ:  # a free port: two of these may run side by side
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29531")
     device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
     cap = int(args.memory_budget * 1024**3)
