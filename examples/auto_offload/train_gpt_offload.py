@@ -169,12 +169,11 @@ def gemini(args, model, batch, device):
     """The peer: Gemini auto placement (ZeRO-3 over chunks, one rank) with the
     GPU capped at the memory budget, HybridAdam, the same model and batch."""
     import os
+    import socket
 
     import torch.distributed as dist
 
     from zerostack.gemini import GeminiDDP, GeminiOptimizer
-
-    import socket
 
     if "MASTER_PORT" not in os.environ:  # a free port: two of these may run side by side
         with socket.socket() as sock:
