@@ -2,8 +2,11 @@
 
 Parity cannot show this (both stages give the same parameters), so these
 tests count the bytes: every tensor storage reachable from the optimizer
-(the model's ``.grad`` included), less what it held before backward (masters,
-optimizer states, parameters), is gradient memory this rank holds.
+(the model's ``.grad`` included), less the parameters, the masters, the
+optimizer states and the two-slot communication rings (fixed-size, reused
+by every bucket), is gradient memory this rank holds. The gradient buffers
+are persistent (allocated once), so they are counted whether or not they
+existed before this backward.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ def _grad_bytes(zero: ZeroOptimizer, baseline: dict[int, int]) -> int:
     return sum(n for ptr, n in _storages(zero).items() if ptr not in baseline)
 
 
+def _not_gradients(model: torch.nn.Module, zero: ZeroOptimizer) -> dict[int, int]:
+    """Storages of the parameters, masters, optimizer states and rings (not
+    their ``.grad``: detached views share the storage, not the gradient)."""
+    params = [p.detach() for p in model.parameters()]
+    masters = [p.detach() for g in zero.optimizer.param_groups for p in g["params"]]
+    states = [t.detach() for s in zero.optimizer.state.values() for t in s.values()
+              if isinstance(t, torch.Tensor)]  # fmt: skip
+    return _storages([params, masters, states, zero._rings])
+
+
 def _held_gradients(rank, world):
     for stage in (1, 2):
         torch.manual_seed(0)
@@ -62,8 +75,8 @@ def _held_gradients(rank, world):
         for step in range(2):  # the first step creates the optimizer states
             idx, tgt = make_batch(CONFIG, 2, 32, seed=10 * step + rank)
             loss = model(idx, tgt)
-            baseline = _storages(zero)
             zero.backward(loss)
+            baseline = _not_gradients(model, zero)
             after_backward = _grad_bytes(zero, baseline)
             # The model's grads went into the buckets as they arrived.
             assert all(p.grad is None for p in model.parameters())
