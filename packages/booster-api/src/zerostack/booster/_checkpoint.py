@@ -325,6 +325,7 @@ class CheckpointIO:
         _check_type(api, "model", model, ModelWrapper)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
+            parallel_io.verify_records(api, path, check_hash=self.verify)
             parallel_io.load_model(api, model, path, strict)
             return
         module = model.unwrap()
@@ -483,6 +484,7 @@ class CheckpointIO:
         _check_prefix(api, prefix)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
+            parallel_io.verify_records(api, path, check_hash=self.verify)
             parallel_io.load_optimizer(api, optimizer, path)
             return
         if os.path.isdir(path):
