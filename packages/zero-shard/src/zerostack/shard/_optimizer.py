@@ -299,6 +299,7 @@ class ZeroOptimizer:
         self._no_sync = False
         self._scaled_backward = False
         self._unscaled = False
+        self._failed_div_scale: float | None = None  # See [Note: a failed CPU update in ZeRO]
         self._accumulated = False
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
@@ -346,6 +347,11 @@ class ZeroOptimizer:
             raise TypeError(
                 f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
                 "loss before .item()"
+            )
+        if self._failed_div_scale is not None:
+            raise RuntimeError(
+                f"{_API}.backward: the last step's CPU update failed and is still to run; "
+                "remove its cause and call step() again first"
             )
         if self.scaler is not None:
             loss = loss * self.scaler.scale
@@ -467,8 +473,12 @@ class ZeroOptimizer:
             False when the step was skipped (fp16 overflow), else True.
 
         Raises:
-            RuntimeError: fp16 gradients that were not scaled through ``backward``.
+            RuntimeError: fp16 gradients that were not scaled through
+                ``backward``; the optimizer's update raised (see [Note: a
+                failed CPU update in ZeRO]).
         """
+        if self._failed_div_scale is not None:
+            return self._update(self._failed_div_scale)
         if self._unscaled:
             self._unscaled = False
             self.zero_grad()
@@ -490,19 +500,45 @@ class ZeroOptimizer:
             return False
         for s, u in zip(self.shards, stats[1:], strict=True):
             s.master.grad = s.grad if u > 0 else None
+        return self._update(plan.div_scale)
+
+    def _update(self, div_scale: float) -> bool:
+        """Step the masters, all-gather the parameters.
+
+        [Note: a failed CPU update in ZeRO] When the inner optimizer raises,
+        the masters keep their gradients and ``div_scale`` is kept: the next
+        ``step()`` (after the cause is removed) runs the update again and
+        finishes the step; ``backward`` refuses until then. HybridAdam/CPUAdam
+        raising before a kernel ran (a bad argument, a kernel call or an
+        NVMe read that fails first) change nothing, so the retried step gives
+        the uninterrupted run's values; a fault after a kernel ran (several
+        kernel launches, for parameters at different step counts, or a later
+        piece of states on disk) is not undone, and the retry steps those
+        parameters again.
+        """
         with phase("zerostack::cpu_update" if self.cpu_offload else "zerostack::step"):
             try:
-                step_with_div_scale(self.optimizer, plan.div_scale)
+                step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
                 # zerostack.nvme's NVMeWriteError: the update completed and
                 # the states that could not be written stay in RAM.
                 if type(error).__name__ != "NVMeWriteError":
-                    raise
+                    self._fail_update(div_scale, error)
                 logger.error("%s: %s", _API, error)
+            except Exception as error:
+                self._fail_update(div_scale, error)
+        self._failed_div_scale = None
         self._gather_params()
         self.zero_grad()
         self.collector.tick()
         return True
+
+    def _fail_update(self, div_scale: float, error: BaseException) -> None:
+        self._failed_div_scale = div_scale
+        raise RuntimeError(
+            f"{_API}.step: the optimizer's update failed ({type(error).__name__}: {error}); the "
+            "gradients are kept: remove the cause and call step() again"
+        ) from error
 
     @torch.no_grad()
     def _gather_params(self) -> None:
@@ -534,6 +570,7 @@ class ZeroOptimizer:
             s.master.grad = None
             s.grad = None
             s.ready = s.used = False
+        self._failed_div_scale = None  # a failed update's gradients are gone with them
         self._next_bucket = 0
         self._in_flight = None
         self._accumulated = False
