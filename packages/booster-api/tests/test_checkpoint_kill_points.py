@@ -203,6 +203,10 @@ def _sweep(rank, world, name, shard, exchange, root):
     """All kill points of one case; returns nothing, raises on a mismatch."""
     del rank, world
     torch.set_num_threads(1)
+    # tensornvme's io_uring / libaio rings do not survive a fork (the child
+    # crashed with SIGSEGV); the kill points need one, so the states on disk
+    # go through the threads backend here.
+    os.environ["ZEROSTACK_NVME_BACKEND"] = "threads"
     nvme = f"{root}/nvme"
     os.makedirs(nvme, exist_ok=True)
     booster, model, opt = _boost(name, nvme)

@@ -69,13 +69,18 @@ def check_bad_input(
     env: Any,
     snapshot: Callable[[Any], Any],
     still_works: Callable[[Any], None] | None = None,
+    cleanup: Callable[[Any], None] | None = None,
 ) -> None:
     """The three checks of a case: ``case.call(env)`` raises ``case.error``
     with a message matching ``case.match``; ``snapshot(env)`` is the same
-    before and after; then ``still_works(env)`` (a correct call) succeeds."""
+    before and after (after ``cleanup(env)``, which undoes what the case
+    itself did before its bad call, as a user would); then
+    ``still_works(env)`` (a correct call) succeeds."""
     before = snapshot(env)
     with pytest.raises(case.error, match=case.match):
         case.call(env)
+    if cleanup is not None:
+        cleanup(env)
     if not same_state(before, snapshot(env)):
         raise AssertionError(f"{case.id}: the failed call changed the state")
     if still_works is not None:
