@@ -403,6 +403,8 @@ def reliability(session: nox.Session) -> None:
     quick parts run in the unit and integration sessions."""
     _install_packages(session, PACKAGES)
     session.install("matplotlib")  # the soak's curves
+    # auto-offload's table plans a transformers GPT-2 (it skips without it).
+    session.install(*TEST_REQUIREMENTS["auto-offload-solver"])
     for folder in PACKAGES:  # one run per package: each has its own conftest
         table = f"packages/{folder}/tests/test_bad_inputs.py"
         if (ROOT / table).exists():
