@@ -146,6 +146,7 @@ def test_a_failed_cpu_update_runs_again_once_the_cause_is_removed(case, where, m
     assert opt.pipeline.failed == []
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # no "no backward" warning either
 def test_a_fault_that_stays_keeps_failing_without_changing_anything(monkeypatch):
     ddp, opt = _wrapped(False, 0.0, 1.0)
     fault = _KernelFault(monkeypatch, after=0)

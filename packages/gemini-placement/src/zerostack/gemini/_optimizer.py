@@ -262,6 +262,8 @@ class GeminiOptimizer:
         try:
             self.pipeline.check()
         except CpuStepError as error:
+            if self.module.training_state is not TrainingState.REDUCED:
+                raise  # no step to do: the error alone
             # An update started by this backward failed twice: the rest of
             # the step goes on, that chunk keeps its gradient, and the error
             # is raised at the end (as for an inline update).
