@@ -391,6 +391,9 @@ RELIABILITY_TESTS = [
     "integration_tests/test_dead_peer.py",
     "packages/booster-api/tests/test_checkpoint_atomic.py",
     "packages/booster-api/tests/test_checkpoint_integrity.py",
+    "packages/booster-api/tests/test_checkpoint_kill_points.py",  # the full sweep here
+    "packages/gemini-placement/tests/test_gemini_failures.py",
+    "packages/zero-shard/tests/test_cpu_update_failure.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
 ]
@@ -405,12 +408,17 @@ def reliability(session: nox.Session) -> None:
     quick parts run in the unit and integration sessions."""
     _install_packages(session, PACKAGES)
     session.install("matplotlib")  # the soak's curves
+    # auto-offload's table plans a transformers GPT-2 (it skips without it).
+    session.install(*TEST_REQUIREMENTS["auto-offload-solver"])
     for folder in PACKAGES:  # one run per package: each has its own conftest
         table = f"packages/{folder}/tests/test_bad_inputs.py"
         if (ROOT / table).exists():
             session.run("python", "-m", "pytest", "-q", table)
     for test in RELIABILITY_TESTS:
-        session.run("python", "-m", "pytest", "-q", test, "-m", "not gpu")
+        session.run(
+            "python", "-m", "pytest", "-q", test, "-m", "not gpu",
+            env={"ZEROSTACK_RELIABILITY_FULL": "1"},  # kill points: every plugin and layout
+        )  # fmt: skip
     out = session.create_tmp()
     session.run("python", "integration_tests/soak.py", "--out", f"{out}/soak", *session.posargs)
     session.log(f"soak curves and CSVs: {out}/soak")

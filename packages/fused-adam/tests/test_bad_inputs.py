@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from zerostack.fused_adam import CPUAdam, FusedAdam, HybridAdam, cuda_kernel_available
+from zerostack.testing import check_bad_input, check_unique_ids, one_torch_thread
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,6 @@ def _snapshot(env: dict[str, Any]) -> Any:
             "groups": len(opt.param_groups),
         }
     )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _grads(env, **over):
@@ -191,22 +182,17 @@ CASES = [
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny tensors: on a loaded machine a thread-pool barrier per op costs
-    # more than the op (a step took 0.8 s with 2 threads, 0.05 s with 1).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input(case: Case) -> None:
-    env = _env()
-    before = _snapshot(env)
-    with pytest.raises(case.error, match=case.match):
-        case.call(env)
-    assert _equal(before, _snapshot(env)), f"{case.id}: the failed call changed the optimizer"
-    # Still usable: a correct step moves both parameters.
+    check_bad_input(case, _env(), _snapshot, _still_works)
+
+
+def _still_works(env: dict[str, Any]) -> None:
+    """A correct step moves both parameters."""
     for t in (env["p"], env["q"]):
         _set_grad(t, torch.ones_like(t))
     old = [env["p"].detach().clone(), env["q"].detach().clone()]
@@ -215,5 +201,4 @@ def test_bad_input(case: Case) -> None:
 
 
 def test_the_table_names_every_case_once() -> None:
-    ids = [c.id for c in CASES]
-    assert len(ids) == len(set(ids))
+    check_unique_ids(CASES)

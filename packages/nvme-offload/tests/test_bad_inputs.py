@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from zerostack.nvme import StateSwapper, tensornvme_backends
+from zerostack.testing import check_bad_input, check_unique_ids, one_torch_thread
 
 VALUES = {"a": torch.arange(8.0), "b": torch.ones(4)}
 
@@ -140,25 +141,24 @@ if _UNAVAILABLE is not None:
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny tensors: on a loaded machine a thread-pool barrier per op costs
-    # more than the op (a step took 0.8 s with 2 threads, 0.05 s with 1).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input(case: Case, env: dict[str, Any]) -> None:
-    before = _snapshot(env)
-    with pytest.raises(case.error, match=case.match):
-        case.call(env)
-    s = env["s"]
+    check_bad_input(case, env, _snapshot, _still_works, cleanup=_cancel_pipe)
+
+
+def _cancel_pipe(env: dict[str, Any]) -> None:
     if "pipe" in env:  # a pass that failed half-way is cancelled, as a user would
         env.pop("pipe").cancel()
-    assert _snapshot(env) == before, f"{case.id}: the failed call changed the swapper"
+
+
+def _still_works(env: dict[str, Any]) -> None:
+    """The values are kept, and a whole pipeline pass adds one to every key."""
+    s = env["s"]
     _values_kept(s)
-    # Still usable: a whole pipeline pass adds one to every key.
     pipe = _pipe(env)
     for i in range(len(VALUES)):
         pipe.pre_update(i).add_(1)
@@ -169,5 +169,4 @@ def test_bad_input(case: Case, env: dict[str, Any]) -> None:
 
 
 def test_the_table_names_every_case_once() -> None:
-    ids = [c.id for c in CASES]
-    assert len(ids) == len(set(ids))
+    check_unique_ids(CASES)

@@ -29,6 +29,7 @@ from zerostack.chunk import (
     search_chunk_configuration,
     set_collective_label,
 )
+from zerostack.testing import check_bad_input, check_unique_ids, one_torch_thread
 
 S = TensorState
 CFG = {"k": {"chunk_size": 16}, "g": {"chunk_size": 16, "keep_gathered": True}}
@@ -91,16 +92,6 @@ def _snapshot(env: dict[str, Any]) -> dict[str, Any]:
         "debug": debug_collectives(),
         "label": _comm._label,
     }
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _still_works(env: dict[str, Any]) -> None:
@@ -241,29 +232,22 @@ if torch.cuda.is_available():  # the CUDA-less case is the one this machine can 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny tensors: on a loaded machine a thread-pool barrier per op costs
-    # more than the op (a step took 0.8 s with 2 threads, 0.05 s with 1).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input(case: Case) -> None:
-    env = _env()
-    before = _snapshot(env)
-    with pytest.raises(case.error, match=case.match):
-        case.call(env)
+    check_bad_input(case, _env(), _snapshot, _still_works, cleanup=_undo_gather)
+
+
+def _undo_gather(env: dict[str, Any]) -> None:
     chunk = env["chunk"]
     for info in chunk.tensors_info.values():  # undo what a case did before its bad call
         if info.state is S.COMPUTE:
             chunk.trans_info_state(info, S.HOLD)
     env["m"].release_chunk(chunk)
-    assert _equal(before, _snapshot(env)), f"{case.id}: the failed call changed the chunks"
-    _still_works(env)
 
 
 def test_the_table_names_every_case_once() -> None:
-    ids = [c.id for c in CASES]
-    assert len(ids) == len(set(ids))
+    check_unique_ids(CASES)

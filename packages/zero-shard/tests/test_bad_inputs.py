@@ -33,7 +33,15 @@ from zerostack.shard import (
     shard_bounds,
     shard_numel,
 )
-from zerostack.testing import GPTConfig, TinyGPT, make_batch
+from zerostack.testing import (
+    GPTConfig,
+    TinyGPT,
+    check_bad_input,
+    check_unique_ids,
+    make_batch,
+    one_torch_thread,
+    same_state,
+)
 
 CONFIG = GPTConfig(num_layers=1, dim=16, num_heads=2)
 
@@ -79,16 +87,6 @@ def _snapshot(env: dict[str, Any]) -> Any:
             "debug": debug_collectives(),
         }
     )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 def _wrap(optimizer=None, **kwargs):
@@ -207,25 +205,21 @@ def _stepped(env):
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    # Tiny tensors: on a loaded machine a thread-pool barrier per op costs
-    # more than the op (a step took 0.8 s with 2 threads, 0.05 s with 1).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_bad_input(case: Case) -> None:
-    env = _env(case.dtype)
-    before = _snapshot(env)
-    with pytest.raises(case.error, match=case.match):
-        case.call(env)
-    assert _equal(before, _snapshot(env)), f"{case.id}: the failed call changed the state"
+    check_bad_input(case, _env(case.dtype), _snapshot, _still_works)
+
+
+def _still_works(env: dict[str, Any]) -> None:
+    """A training step moves the parameters."""
+    before = _snapshot(env)["params"]
     _train_step(env, seed=2)
-    assert not _equal(before["params"], _snapshot(env)["params"])
+    assert not same_state(before, _snapshot(env)["params"])
 
 
 def test_the_table_names_every_case_once() -> None:
-    ids = [c.id for c in CASES]
-    assert len(ids) == len(set(ids))
+    check_unique_ids(CASES)

@@ -67,6 +67,18 @@ class AMPOptimizer:
         clipping_norm: float = 0.0,
         norm_type: float = 2.0,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"AMPOptimizer: optimizer must be a torch.optim.Optimizer (got "
+                f"{type(optimizer).__name__}); build it on module.parameters()"
+            )
+        if not isinstance(module, BaseOffloadModule):
+            raise TypeError(
+                f"AMPOptimizer: module must be the BaseOffloadModule memory_optimize returned "
+                f"(got {type(module).__name__})"
+            )
+        if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, int | float):
+            raise TypeError(f"AMPOptimizer: clipping_norm must be a number (got {clipping_norm!r})")
         if norm_type != 2.0:
             raise NotImplementedError(f"AMPOptimizer: norm_type must be 2.0 (got {norm_type})")
         if not clipping_norm >= 0:

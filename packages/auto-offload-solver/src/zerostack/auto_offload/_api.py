@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
@@ -108,11 +110,15 @@ def memory_optimize(
         plan and its predicted peak (``best_ts.peak_mem``) and step time.
 
     Raises:
-        ValueError: an unknown ``solver_name`` or ``precision``.
+        TypeError: ``model``, ``inputs``, ``memory_budget``, ``profile`` or
+            ``device`` of the wrong type.
+        ValueError: an unknown ``solver_name`` or ``precision``, a NaN
+            ``memory_budget``, a ``device`` string that names no device.
         MemoryBudgetError: no plan fits; its message states the least budget.
         RuntimeError: no CUDA device and none named (pass ``device="cpu"``
             and a ``profile`` to run the mechanics on the CPU).
     """
+    _check_args(model, inputs, memory_budget, profile, device)
     if device is None:
         if not torch.cuda.is_available():
             raise RuntimeError(
@@ -144,3 +150,34 @@ def memory_optimize(
         n: tuple(x.shape) for n, x in zip(names, flat, strict=False) if isinstance(x, torch.Tensor)
     }
     return module
+
+
+def _check_args(model: Any, inputs: Any, memory_budget: Any, profile: Any, device: Any) -> None:
+    """memory_optimize's argument types, before anything is traced or moved."""
+    api = "memory_optimize"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{api}: model must be an nn.Module (got {type(model).__name__})")
+    if not isinstance(inputs, dict | tuple):
+        raise TypeError(
+            f"{api}: inputs must be a dict (keyword arguments) or a tuple (positional ones) "
+            f"(got {type(inputs).__name__})"
+        )
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
+        raise TypeError(
+            f"{api}: memory_budget must be a number of bytes (got {memory_budget!r}); <= 0 means "
+            "all of the device's memory"
+        )
+    if math.isnan(memory_budget):
+        raise ValueError(f"{api}: memory_budget must be a number of bytes (got nan)")
+    if profile is not None and not isinstance(profile, HardwareProfile):
+        raise TypeError(
+            f"{api}: profile must be a HardwareProfile or None (got {type(profile).__name__}); "
+            "build it with HardwareProfile.from_dict or HardwareProfile.measure"
+        )
+    if device is not None and not isinstance(device, str | torch.device):
+        raise TypeError(f"{api}: device must be a str, a torch.device or None (got {device!r})")
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"{api}: device is not a device (got {device!r})") from error

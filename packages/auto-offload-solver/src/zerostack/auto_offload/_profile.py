@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _LINKS = ("h2d", "d2h")
 _DTYPES = ("float16", "bfloat16", "float32")
+_DTYPE_NAMES = frozenset(_DTYPES)
 
 
 def _check_curve(name: str, curve: dict) -> dict[int, float]:
@@ -80,6 +81,19 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "h2d_bandwidth", _check_curve("h2d_bandwidth", self.h2d_bandwidth))
         object.__setattr__(self, "d2h_bandwidth", _check_curve("d2h_bandwidth", self.d2h_bandwidth))
+        if not isinstance(self.device_name, str):
+            raise TypeError(
+                f"HardwareProfile: device_name must be a str (got {self.device_name!r})"
+            )
+        for name in ("device_memory_bytes", "memory_bandwidth", "kernel_launch_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"HardwareProfile: {name} must be a number (got {value!r})")
+        if not isinstance(self.gemm_flops, dict) or not set(self.gemm_flops) <= _DTYPE_NAMES:
+            raise ValueError(
+                "HardwareProfile: gemm_flops must map dtype names "
+                f"({', '.join(sorted(_DTYPE_NAMES))}) to positive FLOP/s (got {self.gemm_flops!r})"
+            )
         if not self.device_memory_bytes > 0:
             raise ValueError(
                 f"HardwareProfile: device_memory_bytes must be > 0 (got {self.device_memory_bytes!r})"
@@ -165,8 +179,14 @@ class HardwareProfile:
         """Build a profile from a dict with the field names (sizes may be strings).
 
         Raises:
+            TypeError: ``data`` is not a dict, or a field has the wrong type.
             ValueError: a missing or unknown field, or a bad value.
         """
+        if not isinstance(data, dict):
+            raise TypeError(
+                f"HardwareProfile.from_dict: data must be a dict of the fields (got "
+                f"{type(data).__name__}); pass e.g. json.load of a saved profile"
+            )
         fields = {"device_name", "device_memory_bytes", "h2d_bandwidth", "d2h_bandwidth",
                   "gemm_flops", "memory_bandwidth", "kernel_launch_s", "backward_op_s",
                   "gemm_curve"}  # fmt: skip

@@ -75,7 +75,7 @@ class Booster:
                     stacklevel=2,
                 )
         else:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            device = _check_device(device)
         self.device = device
         self.plugin = plugin if plugin is not None else DefaultPlugin(device)
         if mixed_precision is not None and self.plugin.control_precision():
@@ -125,7 +125,13 @@ class Booster:
         Returns:
             ``(model, optimizer, criterion, dataloader, lr_scheduler)``: the
             model a ModelWrapper, the optimizer an OptimizerWrapper (or None).
+
+        Raises:
+            TypeError: ``model`` is not an nn.Module, ``optimizer`` not a torch
+                optimizer, ``criterion`` not callable, ``lr_scheduler`` without
+                ``step`` and ``state_dict``.
         """
+        _check_boost(model, optimizer, criterion, lr_scheduler)
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
@@ -145,6 +151,11 @@ class Booster:
             raise TypeError(
                 f"{_API}.backward: optimizer must be the one boost returned (got "
                 f"{type(optimizer).__name__}); use the optimizer from booster.boost(...)"
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
+                "loss before .item()"
             )
         optimizer.backward(loss)
 
@@ -364,3 +375,52 @@ class Booster:
         from zerostack.booster._checkpoint_state import load_state
 
         load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader)
+
+
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device (default: cuda when present, else cpu)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(device, str | int | torch.device) or isinstance(device, bool):
+        raise TypeError(
+            f"{_API}: device must be a str, an int, a torch.device or None (got {device!r}); "
+            "pass e.g. 'cuda' or 'cpu'"
+        )
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(
+            f"{_API}: device is not a usable device (got {device!r}); pass e.g. 'cuda' or 'cpu'"
+        ) from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"{_API}: device is a CUDA device but CUDA is not available (got {str(device)!r}); "
+            "pass 'cpu'"
+        )
+    return device
+
+
+def _check_boost(model: Any, optimizer: Any, criterion: Any, lr_scheduler: Any) -> None:
+    """Booster.boost's argument types, checked before any plugin wraps anything."""
+    api = f"{_API}.boost"
+    if not isinstance(model, nn.Module | ModelWrapper):
+        raise TypeError(f"{api}: model must be an nn.Module (got {type(model).__name__})")
+    if optimizer is not None and not isinstance(
+        optimizer, torch.optim.Optimizer | OptimizerWrapper
+    ):
+        raise TypeError(
+            f"{api}: optimizer must be a torch.optim.Optimizer or None (got "
+            f"{type(optimizer).__name__}); build it on model.parameters()"
+        )
+    if criterion is not None and not callable(criterion):
+        raise TypeError(
+            f"{api}: criterion must be callable or None (got {type(criterion).__name__}); "
+            "pass e.g. torch.nn.CrossEntropyLoss()"
+        )
+    if lr_scheduler is not None and not (
+        hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")
+    ):
+        raise TypeError(
+            f"{api}: lr_scheduler must be a torch lr scheduler or None (got "
+            f"{type(lr_scheduler).__name__})"
+        )

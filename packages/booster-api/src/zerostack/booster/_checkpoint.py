@@ -71,6 +71,11 @@ def _check_path(api: str, checkpoint: Any) -> str:
     return checkpoint
 
 
+def _check_bool(api: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be a bool (got {value!r})")
+
+
 def _check_size(api: str, size_per_shard: Any) -> None:
     if (
         isinstance(size_per_shard, bool)
@@ -225,6 +230,7 @@ class CheckpointIO:
             RuntimeError: on other ranks, when one rank failed to write.
         """
         api = "CheckpointIO.save_model"
+        _check_bool(api, "shard", shard)
         _check_type(api, "model", model, ModelWrapper)
         parallel = _resolve_parallel(
             api, parallel, shard, use_safetensors, _supports(model, ModelWrapper)
@@ -322,9 +328,11 @@ class CheckpointIO:
                 directory without a model checkpoint.
         """
         api = "CheckpointIO.load_model"
+        _check_bool(api, "strict", strict)
         _check_type(api, "model", model, ModelWrapper)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
+            parallel_io.verify_records(api, path, check_hash=self.verify)
             parallel_io.load_model(api, model, path, strict)
             return
         module = model.unwrap()
@@ -398,6 +406,7 @@ class CheckpointIO:
             RuntimeError: on other ranks, when one rank failed to write.
         """
         api = "CheckpointIO.save_optimizer"
+        _check_bool(api, "shard", shard)
         _check_type(api, "optimizer", optimizer, OptimizerWrapper)
         parallel = _resolve_parallel(
             api, parallel, shard, False, _supports(optimizer, OptimizerWrapper)
@@ -483,6 +492,7 @@ class CheckpointIO:
         _check_prefix(api, prefix)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
+            parallel_io.verify_records(api, path, check_hash=self.verify)
             parallel_io.load_optimizer(api, optimizer, path)
             return
         if os.path.isdir(path):

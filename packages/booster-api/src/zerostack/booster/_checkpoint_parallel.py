@@ -6,6 +6,15 @@ a load reads the ranges this rank holds, at any world size and with any
 plugin. Nothing is gathered: a rank materializes at most its own share
 (DCP's writer copies one piece at a time to compact it).
 
+[Note: parallel checkpoint integrity] DCP stores no sizes or checksums, so
+a truncated ``.distcp`` file used to fail deep in torch's zip reader without
+the file's name. Each rank therefore writes ``zerostack-files-<rank>.json``
+beside its files (``{name: {"size_bytes", "sha256"}}`` of the
+``__<rank>_*.distcp`` it wrote; rank 0 adds ``.metadata``), and a load
+checks every recorded file before DCP reads any: the sizes always, the
+SHA-256 when ``CheckpointIO(verify=True)`` (the default; it reads every
+file once more). Checkpoints without records (older ones) load unchecked.
+
 Keys in the DCP directory: ``model/<name>`` (model), ``state/<name>/<key>``,
 ``param_groups``, ``loss_scaler`` (optimizer), and ``meta`` (format, kind,
 shapes).
@@ -13,18 +22,57 @@ shapes).
 
 from __future__ import annotations
 
+import glob
+import json
 import logging
+import os
 from typing import Any
 
 import torch
 
 from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_dcp as engine
+from zerostack.booster import _checkpoint_files as files
 from zerostack.booster._checkpoint_dcp import Piece
 
 logger = logging.getLogger(__name__)
 FORMAT = "zerostack.dcp/1"
 _MODEL, _STATE = "model/", "state/"
+_RECORDS = "zerostack-files-{rank}.json"
+
+
+def write_records(directory: str) -> None:
+    """This rank's [Note: parallel checkpoint integrity] records, fsynced."""
+    rank = _rank()
+    names = sorted(glob.glob(os.path.join(glob.escape(directory), f"__{rank}_*.distcp")))
+    if rank == 0 and os.path.isfile(os.path.join(directory, engine.METADATA_FILE)):
+        names.append(os.path.join(directory, engine.METADATA_FILE))
+    records = {os.path.basename(n): files.file_record(n) for n in names}
+    path = os.path.join(directory, _RECORDS.format(rank=rank))
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    atomic.fsync_file(path)
+
+
+def verify_records(api: str, path: str, *, check_hash: bool) -> None:
+    """Check every file the ranks recorded (see [Note: parallel checkpoint integrity]).
+
+    Raises:
+        CheckpointCorruptError: naming the missing, truncated or altered file.
+    """
+    for record_file in sorted(
+        glob.glob(os.path.join(glob.escape(path), _RECORDS.format(rank="*")))
+    ):
+        try:
+            with open(record_file) as f:
+                records = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise files.CheckpointCorruptError(
+                f"{api}: checkpoint file {record_file} is unreadable (got {exc}); copy the "
+                "whole checkpoint directory again or load another checkpoint"
+            ) from exc
+        for name, record in records.items():
+            files.verify_file(os.path.join(path, name), record, api, check_hash=check_hash)
 
 
 def _meta(kind: str, shapes: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +113,7 @@ def save_model(api: str, model: Any, path: str, extra: Any = None) -> None:
     state["meta"] = _meta("model", _shapes(model))
     with atomic.collective_dir(path, api) as tmp:
         engine.save(tmp, state)
+        write_records(tmp)
         if extra is not None and _rank() == 0:
             extra(tmp)
     logger.info("%s: every rank wrote its part of %s", api, path)
@@ -122,6 +171,7 @@ def save_optimizer(api: str, optimizer: Any, path: str) -> None:
     state["meta"] = _meta("optimizer", {})
     with atomic.collective_dir(path, api) as tmp:
         engine.save(tmp, state)
+        write_records(tmp)
     logger.info("%s: every rank wrote its part of %s", api, path)
 
 

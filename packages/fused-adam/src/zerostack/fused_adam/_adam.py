@@ -324,6 +324,19 @@ class _Adam(torch.optim.Optimizer):
             ]
             for gi, group in enumerate(self.param_groups)
         ]
+        # Step counts advance before the kernels run; those of parameters whose
+        # kernel never ran are put back if the step raises (a kernel call or
+        # a disk read that failed), so a retried step counts once.
+        bumped: list[tuple[torch.Tensor, bool]] = []
+        launched: set[int] = set()
+        try:
+            self._step_groups(grads, grad_scale, bumped, launched)
+        except BaseException:
+            _unbump(self.state, bumped, launched)
+            raise
+        return loss
+
+    def _step_groups(self, grads, grad_scale, bumped, launched) -> None:
         on_disk = self._disk()
         for gi, group in enumerate(self.param_groups):
             launch = _launcher(group, grad_scale)
@@ -333,6 +346,7 @@ class _Adam(torch.optim.Optimizer):
                 if g is None:
                     continue
                 state = self.state[p]
+                bumped.append((p, not state))
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                     if p not in on_disk:
@@ -353,9 +367,9 @@ class _Adam(torch.optim.Optimizer):
                 buckets[key].append((p, g, state["exp_avg"], state["exp_avg_sq"], out))
             for key, items in buckets.items():
                 launch(items, key[-1])
+                launched.update(id(item[0]) for item in items)
             if disk_params:
-                self._step_on_disk(disk_params, launch)
-        return loss
+                self._step_on_disk(disk_params, launch, launched)
 
     def _check_step_args(self, closure: Any, div_scale: Any) -> None:
         if closure is not None and not callable(closure):
@@ -369,7 +383,9 @@ class _Adam(torch.optim.Optimizer):
                 f"or <= 0 for none (got {div_scale!r})"
             )
 
-    def _step_on_disk(self, params: list[torch.Tensor], launch: Callable) -> None:
+    def _step_on_disk(
+        self, params: list[torch.Tensor], launch: Callable, launched: set[int]
+    ) -> None:
         """Step ``params``, whose moments are on disk, piece by piece through
         the prefetch pipeline; slices asked for by ``keep_disk_states`` get
         their moments back before each piece is written."""
@@ -384,6 +400,7 @@ class _Adam(torch.optim.Optimizer):
                 v,
                 None if out is None else out.view(-1)[start:end],
             )
+            launched.add(id(p))
             launch([piece], float(self.state[p]["step"]))
             for sl, old_m, old_v in kept:  # before the piece goes back to disk
                 m[sl].copy_(old_m)
@@ -572,6 +589,17 @@ class HybridAdam(_Adam):
     """
 
     _api = "HybridAdam"
+
+
+def _unbump(state: Any, bumped: list[tuple[torch.Tensor, bool]], launched: set[int]) -> None:
+    """Undo the step counts (and fresh states) of parameters whose kernel never ran."""
+    for p, created in bumped:
+        if id(p) in launched:
+            continue
+        if created:
+            state.pop(p, None)
+        else:
+            state[p]["step"] -= 1
 
 
 def _launcher(group: dict[str, Any], grad_scale: float) -> Callable:

@@ -24,9 +24,41 @@ logger = logging.getLogger(__name__)
 
 
 class CpuStepError(RuntimeError):
-    """A CPU optimizer update failed. The chunk's parameter shard holds its
-    reduced gradient instead of parameters, so the model refuses to go on:
-    every later forward and step raises this error again (reload a checkpoint)."""
+    """A CPU optimizer update failed; see [Note: a failed CPU update].
+
+    Attributes:
+        chunk_index: the index of the chunk whose update failed.
+    """
+
+    def __init__(self, message: str, chunk_index: int) -> None:
+        super().__init__(message)
+        self.chunk_index = chunk_index
+
+
+# [Note: a failed CPU update] An exception from the optimizer in a CPU-held
+# chunk's update (a failed NVMe read, a kernel call that raises) does not
+# write that chunk back: its parameter shard keeps the reduced gradient and
+# the update is remembered with its arguments (the gradient, div_scale, the
+# hyperparameters of its step). The error is raised as CpuStepError where it
+# surfaces: at the end of step() (inline, or started during backward on the
+# worker: after every other chunk of the step was updated), or on the
+# worker's next wait: the next forward, or a gather in the middle of one. Every later forward and step (and
+# GeminiOptimizer.retry_failed_updates) first runs the failed updates again,
+# in chunk order; once they succeed, the failed step is complete and training
+# goes on exactly as without the fault; while they fail, CpuStepError again.
+#
+# What is restored: an optimizer that raises before it changes anything
+# (HybridAdam/CPUAdam check every argument first, and put back the step
+# counts of the parameters whose kernel never ran) leaves the chunk's master
+# and states as before the failed step, so the retry gives the uninterrupted
+# run's values. What is not: a fault after the kernel began on the chunk (a
+# failed NVMe read of a later piece of its states under nvme_offload_fraction,
+# after earlier pieces were updated and written) leaves those pieces updated
+# and the step count advanced (and where the new shard is written in place
+# over the gradient, see [Note: CPU-step buffers], their gradient is gone); the retry steps them again, and the result
+# differs from the uninterrupted run (not detected). A forward interrupted
+# by the error in a gather is abandoned: its activations are dropped, call
+# forward again.
 
 
 class CpuStepPipeline:
@@ -51,7 +83,9 @@ class CpuStepPipeline:
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
-        self.error: CpuStepError | None = None
+        self._calls: dict[Chunk, tuple[Callable[..., None], tuple]] = {}  # pending updates' calls
+        self._failed: dict[Chunk, tuple[Callable[..., None], tuple]] = {}  # to run again
+        self._new_errors: list[CpuStepError] = []  # failed inline, raised at the end of the step
         self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
         self.update_s = 0.0  # time spent in CPU updates (hidden unless waited for)
 
@@ -175,16 +209,33 @@ class CpuStepPipeline:
 
     def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> None:
         """Run ``update(*args)`` for ``chunk``: on the worker, its write-back
-        following in ``await_chunk``; or now, written back at once."""
-        self.check()
+        following in ``await_chunk``; or now, written back at once. An inline
+        update that fails is remembered (see [Note: a failed CPU update]) and
+        its error raised by ``raise_new_errors``."""
         if self._executor is None:
             try:
                 self._run(update, *args)
             except Exception as error:  # the same error as from the worker
-                self._fail(chunk, error)
+                self._new_errors.append(self._remember(chunk, (update, args), error))
+                return
             self._finish(chunk)  # a synchronous step
         else:
+            self._calls[chunk] = (update, args)
             self._pending[chunk] = self._executor.submit(self._run, update, *args)
+
+    def defer(self, error: CpuStepError) -> None:
+        """Raise ``error`` at the next ``raise_new_errors`` (the end of the step)."""
+        self._new_errors.append(error)
+
+    def raise_new_errors(self) -> None:
+        """Raise the first error of the inline updates that failed since the last call.
+
+        Raises:
+            CpuStepError: an inline update failed.
+        """
+        errors, self._new_errors = self._new_errors, []
+        if errors:
+            raise errors[0]
 
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()
@@ -200,21 +251,30 @@ class CpuStepPipeline:
         return list(self._pending)
 
     def await_chunk(self, chunk: Chunk) -> None:
-        """Finish ``chunk``'s pending update and write its new shard back.
+        """Finish ``chunk``'s pending update and write its new shard back; a
+        failed one is run once more here, inline.
 
         Raises:
-            CpuStepError: this update, or an earlier one, failed.
+            CpuStepError: the update failed twice (see [Note: a failed CPU update]).
         """
-        if self.error is not None:
-            raise self.error
+        if chunk in self._failed:
+            self._retry(chunk)
+            return
         if chunk not in self._pending:
             return
         future = self._pending.pop(chunk)
+        call = self._calls.pop(chunk)
         t0 = time.perf_counter()
         error = future.exception()
         self.wait_s += time.perf_counter() - t0
         if error is not None:
-            self._fail(chunk, error)
+            logger.warning(
+                "GeminiOptimizer: the CPU update of chunk %d failed (%s: %s); running it again",
+                chunk.index, type(error).__name__, error,
+            )  # fmt: skip
+            self._failed[chunk] = call
+            self._retry(chunk)
+            return
         self._finish(chunk)
 
     def _finish(self, chunk: Chunk) -> None:
@@ -244,28 +304,48 @@ class CpuStepPipeline:
                 self.await_chunk(chunk)
 
     def check(self) -> None:
-        """Raise the error of a failed update, if any (also of one that failed
-        since, without being waited for).
+        """Run the failed updates again (and those that failed on the worker
+        since, without being waited for), in chunk order; every later forward
+        and step calls this first.
 
         Raises:
-            CpuStepError: an update failed.
+            CpuStepError: an update failed again; nothing else changed.
         """
-        if self.error is None:
-            for chunk, future in self._pending.items():
-                if future.done() and future.exception() is not None:
-                    self._fail(chunk, future.exception())
-        if self.error is not None:
-            raise self.error
+        for chunk, future in list(self._pending.items()):
+            if future.done() and future.exception() is not None:
+                del self._pending[chunk]
+                self._failed[chunk] = self._calls.pop(chunk)
+        for chunk in sorted(self._failed, key=_index):
+            self._retry(chunk)
 
-    def _fail(self, chunk: Chunk, error: BaseException) -> None:
-        self.error = CpuStepError(
-            f"GeminiOptimizer: the CPU update of chunk {chunk.index} failed "
-            f"({type(error).__name__}: {error}); its parameters were not written back, so the "
-            "model cannot go on: reload a checkpoint"
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the chunks whose update failed and is still to run."""
+        return sorted(c.index for c in self._failed)
+
+    def _retry(self, chunk: Chunk) -> None:
+        update, args = self._failed[chunk]
+        try:
+            self._run(update, *args)
+        except Exception as error:
+            raise self._remember(chunk, (update, args), error) from error
+        del self._failed[chunk]
+        logger.info(
+            "GeminiOptimizer: the CPU update of chunk %d ran again and succeeded", chunk.index
         )
-        self.error.__cause__ = error
-        logger.error("%s", self.error)
-        raise self.error
+        self._finish(chunk)
+
+    def _remember(self, chunk: Chunk, call: tuple, error: BaseException) -> CpuStepError:
+        self._failed[chunk] = call
+        failed = CpuStepError(
+            f"GeminiOptimizer: the CPU update of chunk {chunk.index} failed "
+            f"({type(error).__name__}: {error}); it is kept with its gradient: remove the cause "
+            "and go on (the next forward or step runs it again), or reload a checkpoint",
+            chunk.index,
+        )
+        failed.__cause__ = error
+        logger.error("%s", failed)
+        return failed
 
     # -- write-back ------------------------------------------------------------------
 

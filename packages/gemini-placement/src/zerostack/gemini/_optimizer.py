@@ -12,6 +12,7 @@ import torch
 
 from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
 from zerostack.fused_adam import HybridAdam
+from zerostack.gemini._cpu_step import CpuStepError
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
@@ -238,12 +239,15 @@ class GeminiOptimizer:
         # [Note: CPU-step buffers]): the step's norm takes this one now.
         self._early_norms[i] = torch._foreach_norm([grad])[0]
         self.pipeline.stage_grad(chunk, grad)
-        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None)
+        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._hyper())
         self._early.add(i)
 
     def _sync_hyper(self) -> None:
-        inner = self.optimizer.param_groups[0]
-        inner.update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+        self.optimizer.param_groups[0].update(self._hyper())
+
+    def _hyper(self) -> dict[str, Any]:
+        """This step's hyperparameters (lr, betas, ...), kept with each CPU update."""
+        return {k: v for k, v in self.param_groups[0].items() if k != "params"}
 
     # -- the step ---------------------------------------------------------------------
 
@@ -255,23 +259,48 @@ class GeminiOptimizer:
         Raises:
             RuntimeError: no backward finished since the last step, fp16
                 gradients not scaled through ``backward``.
-            CpuStepError: an earlier CPU update failed.
+            CpuStepError: a CPU update of this step failed, or one of an
+                earlier step failed again (see [Note: a failed CPU update]
+                in zerostack.gemini._cpu_step).
         """
         self._check_open("step")
-        self.pipeline.check()
+        try:
+            self.pipeline.check()
+        except CpuStepError as error:
+            if self.module.training_state is not TrainingState.REDUCED:
+                raise  # no step to do: the error alone
+            # An update started by this backward failed twice: the rest of
+            # the step goes on, that chunk keeps its gradient, and the error
+            # is raised at the end (as for an inline update).
+            self.pipeline.defer(error)
         if not self._ready_to_step():
+            self.pipeline.raise_new_errors()
             return False
         with phase("zerostack::step"):
             early, self._early = self._early, set()
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
                 if self._index.get(chunk) not in early:
-                    self.pipeline.await_chunk(chunk)
+                    try:
+                        self.pipeline.await_chunk(chunk)
+                    except CpuStepError as error:  # kept to run again; raised at the end
+                        self.pipeline.defer(error)
             self._plan_placement()
             self._bind_disk()
             stepped = self._step(early)
         self.module.finish_step()
         self.collector.tick()
+        self.pipeline.raise_new_errors()
         return stepped
+
+    def retry_failed_updates(self) -> None:
+        """Run the CPU updates that failed again, now (the next forward or
+        step would). See [Note: a failed CPU update] in zerostack.gemini._cpu_step.
+
+        Raises:
+            CpuStepError: an update failed again; nothing else changed.
+        """
+        self._check_open("retry_failed_updates")
+        self.pipeline.check()
 
     def _ready_to_step(self) -> bool:
         state = self.module.training_state
@@ -376,13 +405,18 @@ class GeminiOptimizer:
         # CPU-held masters, chunk by chunk in compute order (those started
         # during backward are running already). With Adam states on disk the
         # reads run ahead across chunks, in the same order.
-        order = [i for i in self._cpu_order() if i not in early]
+        failed = set(self.pipeline.failed)  # kept with their gradients, to run again
+        order = [
+            i for i in self._cpu_order() if i not in early and self.pairs[i][0].index not in failed
+        ]
         if order and hasattr(self.optimizer, "nvme_plan"):
             with self._lock:
                 self.optimizer.nvme_plan([self.masters[i] for i in order])
+        hyper = self._hyper()
         for i in order:
             chunk = self.pairs[i][0]
-            self.pipeline.submit(chunk, self._cpu_update, i, grads[i], plan.div_scale, saved.get(i))
+            args = (i, grads[i], plan.div_scale, saved.get(i), hyper)
+            self.pipeline.submit(chunk, self._cpu_update, *args)
         return True
 
     def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
@@ -418,8 +452,9 @@ class GeminiOptimizer:
         first = {idx: k for k, idx in enumerate(auto.stats.chunk_order())}
         return sorted(self._host, key=lambda i: first.get(self.pairs[i][0].index, 1 << 30))
 
-    def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved) -> None:
-        """Step one CPU-held master (on the worker thread when overlapping)."""
+    def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved, hyper) -> None:
+        """Step one CPU-held master (on the worker thread when overlapping)
+        with its step's hyperparameters (a failed update may run again later)."""
         chunk = self.pairs[i][0]
         host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
@@ -427,6 +462,7 @@ class GeminiOptimizer:
         # staging buffer (see [Note: CPU-step buffers]); bound for this update only.
         values = self.pipeline.host_values(chunk)
         with self._lock:
+            self.optimizer.param_groups[0].update(hyper)
             # Without div_scale in the kernel the gradient is scaled in place: a copy.
             grad = self._as_grad(host_grad, master)
             own = div_scale <= 0 or self._div_scale or grad is not host_grad

@@ -79,7 +79,9 @@ class ThreadBackend(Backend):
     def __init__(self, path: str, num_threads: int = 4) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._num_threads = num_threads
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="zs-nvme")
+        self._pid = os.getpid()
         self._regions: dict[str, tuple[int, int]] = {}
         self._end = 0
         self._pending: list[Future] = []
@@ -108,6 +110,11 @@ class ThreadBackend(Backend):
 
     def _submit(self, fn, key: str, tensor: torch.Tensor) -> Future:
         view = _as_bytes(tensor)
+        if self._pid != os.getpid():
+            # A forked child has none of the pool's threads: a submit would
+            # wait for ever. Futures pending at the fork are not the child's.
+            self._pid, self._pending = os.getpid(), []
+            self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="zs-nvme")
         future = self._pool.submit(fn, view, self._region(key, len(view)))
         self._pending = [f for f in self._pending if not f.done()]
         self._pending.append(future)

@@ -1,6 +1,13 @@
 """Dev-only test helpers for zerostack: never a runtime dependency of a package."""
 
 from zerostack.testing.__about__ import __version__
+from zerostack.testing._bad_inputs import (
+    BadInput,
+    check_bad_input,
+    check_unique_ids,
+    one_torch_thread,
+    same_state,
+)
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
 from zerostack.testing._spawn import SpawnError, spawn
 from zerostack.testing._tolerance import (
@@ -11,14 +18,19 @@ from zerostack.testing._tolerance import (
 )
 
 __all__ = [
+    "BadInput",
     "GPTConfig",
     "SpawnError",
     "TinyGPT",
     "__version__",
     "assert_close",
+    "check_bad_input",
+    "check_unique_ids",
     "loss_tolerance",
     "make_batch",
     "num_parameters",
+    "one_torch_thread",
+    "same_state",
     "spawn",
     "tolerance",
     "training_tolerance",

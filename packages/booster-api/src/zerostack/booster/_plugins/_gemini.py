@@ -504,5 +504,9 @@ def _check_options(
         raise NotImplementedError(
             f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
         )
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(
+            f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
+        )
     if not max_norm >= 0:
         raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off")

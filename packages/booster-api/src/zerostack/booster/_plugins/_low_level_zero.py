@@ -397,10 +397,16 @@ class LowLevelZeroPlugin(Plugin):
             raise ValueError(
                 f"{_API}: reduce_bucket_size_in_m must be > 0 (got {reduce_bucket_size_in_m})"
             )
+        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+            raise TypeError(
+                f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
+            )
         if not max_norm >= 0:
             raise ValueError(
                 f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
             )
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"{_API}: cpu_offload must be a bool (got {cpu_offload!r})")
         self.stage = stage
         self.precision = precision
         self.dtype = _DTYPES[precision]
