@@ -393,7 +393,6 @@ RELIABILITY_TESTS = [
     "packages/booster-api/tests/test_checkpoint_integrity.py",
     "packages/booster-api/tests/test_checkpoint_kill_points.py",  # the full sweep here
     "packages/gemini-placement/tests/test_gemini_failures.py",
-    "packages/zero-shard/tests/test_cpu_update_failure.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
 ]
