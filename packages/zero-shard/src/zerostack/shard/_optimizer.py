@@ -675,15 +675,22 @@ class ZeroOptimizer:
             for s, u in zip(self.shards, used, strict=True):
                 s.master.grad = s.grad if u > 0 else None
             try:
-                step_with_div_scale(self.optimizer, div_scale)
-            except OSError as error:
-                if not _write_failed(error):
-                    raise
-                logger.error("%s: %s", _API, error)
+                self._step_inner(div_scale)
             finally:
                 for s in self.shards:
                     s.master.grad = None
         self._gather_params(from_masters=False)
+
+    def _step_inner(self, div_scale: float) -> None:
+        """The inner optimizer's step over the masters that have a ``.grad``;
+        an NVMe write that failed after the update (the states stay in RAM)
+        is logged, not raised."""
+        try:
+            step_with_div_scale(self.optimizer, div_scale)
+        except OSError as error:
+            if not _write_failed(error):
+                raise
+            logger.error("%s: %s", _API, error)
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
         """Queue the CPU update of every bucket with a used parameter, in
@@ -718,11 +725,7 @@ class ZeroOptimizer:
                 # torch's optimizers want the master's dtype; fused-adam's read bf16/fp16 as is.
                 master.grad = grad if self._div_scale else grad.to(master.dtype)
             try:
-                step_with_div_scale(self.optimizer, div_scale)
-            except OSError as error:
-                if not _write_failed(error):
-                    raise
-                logger.error("%s: %s", _API, error)
+                self._step_inner(div_scale)
             finally:  # a failed update must not leave its gradients to the next one
                 for master, _ in pairs:
                     master.grad = None
