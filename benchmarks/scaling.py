@@ -8,7 +8,7 @@ figures with the one-GPU run.
     torchrun --nproc-per-node 4 benchmarks/scaling.py
     torchrun --nproc-per-node 8 benchmarks/scaling.py --layers 32 --dim 4096 --heads 32   # 7B class
 
-Not yet run on several GPUs: no several-GPU machine has been lent.
+Not yet run on several GPUs (2026-11-30: the device time ran out before it).
 """
 
 from __future__ import annotations
