@@ -393,6 +393,7 @@ RELIABILITY_TESTS = [
     "packages/booster-api/tests/test_checkpoint_integrity.py",
     "packages/booster-api/tests/test_checkpoint_kill_points.py",  # the full sweep here
     "packages/gemini-placement/tests/test_gemini_failures.py",
+    "packages/zero-shard/tests/test_offload_overlap.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
 ]

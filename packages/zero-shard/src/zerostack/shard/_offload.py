@@ -58,6 +58,27 @@ The worker overwrites a bucket's pinned ``host_params`` only after the
 ``copied`` event of its last H2D copy, and an update queued in backward
 reads its gradients only after the ``grad_copied`` event recorded on the
 reduce stream behind their D2H copy.
+
+[Note: a failed CPU update in ZeRO] An update that raises (a failed NVMe
+read, a kernel call that raises) is kept with its arguments: its masters and
+states are as before (HybridAdam/CPUAdam check everything first and put back
+the step counts of parameters whose kernel never ran), its gradient pieces
+stay untouched until the next backward, which first finishes it. Where it
+surfaces (``pop``: the write-back of that bucket, in order) it is run once
+more at once, inline; if that fails too a ``RuntimeError`` is raised and the
+bucket stays at the head of the order, so every later write-back (the next
+forward, backward, ``step()`` or ``wait_updates()``) runs it again first.
+Once the cause is removed the run goes on exactly as without the fault. A
+synchronous step (no worker) runs every bucket's update first and raises at
+the failed one's write-back; ZeroOptimizer then keeps the step unfinished:
+``backward`` refuses, ``step()`` again finishes it, ``zero_grad()`` drops
+the failed updates (their parameters keep their values). Not restored: a
+fault after a kernel ran (a later piece of states on disk failing after
+earlier ones were written, a second launch for parameters at another step
+count) is stepped again by the retry. On several ranks a write-back is an
+all-gather: a fault on one rank alone leaves the others waiting in it until
+the process group's timeout ends the job (as a dead peer does); the retry
+serves faults every rank sees, or one rank.
 """
 
 from __future__ import annotations
@@ -100,7 +121,8 @@ class OffloadPipeline:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
         self.early: list[tuple[int, Future | None]] = []  # queued in backward, not yet a round
-        self.error: RuntimeError | None = None
+        self._calls: dict[int, tuple[Callable[..., None], tuple]] = {}  # position -> its update
+        self.failed: set[int] = set()  # positions whose update failed, to run again
         self.round_open = False  # written pieces the compute stream has not waited for all of
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
         self.wait_s = 0.0  # seconds the main thread waited for them (exposed)
@@ -130,8 +152,14 @@ class OffloadPipeline:
         """Queue ``update(*args)``, written back at ``position`` in the order;
         ``early``: queued during backward, joins the round at ``adopt_early``."""
         queue = self.early if early else self.pending
+        self._calls[position] = (update, args)
         if self._executor is None:
-            self._run(update, *args)
+            try:
+                self._run(update, *args)
+            except (
+                Exception
+            ) as error:  # raised at its write-back, see [Note: a failed CPU update in ZeRO]
+                self._failed_once(position, error)
             queue.append((position, None))
         else:
             queue.append((position, self._executor.submit(self._run, update, *args)))
@@ -143,17 +171,17 @@ class OffloadPipeline:
             self.early.clear()
 
     def wait_early(self) -> None:
-        """Wait for the updates queued during backward (they stay queued).
+        """Wait for the updates queued during backward (they stay queued);
+        a failed one runs again here.
 
         Raises:
-            RuntimeError: one failed.
+            RuntimeError: one failed twice (see [Note: a failed CPU update in ZeRO]).
         """
-        self.check()
-        for position, future in self.early:
-            if future is not None and future.exception() is not None:
-                self.pending.extend(self.early)
-                self.early.clear()
-                self._fail(position, future.exception())
+        for i, (position, future) in enumerate(self.early):
+            self._settle(position, future)
+            self.early[i] = (position, None)
+            if position in self.failed:
+                self._retry(position)
 
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()
@@ -168,40 +196,60 @@ class OffloadPipeline:
         return future is None or future.done()
 
     def pop(self) -> int:
-        """Wait for the next update in order; its position.
+        """Wait for the next update in order; its position. A failed update
+        runs once more, inline; see [Note: a failed CPU update in ZeRO].
 
         Raises:
-            RuntimeError: the update failed (and every later call raises too).
+            RuntimeError: the update failed twice; it stays next in order.
         """
-        self.check()
-        position, future = self.pending.popleft()
-        if future is not None:
-            t0 = time.perf_counter()
-            error = future.exception()
-            self.wait_s += time.perf_counter() - t0
-            if error is not None:
-                self._fail(position, error)
+        position, future = self.pending[0]
+        self._settle(position, future)
+        self.pending[0] = (position, None)
+        if position in self.failed:
+            self._retry(position)
+        self.pending.popleft()
+        self._calls.pop(position, None)
         return position
 
-    def check(self) -> None:
-        """Raise the error of a failed update, if any.
+    def drop_failed(self) -> list[int]:
+        """Forget the failed updates (their parameters keep their values);
+        their positions."""
+        dropped = sorted(self.failed)
+        self.pending = deque(e for e in self.pending if e[0] not in self.failed)
+        for position in dropped:
+            self._calls.pop(position, None)
+        self.failed.clear()
+        return dropped
 
-        Raises:
-            RuntimeError: an update failed.
-        """
-        if self.error is not None:
-            raise self.error
+    def _settle(self, position: int, future: Future | None) -> None:
+        """Wait for ``future`` (the update at ``position``); a failure is kept."""
+        if future is None:
+            return
+        t0 = time.perf_counter()
+        error = future.exception()
+        self.wait_s += time.perf_counter() - t0
+        if error is not None:
+            self._failed_once(position, error)
 
-    def _fail(self, position: int, error: BaseException) -> None:
-        self.error = RuntimeError(
-            f"{self.api}: the CPU update of bucket {position} (in write-back order) failed "
-            f"({type(error).__name__}: {error}); its parameters were not written back, so the "
-            "model cannot go on: reload a checkpoint"
-        )
-        self.error.__cause__ = error
-        logger.error("%s", self.error)
-        for _, future in self.pending:  # the rest must not run on behind our back
-            if future is not None:
-                future.exception()
-        self.pending.clear()
-        raise self.error
+    def _failed_once(self, position: int, error: BaseException) -> None:
+        logger.warning(
+            "%s: the CPU update of bucket %d (in write-back order) failed (%s: %s); it will "
+            "run again", self.api, position, type(error).__name__, error,
+        )  # fmt: skip
+        self.failed.add(position)
+
+    def _retry(self, position: int) -> None:
+        update, args = self._calls[position]
+        try:
+            self._run(update, *args)
+        except Exception as error:
+            failed = RuntimeError(
+                f"{self.api}: the CPU update of bucket {position} (in write-back order) failed "
+                f"({type(error).__name__}: {error}); it is kept with its gradients: remove the "
+                "cause and go on (the next forward, backward or step runs it again), or reload "
+                "a checkpoint"
+            )
+            logger.error("%s", failed)
+            raise failed from error
+        self.failed.discard(position)
+        logger.info("%s: the CPU update of bucket %d ran again and succeeded", self.api, position)

@@ -360,6 +360,7 @@ class ZeroOptimizer:
         self._scaled_backward = False
         self._unscaled = False
         self._accumulated = False
+        self._unfinished = False  # a synchronous step whose CPU update failed; see step()
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
@@ -445,6 +446,11 @@ class ZeroOptimizer:
             raise TypeError(
                 f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
                 "loss before .item()"
+            )
+        if self._unfinished:
+            raise RuntimeError(
+                f"{_API}.backward: the last step's CPU update failed and is still to run; "
+                "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
         self.wait_updates()
         if self.scaler is not None:
@@ -637,8 +643,17 @@ class ZeroOptimizer:
             False when the step was skipped (fp16 overflow), else True.
 
         Raises:
-            RuntimeError: fp16 gradients that were not scaled through ``backward``.
+            RuntimeError: fp16 gradients that were not scaled through
+                ``backward``; a CPU update that failed twice (the step stays
+                unfinished: ``step()`` again finishes it, see [Note: a failed
+                CPU update in ZeRO]).
         """
+        if self._unfinished:  # the last step's update failed: finishing it is this step
+            self.wait_updates()
+            self._unfinished = False
+            self.zero_grad()
+            self.collector.tick()
+            return True
         if self._unscaled:
             self._unscaled = False
             self.zero_grad()
@@ -662,7 +677,9 @@ class ZeroOptimizer:
         if self._pipe is not None:
             self._queue_cpu_updates(plan.div_scale, stats[1:])
             if not self._defer:
+                self._unfinished = True
                 self.wait_updates()
+                self._unfinished = False
         else:
             self._device_step(plan.div_scale, stats[1:])
         self.zero_grad()
@@ -743,12 +760,12 @@ class ZeroOptimizer:
         ``step``, the state-dict methods and ``module.state_dict()`` call it.
 
         Raises:
-            RuntimeError: a CPU update failed (the model cannot go on).
+            RuntimeError: a CPU update failed twice; it runs again at the next
+                call (see [Note: a failed CPU update in ZeRO]).
         """
         pipe = self._pipe
         if pipe is None:
             return
-        pipe.check()
         if not pipe.round_open:
             return
         while pipe.pending:
@@ -779,7 +796,6 @@ class ZeroOptimizer:
         program that are the same on every rank, so that they keep their
         place among any collectives the model issues in forward."""
         pipe = self._pipe
-        pipe.check()
         last = positions[-1]
         eager = self.world == 1
         while pipe.pending and (pipe.pending[0][0] <= last or (eager and pipe.next_done())):
@@ -838,7 +854,16 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending). CPU
-        updates still running keep what they read."""
+        updates still running keep what they read; the failed updates of an
+        unfinished step are dropped (their parameters keep their values)."""
+        if self._unfinished:
+            dropped = self._pipe.drop_failed()
+            logger.warning(
+                "%s.zero_grad: the failed CPU updates of buckets %s (in write-back order) are "
+                "dropped: their parameters keep the values before that step", _API, dropped,
+            )  # fmt: skip
+            self._unfinished = False
+            self.wait_updates()
         if self._early:
             # Updates started in backward cannot be taken back: they count as
             # the step (see overlap_cpu_step); their parameters come at the next forward.
