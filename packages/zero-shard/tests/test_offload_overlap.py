@@ -214,8 +214,13 @@ def _train_through_a_fault(overlap, max_norm, fault=None, steps=5, at=2):
         fault.active = False
 
     for step in range(steps):
-        if fault is not None and step == at:
-            fault.active = True
+        if step == at:
+            # The last step's updates done first (in both runs): a fault
+            # switched on under a running update could fail it between two
+            # kernel launches, which a retry does not undo.
+            zero.wait_updates()
+            if fault is not None:
+                fault.active = True
         idx, tgt = make_batch(CONFIG, 2, 16, seed=step)
         try:
             loss = model(idx, tgt).float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -361,6 +362,7 @@ class ZeroOptimizer:
         self._unscaled = False
         self._accumulated = False
         self._unfinished = False  # a synchronous step whose CPU update failed; see step()
+        self._update_lock = threading.Lock()  # see _cpu_update
         self._stream = (
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
@@ -737,7 +739,10 @@ class ZeroOptimizer:
             bucket.copied.synchronize()  # the last H2D copy out of host_params is done
         if grads_ready is not None:
             grads_ready.synchronize()
-        with phase("zerostack::cpu_update"):
+        # One update at a time: the inner optimizer steps every master with a
+        # .grad, and a failed update's retry runs on the main thread while
+        # the worker may be running another bucket's.
+        with phase("zerostack::cpu_update"), self._update_lock:
             for master, grad in pairs:
                 # torch's optimizers want the master's dtype; fused-adam's read bf16/fp16 as is.
                 master.grad = grad if self._div_scale else grad.to(master.dtype)
