@@ -46,7 +46,7 @@ def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"offload_optim_frac must be in \[0, 1\] \(got 1.5\)"):
         GeminiPlugin(offload_optim_frac=1.5)
     with pytest.raises(ValueError, match=r"placement_policy must be 'static' or 'auto'"):
-        GeminiPlugin(placement_policy="cpu")
+        GeminiPlugin(placement_policy="const")
     with pytest.raises(ValueError, match=r"max_norm must be >= 0 \(got -1\)"):
         GeminiPlugin(max_norm=-1)
     plugin = GeminiPlugin(precision="fp32", chunk_init_device="meta")

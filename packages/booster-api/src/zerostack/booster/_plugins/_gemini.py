@@ -270,7 +270,13 @@ class GeminiPlugin(Plugin):
             bool}}``, skipping the search. Default None.
         chunk_init_device: where chunks are made: only the compute device
             (the current CUDA device, else the CPU). Default None (that one).
-        placement_policy: "static" or "auto". Default "static".
+        device: ColossalAI's older name for the device the model trains on
+            (``GeminiPlugin(device=torch.cuda.current_device())`` in its NVMe
+            offload guide): the same as chunk_init_device. Default None.
+        placement_policy: "static" or "auto"; ColossalAI's older "cpu"
+            (static with shard_param_frac, offload_optim_frac and
+            offload_param_frac 1.0) and "cuda" (static, everything on the
+            GPU) are taken as those shares. Default "static".
         enable_gradient_accumulation: gradients in chunks of their own, so
             that ``booster.no_sync`` works. Default False.
         max_prefetch: chunks gathered ahead ("auto"). Default 0.
@@ -354,6 +360,7 @@ class GeminiPlugin(Plugin):
         verbose: bool = False,
         fp8_communication: bool = False,
         *,
+        device: torch.device | str | int | None = None,
         gpu_capacity_bytes: int | None = None,
         scatter_after_inference: bool = True,
         overlap_cpu_step: bool = True,
@@ -371,7 +378,7 @@ class GeminiPlugin(Plugin):
         )  # fmt: skip
         _check_options(given, precision, norm_type, max_norm)
         self.precision = precision
-        self.chunk_init_device = chunk_init_device
+        self.chunk_init_device = _init_device(chunk_init_device, device)
         self.enable_gradient_accumulation = enable_gradient_accumulation
         self.verbose = verbose
         self.gemini_config = GeminiConfig.from_kwargs(
@@ -486,6 +493,27 @@ class GeminiPlugin(Plugin):
                 "booster.no_sync(model)"
             )
         return model.module.no_sync()
+
+
+def _init_device(
+    chunk_init_device: torch.device | str | None, device: torch.device | str | int | None
+) -> torch.device | str | None:
+    """``device=`` (ColossalAI's older argument) as chunk_init_device; an int is
+    a CUDA index, as ``torch.cuda.current_device()`` returns."""
+    if device is None:
+        return chunk_init_device
+    if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
+        raise TypeError(
+            f"{_API}: device must be a torch.device, a str or a CUDA index (got "
+            f"{type(device).__name__}); pass e.g. torch.cuda.current_device()"
+        )
+    wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if chunk_init_device is not None and torch.device(chunk_init_device) != wanted:
+        raise ValueError(
+            f"{_API}: device and chunk_init_device name the same thing and disagree (got "
+            f"device={wanted}, chunk_init_device={chunk_init_device!r}); pass one of them"
+        )
+    return wanted
 
 
 def _check_options(
