@@ -1,6 +1,6 @@
 """Booster: one object that boosts a model, optimizer, criterion, dataloader
 and lr scheduler for a plugin, runs backward, and saves and loads
-checkpoints (the seed's ``colossalai.booster.Booster``)."""
+checkpoints (ColossalAI's ``colossalai.booster.Booster``)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class Booster:
     Raises:
         TypeError: ``plugin`` is not a Plugin, or ``mixed_precision`` has the wrong type.
         ValueError: an unknown mixed_precision.
-        NotImplementedError: the seed's "fp16_apex", "fp16_naive" or "fp8".
+        NotImplementedError: ColossalAI's "fp16_apex", "fp16_naive" or "fp8".
     """
 
     def __init__(
@@ -237,7 +237,7 @@ class Booster:
             model: a boosted model.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
@@ -277,7 +277,7 @@ class Booster:
             optimizer: a boosted optimizer.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
         """

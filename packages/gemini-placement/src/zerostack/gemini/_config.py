@@ -1,5 +1,5 @@
 """GeminiDDP's settings: frozen configs, validated where they are built, and
-the thin keyword layer (the seed's argument names) that builds them."""
+the thin keyword layer (ColossalAI's argument names) that builds them."""
 
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ class GeminiConfig:
         scatter_after_inference: bool = True,
         master_weights: bool = True,
     ) -> GeminiConfig:
-        """The config the seed's keyword arguments describe (see GeminiDDP).
+        """The config ColossalAI's keyword arguments describe (see GeminiDDP).
 
         Raises:
             ValueError: a bad policy name, share or dtype; static fractions under "auto".
@@ -304,7 +304,7 @@ _LEGACY_POLICIES = {"cpu": (1.0, 1.0, 1.0), "cuda": (1.0, 0.0, 0.0)}
 def _legacy_policy(
     name: str, shard: float, optim: float, param: float
 ) -> tuple[str, float, float, float]:
-    """"cpu" / "cuda" as the static shares they stand for; a share set beside
+    """The older "cpu" / "cuda" as the static shares they stand for; a share set beside
     them that says otherwise is refused rather than silently overridden."""
     wanted = _LEGACY_POLICIES[name]
     given = (shard, optim, param)

@@ -1,5 +1,5 @@
 """GeminiPlugin: ZeRO-3 over chunks (zerostack.gemini) behind the Booster,
-with the seed's parameter table turned into one GeminiConfig."""
+with ColossalAI's parameter table turned into one GeminiConfig."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ _SCALER_DEFAULTS = dict(
     initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32,
 )  # fmt: skip
-# The seed's options that are not built here, with the value that means "off".
+# ColossalAI's options that are not built here, with the value that means "off".
 _NOT_BUILT = {
     "force_outputs_fp32": False,
     "memstats": None,
@@ -286,7 +286,7 @@ class GeminiPlugin(Plugin):
             placement ratios. Defaults 0.8, 0.9.
         gpu_capacity_bytes: the device memory "auto" plans for. Default
             None (the CUDA device's; required on a CPU).
-        precision: "fp16", "bf16" or "fp32" (the seed has no "fp32"). Default "fp16".
+        precision: "fp16", "bf16" or "fp32" (ColossalAI has no "fp32"). Default "fp16".
         master_weights: True only. Default True.
         pin_memory: pin CPU chunk shards. Default False.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk search.
@@ -303,7 +303,7 @@ class GeminiPlugin(Plugin):
         strict_ddp_mode: accepted either way (only data parallelism exists here).
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
-        force_outputs_fp32: the seed's, not implemented, as are memstats,
+        force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
             enable_flash_attention, enable_sequence_parallelism,
@@ -519,7 +519,7 @@ def _init_device(
 def _check_options(
     given: dict[str, Any], precision: str, norm_type: float, max_norm: float
 ) -> None:
-    """Refuse the seed's options that are not built, and bad values."""
+    """Refuse ColossalAI's options that are not built, and bad values."""
     for name, off in _NOT_BUILT.items():
         if given[name] is not off and given[name] != off:
             hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")
