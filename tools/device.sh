@@ -22,7 +22,7 @@
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
 #                              auto-offload: its GPU tests; train_gpt_offload.py per model, budget (GB) and
 #                              solver (syn, asyn, gemini: Gemini auto capped at the budget), then plain
-#                              per model; logs in $OUT/solver_logs.tgz, the seed's lines in $OUT/solver.txt
+#                              per model; logs in $OUT/solver_logs.tgz, ColossalAI's lines in $OUT/solver.txt
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
