@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import GPT2Config, GPT2LMHeadModel
+
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as error:
+    raise SystemExit("the examples train transformers' GPT-2: pip install transformers") from error
 
 
 def gpt2(
