@@ -346,10 +346,14 @@ class _Reader:
         kwargs: dict[str, Any] = {}
         sections = {}
         for name in ("zero_optimization", "fp16", "bf16", "activation_checkpointing"):
-            sections[name] = self.section(top.pop(name, None), name) or {}
-        offload = sections["zero_optimization"].pop("offload_optimizer", None)
-        sections["offload"] = self.section(offload, "zero_optimization.offload_optimizer") or {}
-        kwargs.update(self.zero(sections["zero_optimization"], sections["offload"]))
+            sections[name] = self.section(top.pop(name, None), name)
+        zero = sections["zero_optimization"]
+        offload = self.section(zero.pop("offload_optimizer", None) if zero else None,
+                               "zero_optimization.offload_optimizer")  # fmt: skip
+        sections = {k: v or {} for k, v in sections.items()}
+        sections["offload"] = offload or {}
+        if zero is not None and offload is not None:  # else reported as not a dict
+            kwargs.update(self.zero(sections["zero_optimization"], sections["offload"]))
         kwargs.update(self.precision(sections["fp16"], sections["bf16"]))
         batch = {k: self.positive_int(k, top.pop(k)) for k in BATCH_KEYS if k in top}
         if "gradient_clipping" in top:
@@ -450,11 +454,11 @@ class _Reader:
         kwargs: dict[str, Any] = {}
         stage = zero.pop("stage", 0)
         if stage == 3:
-            self.bad("zero_optimization.stage", 3, "(parameters sharded too) is GeminiPlugin's",
+            self.bad("zero_optimization.stage", 3, "3 shards the parameters too: that is GeminiPlugin's",
                      "use GeminiPlugin(...) for ZeRO-3")  # fmt: skip
         elif stage == 0:
             self.bad("zero_optimization.stage", 0,
-                     "(plain data parallelism, DeepSpeed's default when absent) has no ZeRO plugin",
+                     "0 (DeepSpeed's default when absent) is plain data parallelism, no ZeRO",
                      "use TorchDDPPlugin()")  # fmt: skip
         elif stage not in (1, 2) or isinstance(stage, bool):
             self.bad("zero_optimization.stage", stage, "must be 0-3", "put 1 or 2")

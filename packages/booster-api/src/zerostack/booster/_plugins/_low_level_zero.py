@@ -456,8 +456,11 @@ class LowLevelZeroPlugin(Plugin):
         from zerostack.booster._plugins._deepspeed import read_deepspeed_config
         from zerostack.booster._plugins._deepspeed_train import DeepSpeedTraining
 
+        # torchrun's WORLD_SIZE when the process group is not up yet
         world = rank_and_world()[1] if torch.distributed.is_initialized() else None
-        mapped, settings = read_deepspeed_config(config, world_size=world)
+        mapped, settings = read_deepspeed_config(
+            config, world_size=world or int(os.environ.get("WORLD_SIZE", "1"))
+        )
         plugin = cls(**{**mapped, **kwargs})
         plugin.deepspeed = DeepSpeedTraining(settings, "reduce_bucket_size_in_m" in kwargs)
         return plugin
