@@ -21,7 +21,7 @@ from zerostack.booster._plugins._deepspeed_train import (
     resolve_batch,
 )
 from zerostack.fused_adam import HybridAdam
-from zerostack.testing import GPTConfig, TinyGPT
+from zerostack.testing import GPTConfig, TinyGPT, one_torch_thread
 
 # A typical ZeRO-2 config, every mapped key set away from our defaults.
 FULL = {
@@ -403,16 +403,90 @@ def test_the_config_scheduler_is_stepped_by_the_optimizer():
     booster = Booster(plugin=LowLevelZeroPlugin())  # backward is the optimizer's
     idx = torch.randint(0, CONFIG.vocab_size, (2, 8))
     seen = []
-    for micro in range(8):
-        booster.backward(boosted(idx, idx), opt)
-        opt.step()
-        seen.append(sched.get_last_lr()[0])
-        if micro == 0:
-            with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\) has no effect under a "
-                              r"DeepSpeed config .*optimizer.step\(\) steps it"):  # fmt: skip
-                sched.step()
-        sched.step()  # no effect, no second warning
+    with one_torch_thread():
+        for micro in range(8):
+            booster.backward(boosted(idx, idx), opt)
+            opt.step()
+            seen.append(sched.get_last_lr()[0])
+            if micro == 0:
+                with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\) has no effect under a "
+                                  r"DeepSpeed config .*optimizer.step\(\) steps it"):  # fmt: skip
+                    sched.step()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    sched.step()  # no effect, and no second warning
     boundary = [_deepspeed_warmup(i, 0.0, 0.1, 4, "log") for i in range(4)]
     assert seen == pytest.approx([0.0, boundary[0], boundary[0], boundary[1],
                                   boundary[1], boundary[2], boundary[2], boundary[3]])  # fmt: skip
     assert sched.state_dict()["last_epoch"] == 4
+
+
+# -- a full ds_config.json --------------------------------------------------------------
+
+# Every section of DeepSpeed's ZeRO-2 guide (the Hugging Face Trainer's
+# ds_config_zero2.json, with the values the Trainer fills in for "auto").
+ZERO2_GUIDE = {
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 8, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": False},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                              "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                      "warmup_num_steps": 2, "total_num_steps": 20,
+                                                      "warmup_type": "linear"}},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": "auto",
+        "contiguous_gradients": True,
+    },
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": True,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                 "synchronize_checkpoint_boundary": False, "profile": False},
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 2000,
+    "train_batch_size": 8,
+    "train_micro_batch_size_per_gpu": 4,
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_zero2_guide_config_boosts_and_trains(tmp_path, precision):
+    config = json.loads(json.dumps(ZERO2_GUIDE))
+    config["fp16"]["enabled"], config["bf16"]["enabled"] = precision == "fp16", precision == "bf16"
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"1 key\(s\) .* no effect.*\n  - steps_per_print") as record:
+        plugin = LowLevelZeroPlugin.from_deepspeed_config(path)
+    assert len(record) == 1
+    assert plugin.precision == precision and plugin.zero_kwargs["cpu_offload"]
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    for block in model.blocks:
+        forward = block.forward
+        block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+    idx = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    dataset = [(i, torch.roll(i, -1)) for i in idx.repeat(4, 1)]
+    booster = Booster(plugin=plugin)
+    loader = plugin.prepare_dataloader(dataset)
+    model, opt, _, loader, sched = booster.boost(model, dataloader=loader)
+    assert loader.batch_size == 4 and opt.gradient_accumulation_steps == 2
+    assert isinstance(opt.optim.optimizer, HybridAdam)
+    losses, steps = [], 0
+    with one_torch_thread():  # a model this small gains nothing from threads
+        for _ in range(5):
+            for x, y in loader:
+                loss = model(x, y)
+                booster.backward(loss, opt)
+                steps += opt.step() is True
+                losses.append(loss.item())
+    assert steps == 10 and sched.state_dict()["last_epoch"] == 10
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert model.host_activations.saved_tensors > 0
