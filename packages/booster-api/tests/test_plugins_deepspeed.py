@@ -273,10 +273,12 @@ def test_batch_key_mismatches_name_every_value():
                        r"train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2, world size 2\); "
                        r"fix one of them"):  # fmt: skip
         _batch(t=32, m=4, g=2, world=2)
-    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=8, .*world size 3"):
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=8, gradient_accumulation_"
+                       r"steps=0 \(derived\), world size 3"):  # fmt: skip
         _batch(t=8, m=8, world=3)  # 8 // (8 * 3) = 0 steps
-    with pytest.raises(ValueError, match=r"batch_size differs .*\(got batch_size=8, "
-                       r"train_micro_batch_size_per_gpu=4 from train_batch_size=16.*\); pass batch_size=4"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"batch_size differs .*\(got batch_size=8, train_batch_size=16, "
+                       r"train_micro_batch_size_per_gpu=4 \(derived\), gradient_accumulation_steps=2, "
+                       r"world size 2\); pass batch_size=4"):  # fmt: skip
         _batch(t=16, g=2, world=2, loader=8)
 
 
@@ -287,7 +289,8 @@ def test_prepare_dataloader_takes_the_config_batch_size():
     assert plugin.prepare_dataloader(dataset).batch_size == 4
     assert plugin.prepare_dataloader(dataset, batch_size=4, shuffle=True).batch_size == 4
     with pytest.raises(ValueError, match=r"LowLevelZeroPlugin.prepare_dataloader: batch_size differs "
-                       r".*\(got batch_size=8, train_micro_batch_size_per_gpu=4"):  # fmt: skip
+                       r".*\(got batch_size=8, train_batch_size=12, train_micro_batch_size_per_gpu=4 "
+                       r"\(derived\)"):  # fmt: skip
         plugin.prepare_dataloader(dataset, batch_size=8)
     auto = _quiet({"zero_optimization": {"stage": 2}, "train_batch_size": "auto",
                    "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2})  # fmt: skip

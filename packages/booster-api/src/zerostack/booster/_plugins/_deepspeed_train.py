@@ -67,11 +67,18 @@ def resolve_batch(
             ``loader``; the message names every value.
     """
     t, m, g = settings.train_batch_size, settings.micro_batch_size, settings.gradient_accumulation_steps
+    given = {"t": t is not None, "m": m is not None, "g": g is not None}
 
-    def mismatch(why: str, fix: str) -> ValueError:
-        return ValueError(
-            f"{api}: {why} (got train_batch_size={t}, train_micro_batch_size_per_gpu={m}, "
-            f"gradient_accumulation_steps={g}, world size {world}); {fix}"
+    def shown(name: str, key: str, value: int | None) -> str:
+        if value is None:
+            return f"{name} not given"
+        return f"{name}={value}" + ("" if given[key] else " (derived)")
+
+    def values() -> str:
+        return (
+            f"{shown('train_batch_size', 't', t)}, "
+            f"{shown('train_micro_batch_size_per_gpu', 'm', m)}, "
+            f"{shown('gradient_accumulation_steps', 'g', g)}, world size {world}"
         )
 
     if m is None and t is not None:
@@ -81,21 +88,20 @@ def resolve_batch(
             g, m = 1, t // world  # DeepSpeed's rule when only train_batch_size is given
     if m is None:
         m = loader
+        given["m"] = loader is not None
     elif loader is not None and loader != m:
         raise ValueError(
             f"{api}: batch_size differs from the DeepSpeed config's micro batch size per rank "
-            f"(got batch_size={loader}, train_micro_batch_size_per_gpu={m} from "
-            f"train_batch_size={t}, gradient_accumulation_steps={g}, world size {world}); pass "
-            f"batch_size={m} or leave it out"
+            f"(got batch_size={loader}, {values()}); pass batch_size={m} or leave it out"
         )
     if m is not None and g is None:
         g = t // (m * world) if t is not None else 1
     g = 1 if g is None else g
     if m is not None and t is not None and (m < 1 or g < 1 or t != m * g * world):
-        raise mismatch(
-            "train_batch_size must equal train_micro_batch_size_per_gpu x "
-            "gradient_accumulation_steps x world size, as in DeepSpeed",
-            "fix one of them, or leave one out and it is derived from the other two",
+        raise ValueError(
+            f"{api}: train_batch_size must equal train_micro_batch_size_per_gpu x "
+            f"gradient_accumulation_steps x world size, as in DeepSpeed (got {values()}); fix "
+            "one of them, or leave one out and it is derived from the other two"
         )
     return (m * g * world if m is not None else t), m, g
 
@@ -174,18 +180,28 @@ class DeepSpeedTraining:
 
     # -- boost -------------------------------------------------------------------------
 
+    def check_boost(self, optimizer: Any) -> None:
+        """Before ``boost`` touches anything.
+
+        Raises:
+            ValueError: ``boost`` got an optimizer and the config has one too;
+                the batch keys disagree with the world size.
+        """
+        self.batch("Booster.boost")
+        if self.settings.optimizer is not None and optimizer is not None and not isinstance(
+            optimizer, LowLevelZeroOptimizer
+        ):
+            raise ValueError(
+                "Booster.boost: the DeepSpeed config has an optimizer section and boost got an "
+                f"optimizer too (got {type(optimizer).__name__}); pass no optimizer to use the "
+                "config's, or remove the section"
+            )
+
     def before_zero(
         self, model: LowLevelZeroModel, optimizer: Any, lr_scheduler: Any, zero_kwargs: dict
     ) -> tuple[Any, Any, dict]:
         """Resolve the "auto" bucket sizes; build the config's optimizer and
-        lr scheduler when ``boost`` got none.
-
-        Raises:
-            ValueError: ``boost`` got an optimizer and the config has one too;
-                the batch keys disagree.
-        """
-        api = "Booster.boost"
-        self.batch(api)  # the keys agree with this world size
+        lr scheduler when ``boost`` got none (after ``check_boost``)."""
         s = self.settings
         if self._bucket_auto:
             hidden = hidden_size(model.unwrap())
@@ -199,16 +215,12 @@ class DeepSpeedTraining:
             }
             zero_kwargs = {**zero_kwargs, "reduce_bucket_size": bucket_elements(sizes)}
             logger.info("%s: 'auto' bucket size of hidden size %d: %s", _API, hidden, sizes)
-        fresh = optimizer is None or not isinstance(optimizer, LowLevelZeroOptimizer)
-        if s.optimizer is not None and fresh:
-            if optimizer is not None:
-                raise ValueError(
-                    f"{api}: the DeepSpeed config has an optimizer section and boost got an "
-                    f"optimizer too (got {type(optimizer).__name__}); pass no optimizer to use "
-                    "the config's, or remove the section"
-                )
+        if optimizer is None and s.optimizer is not None:
             optimizer = build_optimizer(s.optimizer, model.unwrap().parameters())
-        if s.scheduler is not None and lr_scheduler is None and fresh and optimizer is not None:
+            if s.scheduler is not None and lr_scheduler is None:
+                lr_scheduler = build_scheduler(s.scheduler, optimizer)
+        elif s.scheduler is not None and lr_scheduler is None and optimizer is not None \
+                and not isinstance(optimizer, LowLevelZeroOptimizer):  # fmt: skip
             lr_scheduler = build_scheduler(s.scheduler, optimizer)
         return optimizer, lr_scheduler, zero_kwargs
 

@@ -498,6 +498,8 @@ class LowLevelZeroPlugin(Plugin):
         """Cast the model to ``precision`` on the current device and wrap the
         optimizer in ZeroOptimizer."""
         log = logger.warning if self.verbose else logger.debug
+        if self.deepspeed is not None:
+            self.deepspeed.check_boost(optimizer)
         if not isinstance(model, LowLevelZeroModel):
             if is_lazy(model):
                 LazyInitContext.materialize(model, "cpu", init_fn=transformers_init_fn(model))
