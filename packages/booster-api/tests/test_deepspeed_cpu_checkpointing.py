@@ -97,3 +97,24 @@ def test_checkpoint_inputs_leave_the_gpu():
         del booster, model, opt, loss
     inputs = config.num_layers * 8 * 256 * 512 * 4
     assert peaks[False] - peaks[True] >= 0.9 * inputs, peaks
+
+
+def test_a_tensor_saved_twice_goes_to_the_host_once_and_parameters_stay():
+    from zerostack.booster._plugins._deepspeed_train import HostActivations
+
+    class Square(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            y = (x * self.w).sin()  # mul saves x (and w, a parameter); sin saves x * w
+            return y * y  # saves y twice: once to the host
+
+    module = Square()
+    hooks = HostActivations(module)
+    module(torch.randn(3, 4)).sum().backward()
+    assert hooks.saved_tensors == 3 and hooks.saved_bytes == 3 * 12 * 4
+    hooks.remove()
+    module(torch.randn(3, 4))
+    assert hooks.saved_tensors == 3  # no hooks after remove()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -482,6 +483,9 @@ class HostActivations:
         self.saved_tensors = 0
         self.saved_bytes = 0
         self._open: list[Any] = []
+        # id -> (weak reference, version, packed): a tensor saved by two ops
+        # (log_softmax's output, by nll_loss too) goes to the host once.
+        self._seen: dict[int, tuple[weakref.ref, int, Any]] = {}
         self._handles = [
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._exit, always_call=True),
@@ -496,18 +500,26 @@ class HostActivations:
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self._open.pop().__exit__(None, None, None)
+        if not self._open:
+            self._seen.clear()
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
         base = t if t._base is None else t._base
         if base.is_leaf and base.requires_grad:
             return None, t  # a parameter: it stays in memory anyway
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return seen[2]
         self.saved_tensors += 1
         self.saved_bytes += t.numel() * t.element_size()
         if t.device.type == "cpu":
-            return None, t
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
-        host.copy_(t, non_blocking=self.pin)
-        return t.device, host
+            packed: tuple[torch.device | None, torch.Tensor] = (None, t)
+        else:
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+            host.copy_(t, non_blocking=self.pin)
+            packed = (t.device, host)
+        self._seen[id(t)] = (weakref.ref(t), t._version, packed)
+        return packed
 
     @staticmethod
     def _unpack(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
