@@ -93,14 +93,17 @@ def main() -> int:
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print("\n## cpu_checkpointing: peak GPU memory\n")
     print(f"- date: {date}; command: `python {' '.join(sys.argv)}`")
-    print(f"- GPU {torch.cuda.get_device_name()}, {os.cpu_count()} host cores, torch {torch.__version__}")
+    print(
+        f"- GPU {torch.cuda.get_device_name()}, {os.cpu_count()} host cores, torch {torch.__version__}"
+    )
     print(f"- {T.describe(a)}; ZeRO-2 (LowLevelZeroPlugin.from_deepspeed_config), AdamW\n")
     print("| configuration | peak GPU GiB | vs off | forward leaves on GPU GiB | vs off | "
           "kept on host GiB | step s | vs off | spread |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ratio = {
-            k: f"{r[k] / peer[k]:.3f}" if peer and peer[k] else "" for k in ("peak", "forward_kept", "step_s")
+            k: f"{r[k] / peer[k]:.3f}" if peer and peer[k] else ""
+            for k in ("peak", "forward_kept", "step_s")
         }
         print(f"| {r['name']} | {r['peak'] / gib:.2f} | {ratio['peak']} | "
               f"{r['forward_kept'] / gib:.2f} | {ratio['forward_kept']} | {r['host'] / gib:.2f} | "

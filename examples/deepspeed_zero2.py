@@ -77,20 +77,32 @@ def dataset(samples: int, seq: int, vocab: int) -> list[tuple[torch.Tensor, torc
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--deepspeed_config", help="a ds_config.json (default: DeepSpeed's ZeRO-2 guide config)")
-    ap.add_argument("--epochs", type=int, default=3, help="passes over the data (default %(default)s)")
+    ap.add_argument(
+        "--deepspeed_config", help="a ds_config.json (default: DeepSpeed's ZeRO-2 guide config)"
+    )
+    ap.add_argument(
+        "--epochs", type=int, default=3, help="passes over the data (default %(default)s)"
+    )
     ap.add_argument("--smoke", action="store_true", help="a tiny model and data set (CPU, seconds)")
-    ap.add_argument("--summary", help="write what the run did (steps, losses, lr) to this JSON file")
+    ap.add_argument(
+        "--summary", help="write what the run did (steps, losses, lr) to this JSON file"
+    )
     args = ap.parse_args()
 
     if "RANK" not in os.environ:  # plain `python`: a one-process group
-        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+        )
     launch_from_torch()
     config = args.deepspeed_config or GUIDE_CONFIG
     plugin = LowLevelZeroPlugin.from_deepspeed_config(config)
     booster = Booster(plugin=plugin)
 
-    shape = dict(dim=32, num_layers=2, vocab_size=64) if args.smoke else dict(dim=256, num_layers=6, vocab_size=512)
+    shape = (
+        dict(dim=32, num_layers=2, vocab_size=64)
+        if args.smoke
+        else dict(dim=256, num_layers=6, vocab_size=512)
+    )
     model = TinyGPT(GPTConfig(max_seq_len=32, **shape))
     for block in model.blocks:  # activation checkpointing, as Megatron's --checkpoint-activations
         block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)

@@ -85,7 +85,7 @@ def _run_case(rank: int, world: int, case: Case) -> None:
             loss = _loss(model(idx), tgt)
             booster.backward(loss, opt)
             launched = any(b.launched or b.reduced is not None for b in zero.buckets)
-            assert launched == (last and case.gas > 1 or case.gas == 1), f"{where}: communication"
+            assert launched == ((last and case.gas > 1) or case.gas == 1), f"{where}: communication"
             stepped = opt.step()
             if case.zero_grad_every_micro_step:
                 opt.zero_grad()
@@ -140,7 +140,7 @@ def test_zero_grad_after_a_backward_without_step_drops_the_window():
     opt.zero_grad()
     assert opt.micro_steps == 0 and opt.is_gradient_accumulation_boundary() is False
     ref_booster, reference, ref_opt = boosted(reference)
-    for (idx, tgt) in batches[2:]:
+    for idx, tgt in batches[2:]:
         for b, m, o in ((booster, model, opt), (ref_booster, reference, ref_opt)):
             b.backward(_loss(m(idx), tgt), o)
             o.step()

@@ -58,7 +58,9 @@ def test_each_checkpointed_block_saves_only_its_input_through_the_hooks(reentran
 
 def test_training_is_bitwise_the_same_with_and_without_it():
     torch.manual_seed(0)
-    base = _checkpointed(TinyGPT(GPTConfig(bias=False, vocab_size=64, dim=16, max_seq_len=16)), False)
+    base = _checkpointed(
+        TinyGPT(GPTConfig(bias=False, vocab_size=64, dim=16, max_seq_len=16)), False
+    )
     runs = []
     for on in (True, False):
         booster, model, opt = _boost(copy.deepcopy(base), on)

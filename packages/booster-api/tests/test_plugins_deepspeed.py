@@ -244,6 +244,7 @@ def test_keys_without_effect_are_listed_in_one_warning():
 
 # -- batch keys ----------------------------------------------------------------------------
 
+
 def _batch(t=None, m=None, g=None, world=1, loader=None):
     s = DeepSpeedSettings(train_batch_size=t, micro_batch_size=m, gradient_accumulation_steps=g)
     return resolve_batch(s, world, loader, "api")
@@ -319,7 +320,9 @@ def test_hidden_size_as_the_hugging_face_trainer_finds_it():
     assert hidden_size(_WithConfig(hidden_sizes=[8, 32, 16])) == 32
     assert hidden_size(_WithConfig()) == 24  # the smaller side of the largest Linear
     assert hidden_size(TinyGPT(CONFIG)) == CONFIG.dim
-    with pytest.raises(ValueError, match=r"a bucket size is 'auto' but the model's hidden size is unknown"):
+    with pytest.raises(
+        ValueError, match=r"a bucket size is 'auto' but the model's hidden size is unknown"
+    ):
         hidden_size(nn.Sequential(nn.ReLU()))
 
 
@@ -356,15 +359,24 @@ def test_the_config_optimizer_is_built_at_boost():
     inner = opt.optim.optimizer
     assert isinstance(inner, HybridAdam) and inner.defaults["adamw_mode"]
     group = opt.param_groups[0]
-    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (3e-4, (0.8, 0.99), 1e-6, 0.1)
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        3e-4,
+        (0.8, 0.99),
+        1e-6,
+        0.1,
+    )
     _, (_, opt, *_) = _boost({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}})
-    assert not opt.optim.optimizer.defaults["adamw_mode"]  # Adam with L2, as DeepSpeed's adam_w_mode false
+    assert not opt.optim.optimizer.defaults[
+        "adamw_mode"
+    ]  # Adam with L2, as DeepSpeed's adam_w_mode false
     _, (_, opt, *_) = _boost({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}})
     assert type(opt.optim.optimizer) is torch.optim.AdamW  # DeepSpeed's Adam is AdamW by default
     _, (_, opt, *_) = _boost({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
     assert type(opt.optim.optimizer) is torch.optim.SGD and opt.param_groups[0]["momentum"] == 0.9
     model = TinyGPT(CONFIG)
-    plugin = _quiet({"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {}}})
+    plugin = _quiet(
+        {"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {}}}
+    )
     with pytest.raises(ValueError, match=r"Booster.boost: the DeepSpeed config has an optimizer "
                        r"section and boost got an optimizer too \(got SGD\)"):  # fmt: skip
         Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -392,7 +404,9 @@ def test_warmup_schedulers_match_deepspeed(kind):
         sched = cls(opt, warmup_min_lr=1e-4, warmup_max_lr=1e-2, warmup_num_steps=5,
                     warmup_type=kind, **extra)  # fmt: skip
         for step in range(15):
-            expected = _deepspeed_warmup(step - 1, 1e-4, 1e-2, 5, kind, extra.get("total_num_steps"))
+            expected = _deepspeed_warmup(
+                step - 1, 1e-4, 1e-2, 5, kind, extra.get("total_num_steps")
+            )
             assert opt.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), (cls, step)
             opt.step()
             sched.step()
@@ -402,7 +416,7 @@ def test_the_config_scheduler_is_stepped_by_the_optimizer():
     config = {"optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.1, "warmup_num_steps": 4}},
               "gradient_accumulation_steps": 2}  # fmt: skip
-    model, (boosted, opt, _, _, sched) = _boost(config)
+    _, (boosted, opt, _, _, sched) = _boost(config)
     booster = Booster(plugin=LowLevelZeroPlugin())  # backward is the optimizer's
     idx = torch.randint(0, CONFIG.vocab_size, (2, 8))
     seen = []
@@ -466,7 +480,9 @@ def test_the_zero2_guide_config_boosts_and_trains(tmp_path, precision):
     config["fp16"]["enabled"], config["bf16"]["enabled"] = precision == "fp16", precision == "bf16"
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
-    with pytest.warns(UserWarning, match=r"1 key\(s\) .* no effect.*\n  - steps_per_print") as record:
+    with pytest.warns(
+        UserWarning, match=r"1 key\(s\) .* no effect.*\n  - steps_per_print"
+    ) as record:
         plugin = LowLevelZeroPlugin.from_deepspeed_config(path)
     assert len(record) == 1
     assert plugin.precision == precision and plugin.zero_kwargs["cpu_offload"]
@@ -474,7 +490,9 @@ def test_the_zero2_guide_config_boosts_and_trains(tmp_path, precision):
     model = TinyGPT(CONFIG)
     for block in model.blocks:
         forward = block.forward
-        block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False)
+        block.forward = lambda x, f=forward: torch.utils.checkpoint.checkpoint(
+            f, x, use_reentrant=False
+        )
     idx = torch.randint(0, CONFIG.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     dataset = [(i, torch.roll(i, -1)) for i in idx.repeat(4, 1)]
     booster = Booster(plugin=plugin)

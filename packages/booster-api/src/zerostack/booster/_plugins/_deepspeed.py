@@ -344,13 +344,14 @@ class _Reader:
 
     def read(self, top: dict[str, Any]) -> tuple[dict[str, Any], DeepSpeedSettings]:
         kwargs: dict[str, Any] = {}
-        sections = {}
-        for name in ("zero_optimization", "fp16", "bf16", "activation_checkpointing"):
-            sections[name] = self.section(top.pop(name, None), name)
-        zero = sections["zero_optimization"]
+        raw = {
+            name: self.section(top.pop(name, None), name)
+            for name in ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
+        }
+        zero = raw["zero_optimization"]
         offload = self.section(zero.pop("offload_optimizer", None) if zero else None,
                                "zero_optimization.offload_optimizer")  # fmt: skip
-        sections = {k: v or {} for k, v in sections.items()}
+        sections: dict[str, dict[str, Any]] = {k: v or {} for k, v in raw.items()}
         sections["offload"] = offload or {}
         if zero is not None and offload is not None:  # else reported as not a dict
             kwargs.update(self.zero(sections["zero_optimization"], sections["offload"]))
@@ -383,7 +384,9 @@ class _Reader:
                 top.pop(name)  # a section switched off asks for nothing
             elif name in _OFF_ONLY:
                 top.pop(name)
-                self.bad(name, value, "is not implemented", f"set enabled to false; {_OFF_ONLY[name]}")
+                self.bad(
+                    name, value, "is not implemented", f"set enabled to false; {_OFF_ONLY[name]}"
+                )
         self.rest("", top)
         self.rest("zero_optimization", sections["zero_optimization"])
         self.rest("zero_optimization.offload_optimizer", sections["offload"])
@@ -473,10 +476,13 @@ class _Reader:
                 elif self.number(name, size, minimum=1.0):
                     self.buckets[key] = int(size)
         if self.buckets and _AUTO not in self.buckets.values():
-            kwargs["reduce_bucket_size_in_m"] = bucket_elements(self.buckets) / 2**20
+            sizes = {k: int(v) for k, v in self.buckets.items()}
+            kwargs["reduce_bucket_size_in_m"] = bucket_elements(sizes) / 2**20
         if "overlap_comm" in zero:
             kwargs["overlap_communication"] = bool(zero.pop("overlap_comm"))
-        param_offload = self.section(zero.pop("offload_param", None), "zero_optimization.offload_param")
+        param_offload = self.section(
+            zero.pop("offload_param", None), "zero_optimization.offload_param"
+        )
         if param_offload and param_offload.get("device", "none") not in ("none", None):
             self.bad("zero_optimization.offload_param", param_offload,
                      "(parameter offload) is ZeRO-3", "use GeminiPlugin(offload_param_frac=...)")  # fmt: skip
@@ -528,7 +534,10 @@ class _Reader:
         spec = self.section(section, "optimizer")
         if not spec:
             return None
-        kind, params = spec.pop("type", None), self.section(spec.pop("params", None), "optimizer.params")
+        kind, params = (
+            spec.pop("type", None),
+            self.section(spec.pop("params", None), "optimizer.params"),
+        )
         for key in spec:
             self.bad(f"optimizer.{key}", spec[key], "has no equivalent in LowLevelZeroPlugin",
                      "remove it")  # fmt: skip
@@ -570,7 +579,10 @@ class _Reader:
         spec = self.section(section, "scheduler")
         if not spec:
             return None
-        kind, params = spec.pop("type", None), self.section(spec.pop("params", None), "scheduler.params")
+        kind, params = (
+            spec.pop("type", None),
+            self.section(spec.pop("params", None), "scheduler.params"),
+        )
         for key in spec:
             self.bad(f"scheduler.{key}", spec[key], "has no equivalent in LowLevelZeroPlugin",
                      "remove it")  # fmt: skip

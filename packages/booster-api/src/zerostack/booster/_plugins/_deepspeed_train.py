@@ -67,7 +67,11 @@ def resolve_batch(
         ValueError: the keys disagree with each other, the world size or
             ``loader``; the message names every value.
     """
-    t, m, g = settings.train_batch_size, settings.micro_batch_size, settings.gradient_accumulation_steps
+    t, m, g = (
+        settings.train_batch_size,
+        settings.micro_batch_size,
+        settings.gradient_accumulation_steps,
+    )
     given = {"t": t is not None, "m": m is not None, "g": g is not None}
 
     def shown(name: str, key: str, value: int | None) -> str:
@@ -189,8 +193,10 @@ class DeepSpeedTraining:
                 the batch keys disagree with the world size.
         """
         self.batch("Booster.boost")
-        if self.settings.optimizer is not None and optimizer is not None and not isinstance(
-            optimizer, LowLevelZeroOptimizer
+        if (
+            self.settings.optimizer is not None
+            and optimizer is not None
+            and not isinstance(optimizer, LowLevelZeroOptimizer)
         ):
             raise ValueError(
                 "Booster.boost: the DeepSpeed config has an optimizer section and boost got an "
@@ -225,7 +231,9 @@ class DeepSpeedTraining:
             lr_scheduler = build_scheduler(s.scheduler, optimizer)
         return optimizer, lr_scheduler, zero_kwargs
 
-    def wrap_optimizer(self, zero: ZeroOptimizer, model: LowLevelZeroModel) -> LowLevelZeroOptimizer:
+    def wrap_optimizer(
+        self, zero: ZeroOptimizer, model: LowLevelZeroModel
+    ) -> LowLevelZeroOptimizer:
         return DeepSpeedZeroOptimizer(zero, model, self.batch("Booster.boost")[2])
 
     def after_zero(self, model: LowLevelZeroModel, optimizer: Any, lr_scheduler: Any) -> Any:
@@ -384,7 +392,9 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
         last_epoch: int = -1,
     ) -> None:
         if warmup_type not in ("log", "linear"):
-            raise ValueError(f"WarmupLR: warmup_type must be 'log' or 'linear' (got {warmup_type!r})")
+            raise ValueError(
+                f"WarmupLR: warmup_type must be 'log' or 'linear' (got {warmup_type!r})"
+            )
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.warmup_num_steps = max(2, int(warmup_num_steps))

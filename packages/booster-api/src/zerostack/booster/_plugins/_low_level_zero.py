@@ -465,7 +465,9 @@ class LowLevelZeroPlugin(Plugin):
         plugin.deepspeed = DeepSpeedTraining(settings, "reduce_bucket_size_in_m" in kwargs)
         return plugin
 
-    def prepare_dataloader(self, dataset: Any, batch_size: int | None = None, *args: Any, **kwargs: Any):
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int | None = None, *args: Any, **kwargs: Any
+    ):
         """Plugin.prepare_dataloader; under a DeepSpeed config ``batch_size``
         defaults to its micro batch size per rank (a different one is a
         ValueError).
