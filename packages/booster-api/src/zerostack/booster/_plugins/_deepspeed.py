@@ -421,8 +421,7 @@ class _Reader:
                 if value != rule.default:
                     self.bad(name, value, f"can only be {json.dumps(rule.default)}", rule.hint)
             elif value == _AUTO:
-                self.bad(name, value, "is 'auto', which has no source here",
-                         "put the value itself ('auto' is the Hugging Face Trainer's)")  # fmt: skip
+                self.no_source(name, value)
             else:
                 self.bad(name, value, "has no equivalent in LowLevelZeroPlugin", "remove it")
 
@@ -530,31 +529,44 @@ class _Reader:
 
     # -- optimizer and scheduler -------------------------------------------------------
 
-    def optimizer(self, section: Any) -> dict[str, Any] | None:
-        spec = self.section(section, "optimizer")
+    def spec(self, section: Any, name: str, check: Any) -> dict[str, Any] | None:
+        """The ``{"type", "params"}`` of the optimizer or scheduler section,
+        checked by ``check(kind, params)``; None when absent or reported."""
+        spec = self.section(section, name)
         if not spec:
             return None
-        kind, params = (
-            spec.pop("type", None),
-            self.section(spec.pop("params", None), "optimizer.params"),
-        )
+        kind = spec.pop("type", None)
+        params = self.section(spec.pop("params", None), f"{name}.params")
         for key in spec:
-            self.bad(f"optimizer.{key}", spec[key], "has no equivalent in LowLevelZeroPlugin",
+            self.bad(f"{name}.{key}", spec[key], "has no equivalent in LowLevelZeroPlugin",
                      "remove it")  # fmt: skip
         if params is None:
             return None
         problems = len(self.problems)
+        for key, value in params.items():
+            if value == _AUTO:
+                self.no_source(f"{name}.params.{key}", value)
+        check(kind, params)
+        return None if len(self.problems) > problems else {"type": kind, "params": params}
+
+    def no_source(self, key: str, value: Any) -> None:
+        self.bad(key, value, "is 'auto', which has no source here",
+                 "put the value itself ('auto' is the Hugging Face Trainer's)")  # fmt: skip
+
+    def optimizer(self, section: Any) -> dict[str, Any] | None:
+        return self.spec(section, "optimizer", self.check_optimizer)
+
+    def check_optimizer(self, kind: Any, params: dict[str, Any]) -> None:
         if not isinstance(kind, str):
             self.bad("optimizer.type", kind, "must be a name", 'put e.g. "AdamW"')
         elif kind.lower() in ("adam", "adamw"):
-            allowed = _ADAM_PARAMS
             if params.get("amsgrad", False):
                 self.bad("optimizer.params.amsgrad", params["amsgrad"],
                          "is not implemented by DeepSpeed's or zerostack's fused Adam",
                          "remove it, or build torch.optim.AdamW(amsgrad=True) and pass it to boost")  # fmt: skip
-            for key in set(params) - allowed:
+            for key in set(params) - _ADAM_PARAMS:
                 self.bad(f"optimizer.params.{key}", params[key], f"is not an argument of {kind}",
-                         f"use {sorted(allowed)}")  # fmt: skip
+                         f"use {sorted(_ADAM_PARAMS)}")  # fmt: skip
         elif isinstance(getattr(torch.optim, kind, None), type) and issubclass(
             getattr(torch.optim, kind), torch.optim.Optimizer
         ):
@@ -567,33 +579,16 @@ class _Reader:
                      "is not Adam, AdamW or a torch.optim class (DeepSpeed's own optimizers, "
                      "e.g. Lamb or OneBitAdam, are not implemented)",
                      "build the optimizer yourself and pass it to booster.boost")  # fmt: skip
-        for key, value in params.items():
-            if value == _AUTO:
-                self.bad(f"optimizer.params.{key}", value, "is 'auto', which has no source here",
-                         "put the value itself ('auto' is the Hugging Face Trainer's)")  # fmt: skip
-        if len(self.problems) > problems:
-            return None
-        return {"type": kind, "params": params}
 
     def scheduler(self, section: Any) -> dict[str, Any] | None:
-        spec = self.section(section, "scheduler")
-        if not spec:
-            return None
-        kind, params = (
-            spec.pop("type", None),
-            self.section(spec.pop("params", None), "scheduler.params"),
-        )
-        for key in spec:
-            self.bad(f"scheduler.{key}", spec[key], "has no equivalent in LowLevelZeroPlugin",
-                     "remove it")  # fmt: skip
-        if params is None:
-            return None
-        problems = len(self.problems)
+        return self.spec(section, "scheduler", self.check_scheduler)
+
+    def check_scheduler(self, kind: Any, params: dict[str, Any]) -> None:
         if kind not in SCHEDULERS:
             self.bad("scheduler.type", kind, f"is not one of {list(SCHEDULERS)}",
                      "build the lr scheduler on your optimizer (torch.optim.lr_scheduler) and "
                      "pass it to booster.boost(lr_scheduler=...)")  # fmt: skip
-            return None
+            return
         from zerostack.booster._plugins._deepspeed_train import WarmupDecayLR, WarmupLR
 
         cls = WarmupLR if kind == "WarmupLR" else WarmupDecayLR
@@ -601,16 +596,9 @@ class _Reader:
         for key in set(params) - names:
             self.bad(f"scheduler.params.{key}", params[key], f"is not an argument of {kind}",
                      f"use {sorted(names)}")  # fmt: skip
-        for key, value in params.items():
-            if value == _AUTO:
-                self.bad(f"scheduler.params.{key}", value, "is 'auto', which has no source here",
-                         "put the value itself ('auto' is the Hugging Face Trainer's)")  # fmt: skip
         if params.get("warmup_type", "log") not in ("log", "linear"):
             self.bad("scheduler.params.warmup_type", params["warmup_type"],
                      "must be 'log' or 'linear'", "pick one of them")  # fmt: skip
         if kind == "WarmupDecayLR" and "total_num_steps" not in params:
             self.bad("scheduler.params.total_num_steps", None, "is required by WarmupDecayLR",
                      "put the number of optimizer steps of the run")  # fmt: skip
-        if len(self.problems) > problems:
-            return None
-        return {"type": kind, "params": params}
