@@ -242,6 +242,24 @@ def test_keys_without_effect_are_listed_in_one_warning():
     assert "cpu_checkpointing" not in message
 
 
+def test_the_plugin_refuses_what_it_does_not_build():
+    with pytest.raises(NotImplementedError, match=r"stage 3 .* use GeminiPlugin"):
+        LowLevelZeroPlugin(stage=3)
+    with pytest.raises(ValueError, match=r"stage must be 1 or 2 \(got 0\)"):
+        LowLevelZeroPlugin(stage=0)
+    with pytest.raises(
+        ValueError, match=r"precision must be 'fp16', 'bf16' or 'fp32' \(got 'fp8'\)"
+    ):
+        LowLevelZeroPlugin(precision="fp8")
+    with pytest.raises(NotImplementedError, match=r"norm_type=2.0 .*got 1.0"):
+        LowLevelZeroPlugin(norm_type=1.0)
+    with pytest.raises(NotImplementedError, match=r"overlap_allgather=True"):
+        LowLevelZeroPlugin(overlap_allgather=True)
+    with pytest.raises(ValueError, match=r"reduce_bucket_size_in_m must be > 0 \(got 0\)"):
+        LowLevelZeroPlugin(reduce_bucket_size_in_m=0)
+    assert LowLevelZeroPlugin().zero_kwargs["reduce_bucket_size"] == 12 * 2**20
+
+
 # -- batch keys ----------------------------------------------------------------------------
 
 
