@@ -147,3 +147,31 @@ def test_zero_grad_after_a_backward_without_step_drops_the_window():
     for a, b in zip(model.unwrap().parameters(), reference.unwrap().parameters(), strict=True):
         assert torch.equal(a, b)
     assert opt.micro_steps == 4
+
+
+def test_a_boundary_step_that_raises_stays_the_boundary():
+    """ZeroOptimizer's step() may raise and be called again to finish (a
+    failed CPU update): the micro-step count does not move past it."""
+    torch.manual_seed(0)
+    booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+    model = TinyGPT(CONFIG)
+    model, opt, *_ = booster.boost(model, _optimizer("sgd", model.parameters()))
+    idx, tgt = make_batch(CONFIG, 4, 16, seed=0)
+    for _ in range(2):
+        booster.backward(_loss(model(idx), tgt), opt)
+        if opt.is_gradient_accumulation_boundary():
+            break
+        assert opt.step() is None
+    step, calls = opt.optim.step, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a CPU update failed")
+        return step()
+
+    opt.optim.step = fails_once
+    with pytest.raises(RuntimeError, match="a CPU update failed"):
+        opt.step()
+    assert opt.micro_steps == 1 and opt.is_gradient_accumulation_boundary()
+    assert opt.step() is True and opt.micro_steps == 2 and len(calls) == 2

@@ -15,7 +15,9 @@ N (gas), the boosted optimizer follows DeepSpeed's ``engine.backward`` /
     the N-th it steps (clipping and the fp16 overflow check on the
     accumulated gradient), zeroes the gradients, and steps the lr scheduler
     (unless fp16 overflow skipped the step, as in DeepSpeed); on the others
-    it does nothing and returns None.
+    it does nothing and returns None. A step that raises is not counted:
+    ``step()`` again finishes it (ZeroOptimizer's failed CPU update), or
+    ``zero_grad()`` drops the window.
   - ``optimizer.zero_grad()`` after ``step()`` inside a window does nothing
     (a loop that calls it every micro-step keeps its gradients); called
     after a backward with no ``step()`` since (a micro-batch dropped, e.g.
@@ -280,12 +282,15 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
             self.optim.backward(loss)
 
     def _step(self, *args: Any, **kwargs: Any) -> bool | None:
-        boundary = self.is_gradient_accumulation_boundary()
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            self._backward_since_step = False
+            return None
+        # A step that raises stays the boundary: step() again finishes it (a
+        # failed CPU update), zero_grad() drops the window.
+        stepped = self.optim.step()
         self.micro_steps += 1
         self._backward_since_step = False
-        if not boundary:
-            return None
-        stepped = self.optim.step()
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return stepped
