@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from zerostack.booster import (
+    Booster,
+    DeepSpeedConfigError,
+    GeminiPlugin,
+    LowLevelZeroPlugin,
+    TorchDDPPlugin,
+)
 from zerostack.fused_adam import HybridAdam
 from zerostack.testing import (
     BadInput,
@@ -111,6 +117,11 @@ CASES = [
     BadInput("gemini-offload-optim-frac", lambda env: GeminiPlugin(offload_optim_frac=2.0), ValueError, r"offload_optim_frac must be in \[0, 1\] \(got 2\.0\)"),
     BadInput("gemini-max-norm-str", lambda env: GeminiPlugin(max_norm="1"), TypeError, r"GeminiPlugin: max_norm must be a number \(got '1'\)", True),
     BadInput("gemini-unknown-keyword", lambda env: GeminiPlugin(offload=True), TypeError, r"unexpected keyword argument 'offload'"),
+    BadInput("deepspeed-config-list", lambda env: LowLevelZeroPlugin.from_deepspeed_config([{"zero_optimization": {"stage": 2}}]), TypeError, r"from_deepspeed_config: (the )?config must be a dict.*\(got list\)"),
+    BadInput("deepspeed-config-every-problem", lambda env: LowLevelZeroPlugin.from_deepspeed_config({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True, "loss_scale": 128}}), DeepSpeedConfigError, r"2 key\(s\) of the DeepSpeed config cannot be honoured \(got a dict\)(.|\n)*stage 3 (.|\n)*fp16.loss_scale can only be 0 \(got 128\)", True),
+    BadInput("deepspeed-config-batch-mismatch", lambda env: LowLevelZeroPlugin.from_deepspeed_config({"zero_optimization": {"stage": 2}, "train_batch_size": 8, "train_micro_batch_size_per_gpu": 3}), DeepSpeedConfigError, r"train_batch_size must equal .*\(got train_batch_size=8, train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2 \(derived\), world size 1\)", True),
+    BadInput("deepspeed-prepare-dataloader-batch-size", lambda env: LowLevelZeroPlugin.from_deepspeed_config({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 4}).prepare_dataloader(list(range(8)), batch_size=8), ValueError, r"prepare_dataloader: batch_size differs from the DeepSpeed config's micro batch size per rank \(got batch_size=8, train_batch_size not given, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps not given", True),
+    BadInput("deepspeed-boost-second-optimizer", lambda env: Booster(plugin=LowLevelZeroPlugin.from_deepspeed_config({"zero_optimization": {"stage": 2}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})).boost(env["plain"], env["plain_opt"]), ValueError, r"Booster\.boost: the DeepSpeed config has an optimizer section and boost got an optimizer too \(got HybridAdam\)", True),
     BadInput("torch-ddp-unknown-keyword", lambda env: TorchDDPPlugin(foo=1), TypeError, r"unexpected keyword argument 'foo'"),
     # -- backward, no_sync -----------------------------------------------------------------
     BadInput("backward-loss-float", _b("backward", 1.0, "opt"), TypeError, r"Booster\.backward: loss must be a tensor \(got float\)", True),
