@@ -42,7 +42,8 @@ TEST_REQUIREMENTS = {
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
-# The examples train transformers' GPT-2 (tqdm, which two of them show, comes with it).
+# The examples, and the DeepSpeed program of docs/migration/deepspeed.md, train
+# transformers' GPT-2 (tqdm, which two examples show, comes with it).
 EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # What CI runs, in order; `tests` requires them all (nox then reports each one).
 CI_SESSIONS = ["lint", "unit", "integration", "examples", "build", "docs"]
@@ -376,6 +377,7 @@ def integration(session: nox.Session) -> None:
     the torchrun runner of the multi-GPU checks in its CPU (gloo) mode, and
     benchmarks/scale.py's smoke."""
     _install_packages(session, PACKAGES)
+    session.install(*EXAMPLE_REQUIREMENTS)  # docs/migration/deepspeed.md trains transformers' GPT-2
     session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
     runner = ["torchrun", "--nproc-per-node"]
     script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
