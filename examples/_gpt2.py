@@ -33,6 +33,9 @@ def gpt2(
         # GPT-2's special token (50256) lies outside a smaller vocabulary.
         bos_token_id=vocab - 1, eos_token_id=vocab - 1,
         use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+        # GPT-2's GELU (the tanh approximation, "gelu_new") as torch's one fused
+        # kernel: gelu_new's seven elementwise ops took most of a CPU step.
+        activation_function="gelu_pytorch_tanh",
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     if checkpointing:
