@@ -24,7 +24,7 @@ from zerostack.booster._plugins import (
     TorchDDPOptimizer,
     TorchDDPPlugin,
 )
-from zerostack.chunk import LazyInitContext
+from zerostack.chunk import ColoInitContext, LazyInitContext
 
 __all__ = [
     "AutoOffloadModel",
@@ -33,6 +33,7 @@ __all__ = [
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "ColoInitContext",
     "GeminiModel",
     "GeminiOptimizerWrapper",
     "GeminiPlugin",
