@@ -20,7 +20,7 @@ from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
 from zerostack.chunk._chunk import _default_device, check_device
-from zerostack.chunk._lazy_record import Recorder, Recording, Ref, recording_rng, ref_of
+from zerostack.chunk._lazy_record import Disguise, Recorder, Recording, Ref, recording_rng, ref_of
 from zerostack.chunk._lazy_replay import Replay
 from zerostack.chunk._manager import ChunkManager
 
@@ -107,6 +107,7 @@ class LazyInitContext:
                 rec.track_device(self.default_device)
                 stack.enter_context(torch.device(self.default_device))
             stack.enter_context(recording_rng(rec))
+            stack.enter_context(Disguise(rec))
             stack.enter_context(Recorder(rec))
         except BaseException:
             stack.close()

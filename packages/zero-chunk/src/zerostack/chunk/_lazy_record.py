@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -157,6 +158,7 @@ class Recording:
         self._slot_tensors: list[torch.Tensor] = []  # held, so that ids stay unique
         self.thread = threading.get_ident()
         self.active = False
+        self.paused = 0  # >0 while a replay runs inside the block: its ops are real
         self.track(torch.default_generator)
         self.cpu_state = self.generators[id(torch.default_generator)][1]
 
@@ -216,11 +218,25 @@ class Recording:
         return [g for g, _ in self.generators.values() if g.device.type == "cuda"]
 
     def here(self) -> bool:
-        return self.active and threading.get_ident() == self.thread
+        return self.active and not self.paused and threading.get_ident() == self.thread
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
 
     # -- dispatch -------------------------------------------------------------
 
     def dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.paused:
+            return func(*args, **kwargs)
+        with self.pause():  # our own tensor queries see the truth
+            return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: tuple, kwargs: dict) -> Any:
         schema = _schema(func)
         flat, spec = tree_flatten((args, kwargs))
         lazy: dict[int, int] = {}
@@ -373,6 +389,34 @@ class Recorder(TorchDispatchMode):
         return self.recording.dispatch(func, args, kwargs or {})
 
 
+_GETTERS = {
+    torch.Tensor.is_meta.__get__: lambda d: False,
+    torch.Tensor.device.__get__: lambda d: d,
+    torch.Tensor.is_cuda.__get__: lambda d: d.type == "cuda",
+    torch.Tensor.is_cpu.__get__: lambda d: d.type == "cpu",
+}
+
+
+class Disguise(TorchFunctionMode):
+    """The model's code sees a lazily built tensor on the device it will have,
+    not on meta, as in an eager build: torch's ``nn.init.trunc_normal_``,
+    ``orthogonal_``, ``sparse_`` and ``dirac_`` do nothing to meta tensors,
+    and ``torch.zeros(n, device=w.device)`` must not make one."""
+
+    def __init__(self, recording: Recording) -> None:
+        super().__init__()
+        self.recording = recording
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        answer = _GETTERS.get(func)
+        if answer is not None and self.recording.here():
+            sid = self.recording.sid(args[0])  # this mode is off inside its handler
+            device = None if sid is None else self.recording.storages[sid].device
+            if device is not None:
+                return answer(device)
+        return func(*args, **(kwargs or {}))
+
+
 def _cuda_index(device: Any = "cuda") -> int:
     if isinstance(device, int):
         return device
@@ -389,7 +433,7 @@ def _cuda_generator(device: Any = "cuda") -> torch.Generator:
 def recording_rng(rec: Recording) -> Iterator[None]:
     """Within the block, route torch's RNG state functions through ``rec``
     (they still act on the real generators too). ``Tensor.tolist`` on a
-    lazily built tensor computes its value."""
+    lazily built tensor (and ``numpy``) computes its value."""
     patched: list[tuple[Any, str, Any, bool]] = []
 
     def patch(module: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -461,15 +505,19 @@ def recording_rng(rec: Recording) -> Iterator[None]:
             for name in ("manual_seed", "manual_seed_all", "seed", "seed_all"):
                 patch(module, name, seeder(rec.cuda_generators))
 
-    def make_tolist(orig: Any) -> Any:
-        def tolist(self: torch.Tensor) -> Any:
-            if rec.here() and rec.sid(self) is not None:
-                return orig(rec.evaluate(self))
-            return orig(self)
+    def reads_values(orig: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if rec.here():
+                with rec.pause():
+                    lazy = rec.sid(self) is not None
+                    if lazy:
+                        return orig(rec.evaluate(self), *args, **kwargs)
+            return orig(self, *args, **kwargs)
 
-        return tolist
+        return read
 
-    patch(torch.Tensor, "tolist", make_tolist)
+    patch(torch.Tensor, "tolist", reads_values)
+    patch(torch.Tensor, "numpy", reads_values)
     try:
         yield
     finally:

@@ -99,7 +99,7 @@ class Replay:
         slots: dict[int, torch.Tensor] = {}
         self._swap_in()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.rec.pause():
                 for k, mode in enumerate(self.mode):
                     if not mode:
                         continue
