@@ -85,6 +85,26 @@ class Reseeding(nn.Module):
         self.e = nn.Linear(3, 3)
 
 
+class TorchInits(nn.Module):
+    """torch's initialisers, four of which skip meta tensors, and values read
+    back while building (a list of drop rates, a condition)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates = torch.linspace(0, 0.1, 3).tolist()
+        self.t = nn.Parameter(nn.init.trunc_normal_(torch.empty(5, 5), std=0.02))
+        self.o = nn.Parameter(nn.init.orthogonal_(torch.empty(4, 6)))
+        self.s = nn.Parameter(nn.init.sparse_(torch.empty(6, 3), sparsity=0.5))
+        self.conv = nn.Conv1d(3, 3, 3)
+        nn.init.dirac_(self.conv.weight)
+        nn.init.xavier_uniform_(self.conv.weight[:, :1])
+        self.k = nn.Parameter(nn.init.kaiming_normal_(torch.empty(3, 4)))
+        self.register_buffer("perm", torch.randperm(7))
+        self.b = nn.Parameter(torch.bernoulli(torch.full((4,), 0.5)))
+        if (self.k > 0).any():
+            self.k.data.mul_(2.0)
+
+
 def _stack() -> nn.Module:
     return nn.Sequential(
         nn.Embedding(10, 16, padding_idx=0), nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 5)
@@ -117,6 +137,7 @@ CASES = {
     "no_reset_parameters": lambda: nn.Sequential(NoReset(), nn.GELU(), NoReset()),
     "computed_in_init": Computed,
     "rng_changes_in_init": Reseeding,
+    "torch_initialisers": TorchInits,
     "transformers_gpt2": WrappedGPT2,
 }
 
@@ -201,6 +222,8 @@ def test_materialize_equals_eager(name):
         assert torch.equal(a, b), f"{name}: {n} differs from eager construction"
     if name == "stack":
         assert not model[0].weight.requires_grad and model[1].weight.requires_grad
+    if name == "torch_initialisers":
+        assert model.rates == ref.rates == [0.0, 0.05, 0.1]
     tied = {
         "tinygpt": lambda m: (m.lm_head, m.tok_emb),
         "tied_after_construction": lambda m: (m.head, m.emb),
@@ -383,6 +406,7 @@ def _run_all(rank, world, check_memory, with_transformers):
     _check_distribute(rank, world, "no_reset_parameters", None, 24)
     _check_distribute(rank, world, "computed_in_init", torch.bfloat16, 130)
     _check_distribute(rank, world, "rng_changes_in_init", None, 30)
+    _check_distribute(rank, world, "torch_initialisers", None, 40)
     if with_transformers:
         _check_distribute(rank, world, "transformers_gpt2", torch.float16, 20000)
     if world > 1:
