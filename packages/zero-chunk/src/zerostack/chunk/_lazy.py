@@ -58,10 +58,14 @@ class LazyInitContext:
     tensors at a time. The global RNG is left alone by the block and by
     materialization.
 
-    A value Python needs during construction (``.item()``, ``.tolist()``)
-    is computed then, by replaying the record so far. Limits: the model's
-    tensors report the meta device during construction; an op that writes a
-    lazily built tensor and has no meta kernel raises ``NotImplementedError``.
+    During construction the model's code sees its tensors on the device they
+    will have (torch's ``trunc_normal_`` and ``orthogonal_`` skip meta
+    tensors), and a value Python reads (``.item()``, ``.tolist()``) is
+    computed then, by replaying the record so far; after the block they are
+    on meta. Limits: an op that writes a lazily built tensor and has no meta
+    kernel raises ``NotImplementedError``; ``torch.tensor(...)`` literals are
+    made for real (they are small); values are replayed with the kernels of
+    ``default_device``'s type. See [Note: lazy init record].
 
     Args:
         default_device: the device the initialisation runs on (tensors
