@@ -54,5 +54,6 @@ def test_built_on_the_gpu():
     torch.manual_seed(0)
     with torch.device("cuda"):
         ref = Model()
+    # pos is made with device="cpu": moved at the end of the block
     for (n, a), (_, b) in zip(model.state_dict().items(), ref.state_dict().items(), strict=True):
-        assert a.device.type == "cuda" and torch.equal(a, b.cuda()), n  # pos: made on the CPU, moved
+        assert a.device.type == "cuda" and torch.equal(a, b.cuda()), n

@@ -13,6 +13,7 @@ from torch.nn.modules import module as _module_hooks
 from zerostack.chunk._chunk import check_device
 
 _API = "ColoInitContext"
+_CPU = torch.device("cpu")  # ColossalAI's default device
 
 
 class ColoInitContext:
@@ -43,7 +44,7 @@ class ColoInitContext:
 
     def __init__(
         self,
-        device: torch.device | str = torch.device("cpu"),
+        device: torch.device | str = _CPU,
         dtype: torch.dtype = torch.float,
         default_pg: object = None,
         default_dist_spec: object = None,

@@ -318,7 +318,9 @@ def _check_default_device(value: object) -> torch.device | None:
     if isinstance(value, int) and not isinstance(value, bool):
         value = torch.device(value)  # an accelerator index, as torch.device(0)
     if not isinstance(value, torch.device | str):
-        raise TypeError(f"{api}: default_device must be a torch.device, str, int or None (got {value!r})")
+        raise TypeError(
+            f"{api}: default_device must be a torch.device, str, int or None (got {value!r})"
+        )
     try:
         meta = torch.device(value).type == "meta"
     except RuntimeError:
@@ -344,7 +346,9 @@ def _own(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     and its plain tensor attributes that are lazily built."""
     params = [(n, t, True) for n, t in module._parameters.items() if t is not None]
     buffers = [(n, t, False) for n, t in module._buffers.items() if t is not None]
-    plain = [(n, t, False) for n, t in vars(module).items() if isinstance(t, torch.Tensor) and t.is_meta]
+    plain = [
+        (n, t, False) for n, t in vars(module).items() if isinstance(t, torch.Tensor) and t.is_meta
+    ]
     return params + buffers + plain
 
 

@@ -78,7 +78,9 @@ class Op:
     whole: frozenset[int] = frozenset()  # leaves the op overwrites entirely
     scratch: frozenset[int] = frozenset()  # leaves: real tensors it writes, replayed on a copy
     random: bool = False  # draws random numbers (or, with ``rng``, sets a state)
-    rng: tuple[str, Any, torch.Generator] | None = None  # ("get"|"slot"|"state", slot/state, generator)
+    rng: tuple[str, Any, torch.Generator] | None = (
+        None  # ("get"|"slot"|"state", slot/state, generator)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +260,9 @@ class Recording:
             flat, spec = tree_flatten((args, kwargs))
         kinds = _write_kinds(func, args, kwargs, len(flat))
         if len(kinds) != len(flat):
-            raise AssertionError(f"LazyInitContext: {func} has {len(flat)} leaves, {len(kinds)} kinds")
+            raise AssertionError(
+                f"LazyInitContext: {func} has {len(flat)} leaves, {len(kinds)} kinds"
+            )
         real_written = [i for i in real if kinds[i]]
         if real_written:
             return self._run_now(func, flat, spec, lazy, real_written, schema.random)
@@ -293,7 +297,9 @@ class Recording:
             for j, y in enumerate(out_flat)
             if isinstance(y, torch.Tensor) and y.is_meta and self.sid(y) is None
         )
-        whole = frozenset(i for i in lazy if kinds[i] == _WHOLE_WRITE and self._covers(flat[i], lazy[i]))
+        whole = frozenset(
+            i for i in lazy if kinds[i] == _WHOLE_WRITE and self._covers(flat[i], lazy[i])
+        )
         writes = tuple((lazy[i], i in whole) for i in lazy if kinds[i])
         if not creates and not writes and not schema.random:
             return out  # a view or a query: nothing to replay
@@ -385,7 +391,7 @@ class Recorder(TorchDispatchMode):
         # construction.
         return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.recording.dispatch(func, args, kwargs or {})
 
 
@@ -407,7 +413,7 @@ class Disguise(TorchFunctionMode):
         super().__init__()
         self.recording = recording
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         answer = _GETTERS.get(func)
         if answer is not None and self.recording.here():
             sid = self.recording.sid(args[0])  # this mode is off inside its handler

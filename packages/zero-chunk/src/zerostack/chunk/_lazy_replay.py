@@ -153,10 +153,14 @@ class Replay:
             if type(x) is Ref:
                 if i in op.whole and mode == _SCRATCH:
                     storage = self.rec.storages[x.sid]
-                    vals[i] = torch.empty_strided(x.size, x.stride, dtype=x.dtype, device=storage.device)
+                    vals[i] = torch.empty_strided(
+                        x.size, x.stride, dtype=x.dtype, device=storage.device
+                    )
                     continue
                 if i in op.whole and x.sid not in self.live:
-                    self.live[x.sid] = self._alloc(x.sid)  # overwritten whole: never computed before
+                    self.live[x.sid] = self._alloc(
+                        x.sid
+                    )  # overwritten whole: never computed before
                 vals[i] = self.view(x)
             elif i in op.scratch:
                 vals[i] = torch.empty_like(x)  # a real tensor from outside: left alone
