@@ -78,9 +78,8 @@ class Op:
     whole: frozenset[int] = frozenset()  # leaves the op overwrites entirely
     scratch: frozenset[int] = frozenset()  # leaves: real tensors it writes, replayed on a copy
     random: bool = False  # draws random numbers (or, with ``rng``, sets a state)
-    rng: tuple[str, Any, torch.Generator] | None = (
-        None  # ("get"|"slot"|"state", slot/state, generator)
-    )
+    gen: torch.Generator | None = None  # the generator it draws from or sets
+    rng: tuple[str, Any] | None = None  # a state change: ("get"|"slot"|"state", slot or state)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,18 +202,19 @@ class Recording:
     def rng_get(self, gen: torch.Generator, state: torch.Tensor) -> None:
         self._slots[id(state)] = slot = len(self._slot_tensors)
         self._slot_tensors.append(state)
-        self.ops.append(Op(None, [], None, random=True, rng=("get", slot, gen)))
+        self.ops.append(Op(None, [], None, random=True, gen=gen, rng=("get", slot)))
 
     def rng_set(self, gen: torch.Generator, state: torch.Tensor) -> None:
         slot = self._slots.get(id(state))
         if slot is not None and self._slot_tensors[slot] is state:
-            self.ops.append(Op(None, [], None, random=True, rng=("slot", slot, gen)))
+            self.ops.append(Op(None, [], None, random=True, gen=gen, rng=("slot", slot)))
         else:
             self.rng_reseeded([gen])
 
     def rng_reseeded(self, gens: list[torch.Generator]) -> None:
         for gen in gens:
-            self.ops.append(Op(None, [], None, random=True, rng=("state", gen.get_state(), gen)))
+            state = gen.get_state()
+            self.ops.append(Op(None, [], None, random=True, gen=gen, rng=("state", state)))
 
     def cuda_generators(self) -> list[torch.Generator]:
         return [g for g, _ in self.generators.values() if g.device.type == "cuda"]
@@ -323,22 +323,30 @@ class Recording:
         for i, sid in lazy.items():
             rec_flat[i] = ref_of(sid, flat[i])
         reads = {sid for i, sid in lazy.items() if i not in whole}
-        if random:
-            self._track_all(flat, device)
+        gen = self._generator(flat, lazy, device) if random else None
         self.ops.append(
             Op(func, rec_flat, spec, creates, writes, frozenset(reads), whole,
-               frozenset(scratch), random)
+               frozenset(scratch), random, gen)
         )  # fmt: skip
 
-    def _track_all(self, flat: list, device: torch.device | None) -> None:
-        """Every generator a random op may draw from, before it first does."""
-        for x in flat:
-            if isinstance(x, torch.Generator):
-                self.track(x)
-            elif isinstance(x, torch.Tensor) and not x.is_meta:
-                self.track_device(x.device)
-        if device is not None:
-            self.track_device(device)
+    def _generator(
+        self, flat: list, lazy: dict[int, int], device: torch.device | None
+    ) -> torch.Generator:
+        """The generator a random op draws from (tracked from here on): the
+        one passed, else its device's default one."""
+        gen = next((x for x in flat if isinstance(x, torch.Generator)), None)
+        if gen is None:
+            if device is None:
+                real = (x.device for x in flat if isinstance(x, torch.Tensor) and not x.is_meta)
+                lazy_devices = (self.storages[sid].device for sid in lazy.values())
+                device = next(real, None) or next(lazy_devices, None) or torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.init()
+                gen = torch.cuda.default_generators[_cuda_index(device)]
+            else:
+                gen = torch.default_generator
+        self.track(gen)
+        return gen
 
     def _run_now(
         self, func: Any, flat: list, spec: Any, lazy: dict[int, int], real_written: list[int],
@@ -351,7 +359,7 @@ class Recording:
         from zerostack.chunk._lazy_replay import Replay  # the replay imports this module
 
         if random:
-            self._track_all(flat, None)
+            self._generator(flat, lazy, None)  # tracked before the replay swaps states
         replay = Replay(self, set(lazy.values()), all_random=random)
         replay.run()
         real_flat = list(flat)

@@ -49,15 +49,30 @@ class Replay:
         self._plan(all_random)
 
     def _plan(self, all_random: bool) -> None:
-        """Walk the record backwards, keeping the ops whose results are needed."""
+        """Walk the record backwards, keeping the ops whose results are needed,
+        and the draws and RNG state changes that a kept draw depends on."""
         needed = set(self.targets)
         self.mode = [0] * len(self.ops)
         self.keep: dict[int, tuple[tuple[int, int], ...]] = {}  # op -> (leaf, sid) to keep
-        later_draw = all_random
+        # Per generator: does a kept draw (or, with all_random, the end) come
+        # later, with no state set in between? Then an earlier draw must run.
+        later_draw: dict[int, bool] = defaultdict(lambda: all_random)
+        slots_needed: set[int] = set()  # saved states that a kept state change restores
         for k in range(len(self.ops) - 1, -1, -1):
             op = self.ops[k]
+            g = id(op.gen)
             if op.rng is not None:
-                self.mode[k] = _RUN if later_draw else 0
+                kind, value = op.rng
+                if kind == "get":
+                    if value in slots_needed:
+                        self.mode[k] = _RUN
+                        later_draw[g] = True
+                    continue
+                if later_draw[g]:  # a state a later draw starts from
+                    self.mode[k] = _RUN
+                    if kind == "slot":
+                        slots_needed.add(value)
+                later_draw[g] = False
                 continue
             made = [sid for _, sid in op.creates]
             if any(s in needed for s in made) or any(s in needed for s, _ in op.writes):
@@ -66,8 +81,9 @@ class Replay:
                 needed.difference_update(made)
                 needed.difference_update(s for s, whole in op.writes if whole)
                 needed |= op.reads
-                later_draw = later_draw or op.random
-            elif op.random and later_draw:
+                if op.random:
+                    later_draw[g] = True
+            elif op.random and later_draw[g]:
                 self.mode[k] = _SCRATCH
                 needed |= op.reads
         if needed:
@@ -105,12 +121,12 @@ class Replay:
                         continue
                     op = self.ops[k]
                     if op.rng is not None:
-                        self._rng(op.rng, slots)
+                        self._rng(op, slots)
                     else:
                         self._run(op, mode, k)
                     for s in frees.get(k, ()):
                         if s not in self.targets:
-                            del self.live[s]
+                            self.live.pop(s, None)
                         elif on_final is not None:
                             self._swap_out()
                             try:
@@ -196,8 +212,9 @@ class Replay:
         fitted.copy_(out)
         return fitted
 
-    def _rng(self, rng: tuple, slots: dict[int, torch.Tensor]) -> None:
-        kind, value, gen = rng
+    def _rng(self, op: Op, slots: dict[int, torch.Tensor]) -> None:
+        kind, value = op.rng
+        gen = op.gen
         if kind == "get":
             slots[value] = gen.get_state()
         elif kind == "slot":
