@@ -55,8 +55,8 @@ class LazyInitContext:
     tensors need is computed (a layer's own init that the model's init
     redraws is skipped, its random draws still consumed), and each tensor is
     handed over once final, so that materializing holds about one module's
-    tensors at a time. The global RNG is left alone by the block and by
-    materialization.
+    tensors at a time. Materializing leaves the global RNG alone; so does the
+    block, unless the model's code sets a state (that still takes effect).
 
     During construction the model's code sees its tensors on the device they
     will have (torch's ``trunc_normal_`` and ``orthogonal_`` skip meta
@@ -64,8 +64,7 @@ class LazyInitContext:
     computed then, by replaying the record so far; after the block they are
     on meta. Limits: an op that writes a lazily built tensor and has no meta
     kernel raises ``NotImplementedError``; ``torch.tensor(...)`` literals are
-    made for real (they are small); values are replayed with the kernels of
-    ``default_device``'s type. See [Note: lazy init record].
+    made for real (they are small). See [Note: lazy init record].
 
     Args:
         default_device: the device the initialisation runs on (tensors
