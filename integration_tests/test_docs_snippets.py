@@ -421,13 +421,15 @@ def test_deepspeed_table_has_every_key_the_code_knows() -> None:
 
 
 def _assert_signature_rows(page: str, obj: object, skip: tuple[str, ...] = ()) -> None:
+    import torch
+
     rows = _rows(page)
     for name, param in inspect.signature(obj).parameters.items():
         if name in skip:
             continue
         assert name in rows, f"docs/{page}: no row for {obj.__name__}'s argument {name}"
         shown = rows[name].strip("`")
-        assert eval(shown) == param.default, (  # the defaults are Python literals
+        assert eval(shown, {"torch": torch}) == param.default, (  # Python literals, torch's too
             f"docs/{page}: {obj.__name__}({name}=...) defaults to {param.default!r} "
             f"(got {rows[name]!r})"
         )
@@ -440,6 +442,10 @@ def test_colossalai_tables_have_every_argument() -> None:
     _assert_signature_rows("migration/colossalai.md", GeminiPlugin)
     _assert_signature_rows("migration/colossalai.md", HybridAdam, skip=("params",))
     assert "params" in _rows("migration/colossalai.md")
+    from zerostack.booster import ColoInitContext, LazyInitContext
+
+    _assert_signature_rows("migration/colossalai.md", LazyInitContext)
+    _assert_signature_rows("migration/colossalai.md", ColoInitContext)
 
 
 # -- the checks themselves catch mistakes ------------------------------------------------
