@@ -38,6 +38,7 @@ CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
 # 5.24.0 (torch >= 2.6, Python >= 3.11) installs in ~15 s: pure-Python plus
 # tokenizers, safetensors, hf-xet and regex wheels; torch is not among its deps.
 TEST_REQUIREMENTS = {
+    "zero-chunk": ["transformers==5.24.0; python_version >= '3.11'"],
     "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],

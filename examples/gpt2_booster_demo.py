@@ -156,13 +156,15 @@ def main() -> int:
 
     plugin = make_plugin(a.plugin, a.precision, a.smoke)
     booster = Booster(plugin=plugin, mixed_precision=a.precision if a.plugin == "ddp" else None)
-    if a.lazy and a.plugin != "ddp":
-        with LazyInitContext():  # nothing allocated: boost materializes it (into chunks)
+    if a.lazy:
+        # As ColossalAI's demo: nothing allocated; boost materializes it
+        # (GeminiPlugin: into chunks), the init running on `device`.
+        with LazyInitContext(default_device=device):
             model = gpt2(**shape, checkpointing=True)
     else:
         model = gpt2(**shape, checkpointing=True)
     numel = sum(p.numel() for p in model.parameters())
-    if a.lazy and a.plugin != "ddp":
+    if a.lazy:
         # HybridAdam refuses meta parameters: boost the model first, then
         # build the optimizer on its (now real) parameters and boost again.
         model, *_ = booster.boost(model)

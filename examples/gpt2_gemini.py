@@ -6,8 +6,8 @@
     python examples/gpt2_gemini.py         # without a GPU: a small GPT-2 (11M params) on the CPU
 
 The model, a transformers GPT2LMHeadModel, is built under LazyInitContext
-(nothing allocated) and materialized into bf16 chunks with transformers' own
-initialiser (GeminiDDP's ``init_fn``); each rank keeps 1/N of
+(nothing allocated) and materialized module by module into bf16 chunks, with
+the values an eager build would have; each rank keeps 1/N of
 every chunk and of the fp32 master chunks, whose optimizer states live on
 the CPU (`--offload-optim 1.0`), the GPU, or where auto placement puts them. Every block is activation
 checkpointed (transformers' gradient checkpointing); a chunk gathered for a
@@ -117,8 +117,6 @@ def main() -> int:
         chunk_config_dict=chunks,
         compute_device=device,
         min_chunk_size_m=32 if a.model == "gpt2_medium" else 0.5,
-        # transformers' initialiser: GPT-2's Conv1D layers have no reset_parameters.
-        init_fn=type(model).initialize_weights,
         **placement,
     )
     opt = GeminiOptimizer(

@@ -370,9 +370,15 @@ def test_tables_stand_apart(page: str) -> None:
 ROW = re.compile(r"^\| `(?P<key>[^`]+)`(?P<note>[^|]*)\| (?P<value>[^|]*?) *\|", re.M)
 
 
-def _rows(page: str) -> dict[str, str]:
-    """First-column name -> second-column text of every table row of a page."""
-    return {m["key"]: m["value"] for m in ROW.finditer((DOCS / page).read_text())}
+def _rows(page: str, section: str | None = None) -> dict[str, str]:
+    """First-column name -> second-column text of every table row of a page,
+    or of its ``## `` section whose title contains ``section``."""
+    text = (DOCS / page).read_text()
+    if section is not None:
+        parts = [p for p in re.split(r"^## ", text, flags=re.M) if section in p.split("\n", 1)[0]]
+        assert parts, f"docs/{page}: no section titled with {section!r}"
+        text = "\n".join(parts)
+    return {m["key"]: m["value"] for m in ROW.finditer(text)}
 
 
 def test_deepspeed_table_has_every_key_the_code_knows() -> None:
@@ -421,13 +427,17 @@ def test_deepspeed_table_has_every_key_the_code_knows() -> None:
 
 
 def _assert_signature_rows(page: str, obj: object, skip: tuple[str, ...] = ()) -> None:
-    rows = _rows(page)
+    """Each argument of ``obj`` has a row, with its default, in the page's
+    section that names ``obj``."""
+    import torch
+
+    rows = _rows(page, section=obj.__name__)
     for name, param in inspect.signature(obj).parameters.items():
         if name in skip:
             continue
         assert name in rows, f"docs/{page}: no row for {obj.__name__}'s argument {name}"
         shown = rows[name].strip("`")
-        assert eval(shown) == param.default, (  # the defaults are Python literals
+        assert eval(shown, {"torch": torch}) == param.default, (  # Python literals, torch's too
             f"docs/{page}: {obj.__name__}({name}=...) defaults to {param.default!r} "
             f"(got {rows[name]!r})"
         )
@@ -440,6 +450,10 @@ def test_colossalai_tables_have_every_argument() -> None:
     _assert_signature_rows("migration/colossalai.md", GeminiPlugin)
     _assert_signature_rows("migration/colossalai.md", HybridAdam, skip=("params",))
     assert "params" in _rows("migration/colossalai.md")
+    from zerostack.booster import ColoInitContext, LazyInitContext
+
+    _assert_signature_rows("migration/colossalai.md", LazyInitContext)
+    _assert_signature_rows("migration/colossalai.md", ColoInitContext)
 
 
 # -- the checks themselves catch mistakes ------------------------------------------------

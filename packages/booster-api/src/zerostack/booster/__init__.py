@@ -25,7 +25,7 @@ from zerostack.booster._plugins import (
     TorchDDPOptimizer,
     TorchDDPPlugin,
 )
-from zerostack.chunk import LazyInitContext
+from zerostack.chunk import ColoInitContext, LazyInitContext
 
 __all__ = [
     "AutoOffloadModel",
@@ -34,6 +34,7 @@ __all__ = [
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "ColoInitContext",
     "DeepSpeedConfigError",
     "GeminiModel",
     "GeminiOptimizerWrapper",

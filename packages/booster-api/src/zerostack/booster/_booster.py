@@ -118,8 +118,9 @@ class Booster:
         model may be boosted again with its optimizer.
 
         Args:
-            model: the model (or one built under LazyInitContext, for GeminiPlugin
-                and LowLevelZeroPlugin).
+            model: the model, or one built under LazyInitContext (GeminiPlugin
+                materializes it straight into its chunks; the other plugins
+                materialize it, then place it).
             optimizer: a torch optimizer over the model's parameters. Default None.
             criterion: the loss function, returned as is (under autocast with
                 ``mixed_precision``). Default None.

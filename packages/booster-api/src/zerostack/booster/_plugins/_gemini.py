@@ -20,7 +20,6 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
-from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -262,8 +261,9 @@ class GeminiPlugin(Plugin):
     GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
-    straight into chunks; for transformers models the plugin passes their
-    own initialiser (``initialize_weights``).
+    straight into chunks, one module at a time, with the values an eager
+    build would have (any module: transformers models, modules without
+    ``reset_parameters``).
 
     Args:
         chunk_config_dict: ``{dp size: {"chunk_size": int, "keep_gathered":
@@ -447,10 +447,7 @@ class GeminiPlugin(Plugin):
         log = logger.warning if self.verbose else logger.debug
         if not isinstance(model, GeminiModel):
             facts = ModelFacts.of(model)
-            init_fn = transformers_init_fn(model) if is_lazy(model) else None
-            ddp = GeminiDDP(
-                model, self.gemini_config, compute_device=self._device(), init_fn=init_fn
-            )
+            ddp = GeminiDDP(model, self.gemini_config, compute_device=self._device())
             model = GeminiModel(ddp, facts)
             log("%s: %s", _API, self.gemini_config)
         if optimizer is not None and not isinstance(optimizer, GeminiOptimizerWrapper):

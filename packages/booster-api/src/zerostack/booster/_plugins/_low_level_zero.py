@@ -20,7 +20,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
-from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -504,7 +504,7 @@ class LowLevelZeroPlugin(Plugin):
             self.deepspeed.check_boost(optimizer)
         if not isinstance(model, LowLevelZeroModel):
             if is_lazy(model):
-                LazyInitContext.materialize(model, "cpu", init_fn=transformers_init_fn(model))
+                LazyInitContext.materialize(model)  # on its default_device, then moved
             model = model.to(device=compute_device(), dtype=self.dtype)
             model = LowLevelZeroModel(model, self.dtype, self.cast_inputs)
         ds, zero_kwargs, wrap = self.deepspeed, self.zero_kwargs, LowLevelZeroOptimizer
