@@ -200,23 +200,33 @@ def check(
     from zerostack.booster._checkpoint_files import verify_file
 
     rank, world = _rank_world(collective)
-    names = list(record["files"])
-    error = None
-    try:
-        for name in names[rank::world]:
+    names = list(record["files"])[rank::world]
+
+    def sizes() -> None:  # first, so that a file of another save's record reads as missing
+        for name in names:
             path = os.path.join(directory, name)
-            verify_file(path, record["files"][name], api, check_hash=verify, source=RECORD_NAME)
+            verify_file(path, record["files"][name], api, check_hash=False, source=RECORD_NAME)
             if os.path.basename(name) == RECORD_NAME:  # a part saved with this one
                 nested = read(api, os.path.dirname(path)) or {}
                 check_save_id(api, path, record["save_id"], nested.get("save_id"))
-    except CheckpointCorruptError as exc:
-        error = str(exc)
-    if world > 1:
-        errors: list[str | None] = [None] * world
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointCorruptError(error)
+
+    def hashes() -> None:
+        for name in names:
+            path = os.path.join(directory, name)
+            verify_file(path, record["files"][name], api, check_hash=True, source=RECORD_NAME)
+
+    for step in (sizes, hashes) if verify else (sizes,):
+        error = None
+        try:
+            step()
+        except CheckpointCorruptError as exc:
+            error = str(exc)
+        if world > 1:
+            errors: list[str | None] = [None] * world
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise CheckpointCorruptError(error)
     return record
 
 
