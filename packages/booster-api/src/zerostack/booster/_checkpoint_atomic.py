@@ -69,6 +69,15 @@ def _remove(path: str) -> None:
             os.unlink(path)
 
 
+def _bytes_under(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename or a new entry in ``path`` durable (a no-op where directories cannot be opened)."""
     try:
@@ -236,8 +245,7 @@ def fail_everywhere(
     rank, world = _rank_world()
     first = next(s for s in summaries if s is not None)
     message = errors.compose(api, path, first, needed_bytes) if rank == 0 else None
-    message, code = _broadcast(message, world)
-    raise errors.save_error(message, code, own)
+    raise errors.save_error(_broadcast(message, world), first, own, needed_bytes)
 
 
 @dataclasses.dataclass(slots=True)
@@ -308,10 +316,11 @@ def collective_dir(path: str, api: str, *, kind: str) -> Iterator[DirSave]:
         mine = None if error is None else errors.summarize(error, rank)
         reports = _all_gather((mine, save.files, save.needed_bytes), world)
         if any(r[0] is not None for r in reports):
+            needed = sum(r[2] for r in reports)
             if rank == 0:
+                needed = max(needed, _bytes_under(tmp))  # what the save got to write
                 _remove(tmp)
-            needed = sum(r[2] for r in reports) or None
-            fail_everywhere(api, final, [r[0] for r in reports], error, needed)
+            fail_everywhere(api, final, [r[0] for r in reports], error, needed or None)
         if rank == 0:
             try:
                 merged = {name: rec for r in reports for name, rec in r[1].items()}

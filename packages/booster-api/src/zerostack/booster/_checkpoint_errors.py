@@ -7,7 +7,8 @@ root cause: the deepest ``OSError`` in the failure (torch's
 ``BaseException`` that slips past ``except Exception``, and its text starts
 with ``CheckpointException ranks:dict_keys([0])``; torch's zip writer turns
 a full disk into ``PytorchStreamWriter failed writing file``, the
-``OSError`` only in ``__context__``). A full disk reads
+``OSError`` only in ``__context__``; safetensors' writer keeps only
+``(os error 28)`` in its text). A full disk reads
 ``no space left on device: X needed, Y free at PATH``: X the bytes the save
 writes, Y ``shutil.disk_usage`` after the failed save's files were removed.
 The previous checkpoint at the path is left as it was (see [Note: atomic
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import errno as errno_codes
 import os
+import re
 import shutil
 from typing import Any
 
@@ -44,9 +46,12 @@ class CheckpointSaveError(RuntimeError):
     See [Note: checkpoint save errors].
     """
 
-    def __init__(self, message: str, errno: int | None = None) -> None:
+    def __init__(
+        self, message: str, errno: int | None = None, *, cause: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.errno = errno
+        self._cause = cause  # the summary an enclosing save words its own message from
 
 
 def _children(exc: BaseException) -> list[tuple[BaseException, int | None]]:
@@ -103,24 +108,29 @@ def free_bytes(path: str) -> tuple[str, int | None]:
 def summarize(exc: BaseException, rank: int) -> dict[str, Any]:
     """What another rank needs to name ``exc``'s root cause (picklable)."""
     if isinstance(exc, CheckpointSaveError):
+        if exc._cause is not None:
+            return exc._cause
         return {"message": str(exc).split("\n")[0], "errno": exc.errno}
     cause, where = root_cause(exc)
+    code = getattr(cause, "errno", None)
+    if code is None:  # safetensors' Rust writer: "I/O error: ... (os error 28)"
+        found = re.search(r"\(os error (\d+)\)", str(cause))
+        code = int(found.group(1)) if found else None
     return {
         "rank": rank if where is None else where,
         "cause": f"{type(cause).__name__}: {cause}".split("\n")[0],
-        "errno": getattr(cause, "errno", None),
+        "errno": code,
     }
 
 
-def compose(
-    api: str, path: str, summary: dict[str, Any], needed_bytes: int | None
-) -> tuple[str, int | None]:
-    """``(message, errno)`` of a failed save of ``path`` from a
-    :func:`summarize` (see [Note: checkpoint save errors]). Call after the
-    failed save's files are gone, so the free space is what a retry has."""
-    code = summary.get("errno")
+def compose(api: str, path: str, summary: dict[str, Any], needed_bytes: int | None) -> str:
+    """The message of a failed save of ``path`` from a :func:`summarize`
+    (see [Note: checkpoint save errors]). Call after the failed save's files
+    are gone, so the free space is what a retry has."""
     if "message" in summary:
-        return summary["message"], code
+        return summary["message"]
+    code = summary.get("errno")
+    needed_bytes = max(needed_bytes or 0, summary.get("needed_bytes") or 0) or None
     where = f"on rank {summary['rank']}: {summary['cause']}"
     keep = f"the previous checkpoint at {path} is unchanged"
     if code in (errno_codes.ENOSPC, errno_codes.EDQUOT):
@@ -130,17 +140,19 @@ def compose(
         what = "no space left on device" if code == errno_codes.ENOSPC else "disk quota exceeded"
         return (
             f"{api}: {what}: {need} needed, {have} free at {directory} (got {where}); "
-            f"free space or save to another file system; {keep}",
-            code,
+            f"free space or save to another file system; {keep}"
         )
-    return f"{api}: could not write {path} (got {where}); fix the cause and save again; {keep}", code
+    return f"{api}: could not write {path} (got {where}); fix the cause and save again; {keep}"
 
 
-def save_error(message: str, code: int | None, own: BaseException | None) -> BaseException:
+def save_error(
+    message: str, summary: dict[str, Any], own: BaseException | None, needed_bytes: int | None
+) -> BaseException:
     """The error a rank raises: ``CheckpointSaveError``, caused by its own
     failure; a KeyboardInterrupt or SystemExit of this rank stays itself."""
     if isinstance(own, (KeyboardInterrupt, SystemExit)):
         return own
-    error = CheckpointSaveError(message, code)
+    cause = None if "message" in summary else {**summary, "needed_bytes": needed_bytes}
+    error = CheckpointSaveError(message, summary.get("errno"), cause=cause)
     error.__cause__ = own
     return error

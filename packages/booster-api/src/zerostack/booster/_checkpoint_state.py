@@ -88,6 +88,7 @@ def save_state(
             "dataloader": dataloader.state_dict() if dataloader is not None else None,
             "save_id": save.save_id,
         }
+        save.needed_bytes = files.nbytes(mine)
         name = _RANK_FILE.format(rank=rank, world=world)
         files.write_torch(os.path.join(tmp, name), mine)
         atomic.fsync_file(os.path.join(tmp, name))
