@@ -225,6 +225,12 @@ class Booster:
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
+
+        Raises:
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. ``no space left on device``),
+                or another save to ``checkpoint`` is running; the previous
+                checkpoint there is unchanged.
         """
         self.checkpoint_io.save_model(
             model,
@@ -283,6 +289,9 @@ class Booster:
             gather_dtensor: the seed's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_optimizer(
             optimizer,
@@ -315,6 +324,9 @@ class Booster:
         Args:
             lr_scheduler: the scheduler ``boost`` returned.
             checkpoint: a file path.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 

@@ -333,4 +333,4 @@ def collective_dir(path: str, api: str, *, kind: str) -> Iterator[DirSave]:
         summary = None if error is None else errors.summarize(error, rank)
         summary = _broadcast(summary, world)
         if summary is not None:
-            fail_everywhere(api, final, [summary], error, None)
+            fail_everywhere(api, final, [summary], error, sum(r[2] for r in reports) or None)
