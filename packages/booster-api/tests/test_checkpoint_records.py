@@ -256,7 +256,12 @@ def test_every_file_is_in_the_record_and_the_record_is_last(tmp_path):
     top = json.loads((tmp_path / "s" / RECORD).read_text())
     sid = top["save_id"]
     expected = {
-        "s": {"lr_scheduler.pt", "rank-00000-of-00001.pt", f"model/{RECORD}", f"optimizer/{RECORD}"},
+        "s": {
+            "lr_scheduler.pt",
+            "rank-00000-of-00001.pt",
+            f"model/{RECORD}",
+            f"optimizer/{RECORD}",
+        },
         "s/model": {".metadata", f"__0_{sid}_0.distcp"},
         "s/optimizer": {".metadata", f"__0_{sid}_0.distcp"},
     }
@@ -264,7 +269,9 @@ def test_every_file_is_in_the_record_and_the_record_is_last(tmp_path):
         path = tmp_path / where
         rec = json.loads((path / RECORD).read_text())
         assert rec["save_id"] == sid and set(rec["files"]) == names, (where, rec)
-        assert {p.name for p in path.iterdir() if p.is_file()} == {n for n in names if "/" not in n} | {RECORD}
+        assert {p.name for p in path.iterdir() if p.is_file()} == {
+            n for n in names if "/" not in n
+        } | {RECORD}
         for name, entry in rec["files"].items():
             assert entry["size_bytes"] == (path / name).stat().st_size
             assert re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])

@@ -83,7 +83,9 @@ def _cases(rank, world, root, plugin):
             (small_booster, small, f"{root}/{layout}-big", small_state, [], extra),
             (big_booster, big, f"{root}/{layout}-small", big_state, extra, []),
         ):
-            with pytest.raises(ValueError, match=r"does not match the model .* or pass strict=False"):
+            with pytest.raises(
+                ValueError, match=r"does not match the model .* or pass strict=False"
+            ):
                 target_booster.load_model(target, path)
             same(own, target.full_state_dict(), f"{where}: a refused strict load changed it")
             count.messages.clear()

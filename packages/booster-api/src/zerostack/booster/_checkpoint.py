@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
 from torch.nn.modules.module import _IncompatibleKeys
 
 from zerostack.booster import _checkpoint_atomic as atomic

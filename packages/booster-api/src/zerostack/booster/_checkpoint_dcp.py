@@ -41,13 +41,13 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 

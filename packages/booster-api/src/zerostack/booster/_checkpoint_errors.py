@@ -72,7 +72,8 @@ def root_cause(exc: BaseException) -> tuple[BaseException, int | None]:
     rank DCP reported it from, where it did."""
     seen: set[int] = set()
     stack: list[tuple[BaseException, int | None]] = [(exc, None)]
-    innermost, found = (exc, None), None
+    innermost: tuple[BaseException, int | None] = (exc, None)
+    found: tuple[BaseException, int | None] | None = None
     while stack:
         current, rank = stack.pop(0)
         if id(current) in seen:

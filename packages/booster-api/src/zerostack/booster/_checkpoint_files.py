@@ -235,7 +235,7 @@ def save_sharded(
     write: Callable[[str, dict[str, Any]], None],
     extra_files: dict[str, Any] | None = None,
     extra_metadata: dict[str, Any] | None = None,
-) -> list[str]:
+) -> dict[str, dict[str, Any]]:
     """Write ``state`` as shards of at most ``limit_bytes`` plus an index.
 
     Args:

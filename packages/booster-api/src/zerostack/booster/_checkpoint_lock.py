@@ -63,8 +63,7 @@ def _describe(holder: dict) -> str:
         return "a process that has not written its name yet"
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("time", 0)))
     return (
-        f"pid {holder.get('pid')} on host {holder.get('host')} ({holder.get('api')}, "
-        f"since {since})"
+        f"pid {holder.get('pid')} on host {holder.get('host')} ({holder.get('api')}, since {since})"
     )
 
 
@@ -116,15 +115,16 @@ def save_lock(path: str, api: str) -> Iterator[None]:
         os.close(fd)
     try:
         previous = _holder(fd)
-        if previous.get("host") == host and isinstance(previous.get("pid"), int):
-            if previous["pid"] != os.getpid() and not _alive(previous["pid"]):
-                logger.warning(
-                    "%s: taking over the save lock %s of %s, which is no longer running (its "
-                    "save was interrupted)",
-                    api,
-                    lock,
-                    _describe(previous),
-                )
+        pid = previous.get("pid")
+        here = previous.get("host") == host and pid != os.getpid()
+        if here and isinstance(pid, int) and not _alive(pid):
+            logger.warning(
+                "%s: taking over the save lock %s of %s, which is no longer running (its "
+                "save was interrupted)",
+                api,
+                lock,
+                _describe(previous),
+            )
         me = {"pid": os.getpid(), "host": host, "api": api, "time": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
