@@ -1,4 +1,4 @@
-"""GeminiPlugin in one process: the seed's options reach GeminiDDP as one
+"""GeminiPlugin in one process: ColossalAI's options reach GeminiDDP as one
 GeminiConfig, the options not built are refused by name, and a model built
 under LazyInitContext is materialized by boost (transformers models with
 their own initialiser, passed by the plugin)."""
@@ -46,7 +46,7 @@ def test_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"offload_optim_frac must be in \[0, 1\] \(got 1.5\)"):
         GeminiPlugin(offload_optim_frac=1.5)
     with pytest.raises(ValueError, match=r"placement_policy must be 'static' or 'auto'"):
-        GeminiPlugin(placement_policy="cpu")
+        GeminiPlugin(placement_policy="const")
     with pytest.raises(ValueError, match=r"max_norm must be >= 0 \(got -1\)"):
         GeminiPlugin(max_norm=-1)
     plugin = GeminiPlugin(precision="fp32", chunk_init_device="meta")
@@ -63,7 +63,7 @@ def test_bad_values_are_refused():
         Booster(plugin=plugin).boost(model, torch.optim.AdamW(model.parameters()))
 
 
-def test_the_seed_arguments_build_one_config_handed_to_gemini_ddp():
+def test_colossalai_arguments_build_one_config_handed_to_gemini_ddp():
     plugin = GeminiPlugin(
         placement_policy="auto",
         gpu_capacity_bytes=1 << 22,

@@ -85,7 +85,7 @@ class GeminiDDP(nn.Module):
     reduce-scattered, and the reduced shard replaces the parameter shard until
     the optimizer writes the updated parameters back.
 
-    Settings come as a :class:`GeminiConfig` (``config=``) or as the seed's
+    Settings come as a :class:`GeminiConfig` (``config=``) or as ColossalAI's
     keyword arguments, which build one (not both):
 
     Args:

@@ -212,7 +212,7 @@ class TorchDDPPlugin(Plugin):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
-        # Only what differs from DDP's defaults (the same as the seed's):
+        # Only what differs from DDP's defaults (the same as ColossalAI's):
         # torch 2.13 warns whenever broadcast_buffers is passed at all.
         self.ddp_kwargs = {k: v for k, v in given.items() if v != _DDP_DEFAULTS[k]}
 
