@@ -277,3 +277,38 @@ def test_every_file_is_in_the_record_and_the_record_is_last(tmp_path):
             assert re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
         latest = max((path / n).stat().st_mtime_ns for n in rec["files"])
         assert (path / RECORD).stat().st_mtime_ns >= latest, where
+
+
+def test_a_checkpoint_from_before_the_records_loads_with_verify_false(tmp_path, monkeypatch):
+    """The layout before the records: ``__0_0.distcp`` and the per-rank
+    ``zerostack-files-0.json``, no record. Refused by default; loads exactly
+    with verify=False, whose per-rank sizes are still checked."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from zerostack.booster import _checkpoint_dcp
+    from zerostack.booster._checkpoint_files import file_record
+
+    booster = Booster(device="cpu")
+    torch.manual_seed(0)
+    model, *_ = booster.boost(TinyGPT(CONFIG))
+    with monkeypatch.context() as m:  # DCP's own file names, as before
+        m.setattr(
+            _checkpoint_dcp._Writer, "prepare_global_plan", FileSystemWriter.prepare_global_plan
+        )
+        booster.save_model(model, tmp_path / "old", shard=True)
+    old = tmp_path / "old"
+    (old / RECORD).unlink()
+    legacy = {n: file_record(str(old / n)) for n in ("__0_0.distcp", ".metadata")}
+    (old / "zerostack-files-0.json").write_text(json.dumps(legacy))
+    torch.manual_seed(1)
+    target, *_ = booster.boost(TinyGPT(CONFIG))
+    with pytest.raises(CheckpointCorruptError, match=rf"checkpoint record .*{RECORD} is missing"):
+        booster.load_model(target, old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        booster.load_model(target, old, verify=False)
+        same(model.unwrap().state_dict(), target.unwrap().state_dict())
+        legacy["__0_0.distcp"]["size_bytes"] += 1
+        (old / "zerostack-files-0.json").write_text(json.dumps(legacy))
+        with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp is truncated"):
+            booster.load_model(target, old, verify=False)

@@ -301,10 +301,10 @@ def collective_dir(path: str, api: str, *, kind: str) -> Iterator[DirSave]:
                 save_id = record.allocate_save_id()
             except BaseException as exc:
                 error = exc
-        tmp, save_id = _broadcast((tmp, save_id), world)
-        summaries = _all_gather(None if error is None else errors.summarize(error, rank), world)
-        if any(s is not None for s in summaries):
-            fail_everywhere(api, final, summaries, error, None)
+        summary = None if error is None else errors.summarize(error, rank)
+        tmp, save_id, summary = _broadcast((tmp, save_id, summary), world)
+        if summary is not None:  # rank 0 could not start (the lock is held, say)
+            fail_everywhere(api, final, [summary], error, None)
         save = DirSave(tmp, save_id, rank)
         token = record.enter_save(save_id)
         try:
