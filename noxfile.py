@@ -416,6 +416,8 @@ RELIABILITY_TESTS = [
     "packages/booster-api/tests/test_checkpoint_atomic.py",
     "packages/booster-api/tests/test_checkpoint_integrity.py",
     "packages/booster-api/tests/test_checkpoint_kill_points.py",  # the full sweep here
+    "packages/booster-api/tests/test_checkpoint_records.py",
+    "packages/booster-api/tests/test_checkpoint_save_errors.py",
     "packages/gemini-placement/tests/test_gemini_failures.py",
     "packages/zero-shard/tests/test_offload_overlap.py",
     "packages/booster-api/tests/test_determinism.py",

@@ -12,6 +12,7 @@ import torch
 
 from zerostack.booster import (
     Booster,
+    CheckpointCorruptError,
     DeepSpeedConfigError,
     GeminiPlugin,
     LowLevelZeroPlugin,
@@ -41,6 +42,8 @@ def env(tmp_path) -> dict[str, Any]:
     plain = TinyGPT(CONFIG)
     (tmp_path / "a-file").write_text("x")
     booster.save_model(boosted, tmp_path / "model.pt")
+    booster.save_model(boosted, tmp_path / "model-dir", shard=True)
+    (tmp_path / "model-dir" / "zerostack-checkpoint.json").unlink(missing_ok=True)  # lost
     return {
         "booster": booster, "model": boosted, "opt": opt, "tmp": tmp_path, "plain": plain,
         "plain_opt": HybridAdam(plain.parameters()), "model-as-text": "model", "sched": "sched",
@@ -138,9 +141,12 @@ CASES = [
     BadInput("load-model-missing", _b("load_model", "model", "/nothing"), FileNotFoundError, r"load_model: no checkpoint at .*nothing \(got a path that does not exist\)"),
     BadInput("load-model-path-none", _b("load_model", "model", None), TypeError, r"load_model: checkpoint must be a path \(got None\)"),
     BadInput("load-model-strict-str", _b("load_model", "model", "/model.pt", strict="yes"), TypeError, r"load_model: strict must be a bool \(got 'yes'\)", True),
+    BadInput("load-model-verify-str", _b("load_model", "model", "/model.pt", verify="no"), TypeError, r"load_model: verify must be a bool \(got 'no'\)", True),
+    BadInput("load-model-dir-without-record", _b("load_model", "model", "/model-dir"), CheckpointCorruptError, r"load_model: checkpoint record .*model-dir/zerostack-checkpoint\.json is missing \(got a checkpoint directory", True),
     BadInput("save-optimizer-not-boosted", _b("save_optimizer", "plain_opt", "/o"), TypeError, r"save_optimizer: optimizer must be a OptimizerWrapper \(got HybridAdam\)"),
     BadInput("save-optimizer-shard-str", _b("save_optimizer", "opt", "/o", shard=1), TypeError, r"save_optimizer: shard must be a bool \(got 1\)", True),
     BadInput("load-optimizer-missing", _b("load_optimizer", "opt", "/nothing"), FileNotFoundError, r"load_optimizer: no checkpoint at .*nothing"),
+    BadInput("load-optimizer-verify-int", _b("load_optimizer", "opt", "/model.pt", verify=1), TypeError, r"load_optimizer: verify must be a bool \(got 1\)", True),
     BadInput("load-optimizer-from-a-model-file", _b("load_optimizer", "opt", "/model.pt"), ValueError, r"load_optimizer: .*model\.pt does not hold an optimizer state"),
     BadInput("save-lr-scheduler-str", _b("save_lr_scheduler", "sched", "/s"), TypeError, r"save_lr_scheduler: lr_scheduler must have state_dict\(\) \(got str\)"),
     BadInput("load-lr-scheduler-missing", lambda env: env["booster"].load_lr_scheduler(_scheduler(env), env["tmp"] / "nothing"), FileNotFoundError, r"load_lr_scheduler: no checkpoint at .*nothing"),

@@ -5,7 +5,7 @@ between plugins and world sizes."""
 from zerostack.booster.__about__ import __version__
 from zerostack.booster._booster import Booster
 from zerostack.booster._checkpoint import CheckpointIO
-from zerostack.booster._checkpoint_files import CheckpointCorruptError
+from zerostack.booster._checkpoint_errors import CheckpointCorruptError, CheckpointSaveError
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._launch import launch_from_torch
 from zerostack.booster._plugins import (
@@ -34,6 +34,7 @@ __all__ = [
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "CheckpointSaveError",
     "ColoInitContext",
     "DeepSpeedConfigError",
     "GeminiModel",

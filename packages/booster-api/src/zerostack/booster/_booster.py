@@ -242,6 +242,12 @@ class Booster:
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
+
+        Raises:
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. ``no space left on device``),
+                or another save to ``checkpoint`` is running; the previous
+                checkpoint there is unchanged.
         """
         self.checkpoint_io.save_model(
             model,
@@ -253,15 +259,34 @@ class Booster:
             use_safetensors=use_safetensors,
         )
 
-    def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True) -> None:
+    def load_model(
+        self, model: ModelWrapper, checkpoint: str, strict: bool = True, *, verify: bool = True
+    ) -> Any:
         """Load a model checkpoint (every rank calls it).
 
         Args:
             model: a boosted model.
             checkpoint: the file or directory ``save_model`` wrote.
-            strict: every key must match. Default True.
+            strict: every key must match. With False, keys the checkpoint
+                lacks keep their values and keys the model lacks are
+                skipped; both are returned and logged. Default True.
+            verify: the checkpoint must be whole and of one save: a
+                directory needs its record (``zerostack-checkpoint.json``,
+                written last by the save), and every file's size and SHA-256
+                are checked before any is read. Pass False only for a
+                checkpoint written before zerostack wrote records (sizes
+                are still checked where recorded; warns once). Default True.
+
+        Returns:
+            ``missing_keys`` and ``unexpected_keys``, as torch's
+            ``nn.Module.load_state_dict`` returns them.
+
+        Raises:
+            CheckpointCorruptError: the record is missing, a file is
+                damaged, or files of different saves are mixed.
+            ValueError: with ``strict``, keys differ.
         """
-        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+        return self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify)
 
     def save_optimizer(
         self,
@@ -281,6 +306,9 @@ class Booster:
             gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_optimizer(
             optimizer,
@@ -291,14 +319,21 @@ class Booster:
             size_per_shard=size_per_shard,
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def load_optimizer(
+        self, optimizer: OptimizerWrapper, checkpoint: str, *, verify: bool = True
+    ) -> None:
         """Load an optimizer checkpoint (every rank calls it).
 
         Args:
             optimizer: a boosted optimizer.
             checkpoint: the file or directory ``save_optimizer`` wrote.
+            verify: as :meth:`load_model`'s. Default True.
+
+        Raises:
+            CheckpointCorruptError: the record is missing, a file is
+                damaged, or files of different saves are mixed.
         """
-        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Save the lr scheduler's state.
@@ -306,17 +341,21 @@ class Booster:
         Args:
             lr_scheduler: the scheduler ``boost`` returned.
             checkpoint: a file path.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str, *, verify: bool = True) -> None:
         """Load the lr scheduler's state.
 
         Args:
             lr_scheduler: the scheduler ``boost`` returned.
             checkpoint: the file ``save_lr_scheduler`` wrote.
+            verify: check the file's CRC-32s. Default True.
         """
-        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint, verify=verify)
 
     def save_state(
         self,
@@ -354,7 +393,9 @@ class Booster:
         Raises:
             TypeError: ``model`` is not a boosted model, ``dataloader`` has no
                 ``state_dict``, ``checkpoint`` is not a path.
-            RuntimeError: another rank failed to write its part.
+            CheckpointSaveError: a rank failed to write its part (on every
+                rank, the root cause in the first line), or another save to
+                ``checkpoint`` is running; the previous state is unchanged.
         """
         from zerostack.booster._checkpoint_state import save_state
 
@@ -367,6 +408,8 @@ class Booster:
         optimizer: OptimizerWrapper | None = None,
         lr_scheduler: Any = None,
         dataloader: Any = None,
+        *,
+        verify: bool = True,
     ) -> None:
         """Load what :meth:`save_state` wrote (every rank calls it), RNG states
         last. At the world size it was saved with, training goes on exactly as
@@ -382,16 +425,19 @@ class Booster:
             lr_scheduler: the lr scheduler ``boost`` returned; it must have
                 been saved. Default None.
             dataloader: the dataloader whose position was saved. Default None.
+            verify: as :meth:`load_model`'s. Default True.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
             ValueError: ``checkpoint`` is not a state directory, or lacks an
                 object that was given.
-            CheckpointCorruptError: a file is missing, truncated or altered.
+            CheckpointCorruptError: the record is missing, a file is
+                missing, truncated or altered, or parts of different saves
+                are mixed.
         """
         from zerostack.booster._checkpoint_state import load_state
 
-        load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader)
+        load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader, verify)
 
 
 def _check_device(device: Any) -> torch.device:
