@@ -43,6 +43,9 @@ TEST_REQUIREMENTS = {
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
+# The examples, and the DeepSpeed program of docs/migration/deepspeed.md, train
+# transformers' GPT-2 (tqdm, which two examples show, comes with it).
+EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # What CI runs, in order; `tests` requires them all (nox then reports each one).
 CI_SESSIONS = ["lint", "unit", "integration", "examples", "build", "docs"]
 WHEELHOUSE = ROOT / ".nox" / "_dist"  # See [Note: installs as from an index]
@@ -333,6 +336,17 @@ def _install_packages(
     _check_installed(session, "python", closure)
 
 
+def _check_not_importable(session: nox.Session, module: str) -> None:
+    """`module` does not import in the session's environment (e.g. a dev-only
+    package that what the session runs must not need)."""
+    code = (
+        f"import importlib.util, sys; spec = importlib.util.find_spec({module!r}); "
+        f"sys.exit(spec and f'{module} is importable (from {{spec.origin or "
+        f"list(spec.submodule_search_locations)}}), but this session must run without it')"
+    )
+    session.run("python", "-c", code)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole repository, and
@@ -361,8 +375,10 @@ def unit(session: nox.Session, package: str) -> None:
 @nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package tests (integration_tests/) with every package installed,
-    and the torchrun runner of the multi-GPU checks in its CPU (gloo) mode."""
+    the torchrun runner of the multi-GPU checks in its CPU (gloo) mode, and
+    benchmarks/scale.py's smoke."""
     _install_packages(session, PACKAGES)
+    session.install(*EXAMPLE_REQUIREMENTS)  # docs/migration/deepspeed.md trains transformers' GPT-2
     session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
     runner = ["torchrun", "--nproc-per-node"]
     script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
@@ -370,20 +386,25 @@ def integration(session: nox.Session) -> None:
     session.run(*runner, "2", script, "parity", "--cpu", env=env)
     session.run(*runner, "2", script, "save", "--cpu", "--path", ckpt, env=env)
     session.run(*runner, "4", script, "load", "--cpu", "--path", ckpt, env=env)
-
-
-@nox.session
-def examples(session: nox.Session) -> None:
-    """Every script in examples/ in its --smoke mode, and benchmarks/scale.py's."""
-    _install_packages(session, PACKAGES)
-    session.install("tqdm", "transformers==5.24.0")  # the Booster demo is ColossalAI's GPT-2 one
-    for script in sorted((ROOT / "examples").glob("*.py")):
-        session.run("python", str(script), "--smoke")
     # The scale benchmark's CPU smoke (the GPU run is tools/device.sh scale).
     for fraction in ("0", "1"):
         session.run(
             "python", str(ROOT / "benchmarks/scale.py"), "--smoke", "--nvme-fraction", fraction
         )
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Every script in examples/ in its --smoke mode, with what a user
+    installs for them: the `zerostack` meta-package (resolved with the
+    zerostack packages it declares) and transformers. The dev-only
+    zerostack-testing is not installed, and the session checks that
+    zerostack.testing does not import."""
+    _install_packages(session, ["booster-api"], testing=False)
+    session.install(*EXAMPLE_REQUIREMENTS)
+    _check_not_importable(session, "zerostack.testing")
+    for script in sorted((ROOT / "examples").glob("[!_]*.py")):  # _gpt2.py: their model
+        session.run("python", str(script), "--smoke")
     # ColossalAI's auto-offload demo writes offload_logs/ where it runs.
     with session.chdir(session.create_tmp()):
         session.run("python", str(ROOT / "examples/auto_offload/train_gpt_offload.py"), "--smoke")
@@ -541,14 +562,16 @@ def multi_gpu(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The main job: a small GPT trained through the Booster (GeminiPlugin,
+    """The main job: a small GPT-2 trained through the Booster (GeminiPlugin,
     HybridAdam with half its states on disk), about a minute on a 2-core CPU;
     progress lines, a closing summary (tokens/s, peak memory, chunk
     placement) and a run directory with the memory picture."""
     # The CUDA kernel only where a GPU can run it: nvcc alone (a CPU machine
     # with the toolkit) would add minutes of compiling to a one-minute job.
     env = {} if Path("/dev/nvidia0").exists() else CPU_ENV
-    _install_packages(session, PACKAGES, env=env)
+    _install_packages(session, ["booster-api"], env=env, testing=False)  # as the examples
+    session.install(*EXAMPLE_REQUIREMENTS)
+    _check_not_importable(session, "zerostack.testing")
     session.install("./packages/gemini-placement[plot]", env=env)  # matplotlib: the timeline PNG
     session.run("python", "examples/train_booster.py", *session.posargs)
 

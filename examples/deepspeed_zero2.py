@@ -14,18 +14,19 @@ and the initialize call change:
     +model, optimizer, _, loader, lr_scheduler = booster.boost(
     +    model, dataloader=plugin.prepare_dataloader(dataset, shuffle=True))
      for x, y in loader:
-    -    loss = engine(x, y)
+    -    loss = next_token_loss(engine(input_ids=x).logits, y)
     -    engine.backward(loss)
     -    engine.step()
-    +    loss = model(x, y)
+    +    loss = next_token_loss(model(input_ids=x).logits, y)
     +    booster.backward(loss, optimizer)
     +    optimizer.step()
 
 Without --deepspeed_config it trains with DeepSpeed's ZeRO-2 guide config
 (``GUIDE_CONFIG`` below: bf16, AdamW, WarmupDecayLR, stage 2 with CPU
 offload, gradient accumulation, clipping, cpu_checkpointing). The model is a
-small GPT whose blocks are activation-checkpointed; the data are random
-token sequences with a pattern it can learn. --summary writes what the run
+small transformers GPT-2 whose blocks are activation-checkpointed
+(transformers' gradient checkpointing); the data are random token sequences
+with a pattern it can learn. --summary writes what the run
 did as JSON.
 
     python examples/deepspeed_zero2.py --smoke
@@ -39,10 +40,9 @@ import json
 import os
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from _gpt2 import gpt2, next_token_loss
 
 from zerostack.booster import Booster, LowLevelZeroPlugin, launch_from_torch
-from zerostack.testing import GPTConfig, TinyGPT
 
 # DeepSpeed's ZeRO-2 guide config (the Hugging Face Trainer's
 # ds_config_zero2.json with its "auto" values filled in), at a small scale.
@@ -98,15 +98,10 @@ def main() -> None:
     plugin = LowLevelZeroPlugin.from_deepspeed_config(config)
     booster = Booster(plugin=plugin)
 
-    shape = (
-        dict(dim=32, num_layers=2, vocab_size=64)
-        if args.smoke
-        else dict(dim=256, num_layers=6, vocab_size=512)
-    )
-    model = TinyGPT(GPTConfig(max_seq_len=32, **shape))
-    for block in model.blocks:  # activation checkpointing, as Megatron's --checkpoint-activations
-        block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
-    data = dataset(64 if args.smoke else 4096, 32, shape["vocab_size"])
+    shape = dict(dim=32, layers=2, vocab=64) if args.smoke else dict(dim=256, layers=6, vocab=512)
+    # Activation checkpointing, as Megatron's --checkpoint-activations.
+    model = gpt2(**shape, heads=4, seq_len=32, checkpointing=True)
+    data = dataset(64 if args.smoke else 4096, 32, shape["vocab"])
 
     loader = plugin.prepare_dataloader(data, shuffle=True, drop_last=True)
     model, optimizer, _, loader, lr_scheduler = booster.boost(model, dataloader=loader)
@@ -115,7 +110,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         loader.sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = model(x, y)
+            loss = next_token_loss(model(input_ids=x).logits, y)
             booster.backward(loss, optimizer)
             steps += optimizer.step() is True
             losses.append(loss.item())

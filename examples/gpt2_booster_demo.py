@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _gpt2 import gpt2
 from torch import nn
 
 from zerostack.booster import (
@@ -63,24 +64,6 @@ class GPTLMLoss(nn.Module):
         shift_logits = logits[..., :-1, :].contiguous().float()
         shift_labels = labels[..., 1:].contiguous()
         return self.loss_fn(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
-
-
-def gpt2(name: str, seq_len: int, vocab: int):
-    import transformers
-
-    hidden, layers, heads = MODELS[name]
-    config = transformers.GPT2Config(
-        n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq_len, vocab_size=vocab,
-        use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-        bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
 
 
 def make_plugin(name: str, precision: str, smoke: bool):
@@ -163,6 +146,8 @@ def main() -> int:
     if "RANK" not in os.environ:  # plain `python`: one process
         single_process_env()
     vocab = 256 if a.model in ("smoke", "small") else VOCAB
+    hidden, layers, heads = MODELS[a.model]
+    shape = dict(layers=layers, dim=hidden, heads=heads, seq_len=a.seq_len, vocab=vocab)
     launch_from_torch(seed=42)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
@@ -175,9 +160,9 @@ def main() -> int:
         # As ColossalAI's demo: nothing allocated; boost materializes it
         # (GeminiPlugin: into chunks), the init running on `device`.
         with LazyInitContext(default_device=device):
-            model = gpt2(a.model, a.seq_len, vocab)
+            model = gpt2(**shape, checkpointing=True)
     else:
-        model = gpt2(a.model, a.seq_len, vocab)
+        model = gpt2(**shape, checkpointing=True)
     numel = sum(p.numel() for p in model.parameters())
     if a.lazy:
         # HybridAdam refuses meta parameters: boost the model first, then

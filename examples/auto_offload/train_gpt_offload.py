@@ -23,6 +23,13 @@ import time
 
 import torch
 
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as error:  # ColossalAI's demo trains transformers' GPT-2
+    raise SystemExit(
+        "train_gpt_offload.py: needs transformers: pip install transformers"
+    ) from error
+
 from zerostack.auto_offload import AMPOptimizer, HardwareProfile, memory_optimize, plan_offload
 from zerostack.fused_adam import HybridAdam
 
@@ -40,29 +47,16 @@ VOCAB, DATA_VOCAB, SEQ_LEN = 50257, 1024, 8  # ColossalAI's data: ids below 1024
 
 
 class GPTLMModel(torch.nn.Module):
-    """GPT-2 returning only the logits (ColossalAI's model_zoo.GPTLMModel): the
-    transformers model, or zerostack.testing's TinyGPT of the same shape (tied
-    head, pre-LN blocks) where transformers is not installed."""
+    """transformers' GPT-2 returning only the logits (ColossalAI's
+    model_zoo.GPTLMModel)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, vocab: int = VOCAB) -> None:
         super().__init__()
-        try:
-            from transformers import GPT2Config, GPT2LMHeadModel
-        except ImportError:
-            from zerostack.testing import GPTConfig, TinyGPT
-
-            print("transformers is not installed: zerostack.testing.TinyGPT of the same shape")
-            cfg = GPTConfig(vocab_size=vocab, max_seq_len=1024, num_layers=layers, dim=hidden,
-                            num_heads=heads, tie_embeddings=True)  # fmt: skip
-            self.model, self.hf = TinyGPT(cfg), False
-            return
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024,
                          vocab_size=vocab)  # fmt: skip
-        self.model, self.hf = GPT2LMHeadModel(cfg), True
+        self.model = GPT2LMHeadModel(cfg)
 
     def forward(self, input_ids, attention_mask):
-        if not self.hf:
-            return self.model(input_ids)  # causal attention; the mask is all ones
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
 
