@@ -148,7 +148,9 @@ def next_versions(version: Version) -> str:
     """The two semantic bumps while at 0.x, as a hint."""
     major, minor, micro = (list(version.release) + [0, 0])[:3]
     if major == 0:
-        return f"{major}.{minor + 1}.0 for a public API change, {major}.{minor}.{micro + 1} otherwise"
+        return (
+            f"{major}.{minor + 1}.0 for a public API change, {major}.{minor}.{micro + 1} otherwise"
+        )
     return f"{major + 1}.0.0 for a breaking change, {major}.{minor + 1}.0 for a feature"
 
 
