@@ -359,7 +359,7 @@ def release(args: argparse.Namespace) -> int:
         print(f"would record {len(todo)} release(s) in releases.json")
     else:
         write_releases(releases)
-        print("recorded in releases.json: commit it (git commit releases.json -m 'Release ...')")
+        print("recorded in releases.json: commit it (git add releases.json; git commit)")
     names = " ".join(str(f.relative_to(ROOT)) for f in files)
     print(f"would upload (no package index is configured here): twine upload {names}")
     return 0
