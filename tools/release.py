@@ -40,6 +40,10 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parent.parent
 RELEASES = ROOT / "releases.json"
 DIST = ROOT / "dist"
+# docs/versions.md's table of which versions work together, written by `ranges --write-docs`.
+DOCS_PAGE = ROOT / "docs" / "versions.md"
+TABLE_BEGIN = "<!-- begin: python tools/release.py ranges --write-docs -->"
+TABLE_END = "<!-- end: python tools/release.py ranges --write-docs -->"
 # What a package folder holds besides its code: changing these needs no new version.
 NOT_BUILT = {"tests", "README.md", "CHANGELOG.md"}
 
@@ -51,6 +55,7 @@ class Package:
     version: Version  # what __about__.py says now
     about: str  # __about__.py, relative to the repository root
     requires: dict[str, SpecifierSet]  # sibling distribution -> the range it accepts
+    extras: dict[str, str]  # sibling distribution -> the extra that asks for it, if one does
 
     @property
     def changelog(self) -> Path:
@@ -80,16 +85,20 @@ def packages() -> dict[str, Package]:
         version = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", text, re.M)
         if version is None:
             raise SystemExit(f"{about}: no __version__ = '...' line")
-        reqs = list(project.get("dependencies", []))
-        for group in project.get("optional-dependencies", {}).values():
-            reqs += group
+        reqs = [(r, "") for r in project.get("dependencies", [])]
+        for extra, group in project.get("optional-dependencies", {}).items():
+            reqs += [(r, extra) for r in group]
         requires: dict[str, SpecifierSet] = {}
-        for req in map(Requirement, reqs):
+        extras: dict[str, str] = {}
+        for text, extra in reqs:
+            req = Requirement(text)
             name = canonicalize_name(req.name)
             if name in names:
                 requires[name] = requires.get(name, SpecifierSet()) & req.specifier
+                if extra:
+                    extras[name] = extra
         dist = canonicalize_name(project["name"])
-        found[dist] = Package(folder, dist, Version(version[1]), about, requires)
+        found[dist] = Package(folder, dist, Version(version[1]), about, requires, extras)
     return found
 
 
@@ -181,7 +190,7 @@ def problems(pkgs: dict[str, Package], releases: dict, tree: str) -> dict[str, l
             what = ", ".join(entries)
             if pkg.version <= released:
                 wrong.append(
-                    f"{what} changed since {pkg.dist} {released} (commit {last['commit'][:10]}), "
+                    f"packages/{pkg.folder}: {what} changed since {pkg.dist} {released} (commit {last['commit'][:10]}), "
                     f"but {pkg.about} says {pkg.version}; set __version__ there above "
                     f"{released} ({next_versions(released)})"
                 )
@@ -198,7 +207,42 @@ def problems(pkgs: dict[str, Package], releases: dict, tree: str) -> dict[str, l
                     f"{name} {sibling.version}; widen the range to hold it (and raise its lower "
                     f"bound if {pkg.dist} uses what {sibling.version} added)"
                 )
+    if DOCS_PAGE.exists() and docs_table_now() != docs_table(pkgs, releases):
+        found["docs"] = [
+            f"{DOCS_PAGE.relative_to(ROOT)}: the table of versions is not the packages' "
+            "versions and ranges; rewrite it with `python tools/release.py ranges --write-docs`"
+        ]
     return {k: v for k, v in found.items() if v}
+
+
+def docs_table(pkgs: dict[str, Package], releases: dict) -> str:
+    """The Markdown table of each package's version and the sibling versions it accepts."""
+    rows = [
+        "| package | version | zerostack siblings it accepts (lowest version tested) |",
+        "|---|---|---|",
+    ]
+    order: list[str] = []  # each package after the siblings it requires
+    while len(order) < len(pkgs):
+        order.append(
+            next(
+                d for d in sorted(pkgs) if d not in order and pkgs[d].requires.keys() <= set(order)
+            )
+        )
+    for pkg in [pkgs[d] for d in order]:
+        cells = []
+        for name, spec in sorted(pkg.requires.items()):
+            extra = f" (extra `{pkg.extras[name]}`)" if name in pkg.extras else ""
+            low = lowest_allowed(releases, pkgs[name], spec)
+            cells.append(f"`{name}{show(spec)}`{extra} from {low or 'none'}")
+        rows.append(f"| `{pkg.dist}` | {pkg.version} | {'<br>'.join(cells) or 'none'} |")
+    return "\n" + "\n".join(rows) + "\n\n"  # blank lines: Markdown needs them around a table
+
+
+def docs_table_now() -> str | None:
+    """The table docs/versions.md holds between its markers, or None."""
+    text = DOCS_PAGE.read_text() if DOCS_PAGE.exists() else ""
+    found = re.search(rf"{re.escape(TABLE_BEGIN)}\n(.*?){re.escape(TABLE_END)}", text, re.S)
+    return found[1] if found else None
 
 
 def check(args: argparse.Namespace) -> int:
@@ -221,15 +265,27 @@ def check(args: argparse.Namespace) -> int:
         print(f"{mark:4} {pkg.dist} {pkg.version}: {state}")
         for message in wrong.get(pkg.folder, []):
             print(f"     - {message}")
+    for message in wrong.get("docs", []):
+        print(f"FAIL {message}")
     if wrong:
-        print(f"{len(wrong)} package(s) to fix; docs/versions.md says what a bump means")
+        print(f"{len(wrong)} thing(s) to fix; docs/versions.md says what a bump means")
     return 1 if wrong else 0
 
 
 def ranges(args: argparse.Namespace) -> int:
     """Each package's requirements on its siblings, the lowest version each
-    range allows (among released versions and the current one) and the current one."""
+    range allows (among released versions and the current one) and the current
+    one. --write-docs writes them as the table of docs/versions.md instead."""
     pkgs, releases = packages(), load_releases()
+    if args.write_docs:
+        if docs_table_now() is None:
+            raise SystemExit(f"ranges: {DOCS_PAGE} lacks the lines {TABLE_BEGIN} and {TABLE_END}")
+        text = DOCS_PAGE.read_text()
+        start = text.index(TABLE_BEGIN) + len(TABLE_BEGIN) + 1
+        table = docs_table(pkgs, releases)
+        DOCS_PAGE.write_text(text[:start] + table + text[text.index(TABLE_END) :])
+        print(f"wrote the table of {DOCS_PAGE.relative_to(ROOT)}")
+        return 0
     for pkg in pkgs.values():
         print(f"{pkg.dist} {pkg.version}")
         for name, spec in sorted(pkg.requires.items()):
@@ -331,12 +387,12 @@ def release(args: argparse.Namespace) -> int:
         tag = f"{pkg.dist}-v{pkg.version}"
         if _git("tag", "--list", tag):
             wrong.setdefault(pkg.folder, []).append(
-                f"tag {tag} exists already; set a new version in {pkg.about}"
+                f"packages/{pkg.folder}: tag {tag} exists; set a new version in {pkg.about}"
             )
     if wrong:
-        for folder, messages in sorted(wrong.items()):
+        for messages in wrong.values():
             for message in messages:
-                print(f"release: packages/{folder}: {message}")
+                print(f"release: {message}")
         return 1
     files = [f for pkg in todo for f in _build(pkg)]
     subprocess.run([sys.executable, "-m", "twine", "check", "--strict", *map(str, files)],
@@ -378,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         one.set_defaults(run=command)
         if command is release:
             one.add_argument("--dry-run", action="store_true", help="build and check only")
+        if command is ranges:
+            one.add_argument("--write-docs", action="store_true", help="the docs/versions.md table")
     args = parser.parse_args(argv)
     if shutil.which("git") is None:
         raise SystemExit("release.py needs git on PATH")
