@@ -365,8 +365,10 @@ def _check_not_importable(session: nox.Session, module: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository, and
-    tools/check_words.py (no internal vocabulary in code, docs and errors)."""
+    """ruff check and ruff format --check over the whole repository,
+    tools/check_words.py (no internal vocabulary in code, docs and errors),
+    and tools/release.py check (a package changed since its last release has
+    a new version and a changelog heading for it)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

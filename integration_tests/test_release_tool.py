@@ -203,3 +203,20 @@ def test_release_refuses_an_unreleased_heading_and_uncommitted_changes(repo: Pat
     out = _tool(repo, "release", "--dry-run")
     assert out.returncode == 1
     assert "'## 0.1.1 (unreleased)' says unreleased" in out.stdout
+
+
+def test_check_keeps_the_docs_table_of_versions_current(repo: Path) -> None:
+    page = repo / "docs/versions.md"
+    page.parent.mkdir()
+    begin, end = (
+        f"<!-- {w}: python tools/release.py ranges --write-docs -->" for w in ("begin", "end")
+    )
+    page.write_text(f"# Versions\n\n{begin}\n{end}\n")
+    out = _tool(repo, "check")
+    assert out.returncode == 1
+    assert "docs/versions.md: the table of versions is not the packages'" in out.stdout
+    assert _tool(repo, "ranges", "--write-docs").returncode == 0
+    assert (
+        "| `zerostack-beta` | 0.1.0 | `zerostack-alpha>=0.1,<0.2` from 0.1.0 |" in page.read_text()
+    )
+    assert _tool(repo, "check").returncode == 0

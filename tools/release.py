@@ -77,7 +77,7 @@ def packages() -> dict[str, Package]:
     for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
         metas[pyproject.parent.name] = tomllib.loads(pyproject.read_text())
     names = {canonicalize_name(m["project"]["name"]) for m in metas.values()}
-    found = {}
+    found: dict[str, Package] = {}
     for folder, meta in metas.items():
         project = meta["project"]
         about = f"packages/{folder}/" + meta["tool"]["hatch"]["version"]["path"]
