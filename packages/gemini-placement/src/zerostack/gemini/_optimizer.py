@@ -128,8 +128,8 @@ class GeminiOptimizer:
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
         self._bind_masters()
-        if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
-            optimizer.nvme_plan([])
+        if hasattr(self.optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
+            self.optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         # Their gradients' norms, taken before the update wrote over them.
         self._early_norms: dict[int, torch.Tensor] = {}
