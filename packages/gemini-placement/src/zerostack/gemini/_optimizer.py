@@ -147,6 +147,7 @@ class GeminiOptimizer:
         module.zero_grad_callbacks.append(self._callbacks[2])
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
+        _WRAPPED.add(self.optimizer)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -328,6 +328,7 @@ class ZeroOptimizer:
             self.optimizer = inner if inner is not optimizer else stepping_twin(optimizer)
             self._groups = optimizer.param_groups
             self._foreign = foreign_keys(optimizer, self.optimizer)
+            _WRAPPED.add(self.optimizer)
         self._user = optimizer
         if hasattr(self.optimizer, "nvme_plan"):
             # fused-adam's optimizers put Adam states on disk for the tensors
