@@ -705,6 +705,16 @@ class GeminiDDP(nn.Module):
         if errors:
             raise errors[0]
 
+    def drop_batch_for_load(self) -> None:
+        """What every load calls first: a batch a backward left behind (one
+        that raised, or gradients not stepped) is dropped, as by
+        ``zero_grad()``; the loaded values replace whatever CPU updates of
+        it had begun, so that is no error here."""
+        if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
+            for callback in self.zero_grad_callbacks:
+                callback()
+            self._drop_batch()
+
     def _drop_accumulated(self) -> None:
         """Zero the gradients that no_sync backwards left in the grad chunks."""
         for chunk in self.grad_chunks:
@@ -793,6 +803,7 @@ class GeminiDDP(nn.Module):
                 f"{_API}.load_state_dict: state_dict must be a dict of tensors (got "
                 f"{type(state_dict).__name__})"
             )
+        self.drop_batch_for_load()
         self.wait_updates()
         names = self.aliases
         buffers = _persistent_buffers(self.module)

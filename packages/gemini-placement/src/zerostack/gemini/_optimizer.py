@@ -596,6 +596,7 @@ class GeminiOptimizer:
         """Load ``state_dict()`` output of the same rank and world size."""
         self._check_open("load_state_dict")
         _check_state(state, ("optimizer", "scaler"), "load_state_dict")
+        self.module.drop_batch_for_load()
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -673,6 +674,7 @@ class GeminiOptimizer:
         self._check_open("load_full_state_dict")
         _check_state(full, ("params", "param_group", "scaler"), "load_full_state_dict")
         module = self.module
+        module.drop_batch_for_load()
         module.wait_updates()
         names = [module.param_names[p] for p in self._trainable()]
         missing = [n for n in names if n not in full["params"]]

@@ -117,8 +117,14 @@ class TorchDDPModel(ModelWrapper):
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
     ) -> None:
-        """Load the whole model on this rank (every rank passes the same dict)."""
+        """Load the whole model on this rank (every rank passes the same dict);
+        after a backward that raised, its batch is dropped first."""
+        self._drop_for_load()
         self.unwrap().load_state_dict(state_dict, strict=strict)
+
+    def _drop_for_load(self) -> None:
+        if self._backward_open:  # See [Note: a backward that raised under DDP]
+            self.zero_grad()
 
     def local_ranges(self) -> dict[str, tuple[int, int, int]]:
         """Everything whole: every rank holds the whole model."""
@@ -138,7 +144,9 @@ class TorchDDPModel(ModelWrapper):
 
     @torch.no_grad()
     def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
-        """Whole flat tensors into the parameters and buffers they name."""
+        """Whole flat tensors into the parameters and buffers they name
+        (after a backward that raised, its batch is dropped first)."""
+        self._drop_for_load()
         module = self.unwrap()
         for n, p in module.named_parameters():
             if n in values:
