@@ -268,3 +268,46 @@ def test_forward_and_step_after_a_backward_that_raised_say_to_call_zero_grad():
         assert opt.step() is False  # zero_grad() between steps changes nothing
     opt.zero_grad()
     assert ddp.training_state is TrainingState.IDLE
+
+
+def _accumulating():
+    case = ("accumulate", dict(enable_gradient_accumulation=True), "adam", torch.float32, 0.0,
+            True, 1)  # fmt: skip
+    return _build(1, case, None)
+
+
+@pytest.mark.parametrize("when", ["accumulated", "before-backward", "reduced"])
+def test_zero_grad_drops_what_the_batch_left_at_any_point(when):
+    """zero_grad() after a no_sync backward (ACCUMULATED), between the next
+    forward and its backward (AWAIT_BACKWARD: the accumulated gradients go,
+    the forward stays), or after a backward that was not stepped (REDUCED):
+    the run equals one without what was dropped."""
+    (idx0, tgt0), (idx1, tgt1), (idx2, tgt2) = (_batches(s, 1, 0)[0] for s in range(3))
+    _model, ref, ref_opt = _accumulating()
+    for idx, tgt in ((idx0, tgt0), (idx2, tgt2)):
+        ref_opt.backward(ref(idx, tgt) / 2)
+        assert ref_opt.step()
+    _model, ddp, opt = _accumulating()
+    opt.backward(ddp(idx0, tgt0) / 2)
+    assert opt.step()
+    if when == "reduced":
+        opt.backward(ddp(idx1, tgt1) / 2)
+        assert ddp.training_state is TrainingState.REDUCED
+        opt.zero_grad()
+        loss = ddp(idx2, tgt2)
+    else:
+        with ddp.no_sync():
+            opt.backward(ddp(idx1, tgt1) / 2)
+        if when == "accumulated":
+            assert ddp.training_state is TrainingState.ACCUMULATED
+            opt.zero_grad()
+            assert ddp.training_state is TrainingState.IDLE
+        loss = ddp(idx2, tgt2)
+        if when == "before-backward":
+            opt.zero_grad()
+            assert ddp.training_state is TrainingState.AWAIT_BACKWARD
+    opt.backward(loss / 2)
+    assert opt.step()
+    ddp.wait_updates()
+    ref.wait_updates()
+    _same(when, ([], ddp.state_dict()), ([], ref.state_dict()))
