@@ -39,9 +39,12 @@ def _plugin(name, world):
             precision="fp32", chunk_config_dict=chunks, offload_optim_frac=1.0, max_norm=1.0
         ),
         "gemini-auto": lambda: GeminiPlugin(
-            precision="fp32", chunk_config_dict=chunks, placement_policy="auto",
-            gpu_capacity_bytes=10**6, max_norm=1.0,
-        ),  # fmt: skip
+            precision="fp32",
+            chunk_config_dict=chunks,
+            placement_policy="auto",
+            gpu_capacity_bytes=10**6,
+            max_norm=1.0,
+        ),
     }[name]()
 
 
@@ -175,8 +178,11 @@ def _ddp_refuses(rank, world):
     idx, tgt = make_batch(CONFIG, 2, 16, seed=rank)
     with pytest.raises(Injected):
         booster.backward(lm_loss(model(idx), tgt), opt)
-    with pytest.raises(RuntimeError, match=r"last backward raised before it finished .* call "
-                       r"optimizer.zero_grad\(\) to drop that batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"last backward raised before it finished .* call "
+        r"optimizer.zero_grad\(\) to drop that batch",
+    ):
         model(idx)
 
 

@@ -154,4 +154,6 @@ def test_a_scheduler_on_the_wrapper_and_on_the_users_optimizer_see_the_same_grou
     opt.load_full_state_dict(full)
     assert user.param_groups[0]["lr"] == 2e-3
     assert opt.optimizer.param_groups[0]["params"] == opt.masters  # the twin steps the masters
-    assert all(p.requires_grad for p in user.param_groups[0]["params"])  # the user's are the model's
+    assert all(
+        p.requires_grad for p in user.param_groups[0]["params"]
+    )  # the user's are the model's

@@ -81,7 +81,7 @@ CASES = [
 
 
 def _build(world, case, nvme_dir):
-    name, kwargs, kind, dtype, max_norm, overlap, micro = case
+    _name, kwargs, kind, dtype, max_norm, overlap, _micro = case
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     if kwargs.get("placement_policy") == "auto":
@@ -129,7 +129,7 @@ def _train(model, ddp, opt, micro, rank, where=None, skip=False, at=AT):
             fault.armed = False
             if where == "backward":
                 assert ddp.training_state is TrainingState.BACKWARD
-                assert 0 < ddp._next_reduce, "no chunk was reduced before the fault"
+                assert ddp._next_reduce > 0, "no chunk was reduced before the fault"
             opt.zero_grad()
             assert ddp.training_state is TrainingState.IDLE
             continue
@@ -236,8 +236,11 @@ def test_updates_begun_in_backward_are_refused_and_a_reloaded_state_goes_on():
             with pytest.raises(Injected):
                 opt.backward(loss)
             fault.armed = False
-            with pytest.raises(RuntimeError, match=r"CPU updates of chunks \[.*\] began during "
-                               r"the backward .* Reload the last checkpoint"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"CPU updates of chunks \[.*\] began during "
+                r"the backward .* Reload the last checkpoint",
+            ):
                 opt.zero_grad()
             assert ddp.training_state is TrainingState.IDLE
             ddp.load_state_dict(saved[0])
@@ -256,8 +259,11 @@ def test_forward_and_step_after_a_backward_that_raised_say_to_call_zero_grad():
     with pytest.raises(Injected):
         opt.backward(ddp(idx, tgt))
     fault.armed = False
-    with pytest.raises(RuntimeError, match=r"last backward did not finish .* call "
-                       r"optimizer.zero_grad\(\) to drop that batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"last backward did not finish .* call "
+        r"optimizer.zero_grad\(\) to drop that batch",
+    ):
         ddp(idx, tgt)
     with pytest.raises(RuntimeError, match=r"last backward did not finish"):
         opt.step()

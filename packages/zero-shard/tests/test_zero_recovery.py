@@ -181,8 +181,11 @@ def test_updates_begun_in_backward_are_refused_and_a_reloaded_state_goes_on():
             with pytest.raises(Injected):
                 zero.backward(loss)
             armed[0] = False
-            with pytest.raises(RuntimeError, match=r"CPU updates of buckets \[.*\] .* began "
-                               r"during the backward .* Reload the last checkpoint"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"CPU updates of buckets \[.*\] .* began "
+                r"during the backward .* Reload the last checkpoint",
+            ):
                 zero.zero_grad()
             zero.wait_updates()
             model.load_state_dict(saved[0])

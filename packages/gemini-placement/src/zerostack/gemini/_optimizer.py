@@ -128,7 +128,7 @@ class GeminiOptimizer:
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
         self._bind_masters()
-        if hasattr(self.optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
+        if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
             self.optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         # Their gradients' norms, taken before the update wrote over them.
@@ -253,7 +253,9 @@ class GeminiOptimizer:
         self._step_hyper = None
         self._scaled_backward = False
         begun = [
-            self.pairs[i][0].index for i in sorted(early) if not self.pipeline.cancel(self.pairs[i][0])
+            self.pairs[i][0].index
+            for i in sorted(early)
+            if not self.pipeline.cancel(self.pairs[i][0])
         ]
         for i in self._host:
             self.pipeline.drop_staged(self.pairs[i][0])

@@ -33,8 +33,9 @@ class Placement:
     over the chunks once they exist. Then, per training iteration,
     ``start_iteration``, ``before_access``/``after_access`` around every
     gather, ``end_warmup`` at the end of backward, and ``plan`` at the first
-    optimizer step; ``abandon_iteration`` when a forward or backward raised. ``offloaded_masters`` are the master chunks stepped on
-    the CPU; ``keeps_cache`` says whether idle gathered chunks stay gathered.
+    optimizer step; ``abandon_iteration`` when a forward or backward raised.
+    ``offloaded_masters`` are the master chunks stepped on the CPU;
+    ``keeps_cache`` says whether idle gathered chunks stay gathered.
     """
 
     warming_up = False

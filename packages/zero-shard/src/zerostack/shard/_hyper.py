@@ -14,9 +14,10 @@ hold the masters and, copied in when no update reads them, the
 hyperparameters of the step being run (GeminiOptimizer keeps one snapshot
 with each CPU update; ZeroOptimizer copies them in before it queues the
 step's updates). A wrapper that replaces the user's optimizer by its own
-(ZeroOptimizer's CPUAdam for torch Adam/AdamW) copies the keys both
-optimizers know (``shared_keys``) in the same way. Loading a checkpoint
-writes the loaded values back into the user's groups.
+(ZeroOptimizer's CPUAdam for torch Adam/AdamW) copies in the same way every
+key but those only one of the two optimizers' defaults have
+(``foreign_keys``). Loading a checkpoint writes the loaded values back into
+the user's groups.
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ class _BackwardWatch:
     of the autograd engine, which does not run when backward raises). Holds
     the model weakly; built once."""
 
-    __slots__ = ("_ref", "__weakref__")
+    __slots__ = ("__weakref__", "_ref")
 
     def __init__(self, model: TorchDDPModel) -> None:
         self._ref = weakref.ref(model)
