@@ -492,6 +492,13 @@ RELIABILITY_TESTS = [
     "packages/zero-shard/tests/test_offload_overlap.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
+    # User actions take effect: hyperparameters on the user's optimizer, and
+    # recovery after an exception in forward or backward.
+    "packages/gemini-placement/tests/test_gemini_hyperparameters.py",
+    "packages/zero-shard/tests/test_zero_hyperparameters.py",
+    "packages/gemini-placement/tests/test_gemini_recovery.py",
+    "packages/zero-shard/tests/test_zero_recovery.py",
+    "packages/booster-api/tests/test_booster_recovery.py",
 ]
 
 
@@ -499,9 +506,10 @@ RELIABILITY_TESTS = [
 def reliability(session: nox.Session) -> None:
     """The reliability suite of docs/reliability.md on the CPU: every
     package's bad-input table, collective mismatch, a dead peer, crash-safe
-    checkpoints, determinism, offload-tier faults, then the 1,000-step soak
-    of every plugin (`-- --steps 200` for a shorter one). Not in CI: its
-    quick parts run in the unit and integration sessions."""
+    checkpoints, determinism, offload-tier faults, user actions taking
+    effect (hyperparameters, recovery after an exception), then the
+    1,000-step soak of every plugin (`-- --steps 200` for a shorter one). Not
+    in CI: its quick parts run in the unit and integration sessions."""
     _install_packages(session, PACKAGES)
     session.install("matplotlib")  # the soak's curves
     # auto-offload's table plans a transformers GPT-2 (it skips without it).

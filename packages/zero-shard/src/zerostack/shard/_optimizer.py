@@ -34,6 +34,7 @@ from zerostack.shard._bucket import (
 )
 from zerostack.shard._clip import grad_stats
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -316,7 +317,19 @@ class ZeroOptimizer:
             master_weights=master_weights, names=names,
         )  # fmt: skip
         _WRAPPED.add(optimizer)
-        self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
+        self.optimizer = optimizer
+        # What users see and change (see [Note: the user's hyperparameters]):
+        # their optimizer's groups; with cpu_offload, updates read the groups
+        # of another optimizer, filled from these when no update runs.
+        self._groups: list[dict] | None = None
+        self._foreign: frozenset[str] = frozenset()
+        if cpu_offload:
+            inner = _cpu_kernel(optimizer)
+            self.optimizer = inner if inner is not optimizer else stepping_twin(optimizer)
+            self._groups = optimizer.param_groups
+            self._foreign = foreign_keys(optimizer, self.optimizer)
+            _WRAPPED.add(self.optimizer)
+        self._user = optimizer
         if hasattr(self.optimizer, "nvme_plan"):
             # fused-adam's optimizers put Adam states on disk for the tensors
             # they step: the masters, from now on (a full disk fails here).
@@ -338,14 +351,9 @@ class ZeroOptimizer:
         self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
         self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
         self._pipe: OffloadPipeline | None = None
-        self._groups: list[dict] | None = (
-            None  # what users see while the worker reads the inner ones
-        )
         if cpu_offload:
             self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
             weakref.finalize(self, self._pipe.close)
-            if self._pipe.overlapping:
-                self._groups = [dict(g) for g in self.optimizer.param_groups]
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
                     # The host waits for these two (blocking: no spinning
@@ -411,7 +419,9 @@ class ZeroOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
-        """The parameter groups whose hyperparameters the next step uses."""
+        """The parameter groups whose hyperparameters the next step uses:
+        those of the optimizer the user built (see [Note: the user's
+        hyperparameters])."""
         return self._groups if self._groups is not None else self.optimizer.param_groups
 
     def _push_hyper(self) -> None:
@@ -420,14 +430,14 @@ class ZeroOptimizer:
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            inner.update({k: v for k, v in user.items() if k != "params"})
+            inner.update(hyperparameters(user, self._foreign))
 
     def _pull_hyper(self) -> None:
         """The inner groups' hyperparameters (just loaded) into the users'."""
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            user.update({k: v for k, v in inner.items() if k != "params"})
+            user.update(hyperparameters(inner, self._foreign))
 
     # -- gradients ---------------------------------------------------------------
 
@@ -650,6 +660,7 @@ class ZeroOptimizer:
                 unfinished: ``step()`` again finishes it, see [Note: a failed
                 CPU update in ZeRO]).
         """
+        mark_stepped(self._user)  # See [Note: the user's hyperparameters]
         if self._unfinished:  # the last step's update failed: finishing it is this step
             self.wait_updates()
             self._unfinished = False
@@ -856,11 +867,38 @@ class ZeroOptimizer:
             if bucket.written is not None:
                 bucket.written.record(stream)
 
+    # [Note: dropping a batch] After an exception in forward or backward
+    # that the user catches, optimizer.zero_grad() drops the batch: the steps
+    # that follow equal, bitwise, those of a run that never saw it. A forward
+    # changes nothing but activations and gathered copies; a backward leaves
+    # gradients (in the parameters, the buckets, GeminiDDP's chunks, where a
+    # reduced gradient sits in place of the parameter shard until the step)
+    # and reductions in flight, which zero_grad() waits for and drops. What
+    # cannot be dropped is an optimizer update that began: with cpu_offload
+    # and overlap_cpu_step, and neither clipping nor an fp16 loss scale, a
+    # CPU-held bucket (chunk) is updated as soon as its gradient is reduced,
+    # during backward. zero_grad() cancels those that have not begun and
+    # raises for those that have (keeping their result, so the model stays
+    # consistent), saying to reload the last checkpoint. Collectives: every
+    # rank must catch the exception at the same point (as with torch's DDP);
+    # a rank alone leaves the others in a collective until the timeout.
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending). CPU
         updates still running keep what they read; the failed updates of an
-        unfinished step are dropped (their parameters keep their values)."""
+        unfinished step are dropped (their parameters keep their values).
+
+        After an exception in forward or backward that the caller caught
+        (on every rank), this drops the batch: the steps that follow are
+        those of a run that never saw it. See [Note: dropping a batch].
+
+        Raises:
+            RuntimeError: CPU updates that backward started (``cpu_offload``
+                with ``overlap_cpu_step``, no clipping, no fp16 loss scale)
+                had begun: they cannot be taken back, their buckets took the
+                batch's step. Everything else is dropped; reload the last
+                checkpoint to go on as if the batch had never run.
+        """
         if self._unfinished:
             dropped = self._pipe.drop_failed()
             logger.warning(
@@ -869,17 +907,16 @@ class ZeroOptimizer:
             )  # fmt: skip
             self._unfinished = False
             self.wait_updates()
+        begun: list[int] = []
         if self._early:
-            # Updates started in backward cannot be taken back: they count as
-            # the step (see overlap_cpu_step); their parameters come at the next forward.
-            logger.warning(
-                "%s.zero_grad: %d buckets' CPU updates started in backward before this "
-                "zero_grad() without a step(); they are applied", _API, len(self._early),
-            )  # fmt: skip
-            if self._pipe.stream is not None:
-                self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._pipe.round_open = True
-            self._pipe.adopt_early()
+            # See [Note: dropping a batch]: the updates that have not begun
+            # are cancelled; those that have are written back as they are.
+            begun = self._pipe.cancel_early()
+            if begun:
+                if self._pipe.stream is not None:
+                    self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._pipe.round_open = True
+                self._pipe.adopt_early()
             self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
@@ -890,6 +927,18 @@ class ZeroOptimizer:
         self._next_bucket = 0
         self._in_flight = None
         self._accumulated = False
+        self._scaled_backward = self._unscaled = False
+        if begun:
+            raise RuntimeError(
+                f"{_API}.zero_grad: the CPU updates of buckets {begun} (in write-back order) "
+                "began during the backward of the batch being dropped (cpu_offload with "
+                "overlap_cpu_step updates a bucket as soon as its gradient is reduced, when "
+                "there is no clipping and no fp16 loss scale) and cannot be taken back: those "
+                "buckets took the batch's step, the others did not. Reload the last checkpoint "
+                "(booster.load_model and load_optimizer, or load_state) to go on as if the batch "
+                "had never run; with overlap_cpu_step=False or max_norm > 0 a batch can always "
+                "be dropped"
+            )
 
     # -- state ---------------------------------------------------------------------
 

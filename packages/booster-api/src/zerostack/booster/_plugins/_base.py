@@ -201,10 +201,10 @@ class BoostedOptimizer(OptimizerWrapper):
 
 
 def attach_scheduler(lr_scheduler: Any, optimizer: BoostedOptimizer, user: Any) -> None:
-    """Point an lr scheduler built on the user's optimizer at the boosted one,
-    whose ``param_groups`` are what the plugin reads at each step (Gemini
-    copies its own groups into the inner optimizer; ZeRO's cpu_offload
-    replaces torch Adam by CPUAdam)."""
+    """Point an lr scheduler built on the user's optimizer at the boosted one
+    (whose ``param_groups`` are the user's optimizer's own, see zerostack.shard's
+    [Note: the user's hyperparameters]), so that its step counts the
+    boosted optimizer's steps."""
     if lr_scheduler is None or getattr(lr_scheduler, "optimizer", None) is not user:
         return
     lr_scheduler.optimizer = optimizer

@@ -85,6 +85,11 @@ class GeminiModel(ModelWrapper):
     def unwrap(self) -> nn.Module:
         return self.module.module
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """GeminiDDP.zero_grad (after an exception in forward or backward,
+        it drops the batch, as ``optimizer.zero_grad()`` does)."""
+        self.module.zero_grad(set_to_none)
+
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
         """GeminiDDP.state_dict (fp32 from the masters) in the [Note: full
         state format]; every rank takes part in the gathers."""

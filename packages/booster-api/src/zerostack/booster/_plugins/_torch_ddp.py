@@ -4,6 +4,7 @@ plain path the Booster takes without a plugin."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -56,12 +57,54 @@ class TorchDDPModel(ModelWrapper):
         self._facts = facts
         self.device_type = next(module.parameters(), torch.empty(0)).device.type
         self.autocast_dtype: torch.dtype | None = None
+        # See [Note: a backward that raised under DDP]. Built once: no closure per step.
+        self._backward_open = False
+        self._on_backward = _BackwardWatch(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = isinstance(self.module, DDP)
+        if ddp and self._backward_open:
+            raise RuntimeError(
+                "TorchDDPModel.forward: the last backward raised before it finished (DDP's "
+                "gradient reduction is left half done); call optimizer.zero_grad() to drop that "
+                "batch, then forward again"
+            )
         if self.autocast_dtype is None:
-            return self.module(*args, **kwargs)
-        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                out = self.module(*args, **kwargs)
+        if ddp and torch.is_grad_enabled():
+            self._on_backward.watch(out)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, after resetting DDP when the last
+        backward raised (see [Note: a backward that raised under DDP])."""
+        self.drop_backward()
+        super().zero_grad(set_to_none)
+
+    def drop_backward(self) -> None:
+        """After a backward that raised: reset DDP's reducer, whose
+        reduction of that backward never finished (optimizer.zero_grad()
+        calls this, then drops the gradients)."""
+        if not self._backward_open:
+            return
+        self._backward_open = False
+        # [Note: a backward that raised under DDP] torch's DDP counts the
+        # gradients of a backward as its hooks see them; one that raises
+        # leaves that count unfinished, and every later forward raises
+        # "Expected to have finished reduction in the prior iteration" (which
+        # blames unused parameters), even after zero_grad() or loading a
+        # checkpoint. The reducer's _reset_state() (what DDP's own
+        # _update_process_group calls) lets forward run again; with the
+        # gradients dropped, the steps that follow equal bitwise those of a
+        # run without the batch (tested at world sizes 1 and 2 on gloo). A
+        # backward "raised" when its autograd pass started through the model's
+        # outputs and never reached its end (an engine callback queued from a
+        # hook on the outputs): a backward that ended with parameters DDP saw
+        # no gradient for is DDP's own error and is left to it.
+        self.module.reducer._reset_state()
 
     def unwrap(self) -> nn.Module:
         return self.module.module if isinstance(self.module, DDP) else self.module
@@ -75,8 +118,14 @@ class TorchDDPModel(ModelWrapper):
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
     ) -> None:
-        """Load the whole model on this rank (every rank passes the same dict)."""
+        """Load the whole model on this rank (every rank passes the same dict);
+        after a backward that raised, its batch is dropped first."""
+        self._drop_for_load()
         self.unwrap().load_state_dict(state_dict, strict=strict)
+
+    def _drop_for_load(self) -> None:
+        if self._backward_open:  # See [Note: a backward that raised under DDP]
+            self.zero_grad()
 
     def local_ranges(self) -> dict[str, tuple[int, int, int]]:
         """Everything whole: every rank holds the whole model."""
@@ -96,7 +145,9 @@ class TorchDDPModel(ModelWrapper):
 
     @torch.no_grad()
     def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
-        """Whole flat tensors into the parameters and buffers they name."""
+        """Whole flat tensors into the parameters and buffers they name
+        (after a backward that raised, its batch is dropped first)."""
+        self._drop_for_load()
         module = self.unwrap()
         for n, p in module.named_parameters():
             if n in values:
@@ -129,6 +180,13 @@ class TorchDDPOptimizer(BoostedOptimizer):
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled when a GradScaler is on."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``; after a backward that raised (caught
+        on every rank) it also resets DDP, so that the batch is dropped and
+        training goes on (see [Note: a backward that raised under DDP])."""
+        self._model.drop_backward()
+        self.optim.zero_grad(set_to_none=set_to_none)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if self.scaler is None:
@@ -289,3 +347,43 @@ class DefaultPlugin(TorchDDPPlugin):
 
     def _device(self) -> torch.device:
         return self.device
+
+
+class _BackwardWatch:
+    """Marks a TorchDDPModel's backward open when autograd reaches the
+    outputs of its forward, and closed when that backward ends (a callback
+    of the autograd engine, which does not run when backward raises). Holds
+    the model weakly; built once."""
+
+    __slots__ = ("__weakref__", "_ref")
+
+    def __init__(self, model: TorchDDPModel) -> None:
+        self._ref = weakref.ref(model)
+
+    def watch(self, out: Any) -> None:
+        tensors = [t for t in _tensors(out) if t.requires_grad]
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._opened)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._opened, mode="any")
+
+    def _opened(self, _grad: Any) -> None:
+        model = self._ref()
+        if model is not None:
+            model._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._closed)
+
+    def _closed(self) -> None:
+        model = self._ref()
+        if model is not None:
+            model._backward_open = False
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
