@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+from zerostack.chunk import rank_and_world
 
 _API = "Booster"
 
@@ -132,6 +134,7 @@ class Booster:
                 ``step`` and ``state_dict``.
         """
         _check_boost(model, optimizer, criterion, lr_scheduler)
+        _check_dataloader(dataloader)
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
@@ -398,6 +401,25 @@ def _check_device(device: Any) -> torch.device:
             "pass 'cpu'"
         )
     return device
+
+
+def _check_dataloader(dataloader: Any) -> None:
+    """Warn when every rank would read the same batches: a map-style
+    DataLoader without a DistributedSampler in a group of several ranks."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return
+    _, world = rank_and_world()
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = (dataloader.sampler, getattr(batch_sampler, "sampler", None))
+    if world > 1 and not any(isinstance(s, DistributedSampler) for s in samplers):
+        warnings.warn(
+            f"{_API}.boost: the dataloader has no DistributedSampler (got "
+            f"{type(dataloader.sampler).__name__}) at {world} ranks: every rank reads the same "
+            "batches; build it with plugin.prepare_dataloader(dataset, batch_size=...) (as "
+            "ColossalAI's), or pass DistributedSampler(dataset) as its sampler",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_boost(model: Any, optimizer: Any, criterion: Any, lr_scheduler: Any) -> None:
