@@ -167,9 +167,11 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     adamw = type(optimizer) is torch.optim.AdamW
     groups = []
     for g in optimizer.param_groups:
+        # torch's Adam(decoupled_weight_decay=True) is AdamW.
+        decoupled = adamw or bool(g.get("decoupled_weight_decay", False))
         groups.append(
             dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                 weight_decay=g["weight_decay"])
+                 weight_decay=g["weight_decay"], adamw_mode=decoupled)
         )  # fmt: skip
     logger.info(
         "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
@@ -325,6 +327,10 @@ class ZeroOptimizer:
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
+        self._bucket_of = [self.buckets[0]] * len(self.shards)  # shard index -> its bucket
+        for bucket in self.buckets:
+            for s in bucket.shards:
+                self._bucket_of[s.index] = bucket
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
@@ -455,16 +461,42 @@ class ZeroOptimizer:
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
         self.wait_updates()
+        self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
+
+    def _reduce_again(self) -> None:
+        """A backward after the last one's gradients were reduced, before
+        ``step()`` (gradient accumulation without ``no_sync``, as torch's DDP
+        allows): the reduced pieces are kept in the shards, copied out of the
+        bucket buffers the new reductions reuse, and the new ones are added
+        to them at the step."""
+        self._refuse_after_early_updates()
+        self._finish_reduction()
+        for s in self.shards:
+            if s.grad is not None:
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _refuse_after_early_updates(self) -> None:
+        if self._early:
+            raise RuntimeError(
+                f"{_API}.backward: a second backward before step() (got {len(self._early)} "
+                "buckets whose CPU updates started in the first one: cpu_offload with "
+                "overlap_cpu_step, no clipping, no fp16 loss scale); its gradients cannot be "
+                "added to them: accumulate inside no_sync() (booster.no_sync(model, optimizer)) "
+                "for all but the last backward, or step() between (zero_grad() drops this one)"
+            )
 
     def _on_grad(self, s: _Shard) -> None:
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
+        if self._bucket_of[s.index].launched:  # a second backward before step()
+            self._reduce_again()
         if self._no_sync or not self.overlap:
             return
         s.ready = True
