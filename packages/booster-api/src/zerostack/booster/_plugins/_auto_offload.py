@@ -50,9 +50,16 @@ class AutoOffloadModel(ModelWrapper):
         self.module.train(mode)
         return super().train(mode)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        """The traced module's (device) parameters, as ``parameters()`` gives them."""
-        return self.unwrap().named_parameters(*args, **kwargs)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_hooks(f"{self._API}.forward", self.unwrap(), "the traced module's submodules")
+        return self.module(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Any:
+        """The traced module's (device) parameters, named as in ``state_dict()``."""
+        inner = f"{prefix}.module" if prefix else "module"
+        return self.unwrap().named_parameters(inner, recurse, remove_duplicate)
 
     def _apply(self, fn: Any, recurse: bool = True) -> AutoOffloadModel:
         # See [Note: boosted model methods]
@@ -276,6 +283,7 @@ class AutoOffloadPlugin(Plugin):
                 f"{_API}: example_inputs is required: one batch as a dict of keyword "
                 "arguments or a tuple of positional ones (the model is traced on it)"
             )
+        _refuse_hooks(f"{_API}.configure", model, "the model's submodules")
         facts = ModelFacts.of(model)
         budget = self.memory_budget * 1024**3 if self.memory_budget > 0 else -1.0
         offload = memory_optimize(
@@ -291,3 +299,15 @@ class AutoOffloadPlugin(Plugin):
             boosted = AutoOffloadOptimizer(amp, wrapped)
             attach_scheduler(lr_scheduler, boosted, optimizer)
         return wrapped, boosted, criterion, dataloader, lr_scheduler
+
+
+def _refuse_hooks(api: str, root: nn.Module, where: str) -> None:
+    """Forward hooks below the root never run: the model is traced into one
+    graph that calls no submodule."""
+    for name, m in root.named_modules():
+        if m is not root and (m._forward_hooks or m._forward_pre_hooks):
+            raise NotImplementedError(
+                f"{api}: forward hooks on {where} do not run under AutoOffloadPlugin (got a hook "
+                f"on {name!r}): the model is traced into one graph; register the hook on the "
+                "boosted model itself, or use another plugin"
+            )

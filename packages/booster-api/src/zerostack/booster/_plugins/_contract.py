@@ -30,15 +30,21 @@ def refuse_moves(
     api: str, plugin: str, fn: Callable[[torch.Tensor], torch.Tensor], tensors: Iterable
 ) -> None:
     """Raise unless ``fn`` (what ``nn.Module._apply`` applies: a ``to()``,
-    ``half()``, ``cuda()``, ...) leaves every tensor as it is. See [Note:
-    boosted model methods].
+    ``half()``, ``cuda()``, ...) leaves the dtype and device of every tensor
+    as they are. See [Note: boosted model methods].
 
     Raises:
         NotImplementedError: ``fn`` would move or cast a tensor.
     """
+    seen = set()
     for t in tensors:
-        out = fn(t)
-        if out is not t:
+        if (t.dtype, t.device) in seen:
+            continue
+        seen.add((t.dtype, t.device))
+        # An empty probe of each kind: a parameter's storage may be released
+        # (a sharded chunk, an offloaded region), and no copy is made.
+        out = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        if out.dtype != t.dtype or out.device != t.device:
             raise NotImplementedError(
                 f"{api}: moving or casting the boosted model (to(), half(), float(), cuda(), "
                 f"...) is not supported (got a {t.dtype} tensor on {t.device} turned into "
