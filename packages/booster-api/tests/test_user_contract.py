@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,28 +39,32 @@ PROFILE = dict(
 )  # fmt: skip
 
 
-def _auto_offload() -> AutoOffloadPlugin:
+def _auto_offload(**kwargs: Any) -> AutoOffloadPlugin:
     from zerostack.auto_offload import HardwareProfile
 
     idx, _ = make_batch(CONFIG, 2, 8, seed=0)
-    return AutoOffloadPlugin(
-        precision="bf16", example_inputs={"idx": idx}, device="cpu",
-        profile=HardwareProfile.from_dict(PROFILE),
-    )  # fmt: skip
+    return AutoOffloadPlugin(**{
+        "precision": "bf16", "example_inputs": {"idx": idx}, "device": "cpu",
+        "profile": HardwareProfile.from_dict(PROFILE), **kwargs,
+    })  # fmt: skip
+
+
+def _with(cls: type, **base: Any) -> Callable[..., Any]:
+    return lambda **kwargs: cls(**{**base, **kwargs})
 
 
 # fp32 everywhere (exact comparisons) except AutoOffloadPlugin, which has no fp32.
-PLUGINS: dict[str, Callable[[], Any]] = {
+PLUGINS: dict[str, Callable[..., Any]] = {
     "torch": lambda: None,
-    "zero1": lambda: LowLevelZeroPlugin(stage=1, precision="fp32"),
-    "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
-    "zero2-offload": lambda: LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True),
+    "zero1": _with(LowLevelZeroPlugin, stage=1, precision="fp32"),
+    "zero2": _with(LowLevelZeroPlugin, stage=2, precision="fp32"),
+    "zero2-offload": _with(LowLevelZeroPlugin, stage=2, precision="fp32", cpu_offload=True),
     # Clipping keeps the CPU updates from starting in backward.
-    "zero2-offload-clip": lambda: LowLevelZeroPlugin(
-        stage=2, precision="fp32", cpu_offload=True, max_norm=100.0
+    "zero2-offload-clip": _with(
+        LowLevelZeroPlugin, stage=2, precision="fp32", cpu_offload=True, max_norm=100.0
     ),
-    "gemini": lambda: GeminiPlugin(precision="fp32"),
-    "gemini-offload": lambda: GeminiPlugin(precision="fp32", offload_optim_frac=1.0),
+    "gemini": _with(GeminiPlugin, precision="fp32"),
+    "gemini-offload": _with(GeminiPlugin, precision="fp32", offload_optim_frac=1.0),
     "auto-offload": _auto_offload,
 }
 ALL = tuple(PLUGINS)
@@ -75,7 +80,7 @@ class Env:
 
     def __init__(
         self, plugin: str, *, optimizer: str = "adam", frozen: tuple[str, ...] = (),
-        exclude: tuple[str, ...] = (), dropout: float = 0.0,
+        exclude: tuple[str, ...] = (), dropout: float = 0.0, plugin_kwargs: dict | None = None,
     ) -> None:  # fmt: skip
         torch.manual_seed(0)
         self.kind = plugin
@@ -93,7 +98,7 @@ class Env:
             opt = torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
         else:
             opt = HybridAdam(params, lr=1e-2)
-        made = PLUGINS[plugin]()
+        made = PLUGINS[plugin](**(plugin_kwargs or {}))
         self.booster = Booster(device="cpu") if made is None else Booster(plugin=made)
         self.model, self.opt, *_ = self.booster.boost(self.plain, opt)
 
@@ -397,6 +402,102 @@ def _plugin(**kwargs) -> Callable[[Env], Any]:
     return lambda env: GeminiPlugin(**kwargs)
 
 
+# -- the plugins' arguments -----------------------------------------------------------------
+
+
+def _boost_with(plugin: str, **kwargs: Any) -> Callable[[Env], Env]:
+    """The action: boosting with these plugin arguments (the row's env is the default)."""
+    return lambda env: Env(plugin, plugin_kwargs=kwargs)
+
+
+def _dtype_is(dtype: torch.dtype) -> Callable[[Env, Any], None]:
+    def check(env: Env, _: Any) -> None:
+        assert {p.dtype for p in env.model.unwrap().parameters()} == {dtype}
+        before = env.weights()
+        env.step(0)
+        assert _max_change(before, env.weights()) > 0
+
+    return check
+
+
+def _more_buckets(env: Env, _: Any) -> None:
+    assert len(env.opt.optim.buckets) > len(Env(env.kind).opt.optim.buckets) == 1
+
+
+def _bf16_communication(env: Env, _: Any) -> None:
+    ref = Env(env.kind, optimizer="sgd")
+    for e in (env, ref):
+        e.step(0)
+    change = _max_change(ref.weights(), env.weights())
+    assert 0 < change < 1e-3, change  # the gradients travelled in bf16
+
+
+def _launched_in_backward(env: Env) -> bool:
+    env.booster.backward(env.loss(0), env.opt)
+    launched = any(b.launched for b in env.opt.optim.buckets)
+    env.opt.step()
+    return launched
+
+
+def _reduced_at_step(env: Env, launched: bool) -> None:
+    assert not launched
+    assert _launched_in_backward(Env(env.kind)), "the default reduces during backward"
+
+
+def _bf16_masters(env: Env, _: Any) -> None:
+    assert {s.master.dtype for s in env.opt.optim.shards} == {torch.bfloat16}
+
+
+def _logged_at_warning(plugin: str, **kwargs: Any) -> Callable[[Env], list[str]]:
+    def act(env: Env) -> list[str]:
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        log = logging.getLogger("zerostack.booster")
+        log.addHandler(handler)
+        try:
+            Env(plugin, plugin_kwargs=kwargs)
+        finally:
+            log.removeHandler(handler)
+        return [r.getMessage() for r in records]
+
+    return act
+
+
+def _names_the_plugin(name: str) -> Callable[[Env, list[str]], None]:
+    def check(env: Env, messages: list[str]) -> None:
+        assert any(m.startswith(f"{name}:") for m in messages), messages
+
+    return check
+
+
+def _float_inputs(env: Env) -> Any:
+    torch.manual_seed(0)
+    plugin = LowLevelZeroPlugin(precision="bf16", cast_inputs=False)
+    model, *_ = Booster(plugin=plugin).boost(torch.nn.Linear(4, 4))
+    return model(torch.ones(2, 4))
+
+
+def _scale_grew(env: Env, new: Env) -> None:
+    scaler = new.opt.optim.scaler
+    assert scaler.scale == 2.0**8
+    new.step(0)
+    assert scaler.scale == 2.0**10  # growth_factor 4 after growth_interval 1 clean step
+
+
+def _chunk_size(env: Env, new: Env, size: int) -> None:
+    assert {c.chunk_size for c in new.model.module.param_chunks} == {size}
+    assert {c.chunk_size for c in env.model.module.param_chunks} != {size}
+
+
+def _more_chunks(env: Env, new: Env) -> None:
+    assert len(new.model.module.param_chunks) > len(env.model.module.param_chunks) == 1
+
+
+def _cpu_step_inline(env: Env, new: Env) -> None:
+    assert not new.opt.optim.pipeline.overlapping and env.opt.optim.pipeline.overlapping
+
+
 # fmt: off
 ROWS = [
     # -- the boosted optimizer -------------------------------------------------------------
@@ -432,6 +533,25 @@ ROWS = [
     # -- the user's optimizer and the plugin's arguments ------------------------------------
     Row("torch-adam-decoupled-weight-decay", ("zero2-offload",), lambda env: None, lambda env, _: _as_adamw(env), options=dict(optimizer="adam-decoupled")),
     Row("gemini-search-with-chunk-config-dict", ("torch",), _plugin(chunk_config_dict={1: {"chunk_size": 1024}}, hidden_dim=64), warning=UserWarning, match=r"GeminiDDP: hidden_dim=64 has no effect with chunk_config_dict \(the chunk size is given, there is no search\)"),
+    Row("zero-precision", ("zero2",), lambda env: None, _dtype_is(torch.bfloat16), options=dict(plugin_kwargs=dict(precision="bf16"))),
+    Row("zero-reduce-bucket-size-in-m", ("zero2",), lambda env: None, _more_buckets, options=dict(plugin_kwargs=dict(reduce_bucket_size_in_m=0.001))),
+    Row("zero-communication-dtype", ("zero2",), lambda env: None, _bf16_communication, options=dict(optimizer="sgd", plugin_kwargs=dict(communication_dtype=torch.bfloat16))),
+    Row("zero-overlap-communication", ("zero2",), _launched_in_backward, _reduced_at_step, options=dict(plugin_kwargs=dict(overlap_communication=False))),
+    Row("zero-master-weights", ("zero2",), lambda env: None, _bf16_masters, options=dict(plugin_kwargs=dict(precision="bf16", master_weights=False))),
+    Row("zero-cast-inputs", TORCH, _float_inputs, error=RuntimeError, match=r"dtype"),
+    Row("zero-scaler-arguments", TORCH, _boost_with("zero2", precision="fp16", initial_scale=2.0**8, growth_factor=4.0, growth_interval=1), _scale_grew),
+    Row("zero-scaler-arguments-without-fp16", TORCH, _boost_with("zero2", initial_scale=2.0**8), warning=UserWarning, match=r"LowLevelZeroPlugin: the loss scaler's arguments have no effect with precision='fp32' \(got \['initial_scale'\]\)"),
+    Row("zero-verbose", TORCH, _logged_at_warning("zero2", verbose=True), _names_the_plugin("LowLevelZeroPlugin")),
+    Row("zero-overlap-allgather", TORCH, lambda env: LowLevelZeroPlugin(overlap_allgather=True), error=NotImplementedError, match=r"overlap_allgather=True is not implemented"),
+    Row("zero-norm-type", TORCH, lambda env: LowLevelZeroPlugin(norm_type=1.0), error=NotImplementedError, match=r"only norm_type=2\.0 is implemented \(got 1\.0\)"),
+    Row("gemini-precision", ("gemini",), lambda env: None, _dtype_is(torch.bfloat16), options=dict(plugin_kwargs=dict(precision="bf16"))),
+    Row("gemini-chunk-config-dict", ("gemini",), _boost_with("gemini", chunk_config_dict={1: {"chunk_size": 4096}}), functools.partial(_chunk_size, size=4096)),
+    Row("gemini-search-options", ("gemini",), _boost_with("gemini", search_range_m=0.001, min_chunk_size_m=0.001), _more_chunks),
+    Row("gemini-hidden-dim", ("gemini",), _boost_with("gemini", search_range_m=0.001, min_chunk_size_m=0.001, hidden_dim=16), functools.partial(_chunk_size, size=2064)),
+    Row("gemini-overlap-cpu-step", ("gemini-offload",), _boost_with("gemini-offload", overlap_cpu_step=False), _cpu_step_inline),
+    Row("gemini-scaler-arguments", TORCH, _boost_with("gemini", precision="fp16", initial_scale=2.0**8, growth_factor=4.0, growth_interval=1), _scale_grew),
+    Row("gemini-verbose", TORCH, _logged_at_warning("gemini", verbose=True), _names_the_plugin("GeminiPlugin")),
+    Row("auto-offload-scaler-arguments-without-fp16", TORCH, _boost_with("auto-offload", initial_scale=2.0**8), warning=UserWarning, match=r"AMPOptimizer: the loss scaler has no effect without fp16 parameters"),
     Row("gemini-pin-memory-nothing-on-cpu", ("torch",), _plugin(pin_memory=True), warning=UserWarning, match=r"GeminiDDP: pin_memory=True has no effect: placement_policy='static' without offload_optim_frac or offload_param_frac keeps no chunk on the CPU"),
 ]
 # fmt: on
@@ -488,6 +608,18 @@ def _at_two_ranks(rank: int, world: int) -> None:
     assert set(state) == {f"module.{k}" for k in whole}
     for k, v in whole.items():
         assert torch.equal(state[f"module.{k}"], v), k
+
+    # TorchDDPPlugin's arguments reach torch's DistributedDataParallel.
+    plugin = TorchDDPPlugin(
+        broadcast_buffers=False, bucket_cap_mb=1, find_unused_parameters=True,
+        gradient_as_bucket_view=True, static_graph=True,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own notes on these arguments
+        ddp = Booster(plugin=plugin).boost(TinyGPT(CONFIG))[0].module
+    assert ddp.find_unused_parameters and ddp.gradient_as_bucket_view and ddp.static_graph
+    assert ddp.bucket_bytes_cap == 2**20
+    assert getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None)) is False
 
     # Two backward passes before step() under ZeRO-2: as torch DDP.
     got = {}
