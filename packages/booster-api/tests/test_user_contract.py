@@ -381,6 +381,32 @@ def _submodule_hook(env: Env) -> None:
     env.loss(0)
 
 
+@torch.no_grad()
+def _halve_in_place(env: Env) -> None:
+    for p in env.model.unwrap().parameters():
+        p.mul_(0.5)
+
+
+def _write_in_place(env: Env) -> dict[str, torch.Tensor]:
+    env.step(0)
+    _halve_in_place(env)
+    env.step(1)
+    return env.weights()
+
+
+def _as_torch_does(env: Env, got: dict[str, torch.Tensor]) -> None:
+    ref = Env("torch", optimizer="sgd")
+    assert _max_change(_write_in_place(ref), got) < 1e-6
+
+
+def _write_before_the_write_back(env: Env) -> None:
+    env.booster.backward(env.loss(0), env.opt)
+    env.opt.step()  # the CPU updates are still to be written back
+    env.opt.zero_grad()
+    _halve_in_place(env)
+    env.loss(1)  # forward: the write-back
+
+
 def _parameters(env: Env) -> list[torch.Tensor]:
     return list(env.model.parameters())
 
@@ -530,6 +556,8 @@ ROWS = [
     Row("forward-hook", TORCH + SHARDED, _hooked_output, _hook_ran),
     Row("forward-hook-refused", AUTO, _submodule_hook, error=NotImplementedError, match=r"forward hooks on the traced module's submodules do not run under AutoOffloadPlugin \(got a hook on '\w+'\)"),
     Row("parameters", ALL, _parameters, _every_parameter),
+    Row("write-parameters-in-place", TORCH + ZERO, _write_in_place, _as_torch_does, options=dict(optimizer="sgd")),
+    Row("write-parameters-before-the-write-back", ("zero2-offload",), _write_before_the_write_back, warning=UserWarning, match=r"ZeroOptimizer: parameters written in place after their update of this step had started \(got \['"),
     # -- the user's optimizer and the plugin's arguments ------------------------------------
     Row("torch-adam-decoupled-weight-decay", ("zero2-offload",), lambda env: None, lambda env, _: _as_adamw(env), options=dict(optimizer="adam-decoupled")),
     Row("gemini-search-with-chunk-config-dict", ("torch",), _plugin(chunk_config_dict={1: {"chunk_size": 1024}}, hidden_dim=64), warning=UserWarning, match=r"GeminiDDP: hidden_dim=64 has no effect with chunk_config_dict \(the chunk size is given, there is no search\)"),
