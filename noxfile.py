@@ -499,6 +499,7 @@ RELIABILITY_TESTS = [
     "packages/gemini-placement/tests/test_gemini_recovery.py",
     "packages/zero-shard/tests/test_zero_recovery.py",
     "packages/booster-api/tests/test_booster_recovery.py",
+    "packages/booster-api/tests/test_user_contract.py",
 ]
 
 

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+from zerostack.chunk import rank_and_world
 
 _API = "Booster"
 
@@ -147,6 +149,7 @@ class Booster:
         optimizer object stays the same, so schedulers built on it keep working.
         """
         _check_boost(model, optimizer, criterion, lr_scheduler)
+        _check_dataloader(dataloader)
         if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
             _own_parameters(model, optimizer)
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
@@ -461,6 +464,25 @@ def _check_device(device: Any) -> torch.device:
             "pass 'cpu'"
         )
     return device
+
+
+def _check_dataloader(dataloader: Any) -> None:
+    """Warn when every rank would read the same batches: a map-style
+    DataLoader without a DistributedSampler in a group of several ranks."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return
+    _, world = rank_and_world()
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = (dataloader.sampler, getattr(batch_sampler, "sampler", None))
+    if world > 1 and not any(isinstance(s, DistributedSampler) for s in samplers):
+        warnings.warn(
+            f"{_API}.boost: the dataloader has no DistributedSampler (got "
+            f"{type(dataloader.sampler).__name__}) at {world} ranks: every rank reads the same "
+            "batches; build it with plugin.prepare_dataloader(dataset, batch_size=...) (as "
+            "ColossalAI's), or pass DistributedSampler(dataset) as its sampler",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _own_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -277,7 +277,26 @@ class GeminiConfig:
                     "placement_policy='static'; 'auto' decides placement itself"
                 )
         else:
-            _warn_unused(auto, AutoPlacementConfig(), "placement_policy='static'")
+            _warn_unused(
+                auto, AutoPlacementConfig(), "under placement_policy='static'; it is an option "
+                "of placement_policy='auto'",
+            )  # fmt: skip
+            if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:
+                _warn(
+                    "pin_memory=True has no effect: placement_policy='static' without "
+                    "offload_optim_frac or offload_param_frac keeps no chunk on the CPU; set one "
+                    "of them, or leave pin_memory=False"
+                )
+        if chunk_config_dict is not None:
+            search = ChunkConfig(
+                search_range_m=search_range_m,
+                hidden_dim=hidden_dim,
+                min_chunk_size_m=min_chunk_size_m,
+            )
+            _warn_unused(
+                search, ChunkConfig(), "with chunk_config_dict (the chunk size is given, there "
+                "is no search); remove it, or chunk_config_dict to search",
+            )  # fmt: skip
         return cls(
             placement=auto if placement_policy == "auto" else static,
             chunk=ChunkConfig(
@@ -321,9 +340,9 @@ def _warn_unused(given: Any, default: Any, why: str) -> None:
     """Warn (once per option and place) about options that have no effect."""
     for name in given.__dataclass_fields__:
         if getattr(given, name) != getattr(default, name):
-            warnings.warn(
-                f"{_API}: {name}={getattr(given, name)!r} has no effect under {why}; "
-                "it is an option of placement_policy='auto'",
-                UserWarning,
-                stacklevel=4,
-            )
+            _warn(f"{name}={getattr(given, name)!r} has no effect {why}", stacklevel=5)
+
+
+def _warn(message: str, stacklevel: int = 4) -> None:
+    # stacklevel: the caller of GeminiDDP(...) or of GeminiPlugin(...).
+    warnings.warn(f"{_API}: {message}", UserWarning, stacklevel=stacklevel)

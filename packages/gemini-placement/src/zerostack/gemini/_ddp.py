@@ -518,6 +518,13 @@ class GeminiDDP(nn.Module):
     def _pre_backward(
         self, slots: list[_Slot], chunks: list[Chunk], label: str, grads: Any
     ) -> None:
+        if self._state is T.REDUCED:
+            raise RuntimeError(
+                f"{_API}: a second backward before optimizer.step() (got a backward in state "
+                "REDUCED: the last backward's gradients are reduced already); to accumulate "
+                "gradients run all but the last backward inside no_sync() (booster.no_sync("
+                "model)) with enable_gradient_accumulation=True, or add the losses first"
+            )
         if self._state is not T.BACKWARD:
             self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -631,7 +638,9 @@ class GeminiDDP(nn.Module):
         if self._state is T.REDUCED:
             raise RuntimeError(
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
-                "parameters belong; call optimizer.step() before the next forward"
+                "parameters belong; call optimizer.step() before the next forward (to accumulate "
+                "gradients over several batches, run all but the last backward inside no_sync() "
+                "(booster.no_sync(model)) with enable_gradient_accumulation=True)"
             )
         if self._state is T.BACKWARD:
             raise RuntimeError(

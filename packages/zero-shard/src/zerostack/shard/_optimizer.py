@@ -6,6 +6,7 @@ import contextlib
 import copy
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -168,9 +169,11 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     adamw = type(optimizer) is torch.optim.AdamW
     groups = []
     for g in optimizer.param_groups:
+        # torch's Adam(decoupled_weight_decay=True) is AdamW.
+        decoupled = adamw or bool(g.get("decoupled_weight_decay", False))
         groups.append(
             dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                 weight_decay=g["weight_decay"])
+                 weight_decay=g["weight_decay"], adamw_mode=decoupled)
         )  # fmt: skip
     logger.info(
         "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
@@ -338,6 +341,15 @@ class ZeroOptimizer:
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
+        self._bucket_of = [self.buckets[0]] * len(self.shards)  # shard index -> its bucket
+        self._offset_of = [0] * len(self.shards)  # shard index -> its offset in the bucket
+        for bucket in self.buckets:
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                self._bucket_of[s.index], self._offset_of[s.index] = bucket, off
+        # Each parameter's version counter when this optimizer last wrote it;
+        # see [Note: parameters written in place].
+        self._versions = [s.param._version for s in self.shards]
+        self._warned_dropped = False
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
@@ -465,16 +477,42 @@ class ZeroOptimizer:
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
         self.wait_updates()
+        self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
+
+    def _reduce_again(self) -> None:
+        """A backward after the last one's gradients were reduced, before
+        ``step()`` (gradient accumulation without ``no_sync``, as torch's DDP
+        allows): the reduced pieces are kept in the shards, copied out of the
+        bucket buffers the new reductions reuse, and the new ones are added
+        to them at the step."""
+        self._refuse_after_early_updates()
+        self._finish_reduction()
+        for s in self.shards:
+            if s.grad is not None:
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _refuse_after_early_updates(self) -> None:
+        if self._early:
+            raise RuntimeError(
+                f"{_API}.backward: a second backward before step() (got {len(self._early)} "
+                "buckets whose CPU updates started in the first one: cpu_offload with "
+                "overlap_cpu_step, no clipping, no fp16 loss scale); its gradients cannot be "
+                "added to them: accumulate inside no_sync() (booster.no_sync(model, optimizer)) "
+                "for all but the last backward, or step() between (zero_grad() drops this one)"
+            )
 
     def _on_grad(self, s: _Shard) -> None:
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
+        if self._bucket_of[s.index].launched:  # a second backward before step()
+            self._reduce_again()
         if self._no_sync or not self.overlap:
             return
         s.ready = True
@@ -520,6 +558,7 @@ class ZeroOptimizer:
             bucket.on_host = True
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._push_hyper()
+        self._adopt_writes(bucket.shards)
         pairs = [
             (s.master, bucket.host_grads[off : off + s.piece])
             for s, off in zip(bucket.shards, bucket.offsets, strict=True)
@@ -675,6 +714,8 @@ class ZeroOptimizer:
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
         self.wait_updates()  # the last step's, when no forward ran since
+        for bucket in self.buckets:  # updates started in backward read the masters already
+            self._adopt_writes(bucket.shards, dropping_update=bucket in self._early)
         self._scaled_backward = False
         with phase("zerostack::reduce"):
             device_norm_sq = self._finish_reduction()
@@ -802,6 +843,50 @@ class ZeroOptimizer:
                 if bucket.copied is not None:
                     bucket.copied.synchronize()
                 self._refresh_host(bucket)
+        self._versions = [s.param._version for s in self.shards]
+
+    @torch.no_grad()
+    def _adopt_writes(self, shards: list[_Shard], dropping_update: bool = False) -> None:
+        """Parameters written in place since this optimizer last wrote them
+        become their masters' values. See [Note: parameters written in place].
+
+        [Note: parameters written in place] A user who writes a parameter
+        (``p.mul_()``, ``p.copy_()``, ``module.load_state_dict``, an embedding's
+        ``max_norm``) expects the next step to start from it, as with a torch
+        optimizer; the fp32 master would write the old value back. Every write
+        bumps the tensor's version counter, so each parameter's counter is
+        kept after this optimizer's own writes (the write-back,
+        ``masters_written``) and a parameter whose counter moved has this
+        rank's piece copied into its master (and its pinned copy) before its
+        next update: at ``step()``, or when its CPU update starts in backward.
+        A write that comes after the update of that step started (between
+        ``step()`` and the write-back of a deferred CPU update, or after an
+        update started in backward) replaces the update's result for that
+        parameter, with a warning."""
+        dropped = []
+        for s in shards:
+            if s.param._version == self._versions[s.index]:
+                continue
+            start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
+            s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
+            bucket = self._bucket_of[s.index]
+            if bucket.host_params is not None:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()  # the last H2D copy out of host_params
+                off = self._offset_of[s.index]
+                bucket.host_params[off : off + s.piece].copy_(s.master)
+            self._versions[s.index] = s.param._version
+            dropped.append(s.name)
+        if dropped and dropping_update and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn(
+                f"{_API}: parameters written in place after their update of this step had "
+                f"started (got {dropped[:3]}): the written values are kept and that update "
+                "is dropped for them; with cpu_offload call wait_updates() after step() "
+                "before writing parameters, and write them before backward",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
@@ -842,6 +927,8 @@ class ZeroOptimizer:
         stream = self._pipe.stream if self._pipe is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         dtype, total = bucket.shards[0].param.dtype, bucket.piece_total
+        if not from_masters:  # a write since step(): see [Note: parameters written in place]
+            self._adopt_writes(bucket.shards, dropping_update=True)
         with phase("zerostack::gather"), ctx:
             mine = self._ring("gather_in", dtype, 1).take(total)
             if bucket.host_params is not None:
@@ -864,6 +951,7 @@ class ZeroOptimizer:
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 n = s.param.numel()
                 s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+                self._versions[s.index] = s.param._version
             if bucket.written is not None:
                 bucket.written.record(stream)
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._deepspeed import (
     BATCH_KEYS,
     DeepSpeedSettings,
@@ -268,20 +269,24 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         """True when the next ``step()`` steps (DeepSpeed's engine method)."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss / gradient_accumulation_steps`` backward; no communication
         before the window's last micro-step."""
         self._backward_since_step = True
         gas = self.gradient_accumulation_steps
         if gas == 1:
-            return self.optim.backward(loss)
+            return self.optim.backward(loss, retain_graph=retain_graph)
         loss = loss / gas
         if self.is_gradient_accumulation_boundary():
-            return self.optim.backward(loss)
+            return self.optim.backward(loss, retain_graph=retain_graph)
         with self.optim.no_sync():
-            self.optim.backward(loss)
+            self.optim.backward(loss, retain_graph=retain_graph)
 
-    def _step(self, *args: Any, **kwargs: Any) -> bool | None:
+    def _step(self, closure: Any = None) -> Any:
+        if closure is not None:  # torch's step(closure): the closure first, its loss back
+            loss = run_closure(self._API, closure)
+            self._step()
+            return loss
         if not self.is_gradient_accumulation_boundary():
             self.micro_steps += 1
             self._backward_since_step = False

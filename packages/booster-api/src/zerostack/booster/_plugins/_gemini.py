@@ -3,8 +3,10 @@ with ColossalAI's parameter table turned into one GeminiConfig."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,6 +21,12 @@ from zerostack.booster._plugins._base import (
     Plugin,
     attach_scheduler,
     compute_device,
+)
+from zerostack.booster._plugins._contract import (
+    incompatible,
+    refuse_moves,
+    with_prefix,
+    without_prefix,
 )
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
@@ -78,9 +86,27 @@ class GeminiModel(ModelWrapper):
     """A GeminiDDP model (``.module``); ``unwrap()`` is the user's module,
     whose parameters are views into chunks."""
 
+    _API = "GeminiModel"
+
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
+        # Parameters frozen at boost have no fp32 master: see forward.
+        self._frozen = [p for p in module.params if not p.requires_grad]
+        module.module.register_state_dict_pre_hook(
+            functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            names = [self.module.param_names[p] for p in self._frozen if p.requires_grad]
+            raise NotImplementedError(
+                f"{_API}: parameters frozen when the model was boosted cannot be unfrozen (got "
+                f"requires_grad=True on {names[:3]}); they have no fp32 master and would not be "
+                "trained: set requires_grad before booster.boost (freezing a trained parameter "
+                "later is fine)"
+            )
+        return self.module(*args, **kwargs)
 
     def unwrap(self) -> nn.Module:
         return self.module.module
@@ -89,6 +115,40 @@ class GeminiModel(ModelWrapper):
         """GeminiDDP.zero_grad (after an exception in forward or backward,
         it drops the batch, as ``optimizer.zero_grad()`` does)."""
         self.module.zero_grad(set_to_none)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GeminiModel:
+        # See [Note: boosted model methods]
+        refuse_moves(self._API, _API, fn, [*self.module.params, *self.unwrap().buffers()])
+        return self
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole model (fp32 parameters from the masters, buffers) keyed
+        as torch keys a wrapped module (``"module." + name``), on the CPU.
+        A collective: every rank calls it, as ColossalAI's GeminiDDP.state_dict
+        (see [Note: boosted model methods]).
+
+        Raises:
+            NotImplementedError: ``keep_vars=True`` (the parameters are chunk views).
+        """
+        if args or keep_vars:
+            raise NotImplementedError(
+                f"{self._API}.state_dict: positional arguments and keep_vars=True are not "
+                f"supported (got {len(args)} positional, keep_vars={keep_vars!r}); the "
+                "parameters are views into sharded chunks: call state_dict() for their values"
+            )
+        return with_prefix(self.module.state_dict(), prefix, destination)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict`` with ``state_dict()``'s keys: parameters
+        and their fp32 masters (GeminiDDP.load_state_dict). Every rank passes
+        the whole dict."""
+        own, stray = without_prefix(self._API, state_dict, strict, assign)
+        self.module.load_state_dict(own, strict=strict)
+        return incompatible(self._facts.dtypes, own, stray)
 
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
         """GeminiDDP.state_dict (fp32 from the masters) in the [Note: full
@@ -133,12 +193,23 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled for fp16."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()``, scaled for fp16.
+
+        Raises:
+            NotImplementedError: ``retain_graph=True``.
+        """
+        if retain_graph:
+            raise NotImplementedError(
+                f"{self._API}.backward: retain_graph=True is not supported (got True): GeminiDDP "
+                "reduces every chunk's gradient at the end of a backward, so a second backward "
+                "through the graph before step() cannot add to it; add the losses and call "
+                "backward once"
+            )
         self.optim.backward(loss)
 
-    def _step(self, *args: Any, **kwargs: Any) -> bool:
-        return self.optim.step()
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step_closure(closure)
 
     def _trainable(self) -> list[tuple[str, torch.Tensor]]:
         ddp = self._model.module
@@ -240,6 +311,26 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
                 "scaler": scaler_state(own, state_dict.get("loss_scaler")),
             }
         )
+
+
+def _refuse_sharded_state_dict(
+    ddp_ref: Any, module: nn.Module, prefix: str, keep_vars: bool
+) -> None:
+    """state_dict pre-hook of the user's module under Gemini: its parameters
+    are chunk views, empty while their chunk is sharded."""
+    ddp = ddp_ref()
+    if ddp is None:
+        return
+    manager = ddp.chunk_manager
+    for p in ddp.params:
+        if p.numel() != manager.get_chunk(p).tensors_info[p].shape.numel():
+            raise RuntimeError(
+                f"{_API}: model.unwrap().state_dict() would hold empty tensors (got "
+                f"{ddp.param_names[p]} of shape {tuple(p.shape)}): the parameters are sharded "
+                "over the ranks between forward passes; call the boosted model's state_dict() "
+                "on every rank (it gathers them, as ColossalAI's GeminiDDP.state_dict) or "
+                "booster.save_model(model, path)"
+            )
 
 
 def _one_group(api: str, opt: GeminiOptimizer, saved: list[dict], names: list[str]) -> dict:

@@ -20,6 +20,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
+from zerostack.booster._plugins._contract import incompatible, refuse_moves, without_prefix
 from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
@@ -54,6 +55,8 @@ class LowLevelZeroModel(ModelWrapper):
     inputs are cast too (``cast_inputs``). Its fp32 weights are the ZeRO
     optimizer's masters, sharded over the ranks."""
 
+    _API = "LowLevelZeroModel"
+
     def __init__(self, module: nn.Module, dtype: torch.dtype, cast_inputs: bool) -> None:
         facts = ModelFacts.of(module)
         super().__init__(module)
@@ -72,6 +75,22 @@ class LowLevelZeroModel(ModelWrapper):
 
     def unwrap(self) -> nn.Module:
         return self.module
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LowLevelZeroModel:
+        # See [Note: boosted model methods]
+        refuse_moves(self._API, _API, fn, [*self.module.parameters(), *self.module.buffers()])
+        return self
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict`` with ``state_dict()``'s keys: the values
+        go into the parameters and into this rank's piece of their fp32
+        masters, so the next step starts from them (see [Note: boosted model
+        methods]). A collective-free call."""
+        own, stray = without_prefix(self._API, state_dict, strict, assign)
+        self.load_full_state_dict(own, strict=strict)
+        return incompatible(self._facts.dtypes, own, stray)
 
     @torch.no_grad()
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
@@ -188,12 +207,12 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled for fp16."""
-        self.optim.backward(loss)
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled for fp16."""
+        self.optim.backward(loss, retain_graph=retain_graph)
 
-    def _step(self, *args: Any, **kwargs: Any) -> bool:
-        return self.optim.step()
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step_closure(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)

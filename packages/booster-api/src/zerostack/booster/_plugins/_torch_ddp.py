@@ -177,9 +177,24 @@ class TorchDDPOptimizer(BoostedOptimizer):
         for p in self._params():
             param_name(self._API, names, p)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled when a GradScaler is on."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled when a GradScaler is on."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(
+            retain_graph=retain_graph
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` on the user's optimizer; the parameters
+        must be the model's (DDP reduces only those).
+
+        Raises:
+            ValueError: a parameter that is not the model's.
+        """
+        names = param_names(self._model.unwrap())
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        for p in [params] if isinstance(params, torch.Tensor) else list(params or ()):
+            param_name(self._API, names, p)
+        self.optim.add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's ``zero_grad``; after a backward that raised (caught
