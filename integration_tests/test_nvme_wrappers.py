@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -242,3 +243,58 @@ def _unused(rank, world, directory):
 
 def test_a_parameter_without_gradient_keeps_its_moments_on_disk(tmp_path):
     spawn(_unused, 1, args=(str(tmp_path),), backend="gloo", timeout_s=300)
+
+
+def _expected_on_disk(kind, opt, fraction):
+    """Bytes the fraction puts on disk: whole host-held masters in order while
+    their elements stay within the share (8 bytes of Adam moments each)."""
+    masters = opt.masters if kind == "gemini" else [s.master for s in opt.shards]
+    target, taken = fraction * sum(m.numel() for m in masters), 0
+    for m in masters:
+        if taken + m.numel() <= target:
+            taken += m.numel()
+    return 8 * taken
+
+
+@pytest.mark.parametrize("kind", ["gemini", "zero"])
+def test_bytes_on_disk_read_right_after_step_are_exact(kind, tmp_path, monkeypatch):
+    # The CPU updates run on the wrapper's worker after step() returns: the
+    # figure waits for them (and their writes), every step, the first included.
+    # Each CPU kernel call takes 5 ms more, as on a larger model, so the
+    # worker is still busy when step() returns.
+    from zerostack.fused_adam import _kernels
+
+    real = _kernels.launch
+
+    def slow(params, *args, **kwargs):
+        if params[0].device.type == "cpu":
+            time.sleep(0.005)
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", slow)
+    torch.manual_seed(0)
+    if kind == "gemini":
+        wrapped, opt, adam = _wrapped(kind, 0.5, str(tmp_path), 1, TinyGPT(CONFIG), "threads")
+    else:  # with the module, step() returns once the updates are queued
+        wrapped = TinyGPT(CONFIG)
+        adam = HybridAdam(
+            list(wrapped.parameters()), lr=1e-3, nvme_offload_fraction=0.5,
+            nvme_offload_dir=str(tmp_path), nvme_backend="threads",
+        )  # fmt: skip
+        opt = ZeroOptimizer(adam, cpu_offload=True, module=wrapped)
+    assert opt.pipeline.overlapping if kind == "gemini" else opt._pipe.overlapping
+    expected = _expected_on_disk(kind, opt, 0.5)
+    assert expected > 0
+    seen = []
+    for step in range(20):
+        idx, tgt = make_batch(CONFIG, 4, 32, seed=step)
+        opt.backward(wrapped(idx, tgt))
+        opt.step()
+        seen.append(adam.nvme_bytes_on_disk())
+    assert seen == [expected] * 20
+    if kind == "gemini":
+        from zerostack.gemini import tier_bytes
+
+        opt.backward(wrapped(*make_batch(CONFIG, 4, 32, seed=99)))
+        opt.step()
+        assert tier_bytes(wrapped, opt)["disk"] == expected
