@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import re
 import time
 from concurrent.futures import Future
 
@@ -298,3 +299,72 @@ def test_bytes_on_disk_read_right_after_step_are_exact(kind, tmp_path, monkeypat
         opt.backward(wrapped(*make_batch(CONFIG, 4, 32, seed=99)))
         opt.step()
         assert tier_bytes(wrapped, opt)["disk"] == expected
+
+
+# See [Note: NVMe on the host tier]: only the states the placement holds on
+# the host go to disk, on a CPU compute device as on a GPU, and a fraction
+# that puts nothing there says so once, naming what to set.
+# (id, wrapper, its placement arguments, nvme_offload_fraction, warning or None)
+HOST_CASES = [
+    ("gemini-static-0", "gemini", dict(offload_optim_frac=0.0), 1.0,
+     r"no optimizer state it keeps is held in host memory .* offloads no optimizer chunk "
+     r"\(got offload_optim_frac=0.0\); set placement_policy='static' with offload_optim_frac=1.0"),
+    ("gemini-static-half", "gemini", dict(offload_optim_frac=0.5), 1.0, None),
+    ("gemini-static-all", "gemini", dict(offload_optim_frac=1.0), 0.5, None),
+    ("gemini-auto-all-on-device", "gemini", dict(placement_policy="auto", gpu_capacity_bytes=1 << 40),
+     1.0, r"placement_policy='auto' planned every optimizer chunk on the compute device; set "
+     r"placement_policy='static' with offload_optim_frac=1.0"),
+    ("gemini-share-below-one-chunk", "gemini", dict(offload_optim_frac=1.0), 0.01,
+     r"nvme_offload_fraction=0.01 puts no Adam state on disk: .* raise nvme_offload_fraction to "
+     r"at least 0.\d+"),
+    ("zero-no-cpu-offload", "zero", dict(cpu_offload=False), 1.0,
+     r"keeps the fp32 masters and their states on the compute device \(got cpu_offload=False\); "
+     r"set cpu_offload=True"),
+    ("zero-cpu-offload", "zero", dict(cpu_offload=True), 0.5, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
+def test_only_host_held_states_go_to_disk(case, tmp_path, monkeypatch, recwarn):
+    from zerostack.fused_adam import _nvme
+
+    monkeypatch.setattr(_nvme, "_warned", set())  # once per process: fresh for each case
+    _, kind, placement, fraction, warning = case
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    adam = HybridAdam(
+        list(model.parameters()), lr=1e-3, nvme_offload_fraction=fraction,
+        nvme_offload_dir=str(tmp_path),
+    )  # fmt: skip
+    if kind == "gemini":
+        wrapped = GeminiDDP(
+            model, mixed_precision=torch.float32, compute_device="cpu",
+            chunk_config_dict={1: {"chunk_size": 20_000}}, **placement,
+        )  # fmt: skip
+        opt = GeminiOptimizer(adam, wrapped)
+    else:
+        wrapped, opt = model, ZeroOptimizer(adam, **placement)
+    for step in range(3):
+        opt.backward(wrapped(*make_batch(CONFIG, 4, 32, seed=step)))
+        opt.step()
+    if kind == "gemini":
+        host = [opt.masters[i] for i in opt._host]
+        masters = opt.masters
+    else:
+        masters = [s.master for s in opt.shards]
+        host = masters if opt.cpu_offload else []
+    target, expected = fraction * sum(m.numel() for m in host), 0
+    for m in host:  # whole host-held masters, in order, within the share
+        if expected + m.numel() <= target:
+            expected += m.numel()
+    assert adam.nvme_bytes_on_disk() == 8 * expected
+    assert {id(p) for p in adam._nvme.keys} <= {id(m) for m in host}
+    ours = [w for w in recwarn.list if "nvme_offload_fraction" in str(w.message)]
+    if warning is None:
+        assert expected > 0 and ours == []
+        if placement.get("offload_optim_frac") == 0.5:  # a share of the masters, not all
+            assert 0 < len(host) < len(masters)
+    else:
+        assert expected == 0
+        assert len(ours) == 1, [str(w.message) for w in ours]  # once, not every step
+        assert re.search(warning, str(ours[0].message)), str(ours[0].message)
