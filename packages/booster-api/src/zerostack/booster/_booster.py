@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
 
@@ -132,6 +133,8 @@ class Booster:
                 ``step`` and ``state_dict``.
         """
         _check_boost(model, optimizer, criterion, lr_scheduler)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _exit.register()  # See [Note: exit code under gloo]
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
