@@ -396,6 +396,7 @@ RELIABILITY_TESTS = [
     "packages/zero-shard/tests/test_offload_overlap.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
+    "integration_tests/test_exit_code.py",  # 60 torchrun launches of a finished job
 ]
 
 

@@ -25,8 +25,11 @@ logger and ``process_group``), and gloo's ``shutdown()`` does not join them.
 So at exit (an ``atexit`` handler, which runs before finalization, while a
 worker can still take the GIL) this module releases the group from the DDP
 modules TorchDDPPlugin built and destroys every process group; once the
-last reference goes the destructor joins the workers. After an uncaught
-exception it does nothing (a collective of this rank may still be waiting
+last reference goes the destructor joins the workers. A group still held
+elsewhere after that (a reference in the user's code) cannot be joined: a
+warning says so and the teardown waits a moment (0.2 s, the GIL released)
+for the workers to drop what they hold, which makes the abort rarer but
+does not rule it out. After an uncaught exception it does nothing (a collective of this rank may still be waiting
 for a peer, and joining its worker would wait for the group's timeout):
 the run fails either way. Only gloo groups are torn down (NCCL's are left
 as torch leaves them).
@@ -38,6 +41,7 @@ import atexit
 import gc
 import logging
 import sys
+import time
 import weakref
 from typing import Any
 
@@ -77,6 +81,14 @@ def _uses_gloo() -> bool:
     return "gloo" in str(dist.get_backend())
 
 
+def _groups() -> list:
+    """The live process groups: the default one and torch's registry of the
+    others (private; the default group alone where it moved)."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}) or {})
+    return groups or [dist.group.WORLD]
+
+
 def _teardown() -> None:
     if _STATE["uncaught"] or not dist.is_available():
         return
@@ -90,7 +102,18 @@ def _teardown() -> None:
             module.__dict__.pop(name, None)
         module.__dict__["process_group"] = None
     _DDP_MODULES.clear()
+    groups = []
     if initialized:
+        groups = [weakref.ref(pg) for pg in _groups()]
         dist.destroy_process_group()
     gc.collect()  # a group held in a reference cycle goes now, not at finalization
-    logger.debug("zerostack: process groups torn down at exit")
+    alive = [ref() for ref in groups if ref() is not None]
+    if alive:
+        logger.warning(
+            "zerostack: %d process group(s) are still referenced at exit, so gloo's worker "
+            "threads cannot be joined before the interpreter finalizes and the exit may abort "
+            "(pytorch/pytorch#190489); drop your references to the group (and to torch DDP "
+            "modules not built by TorchDDPPlugin) before the script ends",
+            len(alive),
+        )
+        time.sleep(0.2)

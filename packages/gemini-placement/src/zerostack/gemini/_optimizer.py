@@ -686,7 +686,9 @@ def _host_hint(module: GeminiDDP) -> str:
     if module.config.auto:
         return f"placement_policy='auto' planned every optimizer chunk on the compute device; {fix}"
     frac = module.config.placement.offload_optim_frac
-    return f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
+    return (
+        f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
+    )
 
 
 def _write_failed(error: OSError) -> bool:
