@@ -500,6 +500,7 @@ RELIABILITY_TESTS = [
     "packages/zero-shard/tests/test_zero_recovery.py",
     "packages/booster-api/tests/test_booster_recovery.py",
     "packages/booster-api/tests/test_user_contract.py",
+    "integration_tests/test_exit_code.py",  # 60 torchrun launches of a finished job
 ]
 
 

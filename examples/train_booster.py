@@ -78,7 +78,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
     parser.add_argument("--nvme-fraction", type=float, default=0.5,
-                        help="share of Adam states HybridAdam keeps on disk (in the run dir)")  # fmt: skip
+                        help="share of the CPU-held Adam states HybridAdam keeps on disk (in the "
+                             "run dir); > 0 places every optimizer chunk on the CPU unless "
+                             "--offload-optim-frac says otherwise")  # fmt: skip
+    parser.add_argument("--offload-optim-frac", type=float, default=None,
+                        help="GeminiPlugin's share of optimizer chunks on the CPU (default 1.0 "
+                             "with --nvme-fraction > 0, else 0.5)")  # fmt: skip
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress lines")
     parser.add_argument("--run-dir", default=None, help="default: runs/<date-time> in the repo")
     parser.add_argument("--resume", default=None, help="a state/ dir a previous run wrote")
@@ -91,16 +96,42 @@ def log(rank: int, message: str) -> None:
         print(message, flush=True)
 
 
-def build(args: argparse.Namespace, device: torch.device, run_dir: Path):
+def offload_optim_frac(nvme_fraction: float, asked: float | None) -> tuple[float, str]:
+    """GeminiPlugin's offload_optim_frac for this run, and why.
+
+    HybridAdam's nvme_offload_fraction is a share of the optimizer states
+    held on the CPU (states of chunks on the GPU stay there), as in
+    ColossalAI, whose NVMe guide places the optimizer states on the CPU for
+    it. So a run that asks for states on disk places every optimizer chunk
+    on the CPU, unless --offload-optim-frac is given.
+    """
+    if asked is not None:
+        return asked, "--offload-optim-frac"
+    if nvme_fraction > 0:
+        return 1.0, (
+            f"--nvme-fraction {nvme_fraction} puts that share of the CPU-held optimizer states "
+            "on disk: every optimizer chunk on the CPU, as ColossalAI's NVMe guide places them"
+        )
+    return 0.5, "half of the optimizer chunks step on the CPU (no --nvme-fraction)"
+
+
+def build(args: argparse.Namespace, device: torch.device, run_dir: Path, rank: int = 0):
     """The model, optimizer, scheduler and dataloader, boosted."""
     shape = dict(layers=2, dim=64, heads=4, seq_len=64) if args.smoke else dict(
         layers=4, dim=192, heads=6, seq_len=args.seq_len
     )  # fmt: skip
     seq = min(args.seq_len, shape["seq_len"])
+    if args.smoke:
+        # Four chunks (the search would take one), so that a share of them goes to disk.
+        chunks = dict(chunk_config_dict={n: {"chunk_size": 36_000} for n in (1, 2, 4, 8)})
+    else:
+        chunks = dict(hidden_dim=shape["dim"], min_chunk_size_m=0.25, search_range_m=1)
     cuda = device.type == "cuda"
+    optim_frac, why = offload_optim_frac(args.nvme_fraction, args.offload_optim_frac)
+    log(rank, f"placement: offload_optim_frac={optim_frac} ({why})")
     plugin = GeminiPlugin(
-        precision="bf16" if cuda else "fp32", max_norm=1.0, offload_optim_frac=0.5,
-        hidden_dim=shape["dim"], min_chunk_size_m=0.25, search_range_m=1,
+        precision="bf16" if cuda else "fp32", max_norm=1.0, offload_optim_frac=optim_frac,
+        **chunks,
     )  # fmt: skip
     booster = Booster(plugin=plugin)
     torch.manual_seed(0)
@@ -147,7 +178,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 def train(args, rank, world, device, run_dir) -> dict:
     booster, model, optimizer, scheduler, loader, (shape, seq, n_params) = build(
-        args, device, run_dir
+        args, device, run_dir, rank
     )
     start_step = 0
     if args.resume:

@@ -12,6 +12,9 @@
 #       llama   benchmarks/gemini.py on a TinyLlama-shape LLaMA x3, benchmarks/zero_shard.py x3
 #   tools/device.sh adam       fused-adam: GPU and CPU tests, the main job on the GPU, benchmarks/adam.py
 #   tools/device.sh nvme       examples/nvme_offload.py, benchmarks/nvme.py (1B), benchmarks/adam.py on the CPU
+#   tools/device.sh nvme-job [FRACTION]  the main job (examples/train_booster.py, 20 steps) with
+#                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
+#                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
@@ -111,6 +114,18 @@ nvme)
   python3 examples/nvme_offload.py 2>&1 | tail -6 | tee "$OUT/nvme_example.log"
   python3 benchmarks/nvme.py --params 1B --raw-gb 8 2>&1 | tee "$OUT/bench_nvme.log" | tail -22
   python3 benchmarks/adam.py --device cpu --json "$OUT/adam_cpu.json" 2>&1 | tee "$OUT/bench_adam.log" | tail -16
+  ;;
+nvme-job)
+  build; sources; machine
+  run_dir=/tmp/nvme_job  # not under $OUT: the run's state/ checkpoint stays on the machine
+  rm -rf "$run_dir"
+  python3 examples/train_booster.py --steps 20 --log-every 5 --nvme-fraction "${1:-0.5}" \
+    --run-dir "$run_dir" > "$OUT/nvme_job.log" 2>&1
+  echo "exit $?"
+  grep -E "placement:|nvme_offload_fraction|step +20|chunks \(|  (param|master|optimizer)|Error" "$OUT/nvme_job.log"
+  cp "$run_dir/summary.json" "$run_dir/chunks.txt" "$OUT/" 2>/dev/null
+  python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print('bytes on disk', s['nvme_bytes'])" \
+    "$run_dir/summary.json"
   ;;
 chunk)
   build; sources; machine

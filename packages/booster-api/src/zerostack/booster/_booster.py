@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
+from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
 from zerostack.chunk import rank_and_world
@@ -152,6 +153,8 @@ class Booster:
         _check_dataloader(dataloader)
         if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
             _own_parameters(model, optimizer)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            _exit.register()  # See [Note: exit code under gloo]
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )

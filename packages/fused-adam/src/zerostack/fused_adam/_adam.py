@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -144,6 +145,7 @@ class _Adam(torch.optim.Optimizer):
         ):
             _kernels.require_cuda(self._api)
         self._nvme = None
+        self._step_waiter: Callable[[], Any] | None = None  # see set_step_waiter
         # Slices of on-disk states the next step leaves alone, by parameter.
         self._keep_on_disk: dict[torch.Tensor, list[slice]] = {}
         if nvme_offload_fraction > 0.0:
@@ -219,6 +221,38 @@ class _Adam(torch.optim.Optimizer):
             self._disk()
             self._nvme.plan(params)
 
+    def nvme_host_params(self, params: list[torch.Tensor] | None, hint: str = "") -> None:
+        """Say which of this optimizer's parameters a wrapper's placement
+        keeps in host memory: only their Adam states may go to disk
+        (``nvme_offload_fraction`` is a share of their elements). Default,
+        and with None: every CPU parameter. GeminiOptimizer names its
+        offloaded master chunks, so a CPU compute device puts on disk what a
+        GPU would. ``hint`` ends the warning given when none is host-held
+        (how to hold states on the host). Takes effect at the next step; a
+        no-op without NVMe."""
+        if self._nvme is not None:
+            self._nvme.set_host(None if params is None else list(params), hint)
+
+    def set_step_waiter(self, wait: Callable[[], Any] | None) -> None:
+        """A wrapper that runs this optimizer's steps on a worker thread
+        (GeminiOptimizer, ZeroOptimizer with ``overlap_cpu_step``) passes the
+        call that waits for those steps (no write-back, no collective);
+        ``nvme_bytes_on_disk`` and ``nvme_host_buffers`` call it first, so a
+        figure read right after the wrapper's ``step()`` describes the states
+        after that step. A bound method is held weakly. None removes it."""
+        if wait is not None and not callable(wait):
+            raise TypeError(
+                f"{self._api}.set_step_waiter: wait must be callable or None (got {wait!r})"
+            )
+        self._step_waiter = (
+            weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda w=wait: w)
+        ) if wait is not None else None  # fmt: skip
+
+    def _wait_steps(self) -> None:
+        waiter = self._step_waiter() if self._step_waiter is not None else None
+        if waiter is not None:
+            waiter()
+
     @property
     def nvme_wait_s(self) -> float:
         """Seconds this optimizer waited for disk reads and writes (exposed I/O)."""
@@ -227,12 +261,22 @@ class _Adam(torch.optim.Optimizer):
     def nvme_host_buffers(self) -> list[torch.Tensor]:
         """The host buffers the NVMe path holds now: the prefetch pipeline's
         slots (bounded by (prefetch depth + 2) pieces) and states kept in RAM
-        after a failed write; empty without NVMe."""
-        return self._nvme.host_buffers() if self._nvme is not None else []
+        after a failed write; empty without NVMe. Waits for the steps in
+        flight (see ``set_step_waiter``)."""
+        if self._nvme is None:
+            return []
+        self._wait_steps()
+        return self._nvme.host_buffers()
 
     def nvme_bytes_on_disk(self) -> int:
-        """Bytes of Adam state now on disk."""
-        return self._nvme.on_disk_bytes() if self._nvme is not None else 0
+        """Bytes of Adam state on disk: the steps in flight (a wrapper's
+        worker, see ``set_step_waiter``) and the writes in flight are waited
+        for first, so the figure is never short of states that are in RAM
+        only for their update."""
+        if self._nvme is None:
+            return 0
+        self._wait_steps()
+        return self._nvme.on_disk_bytes()
 
     # -- validation --------------------------------------------------------
 

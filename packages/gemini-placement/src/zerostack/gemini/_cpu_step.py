@@ -112,6 +112,15 @@ class CpuStepPipeline:
     def overlapping(self) -> bool:
         return self._executor is not None
 
+    def settle(self) -> None:
+        """Wait until no update is running on the worker (errors stay in
+        their futures, nothing is written back: no collective), for readers
+        of the optimizer's figures between steps."""
+        if threading.current_thread().name.startswith("gemini-cpu-step"):
+            return  # the worker itself: its own update is the one running
+        for future in list(self._pending.values()):
+            future.exception()
+
     # -- host buffers ----------------------------------------------------------------
 
     # [Note: CPU-step buffers] A CPU update writes the chunk's new fp16/bf16

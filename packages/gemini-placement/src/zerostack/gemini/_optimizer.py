@@ -127,6 +127,8 @@ class GeminiOptimizer:
         self.collector = collector
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
+        if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
+            optimizer.set_step_waiter(self.pipeline.settle)
         self._bind_masters()
         if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
             self.optimizer.nvme_plan([])
@@ -166,6 +168,10 @@ class GeminiOptimizer:
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
+        if hasattr(self.optimizer, "nvme_host_params"):  # See [Note: NVMe on the host tier]
+            self.optimizer.nvme_host_params(
+                [self.masters[i] for i in self._host], _host_hint(self.module)
+            )
 
     @property
     def nvme_wait_s(self) -> float:
@@ -730,6 +736,33 @@ class GeminiOptimizer:
             self.scaler.load_state_dict(full["scaler"])
         for i in range(len(self.pairs)):
             self.pipeline.write_back(self.pairs[i][0], None)
+
+
+# [Note: NVMe on the host tier] HybridAdam's nvme_offload_fraction puts on
+# disk a share of the Adam states held in host memory, as ColossalAI's does:
+# states of optimizer chunks on the GPU stay there. GeminiOptimizer names the
+# master chunks its placement offloads (offload_optim_frac, or those auto
+# placement keeps on the CPU) as the host-held ones, also on a CPU compute
+# device, where every chunk is in host memory but the placement's decisions
+# (and so what goes to disk) are the same as on a GPU. A placement that
+# offloads none gets one warning naming the settings that would.
+def _host_hint(module: GeminiDDP) -> str:
+    """How to hold optimizer states on the host, for HybridAdam's warning."""
+    fix = (
+        "set placement_policy='static' with offload_optim_frac=1.0 (GeminiPlugin or GeminiDDP), "
+        "as ColossalAI's NVMe guide places the optimizer states on the CPU"
+    )
+    if module.compute_device.type == "cpu":
+        fix += (
+            " (on a CPU compute device the chunks the placement keeps on the compute device "
+            "count as device memory, as they would on a GPU)"
+        )
+    if module.config.auto:
+        return f"placement_policy='auto' planned every optimizer chunk on the compute device; {fix}"
+    frac = module.config.placement.offload_optim_frac
+    return (
+        f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
+    )
 
 
 def _write_failed(error: OSError) -> bool:

@@ -133,6 +133,16 @@ class OffloadPipeline:
     def overlapping(self) -> bool:
         return self._executor is not None
 
+    def settle(self) -> None:
+        """Wait until no update is running on the worker (errors stay in
+        their futures, nothing is written back: no collective), for readers
+        of the optimizer's figures between steps."""
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            return  # the worker itself: its own update is the one running
+        for _, future in [*self.pending, *self.early]:
+            if future is not None:
+                future.exception()
+
     def close(self) -> None:
         """Finish what is pending (errors kept, not raised) and stop the worker."""
         for _, future in [*self.pending, *self.early]:

@@ -333,6 +333,14 @@ class ZeroOptimizer:
             self._foreign = foreign_keys(optimizer, self.optimizer)
             _WRAPPED.add(self.optimizer)
         self._user = optimizer
+        if hasattr(self.optimizer, "nvme_host_params"):
+            # Only host-held states go to disk, on a CPU compute device as on a GPU.
+            self.optimizer.nvme_host_params(
+                [s.master for s in self.shards] if cpu_offload else [],
+                f"{_API} keeps the fp32 masters and their states on the compute device (got "
+                "cpu_offload=False); set cpu_offload=True (LowLevelZeroPlugin(cpu_offload=True), "
+                "DeepSpeed's offload_optimizer device 'cpu')",
+            )
         if hasattr(self.optimizer, "nvme_plan"):
             # fused-adam's optimizers put Adam states on disk for the tensors
             # they step: the masters, from now on (a full disk fails here).
@@ -366,6 +374,8 @@ class ZeroOptimizer:
         if cpu_offload:
             self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
             weakref.finalize(self, self._pipe.close)
+            if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
+                self.optimizer.set_step_waiter(self._pipe.settle)
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
                     # The host waits for these two (blocking: no spinning

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import (
     BoostedOptimizer,
@@ -54,6 +55,8 @@ class TorchDDPModel(ModelWrapper):
     def __init__(self, module: nn.Module, ddp_kwargs: dict[str, Any] | None) -> None:
         facts = ModelFacts.of(module)
         super().__init__(DDP(module, **ddp_kwargs) if ddp_kwargs is not None else module)
+        if ddp_kwargs is not None:
+            _exit.track_ddp(self.module)  # See [Note: exit code under gloo]
         self._facts = facts
         self.device_type = next(module.parameters(), torch.empty(0)).device.type
         self.autocast_dtype: torch.dtype | None = None
