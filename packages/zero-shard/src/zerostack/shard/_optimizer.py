@@ -326,6 +326,10 @@ class ZeroOptimizer:
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
+        self._bucket_of = [0] * len(self.shards)  # shard index -> its bucket's position
+        for k, bucket in enumerate(self.buckets):
+            for sh in bucket.shards:
+                self._bucket_of[sh.index] = k
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
@@ -495,6 +499,8 @@ class ZeroOptimizer:
                 s.guard.local = g
                 s.param.grad = s.guard
             return
+        if self._bucket_of[s.index] < self._next_bucket:
+            self._restart_reduction()  # reduced already in this step: a new backward
         s.ready = True
         self._launch_ready_buckets()
 
@@ -622,12 +628,26 @@ class ZeroOptimizer:
             self.buffer_allocations += 1
         return buf
 
-    def _finish_reduction(self) -> torch.Tensor | None:
-        """Wait for every bucket; give each shard its reduced piece. Returns
-        the squared gradient norm summed on the device, or None when it has to
-        be computed from the pieces (gradients accumulated over several
-        reductions, or no device-side norm)."""
-        self._launch_ready_buckets(flush=True)
+    def _restart_reduction(self) -> None:
+        """A backward began after buckets of this step were reduced (two
+        backwards before ``step()``: torch's accumulation, without
+        ``no_sync``). Their reductions go into the shards' gradients, out of
+        the buffers the next reductions reuse, and the buckets are reduced
+        again from the first: ``step()`` then sums both."""
+        self._finish_reduction(flush=False)
+        for s in self.shards:
+            if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _finish_reduction(self, flush: bool = True) -> torch.Tensor | None:
+        """Wait for every bucket (``flush``: launching those not launched
+        yet); give each shard its reduced piece. Returns the squared gradient
+        norm summed on the device, or None when it has to be computed from
+        the pieces (gradients accumulated over several reductions, or no
+        device-side norm)."""
+        if flush:
+            self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
         self._in_flight = None
         norm_parts: list[torch.Tensor] | None = []
