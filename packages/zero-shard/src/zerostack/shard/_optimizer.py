@@ -368,12 +368,14 @@ class ZeroOptimizer:
         self._accumulated = False
         # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
         # recorded for the coming step, whether it was called since the last
-        # step, this step's squared norm it took, and whether it was ever called.
+        # step, and this step's squared norm it took.
         self._clip = 1.0
         self._clipped = False
         self._clip_norm_sq: torch.Tensor | None = None
-        self._clip_requested = False
-        self._stepped = False  # a step has run (see _can_start_early)
+        # See _can_start_early: a step has run; updates must never start in
+        # backward (clip_grad_by_norm was called, or two backwards fed one step).
+        self._stepped = False
+        self._early_veto = False
         self._unfinished = False  # a synchronous step whose CPU update failed; see step()
         self._update_lock = threading.Lock()  # see _cpu_update
         self._stream = (
@@ -530,10 +532,11 @@ class ZeroOptimizer:
             and self.max_norm == 0
             and self.scaler is None
             and not self._no_sync
-            # The first step learns whether clip_grad_by_norm is called (an
-            # update started before it could not be clipped).
+            # The first step learns whether clip_grad_by_norm is called or a
+            # second backward comes (an update started before either would
+            # miss it).
             and self._stepped
-            and not self._clip_requested
+            and not self._early_veto
         )
 
     def _start_early(self, bucket: _Bucket) -> None:
@@ -633,7 +636,20 @@ class ZeroOptimizer:
         backwards before ``step()``: torch's accumulation, without
         ``no_sync``). Their reductions go into the shards' gradients, out of
         the buffers the next reductions reuse, and the buckets are reduced
-        again from the first: ``step()`` then sums both."""
+        again from the first: ``step()`` then sums both.
+
+        Raises:
+            RuntimeError: CPU updates started during the first backward
+                (they used its gradients alone).
+        """
+        if self._early:
+            raise RuntimeError(
+                f"{_API}.backward: a second backward before step() after the CPU updates of "
+                f"{len(self._early)} buckets started in the first (overlap_cpu_step starts them "
+                "from the second step on when the first step had one backward); accumulate with "
+                "no_sync(), or pass overlap_cpu_step=False"
+            )
+        self._early_veto = True
         self._finish_reduction(flush=False)
         for s in self.shards:
             if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
@@ -797,7 +813,7 @@ class ZeroOptimizer:
                 "to the plugin (clipping at step), or overlap_cpu_step=False"
             )
         self._check_scaled("clip_grad_by_norm")
-        self._clip_requested = True
+        self._early_veto = True
         self.wait_updates()  # the last step's write-backs come before any reduction
         with phase("zerostack::reduce"):
             if not self._clipped:
