@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+from zerostack.chunk import all_gather_into
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._optimizer import _grad_share
 from zerostack.shard import ShardedGradient
@@ -197,7 +198,7 @@ def _whole(piece: torch.Tensor, numel: int, group=None) -> torch.Tensor:
     piece = piece.detach().float().reshape(-1)
     world = dist.get_world_size(group)
     out = torch.empty(world * piece.numel())
-    dist.all_gather_into_tensor(out, piece, group=group)
+    all_gather_into(out, piece, group)
     return out[:numel]
 
 
@@ -232,7 +233,9 @@ def _low_precision(rank, world, cases):
             idx, tgt = make_batch(CONFIG, 4, 16, seed=100 * step + rank)
             booster.backward(lm_loss(model(idx), tgt), opt)
             # max_norm inf reads the norm only (the first call also finishes the reduction).
-            got = {p: booster.clip_grad_norm_(model, opt, math.inf, norm_type=p) for p in (2, "inf")}
+            got = {
+                p: booster.clip_grad_norm_(model, opt, math.inf, norm_type=p) for p in (2, "inf")
+            }
             grads = _gathered_grads(opt)
             for p, norm in got.items():
                 expected = torch.nn.utils.get_total_norm(grads, float(p))
@@ -366,8 +369,12 @@ def test_clip_refuses_what_it_cannot_do_exactly():
         booster.clip_grad_norm_(model, opt, 1.0)
         assert opt.step()
         # Gemini: no backward to clip.
-        booster, model, opt = _boosted(GeminiPlugin(precision="fp32", chunk_config_dict={1: CHUNKS}))
-        with pytest.raises(RuntimeError, match=r"the model is in state IDLE; clip after a backward"):
+        booster, model, opt = _boosted(
+            GeminiPlugin(precision="fp32", chunk_config_dict={1: CHUNKS})
+        )
+        with pytest.raises(
+            RuntimeError, match=r"the model is in state IDLE; clip after a backward"
+        ):
             booster.clip_grad_norm_(model, opt, 1.0)
 
 

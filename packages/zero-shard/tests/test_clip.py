@@ -129,7 +129,9 @@ def _clip_parity(rank, world):
             assert zero.step(), where
             zero.wait_updates()
             for (n, a), b in zip(model.named_parameters(), ref.module.parameters(), strict=True):
-                torch.testing.assert_close(a, b, **TOL32, msg=lambda m, n=n, w=where: f"{w} {n}: {m}")
+                torch.testing.assert_close(
+                    a, b, **TOL32, msg=lambda m, n=n, w=where: f"{w} {n}: {m}"
+                )
 
 
 def test_clip_grad_by_norm_matches_ddp_and_torch_clip():

@@ -52,10 +52,7 @@ def grad_stats(
             f"grad_stats: shards must be tensors (got {[type(t).__name__ for t in shards][:4]})"
         )
     device = extra.device
-    if norm_sq is not None:
-        norm_sq = norm_sq.float().to(device)
-    else:
-        norm_sq = norm_part(shards, 2.0, device)
+    norm_sq = norm_sq.float().to(device) if norm_sq is not None else norm_part(shards, 2.0, device)
     packed = torch.cat([norm_sq.view(1), extra.float()])
     set_collective_label("the step's gradient norm and overflow check")
     all_reduce_sum(packed, group)
@@ -106,9 +103,7 @@ def check_clip_args(
             torch's clip), ``norm_type`` not > 0, or nan.
     """
     if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-        raise TypeError(
-            f"{api}: max_norm must be a number (got {max_norm!r}); e.g. max_norm=1.0"
-        )
+        raise TypeError(f"{api}: max_norm must be a number (got {max_norm!r}); e.g. max_norm=1.0")
     if not max_norm > 0:
         raise ValueError(
             f"{api}: max_norm must be > 0 (got {max_norm}); torch's clip_grad_norm_ would zero "

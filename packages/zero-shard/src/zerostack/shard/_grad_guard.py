@@ -88,7 +88,7 @@ class ShardedGradient(torch.Tensor):
             "gradient over every rank (and the plugin's max_norm= clips at every step)"
         )
 
-    def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 (torch's signature)
+    def __repr__(self, *, tensor_contents=None) -> str:  # torch's signature
         return (
             f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, owner={self.owner}: the gradient lives in its shards)"

@@ -33,8 +33,8 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
-from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -729,10 +729,8 @@ class ZeroOptimizer:
         self.wait_updates()  # the last step's, when no forward ran since
         self._scaled_backward = False
         with phase("zerostack::reduce"):
-            if self._clipped:  # reduced by clip_grad_by_norm, nothing since
-                device_norm_sq = self._clip_norm_sq
-            else:
-                device_norm_sq = self._finish_reduction()
+            # clip_grad_by_norm reduced everything already (no backward since).
+            device_norm_sq = self._clip_norm_sq if self._clipped else self._finish_reduction()
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
