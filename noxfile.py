@@ -38,6 +38,7 @@ CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
 # 5.24.0 (torch >= 2.6, Python >= 3.11) installs in ~15 s: pure-Python plus
 # tokenizers, safetensors, hf-xet and regex wheels; torch is not among its deps.
 TEST_REQUIREMENTS = {
+    "zero-chunk": ["transformers==5.24.0; python_version >= '3.11'"],
     "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
@@ -334,10 +335,12 @@ def _install_packages(
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
+    """ruff check and ruff format --check over the whole repository, and
+    tools/check_words.py (no internal vocabulary in code, docs and errors)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_words.py")
 
 
 @nox.session
@@ -373,7 +376,7 @@ def integration(session: nox.Session) -> None:
 def examples(session: nox.Session) -> None:
     """Every script in examples/ in its --smoke mode, and benchmarks/scale.py's."""
     _install_packages(session, PACKAGES)
-    session.install("tqdm", "transformers==5.24.0")  # the Booster demo is the seed's GPT-2 one
+    session.install("tqdm", "transformers==5.24.0")  # the Booster demo is ColossalAI's GPT-2 one
     for script in sorted((ROOT / "examples").glob("*.py")):
         session.run("python", str(script), "--smoke")
     # The scale benchmark's CPU smoke (the GPU run is tools/device.sh scale).
@@ -381,7 +384,7 @@ def examples(session: nox.Session) -> None:
         session.run(
             "python", str(ROOT / "benchmarks/scale.py"), "--smoke", "--nvme-fraction", fraction
         )
-    # The seed's auto-offload demo writes offload_logs/ where it runs.
+    # ColossalAI's auto-offload demo writes offload_logs/ where it runs.
     with session.chdir(session.create_tmp()):
         session.run("python", str(ROOT / "examples/auto_offload/train_gpt_offload.py"), "--smoke")
 

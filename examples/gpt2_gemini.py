@@ -117,7 +117,6 @@ def main() -> int:
         chunk_config_dict=chunks,
         compute_device=device,
         min_chunk_size_m=32 if a.model == "gpt2_medium" else 0.5,
-        init_fn=TinyGPT.reset_parameters,
         **placement,
     )
     opt = GeminiOptimizer(

@@ -124,10 +124,12 @@ def test_booster_refusals_and_warnings():
     booster = Booster()
     with pytest.raises(NotImplementedError, match=r"pipeline parallelism is not implemented"):
         booster.execute_pipeline(iter([]), None, None)
+    mine, other = _model(), _model()
+    mixed = [*mine.parameters()][:1] + [*other.parameters()][1:]
     with pytest.raises(
-        ValueError, match=r"the optimizer holds a parameter that is not the model's"
+        ValueError, match=r"the optimizer holds parameters that are not the model's"
     ):
-        booster.boost(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        booster.boost(mine, torch.optim.SGD(mixed, lr=0.1))
     model = _model()
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match=r"optimizer must be the one boost returned \(got SGD\)"):

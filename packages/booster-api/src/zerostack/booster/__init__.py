@@ -12,6 +12,7 @@ from zerostack.booster._plugins import (
     AutoOffloadModel,
     AutoOffloadOptimizer,
     AutoOffloadPlugin,
+    DeepSpeedConfigError,
     GeminiModel,
     GeminiOptimizerWrapper,
     GeminiPlugin,
@@ -24,7 +25,7 @@ from zerostack.booster._plugins import (
     TorchDDPOptimizer,
     TorchDDPPlugin,
 )
-from zerostack.chunk import LazyInitContext
+from zerostack.chunk import ColoInitContext, LazyInitContext
 
 __all__ = [
     "AutoOffloadModel",
@@ -33,6 +34,8 @@ __all__ = [
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "ColoInitContext",
+    "DeepSpeedConfigError",
     "GeminiModel",
     "GeminiOptimizerWrapper",
     "GeminiPlugin",

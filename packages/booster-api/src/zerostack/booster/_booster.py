@@ -1,6 +1,6 @@
 """Booster: one object that boosts a model, optimizer, criterion, dataloader
 and lr scheduler for a plugin, runs backward, and saves and loads
-checkpoints (the seed's ``colossalai.booster.Booster``)."""
+checkpoints (ColossalAI's ``colossalai.booster.Booster``)."""
 
 from __future__ import annotations
 
@@ -48,12 +48,14 @@ class Booster:
             (autocast), a MixedPrecision, or None. Only without a plugin or
             with TorchDDPPlugin: the others choose the precision themselves
             (their ``precision`` argument). Default None.
-        plugin: the strategy. Default None.
+        plugin: the strategy. Default None. A plugin passed as the first
+            positional argument, as in ``Booster(plugin)`` (ColossalAI's NVMe
+            offload guide), is taken as ``plugin``.
 
     Raises:
         TypeError: ``plugin`` is not a Plugin, or ``mixed_precision`` has the wrong type.
         ValueError: an unknown mixed_precision.
-        NotImplementedError: the seed's "fp16_apex", "fp16_naive" or "fp8".
+        NotImplementedError: ColossalAI's "fp16_apex", "fp16_naive" or "fp8".
     """
 
     def __init__(
@@ -62,6 +64,9 @@ class Booster:
         mixed_precision: str | MixedPrecision | None = None,
         plugin: Plugin | None = None,
     ) -> None:
+        if isinstance(device, Plugin) and plugin is None:
+            # ColossalAI's NVMe offload guide writes Booster(plugin).
+            device, plugin = None, device
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(
                 f"{_API}: plugin must be a Plugin (got {type(plugin).__name__}); pass e.g. "
@@ -114,8 +119,9 @@ class Booster:
         model may be boosted again with its optimizer.
 
         Args:
-            model: the model (or one built under LazyInitContext, for GeminiPlugin
-                and LowLevelZeroPlugin).
+            model: the model, or one built under LazyInitContext (GeminiPlugin
+                materializes it straight into its chunks; the other plugins
+                materialize it, then place it).
             optimizer: a torch optimizer over the model's parameters. Default None.
             criterion: the loss function, returned as is (under autocast with
                 ``mixed_precision``). Default None.
@@ -131,8 +137,19 @@ class Booster:
             TypeError: ``model`` is not an nn.Module, ``optimizer`` not a torch
                 optimizer, ``criterion`` not callable, ``lr_scheduler`` without
                 ``step`` and ``state_dict``.
+            ValueError: the optimizer holds parameters that are not the model's
+                (other than the twin-model case below).
+
+        An optimizer built on a twin of the model (every parameter another
+        model's, the same number with the same shapes in the same order, no
+        optimizer state yet: ColossalAI's GPT-2 demo builds its HybridAdam on
+        one model and then the model it trains under LazyInitContext) is
+        pointed at ``model``'s parameters in place, with one warning: the
+        optimizer object stays the same, so schedulers built on it keep working.
         """
         _check_boost(model, optimizer, criterion, lr_scheduler)
+        if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
+            _own_parameters(model, optimizer)
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
@@ -288,7 +305,7 @@ class Booster:
             model: a boosted model.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
@@ -328,7 +345,7 @@ class Booster:
             optimizer: a boosted optimizer.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
         """
@@ -465,6 +482,44 @@ def _check_device(device: Any) -> torch.device:
             "pass 'cpu'"
         )
     return device
+
+
+def _own_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer over parameters that are not the model's, except a
+    twin model's, which it takes over (see Booster.boost)."""
+    api = f"{_API}.boost"
+    mine = list(model.parameters())
+    ids = {id(p) for p in mine}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in ids]
+    if not foreign:
+        return
+    twin = (
+        len(foreign) == len(held) == len(mine)
+        and not optimizer.state
+        and all(a.shape == b.shape for a, b in zip(held, mine, strict=True))
+    )
+    if not twin:
+        why = (
+            "it has optimizer state already" if optimizer.state and len(foreign) == len(held)
+            else "their number or shapes differ from the model's"
+            if len(foreign) == len(held) else "some are the model's and some are not"
+        )  # fmt: skip
+        raise ValueError(
+            f"{api}: the optimizer holds parameters that are not the model's (got "
+            f"{len(foreign)} of {len(held)} foreign; {why}); build the optimizer on "
+            "model.parameters() of the model you boost"
+        )
+    warnings.warn(
+        f"{api}: the optimizer was built on another model with the same parameter shapes "
+        f"({len(held)} parameters); it now steps this model's parameters (as ColossalAI's "
+        "GPT-2 demo expects). Build it on model.parameters() to silence this",
+        UserWarning,
+        stacklevel=3,
+    )
+    rest = iter(mine)
+    for group in optimizer.param_groups:
+        group["params"] = [next(rest) for _ in group["params"]]
 
 
 def _check_boost(model: Any, optimizer: Any, criterion: Any, lr_scheduler: Any) -> None:

@@ -207,10 +207,10 @@ class CheckpointIO:
                 ``model.safetensors.index.json`` (or
                 ``pytorch_model.bin.index.json``) and, for a transformers
                 model, ``config.json``. Default False: one file.
-            gather_dtensor: accepted for the seed's signature; the state is
+            gather_dtensor: accepted for ColossalAI's signature; the state is
                 always gathered, so False only warns. Default True.
             prefix: inserted before the last extension of every file name
-                (``model.<prefix>-00001-of-00002.safetensors``), as the seed
+                (``model.<prefix>-00001-of-00002.safetensors``), as ColossalAI
                 does; ``from_pretrained`` needs None. Default None.
             size_per_shard: most MB per shard file (a larger tensor gets a
                 file of its own). Default 1024.
@@ -386,10 +386,10 @@ class CheckpointIO:
                 ``size_per_shard`` MB each), the param groups and loss scaler
                 in ``pytorch_optim_group.bin``, and the index
                 ``pytorch_optim.bin.index.json``. Default False: one torch file.
-            gather_dtensor: accepted for the seed's signature; False only warns.
+            gather_dtensor: accepted for ColossalAI's signature; False only warns.
                 Default True.
             prefix: inserted before the last extension of every file name, as
-                the seed does. Default None.
+                ColossalAI does. Default None.
             size_per_shard: most MB per shard file. Default 1024.
             parallel: each rank writes its own part (no gather) through
                 ``torch.distributed.checkpoint`` into the directory
@@ -478,7 +478,7 @@ class CheckpointIO:
             prefix: picks the index ``pytorch_optim.bin.index.<prefix>.json``
                 in a directory; None takes the directory's only index.
                 Default None.
-            size_per_shard: accepted for the seed's signature; no effect.
+            size_per_shard: accepted for ColossalAI's signature; no effect.
                 Default 1024.
 
         Raises:

@@ -61,7 +61,7 @@ class CheckpointCorruptError(ValueError):
 
 
 def add_prefix(name: str, prefix: str | None) -> str:
-    """The seed's naming: ``prefix`` goes before the last extension
+    """ColossalAI's naming: ``prefix`` goes before the last extension
     (``model.safetensors`` -> ``model.<prefix>.safetensors``)."""
     if not prefix:
         return name

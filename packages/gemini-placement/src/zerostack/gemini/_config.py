@@ -1,5 +1,5 @@
 """GeminiDDP's settings: frozen configs, validated where they are built, and
-the thin keyword layer (the seed's argument names) that builds them."""
+the thin keyword layer (ColossalAI's argument names) that builds them."""
 
 from __future__ import annotations
 
@@ -237,15 +237,22 @@ class GeminiConfig:
         scatter_after_inference: bool = True,
         master_weights: bool = True,
     ) -> GeminiConfig:
-        """The config the seed's keyword arguments describe (see GeminiDDP).
+        """The config ColossalAI's keyword arguments describe (see GeminiDDP).
 
         Raises:
             ValueError: a bad policy name, share or dtype; static fractions under "auto".
             NotImplementedError: master_weights=False.
         """
+        if placement_policy in _LEGACY_POLICIES:
+            placement_policy, shard_param_frac, offload_optim_frac, offload_param_frac = (
+                _legacy_policy(placement_policy, shard_param_frac, offload_optim_frac,
+                               offload_param_frac)
+            )  # fmt: skip
         if placement_policy not in ("static", "auto"):
             raise ValueError(
-                f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
+                f"{_API}: placement_policy must be 'static' or 'auto', or ColossalAI's older "
+                f"'cpu' or 'cuda' (got {placement_policy!r}); 'cpu' is static with "
+                "shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0"
             )
         if not master_weights:
             raise NotImplementedError(
@@ -287,6 +294,27 @@ class GeminiConfig:
             enable_async_reduce=enable_async_reduce,
             scatter_after_inference=scatter_after_inference,
         )
+
+
+# ColossalAI's placement policies before "static"/"auto" (its Gemini docs give
+# these equivalences): (shard_param_frac, offload_optim_frac, offload_param_frac).
+_LEGACY_POLICIES = {"cpu": (1.0, 1.0, 1.0), "cuda": (1.0, 0.0, 0.0)}
+
+
+def _legacy_policy(
+    name: str, shard: float, optim: float, param: float
+) -> tuple[str, float, float, float]:
+    """The older "cpu" / "cuda" as the static shares they stand for; a share set beside
+    them that says otherwise is refused rather than silently overridden."""
+    wanted = _LEGACY_POLICIES[name]
+    given = (shard, optim, param)
+    if given != (1.0, 0.0, 0.0) and given != wanted:
+        raise ValueError(
+            f"{_API}: placement_policy={name!r} fixes shard_param_frac, offload_optim_frac and "
+            f"offload_param_frac to {wanted} (got {given}); use placement_policy='static' "
+            "with your shares"
+        )
+    return ("static", *wanted)
 
 
 def _warn_unused(given: Any, default: Any, why: str) -> None:

@@ -86,7 +86,7 @@ class GeminiDDP(nn.Module):
     reduce-scattered, and the reduced shard replaces the parameter shard until
     the optimizer writes the updated parameters back.
 
-    Settings come as a :class:`GeminiConfig` (``config=``) or as the seed's
+    Settings come as a :class:`GeminiConfig` (``config=``) or as ColossalAI's
     keyword arguments, which build one (not both):
 
     Args:
@@ -97,9 +97,11 @@ class GeminiDDP(nn.Module):
         process_group: the data-parallel group. Default: the default group.
         compute_device: where gathered chunks live. Default: the current CUDA
             device, else the CPU.
-        init_fn: for a model built under LazyInitContext without
-            ``reset_parameters`` on every module (e.g. transformers models):
-            a model-level initialiser, see LazyInitContext.distribute.
+        init_fn: for a model built under LazyInitContext: called as
+            ``init_fn(model)`` after its construction is replayed (see
+            LazyInitContext.materialize; it needs the whole model at once).
+            Default None: the replay alone, which gives any model the values
+            an eager build would.
         debug_collectives: True: before every gather and reduce, check that
             all ranks issue the same collective (for the same module), and
             raise CollectiveMismatchError on every rank, naming what each was

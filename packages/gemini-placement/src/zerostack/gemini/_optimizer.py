@@ -69,7 +69,7 @@ class GeminiOptimizer:
             from ``scaler_kwargs`` (fp16 models only).
         **scaler_kwargs: DynamicLossScaler's fields (initial_scale, min_scale,
             growth_factor, backoff_factor, growth_interval, hysteresis,
-            max_scale), the seed's names.
+            max_scale), ColossalAI's names.
 
     Raises:
         NotImplementedError: several parameter groups.

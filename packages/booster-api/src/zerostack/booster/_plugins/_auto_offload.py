@@ -115,7 +115,7 @@ class AutoOffloadPlugin(Plugin):
     before ``boost`` (fused-adam's HybridAdam steps the host masters fastest).
 
     Args:
-        memory_budget: device memory for the step, in GB as the seed's
+        memory_budget: device memory for the step, in GB as ColossalAI's
             (``memory_budget=16`` is 16 * 1024**3 bytes); ``<= 0`` means the
             whole device. Default -1.
         solver_name: "asyn" (uploads prefetched on side streams) or "syn".

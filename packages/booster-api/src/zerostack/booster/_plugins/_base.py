@@ -28,7 +28,7 @@ class Plugin(ABC):
     """A training strategy ``Booster.boost`` applies: it wraps the model and
     optimizer in a :class:`ModelWrapper` / :class:`OptimizerWrapper` of its
     own and hands the lower packages their configs (no training logic here).
-    The seed's ``colossalai.booster.plugin.Plugin`` interface."""
+    ColossalAI's ``colossalai.booster.plugin.Plugin`` interface."""
 
     def supported_precisions(self) -> list[str]:
         """Precisions the plugin trains in ("fp16", "bf16", "fp32")."""

@@ -1,5 +1,5 @@
 """GeminiPlugin: ZeRO-3 over chunks (zerostack.gemini) behind the Booster,
-with the seed's parameter table turned into one GeminiConfig."""
+with ColossalAI's parameter table turned into one GeminiConfig."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
-from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -51,7 +50,7 @@ _SCALER_DEFAULTS = dict(
     initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32,
 )  # fmt: skip
-# The seed's options that are not built here, with the value that means "off".
+# ColossalAI's options that are not built here, with the value that means "off".
 _NOT_BUILT = {
     "force_outputs_fp32": False,
     "memstats": None,
@@ -270,15 +269,22 @@ class GeminiPlugin(Plugin):
     GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
-    straight into chunks; for transformers models the plugin passes their
-    own initialiser (``initialize_weights``).
+    straight into chunks, one module at a time, with the values an eager
+    build would have (any module: transformers models, modules without
+    ``reset_parameters``).
 
     Args:
         chunk_config_dict: ``{dp size: {"chunk_size": int, "keep_gathered":
             bool}}``, skipping the search. Default None.
         chunk_init_device: where chunks are made: only the compute device
             (the current CUDA device, else the CPU). Default None (that one).
-        placement_policy: "static" or "auto". Default "static".
+        device: ColossalAI's older name for the device the model trains on
+            (``GeminiPlugin(device=torch.cuda.current_device())`` in its NVMe
+            offload guide): the same as chunk_init_device. Default None.
+        placement_policy: "static" or "auto"; ColossalAI's older "cpu"
+            (static with shard_param_frac, offload_optim_frac and
+            offload_param_frac 1.0) and "cuda" (static, everything on the
+            GPU) are taken as those shares. Default "static".
         enable_gradient_accumulation: gradients in chunks of their own, so
             that ``booster.no_sync`` works. Default False.
         max_prefetch: chunks gathered ahead ("auto"). Default 0.
@@ -288,7 +294,7 @@ class GeminiPlugin(Plugin):
             placement ratios. Defaults 0.8, 0.9.
         gpu_capacity_bytes: the device memory "auto" plans for. Default
             None (the CUDA device's; required on a CPU).
-        precision: "fp16", "bf16" or "fp32" (the seed has no "fp32"). Default "fp16".
+        precision: "fp16", "bf16" or "fp32" (ColossalAI has no "fp32"). Default "fp16".
         master_weights: True only. Default True.
         pin_memory: pin CPU chunk shards. Default False.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk search.
@@ -305,7 +311,7 @@ class GeminiPlugin(Plugin):
         strict_ddp_mode: accepted either way (only data parallelism exists here).
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
-        force_outputs_fp32: the seed's, not implemented, as are memstats,
+        force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
             enable_flash_attention, enable_sequence_parallelism,
@@ -362,6 +368,7 @@ class GeminiPlugin(Plugin):
         verbose: bool = False,
         fp8_communication: bool = False,
         *,
+        device: torch.device | str | int | None = None,
         gpu_capacity_bytes: int | None = None,
         scatter_after_inference: bool = True,
         overlap_cpu_step: bool = True,
@@ -379,7 +386,7 @@ class GeminiPlugin(Plugin):
         )  # fmt: skip
         _check_options(given, precision, norm_type, max_norm)
         self.precision = precision
-        self.chunk_init_device = chunk_init_device
+        self.chunk_init_device = _init_device(chunk_init_device, device)
         self.enable_gradient_accumulation = enable_gradient_accumulation
         self.verbose = verbose
         self.gemini_config = GeminiConfig.from_kwargs(
@@ -448,10 +455,7 @@ class GeminiPlugin(Plugin):
         log = logger.warning if self.verbose else logger.debug
         if not isinstance(model, GeminiModel):
             facts = ModelFacts.of(model)
-            init_fn = transformers_init_fn(model) if is_lazy(model) else None
-            ddp = GeminiDDP(
-                model, self.gemini_config, compute_device=self._device(), init_fn=init_fn
-            )
+            ddp = GeminiDDP(model, self.gemini_config, compute_device=self._device())
             model = GeminiModel(ddp, facts)
             log("%s: %s", _API, self.gemini_config)
         if optimizer is not None and not isinstance(optimizer, GeminiOptimizerWrapper):
@@ -496,10 +500,31 @@ class GeminiPlugin(Plugin):
         return model.module.no_sync()
 
 
+def _init_device(
+    chunk_init_device: torch.device | str | None, device: torch.device | str | int | None
+) -> torch.device | str | None:
+    """``device=`` (ColossalAI's older argument) as chunk_init_device; an int is
+    a CUDA index, as ``torch.cuda.current_device()`` returns."""
+    if device is None:
+        return chunk_init_device
+    if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
+        raise TypeError(
+            f"{_API}: device must be a torch.device, a str or a CUDA index (got "
+            f"{type(device).__name__}); pass e.g. torch.cuda.current_device()"
+        )
+    wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if chunk_init_device is not None and torch.device(chunk_init_device) != wanted:
+        raise ValueError(
+            f"{_API}: device and chunk_init_device name the same thing and disagree (got "
+            f"device={wanted}, chunk_init_device={chunk_init_device!r}); pass one of them"
+        )
+    return wanted
+
+
 def _check_options(
     given: dict[str, Any], precision: str, norm_type: float, max_norm: float
 ) -> None:
-    """Refuse the seed's options that are not built, and bad values."""
+    """Refuse ColossalAI's options that are not built, and bad values."""
     for name, off in _NOT_BUILT.items():
         if given[name] is not off and given[name] != off:
             hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")

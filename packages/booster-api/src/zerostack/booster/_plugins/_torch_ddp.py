@@ -20,6 +20,7 @@ from zerostack.booster._plugins._base import (
     compute_device,
     nothing,
 )
+from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -34,7 +35,7 @@ from zerostack.booster._plugins._state import (
     positional_to_full,
     scaler_state,
 )
-from zerostack.chunk import rank_and_world
+from zerostack.chunk import LazyInitContext, rank_and_world
 from zerostack.shard import check_clip_args, clip_grads_
 
 _DDP_DEFAULTS = dict(
@@ -234,7 +235,7 @@ class TorchDDPPlugin(Plugin):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
-        # Only what differs from DDP's defaults (the same as the seed's):
+        # Only what differs from DDP's defaults (the same as ColossalAI's):
         # torch 2.13 warns whenever broadcast_buffers is passed at all.
         self.ddp_kwargs = {k: v for k, v in given.items() if v != _DDP_DEFAULTS[k]}
 
@@ -264,8 +265,11 @@ class TorchDDPPlugin(Plugin):
         dataloader: Any = None,
         lr_scheduler: Any = None,
     ) -> tuple:
-        """Move the model to the current device and wrap it in DDP; wrap the optimizer."""
+        """Move the model to the current device (a lazily built model is
+        materialized first) and wrap it in DDP; wrap the optimizer."""
         if not isinstance(model, TorchDDPModel):
+            if is_lazy(model):
+                LazyInitContext.materialize(model)  # on its default_device, then moved
             kwargs = self._wrap_kwargs()
             model = TorchDDPModel(model.to(self._device()), kwargs)
         if optimizer is not None and not isinstance(optimizer, TorchDDPOptimizer):
