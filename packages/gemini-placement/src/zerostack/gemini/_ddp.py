@@ -31,7 +31,7 @@ from zerostack.chunk import (
 from zerostack.gemini._config import GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
-from zerostack.shard import ShardedGradient
+from zerostack.shard import ShardedGradient, local_grad
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
@@ -525,13 +525,14 @@ class GeminiDDP(nn.Module):
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
         chunk, info = self._slots[index]
         self.used.add(p)
+        grad = local_grad(p)  # a guard holds what autograd added into it, if anything
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
-            chunk.grad_view(p).add_(p.grad)
+            chunk.grad_view(p).add_(grad)
         else:
             # The value is no longer needed: its slot takes the gradient.
-            chunk.buffer[info.offset : info.end].copy_(p.grad.reshape(-1))
+            chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
         # Under no_sync nothing is reduced: param.grad stays None until the
         # reducing backward (a guard there would make autograd accumulate into it).
         if self._no_sync:
@@ -540,6 +541,7 @@ class GeminiDDP(nn.Module):
             guard = self._guards[index]
             if guard is None:
                 guard = self._guards[index] = ShardedGradient(p.shape, p.dtype, p.device, _API)
+            guard.local = None  # taken into the chunk above
             p.grad = guard
         if info.state is S.HOLD:
             chunk.trans_info_state(info, S.COMPUTE)
