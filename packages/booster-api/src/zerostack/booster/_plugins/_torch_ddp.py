@@ -140,6 +140,12 @@ class TorchDDPOptimizer(BoostedOptimizer):
         self.scaler.update()
         return out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A step dropped after a clip: the GradScaler refuses a second
+        # unscale_ before its update(), as it does in a torch loop.
+        self._unscaled = False
+        super().zero_grad(set_to_none)
+
     @torch.no_grad()
     def clip_grad_by_norm(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
