@@ -67,8 +67,15 @@ def norm_part(tensors: list[torch.Tensor], norm_type: float, device: torch.devic
     combined. No host read. See [Note: gradient clipping]."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm(tensors, norm_type, dtype=torch.float32)
-    stacked = torch.stack([n.to(device) for n in norms])
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:  # one foreach call per device keeps its fast path
+        by_device.setdefault(t.device, []).append(t)
+    norms = [
+        n.to(device)
+        for group in by_device.values()
+        for n in torch._foreach_norm(group, norm_type, dtype=torch.float32)
+    ]
+    stacked = torch.stack(norms)
     if math.isinf(norm_type):
         return stacked.max()
     return stacked.pow(norm_type).sum()
