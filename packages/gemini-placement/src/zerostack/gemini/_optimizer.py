@@ -59,9 +59,10 @@ class GeminiOptimizer:
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
             overlapped with the next forward; without clipping and without an
-            fp16 loss scale, a CPU-held chunk's update starts during backward,
-            with the hyperparameters ``param_groups`` hold then (step lr
-            schedulers after ``step()``, as usual). Default True.
+            fp16 loss scale, a CPU-held chunk's update starts during backward
+            (from the second step on, and never once ``clip_grad_by_norm``
+            was called), with the hyperparameters ``param_groups`` hold then
+            (step lr schedulers after ``step()``, as usual). Default True.
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.

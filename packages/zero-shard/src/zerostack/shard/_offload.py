@@ -32,7 +32,10 @@ is reduced and copied to the host during backward (every parameter in it had
 a gradient on this rank, so it is used on every rank; div_scale -1): CPU
 Adam then runs under backward, and the floor is about forward + max(backward,
 CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
-stays the bound either way; what is left is its bandwidth. Such a backward
+stays the bound either way; what is left is its bandwidth. Updates start
+in backward from the second step on, and never once ``clip_grad_by_norm``
+was called or a step had two backwards (an update started before either
+would miss it; see [Note: gradient clipping]). Such a backward
 commits to the step: a ``zero_grad()`` without ``step()`` after it still
 applies those updates (with a warning).
 
