@@ -17,6 +17,7 @@ from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
 from zerostack.chunk import rank_and_world
+from zerostack.shard import check_clip_args
 
 _API = "Booster"
 
@@ -181,6 +182,72 @@ class Booster:
                 "loss before .item()"
             )
         optimizer.backward(loss)
+
+    def clip_grad_norm_(
+        self,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients of ``model`` as torch's
+        ``clip_grad_norm_(model.parameters(), max_norm)`` clips the whole
+        gradients of a plain or DDP model, with every plugin: call it after
+        ``booster.backward`` and before ``optimizer.step()``, on every rank.
+        Under LowLevelZeroPlugin and GeminiPlugin the gradients are sharded
+        and ``param.grad`` holds no values (torch's own function raises
+        there); the norm is taken over every rank's shards, wherever they
+        live, and the step applies the clip. The norm accumulates in fp32
+        in every precision (fp16: of the unscaled gradients). A plugin's
+        ``max_norm=`` clips again at the step what this call left. See
+        zerostack.shard's [Note: gradient clipping].
+
+        ```python
+        booster.backward(loss, optimizer)
+        grad_norm = booster.clip_grad_norm_(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        ```
+
+        Args:
+            model: the model ``boost`` returned.
+            optimizer: the optimizer ``boost`` returned with it.
+            max_norm: the largest total norm (> 0); ``float('inf')`` only
+                reads the norm.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan (torch's).
+                Default False.
+
+        Returns:
+            The total norm of the gradients before clipping (a 0-dim fp32
+            tensor), as torch's returns.
+
+        Raises:
+            TypeError: ``model`` or ``optimizer`` not from ``boost``, or a
+                bad argument type.
+            ValueError: ``max_norm`` not > 0, ``norm_type`` not > 0, or the
+                optimizer was boosted with another model.
+            RuntimeError: no backward to clip (or inside ``no_sync``), or a
+                non-finite norm with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_norm_"
+        if not isinstance(model, ModelWrapper):
+            raise TypeError(
+                f"{api}: model must be the one boost returned (got {type(model).__name__}); "
+                "use the model from booster.boost(...)"
+            )
+        if not isinstance(optimizer, OptimizerWrapper):
+            raise TypeError(
+                f"{api}: optimizer must be the one boost returned (got "
+                f"{type(optimizer).__name__}); use the optimizer from booster.boost(...)"
+            )
+        if getattr(optimizer, "_model", model) is not model:
+            raise ValueError(
+                f"{api}: the optimizer was boosted with another model (got "
+                f"{type(model.unwrap()).__name__}); pass the model boost returned with it"
+            )
+        check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        return optimizer.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
 
     def no_sync(
         self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None

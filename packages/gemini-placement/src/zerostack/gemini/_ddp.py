@@ -31,6 +31,7 @@ from zerostack.chunk import (
 from zerostack.gemini._config import GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
+from zerostack.shard import ShardedGradient, local_grad
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
@@ -365,6 +366,8 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
+        for p in self._guarded:  # the next backward accumulates into None again
+            p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -430,6 +433,11 @@ class GeminiDDP(nn.Module):
         # would be a cycle through autograd's C++ side, never collected.
         tensor_chunk = self.chunk_manager.tensor_chunk_map
         self._slots = [(tensor_chunk[p], tensor_chunk[p].tensors_info[p]) for p in self.params]
+        # What param.grad holds from the reducing backward to the step (see
+        # zerostack.shard's [Note: sharded param.grad]): one per parameter,
+        # made at its first gradient (like the parameter, then gathered), reused.
+        self._guards: list[ShardedGradient | None] = [None] * len(self.params)
+        self._guarded = [p for p in self.params if p.requires_grad]
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 on_grad = _WeakCall(self, "_on_grad", i)
@@ -533,14 +541,24 @@ class GeminiDDP(nn.Module):
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
         chunk, info = self._slots[index]
         self.used.add(p)
+        grad = local_grad(p)  # a guard holds what autograd added into it, if anything
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
-            chunk.grad_view(p).add_(p.grad)
+            chunk.grad_view(p).add_(grad)
         else:
             # The value is no longer needed: its slot takes the gradient.
-            chunk.buffer[info.offset : info.end].copy_(p.grad.reshape(-1))
-        p.grad = None
+            chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
+        # Under no_sync nothing is reduced: param.grad stays None until the
+        # reducing backward (a guard there would make autograd accumulate into it).
+        if self._no_sync:
+            p.grad = None
+        else:
+            guard = self._guards[index]
+            if guard is None:
+                guard = self._guards[index] = ShardedGradient(p.shape, p.dtype, p.device, _API)
+            guard.local = None  # taken into the chunk above
+            p.grad = guard
         if info.state is S.HOLD:
             chunk.trans_info_state(info, S.COMPUTE)
         chunk.trans_info_state(info, S.HOLD_AFTER_BWD)

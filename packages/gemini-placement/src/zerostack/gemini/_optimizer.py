@@ -18,11 +18,14 @@ from zerostack.gemini._local_state import load_local_optim_state, local_optim_st
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
+    check_clip_args,
     grad_stats,
     hyperparameters,
     make_loss_scaler,
     mark_stepped,
+    norm_part,
     plan_step,
+    record_clip,
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
@@ -64,9 +67,10 @@ class GeminiOptimizer:
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
             overlapped with the next forward; without clipping and without an
-            fp16 loss scale, a CPU-held chunk's update starts during backward,
-            with the hyperparameters ``param_groups`` hold then (step lr
-            schedulers after ``step()``, as usual). Default True.
+            fp16 loss scale, a CPU-held chunk's update starts during backward
+            (from the second step on, and never once ``clip_grad_by_norm``
+            was called), with the hyperparameters ``param_groups`` hold then
+            (step lr schedulers after ``step()``, as usual). Default True.
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -140,6 +144,12 @@ class GeminiOptimizer:
         self._scaled_backward = False
         self._warned_idle = False
         self.last_grad_norm = 0.0
+        # clip_grad_by_norm: the coefficient recorded for the coming step (see
+        # zerostack.shard's [Note: gradient clipping]), whether it was ever
+        # called, and whether a step ran (see _on_chunk_reduced).
+        self._clip = 1.0
+        self._clip_requested = False
+        self._stepped = False
         self._callbacks = (
             _WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"),
             _WeakCall(self, "_drop_updates"),
@@ -303,6 +313,10 @@ class GeminiOptimizer:
             or module._no_sync
             or chunk.keep_gathered  # See [Note: write-back order]
             or not module.placement.planned
+            # The first step learns whether clip_grad_by_norm is called (an
+            # update started before it could not be clipped).
+            or not self._stepped
+            or self._clip_requested
         ):
             return
         if not self._early:  # the first of this backward: this step's hyperparameters
@@ -310,7 +324,7 @@ class GeminiOptimizer:
         grad = _grad_share(chunk)
         # The update writes the new shard over a host-held gradient (see
         # [Note: CPU-step buffers]): the step's norm takes this one now.
-        self._early_norms[i] = torch._foreach_norm([grad])[0]
+        self._early_norms[i] = norm_part([grad], 2.0, grad.device)
         self.pipeline.stage_grad(chunk, grad)
         self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._step_hyper)
         self._early.add(i)
@@ -348,6 +362,7 @@ class GeminiOptimizer:
         if not self._ready_to_step():
             self.pipeline.raise_new_errors()
             return False
+        self._stepped = True
         with phase("zerostack::step"):
             early, self._early = self._early, set()
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
@@ -374,6 +389,73 @@ class GeminiOptimizer:
         self._check_open("retry_failed_updates")
         self.pipeline.check()
 
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        would clip the whole gradients: call it after the backward and before
+        ``step()`` (ColossalAI's ``OptimizerWrapper.clip_grad_by_norm``;
+        ColossalAI's Gemini only warns there). The norm is taken over every
+        rank's chunk shards wherever they are (device, host), in fp32 (fp16:
+        of the unscaled gradients); the step applies the coefficient together
+        with the loss scale and ``max_norm`` (see zerostack.shard's [Note:
+        gradient clipping]). A collective: every rank calls it.
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm of the gradients (before this clip), a 0-dim fp32
+            tensor on the compute device, as torch's returns.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            RuntimeError: no reducing backward since the last step (or
+                inside ``no_sync``); CPU updates of this step started in
+                backward already (``overlap_cpu_step`` from the second step on
+                when the first did not clip); fp16 gradients not scaled
+                through ``backward``; a non-finite norm with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        self._check_open("clip_grad_by_norm")
+        module = self.module
+        if module.training_state is not TrainingState.REDUCED:
+            raise RuntimeError(
+                f"{api}: the model is in state {module.training_state.name}; clip after a "
+                "backward outside no_sync() and before step() (forward, optimizer.backward(loss), "
+                "clip, step)"
+            )
+        if self._early:
+            raise RuntimeError(
+                f"{api}: the CPU updates of {len(self._early)} chunks started during this backward "
+                "(overlap_cpu_step does so from the second step on when the first did not clip); "
+                "call clip_grad_by_norm at every step from the first, pass max_norm to the plugin "
+                "(clipping at step), or overlap_cpu_step=False"
+            )
+        self._check_scaled("clip_grad_by_norm")
+        self._clip_requested = True
+        grads = [_grad_share(c) for c, _ in self.pairs]
+        with phase("zerostack::reduce"):
+            total, self._clip = record_clip(
+                api, norm_part(grads, norm_type, module.compute_device),
+                max_norm=max_norm, norm_type=norm_type, group=module.process_group,
+                scale=self.scaler.scale if self.scaler is not None else 1.0,
+                applied=self._clip, error_if_nonfinite=error_if_nonfinite,
+            )  # fmt: skip
+        return total
+
+    def _check_scaled(self, api: str) -> None:
+        if self.scaler is not None and not self._scaled_backward:
+            self._drop_grads()
+            raise RuntimeError(
+                f"{_API}.{api}: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+
     def _ready_to_step(self) -> bool:
         state = self.module.training_state
         if state is TrainingState.IDLE:
@@ -395,16 +477,12 @@ class GeminiOptimizer:
                 f"{_API}.step: the model is in state {state.name}; step after a backward outside "
                 "no_sync() (forward, optimizer.backward(loss), step)"
             )
-        if self.scaler is not None and not self._scaled_backward:
-            self._drop_grads()
-            raise RuntimeError(
-                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
-                "instead of loss.backward() (this step's gradients were dropped)"
-            )
+        self._check_scaled("step")
         self._scaled_backward = False
         return True
 
     def _drop_grads(self) -> None:
+        self._clip = 1.0
         self.module.used.clear()
         for chunk, _ in self.pairs:
             self.pipeline.write_back(chunk, None)
@@ -452,7 +530,8 @@ class GeminiOptimizer:
         )
         stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads, early))
         module.used.clear()
-        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
+        self._clip = 1.0
         if plan.skip:
             for chunk, _ in self.pairs:
                 self.pipeline.write_back(chunk, None)
@@ -499,21 +578,16 @@ class GeminiOptimizer:
 
     def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
         """This rank's squared gradient norm, as zerostack.shard's grad_stats
-        takes it: per-shard norms on the compute device, those of chunks
+        takes it: accumulated in fp32 on the compute device, that of chunks
         updated during backward from before their update."""
         device = self.module.compute_device
-        norms, taken = [], self._early_norms
-        self._early_norms = {}
-        rest = [g for i, g in enumerate(grads) if i not in early]
-        if rest:
-            norms += [n.float().to(device) for n in torch._foreach_norm(rest)]
-        norms += [
-            (taken[i] if i in taken else torch._foreach_norm([grads[i]])[0]).float().to(device)
+        taken, self._early_norms = self._early_norms, {}
+        parts = [norm_part([g for i, g in enumerate(grads) if i not in early], 2.0, device)]
+        parts += [
+            (taken[i] if i in taken else norm_part([grads[i]], 2.0, device)).to(device)
             for i in sorted(early)
         ]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(norms).pow(2).sum()
+        return torch.stack(parts).sum()
 
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the

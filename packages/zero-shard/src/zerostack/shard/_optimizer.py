@@ -33,8 +33,9 @@ from zerostack.shard._bucket import (
     pack_grads,
     pin_offload_buffers,
 )
-from zerostack.shard._clip import grad_stats
+from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
@@ -391,6 +392,16 @@ class ZeroOptimizer:
         self._scaled_backward = False
         self._unscaled = False
         self._accumulated = False
+        # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
+        # recorded for the coming step, whether it was called since the last
+        # step, and this step's squared norm it took.
+        self._clip = 1.0
+        self._clipped = False
+        self._clip_norm_sq: torch.Tensor | None = None
+        # See _can_start_early: a step has run; updates must never start in
+        # backward (clip_grad_by_norm was called, or two backwards fed one step).
+        self._stepped = False
+        self._early_veto = False
         self._unfinished = False  # a synchronous step whose CPU update failed; see step()
         self._update_lock = threading.Lock()  # see _cpu_update
         self._stream = (
@@ -486,25 +497,13 @@ class ZeroOptimizer:
                 f"{_API}.backward: the last step's CPU update failed and is still to run; "
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
+        self._refuse_after_clip("backward")
         self.wait_updates()
         self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
-
-    def _reduce_again(self) -> None:
-        """A backward after the last one's gradients were reduced, before
-        ``step()`` (gradient accumulation without ``no_sync``, as torch's DDP
-        allows): the reduced pieces are kept in the shards, copied out of the
-        bucket buffers the new reductions reuse, and the new ones are added
-        to them at the step."""
-        self._refuse_after_early_updates()
-        self._finish_reduction()
-        for s in self.shards:
-            if s.grad is not None:
-                s.grad = s.grad.clone()
-        self._accumulated = True
 
     def _refuse_after_early_updates(self) -> None:
         if self._early:
@@ -516,14 +515,32 @@ class ZeroOptimizer:
                 "for all but the last backward, or step() between (zero_grad() drops this one)"
             )
 
+    def _refuse_after_clip(self, api: str) -> None:
+        if self._clipped:
+            raise RuntimeError(
+                f"{_API}.{api}: a backward after clip_grad_by_norm() and before step(); the "
+                "recorded clip would scale its gradients too; clip after the last backward of "
+                "the step (or call zero_grad() to drop this step's gradients)"
+            )
+
     def _on_grad(self, s: _Shard) -> None:
+        self._refuse_after_clip("backward")  # loss.backward() called directly
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
-        if self._bucket_of[s.index].launched:  # a second backward before step()
-            self._reduce_again()
-        if self._no_sync or not self.overlap:
+        if self._bucket_of[s.index].launched:  # reduced already in this step: a new backward
+            self._restart_reduction()
+        if self._no_sync:
+            return  # local gradients in param.grad, as DDP's no_sync leaves them
+        if not self.overlap:
+            # Reduced at step: until then the guard holds the local gradient
+            # (see [Note: sharded param.grad]). A plain param.grad means the
+            # guard was dropped (model.zero_grad()): what it held goes too.
+            g = s.param.grad
+            if type(g) is not ShardedGradient:
+                s.guard.local = g
+                s.param.grad = s.guard
             return
         s.ready = True
         self._launch_ready_buckets()
@@ -554,6 +571,11 @@ class ZeroOptimizer:
             and self.max_norm == 0
             and self.scaler is None
             and not self._no_sync
+            # The first step learns whether clip_grad_by_norm is called or a
+            # second backward comes (an update started before either would
+            # miss it).
+            and self._stepped
+            and not self._early_veto
         )
 
     def _start_early(self, bucket: _Bucket) -> None:
@@ -649,12 +671,33 @@ class ZeroOptimizer:
             self.buffer_allocations += 1
         return buf
 
-    def _finish_reduction(self) -> torch.Tensor | None:
-        """Wait for every bucket; give each shard its reduced piece. Returns
-        the squared gradient norm summed on the device, or None when it has to
-        be computed from the pieces (gradients accumulated over several
-        reductions, or no device-side norm)."""
-        self._launch_ready_buckets(flush=True)
+    def _restart_reduction(self) -> None:
+        """A backward began after buckets of this step were reduced (two
+        backwards before ``step()``: torch's accumulation, without
+        ``no_sync``). Their reductions go into the shards' gradients, out of
+        the buffers the next reductions reuse, and the buckets are reduced
+        again from the first: ``step()`` then sums both.
+
+        Raises:
+            RuntimeError: CPU updates started during the first backward
+                (they used its gradients alone).
+        """
+        self._refuse_after_early_updates()
+        self._early_veto = True
+        self._finish_reduction(flush=False)
+        for s in self.shards:
+            if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _finish_reduction(self, flush: bool = True) -> torch.Tensor | None:
+        """Wait for every bucket (``flush``: launching those not launched
+        yet); give each shard its reduced piece. Returns the squared gradient
+        norm summed on the device, or None when it has to be computed from
+        the pieces (gradients accumulated over several reductions, or no
+        device-side norm)."""
+        if flush:
+            self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
         self._in_flight = None
         norm_parts: list[torch.Tensor] | None = []
@@ -710,29 +753,25 @@ class ZeroOptimizer:
                 CPU update in ZeRO]).
         """
         mark_stepped(self._user)  # See [Note: the user's hyperparameters]
+        self._stepped = True
         if self._unfinished:  # the last step's update failed: finishing it is this step
             self.wait_updates()
             self._unfinished = False
             self.zero_grad()
             self.collector.tick()
             return True
-        if self._unscaled:
-            self._unscaled = False
-            self.zero_grad()
-            raise RuntimeError(
-                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
-                "instead of loss.backward() (this step's gradients were dropped)"
-            )
+        self._check_scaled("step")
         self.wait_updates()  # the last step's, when no forward ran since
         for bucket in self.buckets:  # updates started in backward read the masters already
             self._adopt_writes(bucket.shards, dropping_update=bucket in self._early)
         self._scaled_backward = False
         with phase("zerostack::reduce"):
-            device_norm_sq = self._finish_reduction()
+            # clip_grad_by_norm reduced everything already (no backward since).
+            device_norm_sq = self._clip_norm_sq if self._clipped else self._finish_reduction()
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
-        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self.last_grad_norm = plan.grad_norm
         if plan.skip:
             self.zero_grad()
@@ -749,6 +788,84 @@ class ZeroOptimizer:
         self.zero_grad()
         self.collector.tick()
         return True
+
+    def _check_scaled(self, api: str) -> None:
+        if self._unscaled:
+            self._unscaled = False
+            self.zero_grad()
+            raise RuntimeError(
+                f"{_API}.{api}: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        would clip the whole (all-reduced) gradients: call it after the last
+        backward and before ``step()`` (ColossalAI's
+        ``OptimizerWrapper.clip_grad_by_norm``). The norm is taken over every
+        rank's pieces in fp32 (fp16: of the unscaled gradients); the
+        coefficient is applied by the step, together with the loss scale and
+        ``max_norm`` (see [Note: gradient clipping]). A collective: every
+        rank calls it.
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm of the gradients (before this clip), a 0-dim fp32
+            tensor on the parameters' device, as torch's returns.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            RuntimeError: inside ``no_sync()``; CPU updates of this step
+                started in backward already (``overlap_cpu_step`` from the
+                second step on when the first step did not clip); fp16
+                gradients not scaled through ``backward``; a non-finite norm
+                with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        if self._unfinished:
+            raise RuntimeError(
+                f"{api}: the last step's CPU update failed and is still to run; remove its "
+                "cause and call step() again first (or zero_grad() to drop it)"
+            )
+        if self._no_sync:
+            raise RuntimeError(
+                f"{api}: called inside no_sync(), where gradients are not reduced yet; clip "
+                "after the backward outside no_sync(), before step()"
+            )
+        if self._early:
+            raise RuntimeError(
+                f"{api}: the CPU updates of {len(self._early)} buckets started during this "
+                "backward (overlap_cpu_step does so from the second step on when the first did "
+                "not clip); call clip_grad_by_norm at every step from the first, pass max_norm "
+                "to the plugin (clipping at step), or overlap_cpu_step=False"
+            )
+        self._check_scaled("clip_grad_by_norm")
+        self._early_veto = True
+        self.wait_updates()  # the last step's write-backs come before any reduction
+        with phase("zerostack::reduce"):
+            if not self._clipped:
+                self._clip_norm_sq = self._finish_reduction()
+                self._clipped = True
+            if norm_type == 2.0 and self._clip_norm_sq is not None:
+                part = self._clip_norm_sq.clone()
+            else:
+                part = norm_part(
+                    [s.grad for s in self.shards if s.grad is not None], norm_type, self.device
+                )
+            total, self._clip = record_clip(
+                api, part, max_norm=max_norm, norm_type=norm_type, group=self.group,
+                scale=self.scaler.scale if self.scaler is not None else 1.0,
+                applied=self._clip, error_if_nonfinite=error_if_nonfinite,
+            )  # fmt: skip
+        return total
 
     def _device_step(self, div_scale: float, used: list[float]) -> None:
         """Step every master on the device at once, then all-gather."""
@@ -1020,11 +1137,13 @@ class ZeroOptimizer:
             bucket.clear()
         for s in self.shards:
             s.param.grad = None
+            s.guard.local = None
             s.grad = None
             s.ready = s.used = False
         self._next_bucket = 0
         self._in_flight = None
         self._accumulated = False
+        self._clip, self._clipped, self._clip_norm_sq = 1.0, False, None
         self._scaled_backward = self._unscaled = False
         if begun:
             raise RuntimeError(

@@ -215,6 +215,33 @@ class BoostedOptimizer(OptimizerWrapper):
             "before booster.boost"
         )
 
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        clips the model's whole gradients (ColossalAI's
+        ``OptimizerWrapper.clip_grad_by_norm``; ``booster.clip_grad_norm_``
+        calls it). Call it after the backward, before ``step()``; every rank
+        calls it. The norm accumulates in fp32 (fp16: of the unscaled
+        gradients). See zerostack.shard's [Note: gradient clipping].
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm before clipping, a 0-dim fp32 tensor.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            NotImplementedError: the plugin cannot clip on request.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.clip_grad_by_norm: not implemented for this plugin (got "
+            f"max_norm={max_norm!r}); pass max_norm= to the plugin, which clips at every step"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The plugin optimizer's own state dict: this rank's shard under
         ZeRO and Gemini, loadable only at the same rank and world size; use

@@ -211,6 +211,14 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._step_closure(closure)
 
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """GeminiOptimizer.clip_grad_by_norm: the norm over every rank's chunk
+        shards wherever they live; the step applies the clip (see
+        BoostedOptimizer.clip_grad_by_norm)."""
+        return self.optim.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
+
     def _trainable(self) -> list[tuple[str, torch.Tensor]]:
         ddp = self._model.module
         return [(ddp.param_names[p], p) for p in ddp.params if p.requires_grad]

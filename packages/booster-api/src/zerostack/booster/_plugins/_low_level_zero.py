@@ -217,6 +217,13 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
 
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """ZeroOptimizer.clip_grad_by_norm: the norm over every rank's reduced
+        pieces; the step applies the clip (see BoostedOptimizer.clip_grad_by_norm)."""
+        return self.optim.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
+
     def _names(self) -> list[str]:
         names = param_names(self._model.unwrap())
         return [names[id(s.param)] for s in self.optim.shards]

@@ -38,6 +38,7 @@ from zerostack.booster._plugins._state import (
     scaler_state,
 )
 from zerostack.chunk import LazyInitContext, rank_and_world
+from zerostack.shard import check_clip_args, clip_grads_
 
 _DDP_DEFAULTS = dict(
     broadcast_buffers=True, bucket_cap_mb=25, find_unused_parameters=False,
@@ -175,6 +176,7 @@ class TorchDDPOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
         self.scaler: torch.amp.GradScaler | None = None
+        self._unscaled = False  # the GradScaler unscaled this step's gradients already
         # An optimizer over another model's parameters fails here, not at saving.
         names = param_names(model.unwrap())
         for p in self._params():
@@ -203,15 +205,38 @@ class TorchDDPOptimizer(BoostedOptimizer):
         """The optimizer's ``zero_grad``; after a backward that raised (caught
         on every rank) it also resets DDP, so that the batch is dropped and
         training goes on (see [Note: a backward that raised under DDP])."""
+        # A step dropped after a clip: the GradScaler refuses a second
+        # unscale_ before its update(), as it does in a torch loop.
+        self._unscaled = False
         self._model.drop_backward()
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if self.scaler is None:
             return self.optim.step(*args, **kwargs)
+        self._unscaled = False
         out = self.scaler.step(self.optim, *args, **kwargs)
         self.scaler.update()
         return out
+
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the model's parameters (DDP's
+        all-reduced gradients), the norm accumulated in fp32; with the fp16
+        GradScaler the gradients are unscaled first (``scaler.unscale_``, as
+        torch's recipe does; ``step`` does not unscale them again). See
+        BoostedOptimizer.clip_grad_by_norm."""
+        api = f"{self._API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
+        params = list(self._model.unwrap().parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else next(iter(params), torch.empty(0)).device
+        return clip_grads_(api, grads, max_norm, norm_type, device, error_if_nonfinite)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
