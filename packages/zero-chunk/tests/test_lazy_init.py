@@ -69,7 +69,8 @@ class Computed(nn.Module):
 
 class Reseeding(nn.Module):
     """Changes RNG states while it is built: a fork undoes draws, a state is
-    saved and restored, the RNG is reseeded, a private generator draws."""
+    saved and restored, the RNG is reseeded, a private generator (on the
+    default device) draws before and after the reseeding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -82,8 +83,9 @@ class Reseeding(nn.Module):
         self.c = nn.Parameter(torch.rand(3))
         torch.set_rng_state(state)
         self.d = nn.Parameter(torch.rand(3))
-        torch.manual_seed(123)
+        torch.manual_seed(123)  # leaves the private generator alone
         self.e = nn.Linear(3, 3)
+        self.h = nn.Parameter(torch.randn(5, generator=private))
 
 
 class TorchInits(nn.Module):

@@ -216,8 +216,15 @@ class Recording:
             state = gen.get_state()
             self.ops.append(Op(None, [], None, random=True, gen=gen, rng=("state", state)))
 
-    def cuda_generators(self) -> list[torch.Generator]:
-        return [g for g, _ in self.generators.values() if g.device.type == "cuda"]
+    def cuda_generators(self, current: bool = False) -> list[torch.Generator]:
+        """The tracked default CUDA generators, those torch's seed functions
+        reseed (a ``torch.Generator(device="cuda")`` of the model's own keeps
+        its state); with ``current``, the current device's alone, as
+        ``torch.cuda.manual_seed`` reseeds."""
+        gens = torch.cuda.default_generators
+        if current and gens:
+            gens = (gens[torch.cuda.current_device()],)
+        return [g for g in gens if id(g) in self.generators]
 
     def here(self) -> bool:
         return self.active and not self.paused and threading.get_ident() == self.thread
@@ -530,7 +537,9 @@ def recording_rng(rec: Recording) -> Iterator[None]:
         for module in (torch.cuda, torch.cuda.random):
             patch(module, "get_rng_state", getter(_cuda_generator))
             patch(module, "set_rng_state", setter(_cuda_generator))
-            for name in ("manual_seed", "manual_seed_all", "seed", "seed_all"):
+            for name in ("manual_seed", "seed"):
+                patch(module, name, seeder(lambda: rec.cuda_generators(current=True)))
+            for name in ("manual_seed_all", "seed_all"):
                 patch(module, name, seeder(rec.cuda_generators))
 
     def reads_values(orig: Any) -> Any:
