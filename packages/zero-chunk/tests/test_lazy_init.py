@@ -69,20 +69,23 @@ class Computed(nn.Module):
 
 class Reseeding(nn.Module):
     """Changes RNG states while it is built: a fork undoes draws, a state is
-    saved and restored, the RNG is reseeded, a private generator draws."""
+    saved and restored, the RNG is reseeded, a private generator (on the
+    default device) draws before and after the reseeding."""
 
     def __init__(self) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             self.a = nn.Linear(4, 4)
         self.b = nn.Linear(4, 4)
-        self.g = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(7)))
+        private = torch.Generator(device=torch.get_default_device()).manual_seed(7)
+        self.g = nn.Parameter(torch.randn(5, generator=private))
         state = torch.get_rng_state()
         self.c = nn.Parameter(torch.rand(3))
         torch.set_rng_state(state)
         self.d = nn.Parameter(torch.rand(3))
-        torch.manual_seed(123)
+        torch.manual_seed(123)  # leaves the private generator alone
         self.e = nn.Linear(3, 3)
+        self.h = nn.Parameter(torch.randn(5, generator=private))
 
 
 class TorchInits(nn.Module):
@@ -310,6 +313,33 @@ def test_default_device_cuda_equals_an_eager_build_on_the_gpu(name):
         ref = CASES[name]()
     for (n, a), (_, b) in zip(_tensors(model), _tensors(ref), strict=True):
         assert a.device == b.device and torch.equal(a, b), n
+
+
+def test_a_generator_of_another_device_type_is_refused_where_an_eager_build_raises():
+    """torch's kernels take only a generator of their own device type: an
+    eager torch.randn(5, generator=torch.Generator()) under
+    torch.device("cuda") raises at that line, and so does the record (not the
+    replay at materialize). The op's device comes from its device argument."""
+    from zerostack.chunk._lazy_record import Recording
+
+    randn = torch.ops.aten.randn.generator
+    flat = [5, torch.Generator(), None, None, torch.device("cuda"), None]
+    rec = Recording(None)
+    with pytest.raises(RuntimeError, match=r"aten.randn.generator draws on cuda from a generator on cpu"):
+        rec._generator(randn, flat, {}, None)
+    with pytest.raises(RuntimeError, match=r"draws on cuda from a generator on cpu \(got generator="):
+        rec._generator(randn, flat, {}, torch.device("cuda"))
+    assert rec._generator(randn, flat[:4] + [torch.device("cpu"), None], {}, None) is flat[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cpu_generator_on_the_gpu_raises_as_in_an_eager_build():
+    with torch.device("cuda"), pytest.raises(RuntimeError, match=r"Expected a 'cuda' device type"):
+        torch.randn(5, generator=torch.Generator())
+    with pytest.raises(RuntimeError, match=r"LazyInitContext: aten.randn.generator draws on cuda"):
+        with LazyInitContext(default_device=torch.device("cuda")):
+            torch.randn(5, generator=torch.Generator())
 
 
 def test_errors():

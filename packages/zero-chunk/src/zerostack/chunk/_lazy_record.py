@@ -216,8 +216,15 @@ class Recording:
             state = gen.get_state()
             self.ops.append(Op(None, [], None, random=True, gen=gen, rng=("state", state)))
 
-    def cuda_generators(self) -> list[torch.Generator]:
-        return [g for g, _ in self.generators.values() if g.device.type == "cuda"]
+    def cuda_generators(self, current: bool = False) -> list[torch.Generator]:
+        """The tracked default CUDA generators, those torch's seed functions
+        reseed (a ``torch.Generator(device="cuda")`` of the model's own keeps
+        its state); with ``current``, the current device's alone, as
+        ``torch.cuda.manual_seed`` reseeds."""
+        gens = torch.cuda.default_generators
+        if current and gens:
+            gens = (gens[torch.cuda.current_device()],)
+        return [g for g in gens if id(g) in self.generators]
 
     def here(self) -> bool:
         return self.active and not self.paused and threading.get_ident() == self.thread
@@ -323,23 +330,37 @@ class Recording:
         for i, sid in lazy.items():
             rec_flat[i] = ref_of(sid, flat[i])
         reads = {sid for i, sid in lazy.items() if i not in whole}
-        gen = self._generator(flat, lazy, device) if random else None
+        gen = self._generator(func, flat, lazy, device) if random else None
         self.ops.append(
             Op(func, rec_flat, spec, creates, writes, frozenset(reads), whole,
                frozenset(scratch), random, gen)
         )  # fmt: skip
 
     def _generator(
-        self, flat: list, lazy: dict[int, int], device: torch.device | None
+        self, func: Any, flat: list, lazy: dict[int, int], device: torch.device | None
     ) -> torch.Generator:
         """The generator a random op draws from (tracked from here on): the
-        one passed, else its device's default one."""
+        one passed, else its device's default one. A generator passed for
+        another device type is refused here, where an eager build raises
+        (torch's kernels take only a generator of their own device type)."""
+        if device is None:
+            asked = (x for x in flat if isinstance(x, torch.device))
+            real = (x.device for x in flat if isinstance(x, torch.Tensor) and not x.is_meta)
+            lazy_devices = (self.storages[sid].device for sid in lazy.values())
+            device = (
+                next(asked, None) or next(real, None) or next(lazy_devices, None)
+                or torch.device("cpu")
+            )  # fmt: skip
         gen = next((x for x in flat if isinstance(x, torch.Generator)), None)
+        if gen is not None and gen.device.type != device.type:
+            raise RuntimeError(
+                f"LazyInitContext: {func} draws on {device.type} from a generator on "
+                f"{gen.device.type} (got generator=torch.Generator(device='{gen.device}')); "
+                f"create the generator on the device the tensor is made on, e.g. "
+                "torch.Generator(device=torch.get_default_device()), as an eager build "
+                f"under torch.device('{device.type}') needs too"
+            )
         if gen is None:
-            if device is None:
-                real = (x.device for x in flat if isinstance(x, torch.Tensor) and not x.is_meta)
-                lazy_devices = (self.storages[sid].device for sid in lazy.values())
-                device = next(real, None) or next(lazy_devices, None) or torch.device("cpu")
             if device.type == "cuda":
                 torch.cuda.init()
                 gen = torch.cuda.default_generators[_cuda_index(device)]
@@ -359,7 +380,7 @@ class Recording:
         from zerostack.chunk._lazy_replay import Replay  # the replay imports this module
 
         if random:
-            self._generator(flat, lazy, None)  # tracked before the replay swaps states
+            self._generator(func, flat, lazy, None)  # tracked before the replay swaps states
         replay = Replay(self, set(lazy.values()), all_random=random)
         replay.run()
         real_flat = list(flat)
@@ -516,7 +537,9 @@ def recording_rng(rec: Recording) -> Iterator[None]:
         for module in (torch.cuda, torch.cuda.random):
             patch(module, "get_rng_state", getter(_cuda_generator))
             patch(module, "set_rng_state", setter(_cuda_generator))
-            for name in ("manual_seed", "manual_seed_all", "seed", "seed_all"):
+            for name in ("manual_seed", "seed"):
+                patch(module, name, seeder(lambda: rec.cuda_generators(current=True)))
+            for name in ("manual_seed_all", "seed_all"):
                 patch(module, name, seeder(rec.cuda_generators))
 
     def reads_values(orig: Any) -> Any:
