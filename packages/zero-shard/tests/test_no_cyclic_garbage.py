@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import gc
 import importlib.util
+import weakref
 
 import torch
 
@@ -113,3 +114,21 @@ def _count(rank, world):
 
 def test_a_steady_state_step_leaves_no_cyclic_garbage():
     spawn(_count, 2, backend="gloo", timeout_s=300)
+
+
+def _dropped(rank, world):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG).to(torch.bfloat16)
+    zero = ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2)
+    _train_step(model, zero, 0, rank)
+    alive = [weakref.ref(model.lm_head.weight), weakref.ref(zero.shards[0].master)]
+    del model, zero
+    gc.collect()
+    # A parameter's gradient hook is out of the collector's sight: had it held
+    # the parameter (through its shard), the parameters and fp32 masters of a
+    # dropped model would stay allocated for the rest of the process.
+    assert [r() is None for r in alive] == [True, True]
+
+
+def test_a_dropped_model_and_optimizer_free_their_parameters_and_masters():
+    spawn(_dropped, 1, backend="gloo", timeout_s=120)

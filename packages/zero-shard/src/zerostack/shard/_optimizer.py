@@ -184,10 +184,10 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return CPUAdam(groups, adamw_mode=adamw)
 
 
-def _grad_hook(me: weakref.ref[ZeroOptimizer], s: _Shard) -> None:
+def _grad_hook(me: weakref.ref[ZeroOptimizer], index: int) -> None:
     zero = me()
     if zero is not None:  # a dropped optimizer leaves inert hooks on the model
-        zero._on_grad(s)
+        zero._on_grad(zero.shards[index])
 
 
 def _forward_hook(me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...]) -> None:
@@ -422,10 +422,13 @@ class ZeroOptimizer:
         # collector's sight: a strong reference would keep this optimizer
         # (masters, states, buckets) alive as long as the model. Built once:
         # a hook (or closure over self) made per step would be garbage per step.
+        # Nor may it hold the shard: shard -> param -> hook -> shard is a cycle
+        # the collector cannot see, which kept every parameter and its fp32
+        # master alive after the model and optimizer were dropped.
         me = weakref.ref(self)
         return [
-            s.param.register_post_accumulate_grad_hook(lambda p, s=s, me=me: _grad_hook(me, s))
-            for s in self.shards
+            s.param.register_post_accumulate_grad_hook(lambda p, i=i, me=me: _grad_hook(me, i))
+            for i, s in enumerate(self.shards)
             if s.param.requires_grad
         ]
 
