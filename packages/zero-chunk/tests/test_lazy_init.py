@@ -325,9 +325,13 @@ def test_a_generator_of_another_device_type_is_refused_where_an_eager_build_rais
     randn = torch.ops.aten.randn.generator
     flat = [5, torch.Generator(), None, None, torch.device("cuda"), None]
     rec = Recording(None)
-    with pytest.raises(RuntimeError, match=r"aten.randn.generator draws on cuda from a generator on cpu"):
+    with pytest.raises(
+        RuntimeError, match=r"aten.randn.generator draws on cuda from a generator on cpu"
+    ):
         rec._generator(randn, flat, {}, None)
-    with pytest.raises(RuntimeError, match=r"draws on cuda from a generator on cpu \(got generator="):
+    with pytest.raises(
+        RuntimeError, match=r"draws on cuda from a generator on cpu \(got generator="
+    ):
         rec._generator(randn, flat, {}, torch.device("cuda"))
     assert rec._generator(randn, flat[:4] + [torch.device("cpu"), None], {}, None) is flat[1]
 
@@ -337,9 +341,11 @@ def test_a_generator_of_another_device_type_is_refused_where_an_eager_build_rais
 def test_a_cpu_generator_on_the_gpu_raises_as_in_an_eager_build():
     with torch.device("cuda"), pytest.raises(RuntimeError, match=r"Expected a 'cuda' device type"):
         torch.randn(5, generator=torch.Generator())
-    with pytest.raises(RuntimeError, match=r"LazyInitContext: aten.randn.generator draws on cuda"):
-        with LazyInitContext(default_device=torch.device("cuda")):
-            torch.randn(5, generator=torch.Generator())
+    with (
+        pytest.raises(RuntimeError, match=r"LazyInitContext: aten.randn.generator draws on cuda"),
+        LazyInitContext(default_device=torch.device("cuda")),
+    ):
+        torch.randn(5, generator=torch.Generator())
 
 
 def test_errors():
