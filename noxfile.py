@@ -58,6 +58,11 @@ def _meta(folder: str) -> dict:
     return tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
 
 
+def _module_name(folder: str) -> str:
+    """The package's import name under the namespace (fused_adam for fused-adam)."""
+    return next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
+
+
 def _dist_to_folder() -> dict[str, str]:
     return {_meta(f)["name"]: f for f in PACKAGES}
 
@@ -438,8 +443,10 @@ def _readme_install_snippet(session: nox.Session, folder: str) -> str:
 
 
 def _check_wheel_contents(session: nox.Session, out: Path) -> None:
-    """Every wheel keeps the PEP 420 namespace (no zerostack/__init__.py) and
-    its __about__.py; fused-adam's carries its compiled CPU kernel."""
+    """Every wheel keeps the PEP 420 namespace (no zerostack/__init__.py), its
+    __about__.py and its py.typed (PEP 561: a user's type checker reads the
+    package's annotations only with it); fused-adam's carries its compiled CPU
+    kernel."""
     problems = []
     for folder in PACKAGES:
         name = _meta(folder)["name"].replace("-", "_")
@@ -450,8 +457,10 @@ def _check_wheel_contents(session: nox.Session, out: Path) -> None:
         files = zipfile.ZipFile(wheels[0]).namelist()
         if "zerostack/__init__.py" in files:
             problems.append(f"{wheels[0].name}: ships zerostack/__init__.py (breaks the namespace)")
-        if not any(f.startswith("zerostack/") and f.endswith("/__about__.py") for f in files):
-            problems.append(f"{wheels[0].name}: no zerostack/<name>/__about__.py")
+        module = _module_name(folder)
+        for required in ("__about__.py", "py.typed"):
+            if f"zerostack/{module}/{required}" not in files:
+                problems.append(f"{wheels[0].name}: no zerostack/{module}/{required}")
         if folder == "fused-adam" and not any(
             f.startswith("zerostack/fused_adam/_adam_cpu") and f.endswith(".so") for f in files
         ):
@@ -494,7 +503,7 @@ def build(session: nox.Session) -> None:
         session.run(python, "-m", "pip", "install", "--quiet", "--find-links", str(out), name,
                     external=True)  # fmt: skip
         _check_installed(session, python, [folder, *_zerostack_deps(folder, extras=False)])
-        module = "zerostack." + next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
+        module = "zerostack." + _module_name(folder)
         snippet = tmp / f"{folder}_install.py"
         snippet.write_text(
             f"from {module} import *  # noqa: F403\n" + _readme_install_snippet(session, folder)
