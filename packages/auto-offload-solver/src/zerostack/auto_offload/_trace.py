@@ -28,6 +28,19 @@ _PLACEHOLDER = -1  # owner index of storages that belong to inputs, params and b
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
+def parameter_size(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters in their current dtypes, each shared
+    parameter once: ColossalAI's ``colossalai.fx.profiler.parameter_size``.
+
+    Args:
+        module: any ``nn.Module``.
+
+    Returns:
+        The sum of ``numel() * element_size()`` over ``module.parameters()``.
+    """
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 @dataclass(slots=True)
 class NodeInfo:
     """What the planner knows about one compute node of the linearized graph."""
