@@ -102,7 +102,7 @@ def memory_optimize(
         solver_name: "asyn" (prefetch on side streams) or "syn". Default "asyn".
         precision: "fp16" (with loss scaling) or "bf16". Default "fp16".
         profile: the hardware rates. Default: ``HardwareProfile.measure(device)``
-            (on a CPU device: measured once per process, in well under a second).
+            (on a CPU device: measured once per process; 0.3-1.2 s on a shared 2-core host).
         device: the compute device. Default: the current CUDA device. A CPU
             device runs the same plan with host copies, to test the mechanics.
 

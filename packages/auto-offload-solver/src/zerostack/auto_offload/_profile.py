@@ -4,7 +4,7 @@ ColossalAI's auto-offload looked FLOP/s up in a table of four GPUs (anything
 else raised TypeError). Here every rate is measured at first use on the
 device itself and cached per device, so any GPU works. A CPU device is
 measured too (host copy rate as its "transfer", matmul FLOP/s, per-op host
-cost), in well under a second and once per process, so that
+cost) once per process, in 0.3-1.2 s on a shared 2-core host, so that
 ``memory_optimize(..., device="cpu")`` plans without a hand-written profile;
 a profile can also be built from a dict (one measured elsewhere).
 """
@@ -453,7 +453,7 @@ def _time_cpu(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> flo
 
 def _measure_cpu_rates() -> dict:
     """Host copy rate from 4 KiB to 16 MiB, matmul FLOP/s per dtype at two
-    sizes, the host cost per op: about 0.3 s on 2 cores."""
+    sizes, the host cost per op: 0.3-1.2 s on a shared 2-core host."""
     src = torch.ones(1 << 24, dtype=torch.uint8)  # touched: no page faults in the timing
     dst = torch.zeros_like(src)
     copy: dict[int, float] = {}

@@ -133,7 +133,7 @@ class AutoOffloadPlugin(Plugin):
         max_norm: clip the gradient norm to this; 0 turns clipping off. Default 0.
         profile: a ``HardwareProfile`` (default: measured on the device).
         device: the compute device (default: the current CUDA device; "cpu"
-            with a ``profile`` runs the mechanics on the CPU).
+            runs the mechanics on the CPU, with the CPU's measured profile).
 
     Raises:
         ValueError: an unknown ``solver_name`` or ``precision``, or a negative
