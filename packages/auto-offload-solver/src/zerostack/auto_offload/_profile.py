@@ -144,10 +144,10 @@ class HardwareProfile:
             )
         return _interpolate(getattr(self, f"{link}_bandwidth"), self._sizes[link], nbytes)
 
-    def gemm_rate(self, dtype: torch.dtype, flops: float) -> float:
+    def gemm_rate(self, dtype: torch.dtype | None, flops: float) -> float:
         """Achieved FLOP/s of a matmul of ``flops`` in ``dtype``: the measured
         curve where there is one, else the peak (the largest peak for a dtype
-        not measured)."""
+        not measured, or None)."""
         name = str(dtype).removeprefix("torch.")
         if name in self.gemm_curve:
             return _interpolate(self.gemm_curve[name], self._sizes[f"gemm:{name}"], flops)
@@ -163,7 +163,7 @@ class HardwareProfile:
         self,
         flops: float,
         bytes_moved: float,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         kernels: int = 1,
         backward: bool = False,
     ) -> float:
@@ -321,7 +321,7 @@ def _cache_path(cache_dir, name: str, uuid: str, device: torch.device) -> Path:
     return root / f"{key}.json"
 
 
-def _time_cuda(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
+def _time_cuda(fn: Callable[..., object], repeat: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -346,7 +346,7 @@ def _measure_rates(device: torch.device) -> dict:
             curves["h2d"][n], curves["d2h"][n] = n / h2d, n / d2h
         other = torch.empty_like(dev)
         hbm = 2 * dev.numel() / _time_cuda(lambda: other.copy_(dev), 10)
-        host = dev = other = None  # free them before the matmuls
+        host = dev = other = None  # type: ignore[assignment]  # free them before the matmuls
         gemm, gemm_curve = {}, {}
         for name in _DTYPES:
             dt = getattr(torch, name)
@@ -358,7 +358,7 @@ def _measure_rates(device: torch.device) -> dict:
                 repeat = max(20, 2**37 // flops)
                 curve[flops] = flops / _time_cuda(lambda a=a, b=b: a @ b, repeat)
             gemm_curve[name], gemm[name] = curve, max(curve.values())
-            a = b = None
+            a = b = None  # type: ignore[assignment]
         launch, backward = _host_op_costs(device)
         torch.cuda.empty_cache()
     return dict(
@@ -434,7 +434,7 @@ def _host_memory_bytes() -> int:
         ) from err
 
 
-def _time_cpu(fn: Callable[[], object], repeat: int = 3, warmup: int = 1) -> float:
+def _time_cpu(fn: Callable[..., object], repeat: int = 3, warmup: int = 1) -> float:
     """Median seconds per call of ``fn`` over ``repeat`` batches of at least
     ~1 ms each (a shared host's hiccups move the mean, not the median)."""
     for _ in range(warmup):

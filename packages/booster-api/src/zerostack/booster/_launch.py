@@ -9,6 +9,7 @@ import logging
 import os
 import random
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ def launch_from_torch(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     _set_device(local_rank)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = _timedelta(timeout)
     dist.init_process_group(
@@ -143,7 +144,7 @@ def launch(
             f"{api}: a process group exists already (got world size {dist.get_world_size()}); "
             "call launch once per process, or destroy_process_group() first"
         )
-    kwargs = {} if timeout is None else {"timeout": _timedelta(timeout, api)}
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": _timedelta(timeout, api)}
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if local_rank is None and torch.cuda.is_available():

@@ -171,10 +171,10 @@ class GeminiOptimizer:
             return
         self._closed = True
         module = self.module
-        for callbacks, callback in zip(
-            (module.backward_end_callbacks, module.chunk_reduced_callbacks), self._callbacks,
-            strict=True,
-        ):  # fmt: skip
+        lists: tuple[list[Any], list[Any]] = (
+            module.backward_end_callbacks, module.chunk_reduced_callbacks
+        )  # fmt: skip
+        for callbacks, callback in zip(lists, self._callbacks, strict=True):
             if callback in callbacks:
                 callbacks.remove(callback)
         ref = _OPTIMIZERS.get(module)
@@ -468,7 +468,7 @@ class GeminiOptimizer:
             own = div_scale <= 0 or self._div_scale or grad is not host_grad
             master.grad = grad if own else grad.clone()
             if self._copy_out:
-                self.optimizer.set_copy_out(master, values)
+                self.optimizer.set_copy_out(master, values)  # type: ignore[attr-defined]
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
@@ -481,7 +481,7 @@ class GeminiOptimizer:
             finally:  # a failed update must not leave its gradient (or its buffer) behind
                 master.grad = None
                 if self._copy_out:
-                    self.optimizer.set_copy_out(master, None)
+                    self.optimizer.set_copy_out(master, None)  # type: ignore[attr-defined]
         _restore(saved)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
@@ -719,7 +719,7 @@ def _check_module(api: str, module: object) -> None:
         )
 
 
-def _check_wrap(optimizer: object, module: object) -> None:
+def _check_wrap(optimizer: object, module: Any) -> None:
     if isinstance(optimizer, GeminiOptimizer):
         raise TypeError(
             f"{_API}: the optimizer is a GeminiOptimizer already; wrap the torch optimizer once"

@@ -9,6 +9,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -364,10 +365,10 @@ def _materialize(
                         if t.is_meta:
                             _make_real(t)
                         elif id(t) in placed and id(t) in spec:  # tied: the first owner set it
-                            slots = m._parameters if is_param else m._buffers
+                            slots: dict[str, Any] = m._parameters if is_param else m._buffers
                             slots[name] = _empty(t, *spec[id(t)])
                             scratch.append((slots, name, t))
-                    m.reset_parameters()
+                    m.reset_parameters()  # type: ignore[operator]
                     for slots, name, t in scratch:
                         slots[name] = t
                 place_new(m)

@@ -28,6 +28,8 @@ class AutoOffloadModel(ModelWrapper):
     """A model made by ``memory_optimize``: calls run the planned graph;
     checkpoints hold its fp32 masters by the model's names."""
 
+    module: Any  # the BaseOffloadModule (not an nn.Module)
+
     def __init__(self, offload: Any, facts: ModelFacts) -> None:
         super().__init__(offload)
         self._facts = facts
@@ -172,7 +174,7 @@ class AutoOffloadPlugin(Plugin):
         self.max_norm = max_norm
         self.profile = profile
         self.device = device
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -191,7 +193,7 @@ class AutoOffloadPlugin(Plugin):
         criterion: Callable | None = None,
         dataloader: Any | None = None,
         lr_scheduler: Any | None = None,
-    ) -> tuple[nn.Module, AutoOffloadOptimizer | None, Callable | None, Any, Any]:
+    ) -> tuple[ModelWrapper, AutoOffloadOptimizer | None, Callable | None, Any, Any]:
         """Trace, plan and rewrite ``model``; wrap ``optimizer`` in an AMPOptimizer.
 
         Raises:

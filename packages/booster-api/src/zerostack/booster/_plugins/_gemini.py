@@ -79,6 +79,8 @@ class GeminiModel(ModelWrapper):
     """A GeminiDDP model (``.module``); ``unwrap()`` is the user's module,
     whose parameters are views into chunks."""
 
+    module: GeminiDDP
+
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
@@ -394,12 +396,12 @@ class GeminiPlugin(Plugin):
             scatter_after_inference=scatter_after_inference,
             master_weights=master_weights,
         )
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        self.optim_kwargs = dict(
+        self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
         )
 
@@ -430,7 +432,7 @@ class GeminiPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | GeminiOptimizerWrapper | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,

@@ -4,6 +4,7 @@ model is a Hugging Face transformers model, so that users never write one."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -31,9 +32,9 @@ def transformers_init_fn(model: nn.Module) -> Callable[[nn.Module], None] | None
     return None
 
 
-def _initialize_weights(model: nn.Module) -> None:
+def _initialize_weights(model: Any) -> None:  # a transformers PreTrainedModel
     model.initialize_weights()
 
 
-def _apply_init_weights(model: nn.Module) -> None:
+def _apply_init_weights(model: Any) -> None:
     model.apply(model._init_weights)

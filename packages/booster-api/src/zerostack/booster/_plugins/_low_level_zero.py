@@ -412,12 +412,12 @@ class LowLevelZeroPlugin(Plugin):
         self.dtype = _DTYPES[precision]
         self.cast_inputs = cast_inputs
         self.verbose = verbose
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        self.zero_kwargs = dict(
+        self.zero_kwargs: dict[str, Any] = dict(
             stage=stage,
             reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
             overlap_communication=overlap_communication,
@@ -461,7 +461,7 @@ class LowLevelZeroPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | LowLevelZeroOptimizer | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,

@@ -237,7 +237,7 @@ class TorchDDPPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | TorchDDPOptimizer | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
