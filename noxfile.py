@@ -337,12 +337,25 @@ def _install_packages(
     _check_installed(session, "python", closure)
 
 
+# mypy reads torch's annotations from the torch this session links in (see
+# _install_torch); the packages' sources are checked in place, not installed.
+MYPY = "mypy==2.4.1"
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
-    session.install("ruff")
+    """ruff check and ruff format --check over the whole repository; mypy
+    ([tool.mypy] in pyproject.toml) over every package's sources and over
+    tools/typing_check.py, a user's script over the public API, so that a
+    signature a user's type checker would reject fails here."""
+    session.install("ruff", MYPY)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    _install_torch(session)
+    sources = [str(ROOT / "packages" / f / "src") for f in PACKAGES]
+    session.run(
+        "mypy", *sources, "tools/typing_check.py", env={"MYPYPATH": os.pathsep.join(sources)}
+    )
 
 
 @nox.session
