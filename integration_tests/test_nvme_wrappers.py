@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import re
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -242,3 +244,127 @@ def _unused(rank, world, directory):
 
 def test_a_parameter_without_gradient_keeps_its_moments_on_disk(tmp_path):
     spawn(_unused, 1, args=(str(tmp_path),), backend="gloo", timeout_s=300)
+
+
+def _expected_on_disk(kind, opt, fraction):
+    """Bytes the fraction puts on disk: whole host-held masters in order while
+    their elements stay within the share (8 bytes of Adam moments each)."""
+    masters = opt.masters if kind == "gemini" else [s.master for s in opt.shards]
+    target, taken = fraction * sum(m.numel() for m in masters), 0
+    for m in masters:
+        if taken + m.numel() <= target:
+            taken += m.numel()
+    return 8 * taken
+
+
+@pytest.mark.parametrize("kind", ["gemini", "zero"])
+def test_bytes_on_disk_read_right_after_step_are_exact(kind, tmp_path, monkeypatch):
+    # The CPU updates run on the wrapper's worker after step() returns: the
+    # figure waits for them (and their writes), every step, the first included.
+    # Each CPU kernel call takes 5 ms more, as on a larger model, so the
+    # worker is still busy when step() returns.
+    from zerostack.fused_adam import _kernels
+
+    real = _kernels.launch
+
+    def slow(params, *args, **kwargs):
+        if params[0].device.type == "cpu":
+            time.sleep(0.005)
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", slow)
+    torch.manual_seed(0)
+    if kind == "gemini":
+        wrapped, opt, adam = _wrapped(kind, 0.5, str(tmp_path), 1, TinyGPT(CONFIG), "threads")
+    else:  # with the module, step() returns once the updates are queued
+        wrapped = TinyGPT(CONFIG)
+        adam = HybridAdam(
+            list(wrapped.parameters()), lr=1e-3, nvme_offload_fraction=0.5,
+            nvme_offload_dir=str(tmp_path), nvme_backend="threads",
+        )  # fmt: skip
+        opt = ZeroOptimizer(adam, cpu_offload=True, module=wrapped)
+    assert opt.pipeline.overlapping if kind == "gemini" else opt._pipe.overlapping
+    expected = _expected_on_disk(kind, opt, 0.5)
+    assert expected > 0
+    seen = []
+    for step in range(20):
+        idx, tgt = make_batch(CONFIG, 4, 32, seed=step)
+        opt.backward(wrapped(idx, tgt))
+        opt.step()
+        seen.append(adam.nvme_bytes_on_disk())
+    assert seen == [expected] * 20
+    if kind == "gemini":
+        from zerostack.gemini import tier_bytes
+
+        opt.backward(wrapped(*make_batch(CONFIG, 4, 32, seed=99)))
+        opt.step()
+        assert tier_bytes(wrapped, opt)["disk"] == expected
+
+
+# See [Note: NVMe on the host tier]: only the states the placement holds on
+# the host go to disk, on a CPU compute device as on a GPU, and a fraction
+# that puts nothing there says so once, naming what to set.
+# (id, wrapper, its placement arguments, nvme_offload_fraction, warning or None)
+HOST_CASES = [
+    ("gemini-static-0", "gemini", dict(offload_optim_frac=0.0), 1.0,
+     r"no optimizer state it keeps is held in host memory .* offloads no optimizer chunk "
+     r"\(got offload_optim_frac=0.0\); set placement_policy='static' with offload_optim_frac=1.0"),
+    ("gemini-static-half", "gemini", dict(offload_optim_frac=0.5), 1.0, None),
+    ("gemini-static-all", "gemini", dict(offload_optim_frac=1.0), 0.5, None),
+    ("gemini-auto-all-on-device", "gemini", dict(placement_policy="auto", gpu_capacity_bytes=1 << 40),
+     1.0, r"placement_policy='auto' planned every optimizer chunk on the compute device; set "
+     r"placement_policy='static' with offload_optim_frac=1.0"),
+    ("gemini-share-below-one-chunk", "gemini", dict(offload_optim_frac=1.0), 0.01,
+     r"nvme_offload_fraction=0.01 puts no Adam state on disk: .* raise nvme_offload_fraction to "
+     r"at least 0.\d+"),
+    ("zero-no-cpu-offload", "zero", dict(cpu_offload=False), 1.0,
+     r"keeps the fp32 masters and their states on the compute device \(got cpu_offload=False\); "
+     r"set cpu_offload=True"),
+    ("zero-cpu-offload", "zero", dict(cpu_offload=True), 0.5, None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HOST_CASES, ids=[c[0] for c in HOST_CASES])
+def test_only_host_held_states_go_to_disk(case, tmp_path, monkeypatch, recwarn):
+    from zerostack.fused_adam import _nvme
+
+    monkeypatch.setattr(_nvme, "_warned", set())  # once per process: fresh for each case
+    _, kind, placement, fraction, warning = case
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    adam = HybridAdam(
+        list(model.parameters()), lr=1e-3, nvme_offload_fraction=fraction,
+        nvme_offload_dir=str(tmp_path),
+    )  # fmt: skip
+    if kind == "gemini":
+        wrapped = GeminiDDP(
+            model, mixed_precision=torch.float32, compute_device="cpu",
+            chunk_config_dict={1: {"chunk_size": 20_000}}, **placement,
+        )  # fmt: skip
+        opt = GeminiOptimizer(adam, wrapped)
+    else:
+        wrapped, opt = model, ZeroOptimizer(adam, **placement)
+    for step in range(3):
+        opt.backward(wrapped(*make_batch(CONFIG, 4, 32, seed=step)))
+        opt.step()
+    if kind == "gemini":
+        host = [opt.masters[i] for i in opt._host]
+        masters = opt.masters
+    else:
+        masters = [s.master for s in opt.shards]
+        host = masters if opt.cpu_offload else []
+    target, expected = fraction * sum(m.numel() for m in host), 0
+    for m in host:  # whole host-held masters, in order, within the share
+        if expected + m.numel() <= target:
+            expected += m.numel()
+    assert adam.nvme_bytes_on_disk() == 8 * expected
+    assert {id(p) for p in adam._nvme.keys} <= {id(m) for m in host}
+    ours = [w for w in recwarn.list if "nvme_offload_fraction" in str(w.message)]
+    if warning is None:
+        assert expected > 0 and ours == []
+        if placement.get("offload_optim_frac") == 0.5:  # a share of the masters, not all
+            assert 0 < len(host) < len(masters)
+    else:
+        assert expected == 0
+        assert len(ours) == 1, [str(w.message) for w in ours]  # once, not every step
+        assert re.search(warning, str(ours[0].message)), str(ours[0].message)

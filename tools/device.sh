@@ -12,6 +12,9 @@
 #       llama   benchmarks/gemini.py on a TinyLlama-shape LLaMA x3, benchmarks/zero_shard.py x3
 #   tools/device.sh adam       fused-adam: GPU and CPU tests, the main job on the GPU, benchmarks/adam.py
 #   tools/device.sh nvme       examples/nvme_offload.py, benchmarks/nvme.py (1B), benchmarks/adam.py on the CPU
+#   tools/device.sh nvme-job [FRACTION]  the main job (examples/train_booster.py, 20 steps) with
+#                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
+#                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
@@ -22,7 +25,11 @@
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
 #                              auto-offload: its GPU tests; train_gpt_offload.py per model, budget (GB) and
 #                              solver (syn, asyn, gemini: Gemini auto capped at the budget), then plain
-#                              per model; logs in $OUT/solver_logs.tgz, the seed's lines in $OUT/solver.txt
+#                              per model; logs in $OUT/solver_logs.tgz, ColossalAI's lines in $OUT/solver.txt
+#   tools/device.sh cpu-checkpointing [ARGS]  benchmarks/cpu_checkpointing.py (DeepSpeed's
+#                              cpu_checkpointing under from_deepspeed_config: peak GPU bytes with and
+#                              without it, GPT-2 XL shape, ARGS passed on), after the booster-api GPU
+#                              tests of it
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,6 +115,18 @@ nvme)
   python3 benchmarks/nvme.py --params 1B --raw-gb 8 2>&1 | tee "$OUT/bench_nvme.log" | tail -22
   python3 benchmarks/adam.py --device cpu --json "$OUT/adam_cpu.json" 2>&1 | tee "$OUT/bench_adam.log" | tail -16
   ;;
+nvme-job)
+  build; sources; machine
+  run_dir=/tmp/nvme_job  # not under $OUT: the run's state/ checkpoint stays on the machine
+  rm -rf "$run_dir"
+  python3 examples/train_booster.py --steps 20 --log-every 5 --nvme-fraction "${1:-0.5}" \
+    --run-dir "$run_dir" > "$OUT/nvme_job.log" 2>&1
+  echo "exit $?"
+  grep -E "placement:|nvme_offload_fraction|step +20|chunks \(|  (param|master|optimizer)|Error" "$OUT/nvme_job.log"
+  cp "$run_dir/summary.json" "$run_dir/chunks.txt" "$OUT/" 2>/dev/null
+  python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print('bytes on disk', s['nvme_bytes'])" \
+    "$run_dir/summary.json"
+  ;;
 chunk)
   build; sources; machine
   python3 benchmarks/chunk_comm.py 2>&1 | tee "$OUT/bench_chunk.log" | tail -12
@@ -170,6 +189,14 @@ solver)
     done
   fi
   tar czf "$OUT/solver_logs.tgz" -C "$logs" . && rm -r "$logs"
+  ;;
+cpu-checkpointing)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  timeout 120 python3 -m pytest packages/booster-api/tests/test_deepspeed_cpu_checkpointing.py -m gpu -q \
+    -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/cpu_checkpointing_tests.log"
+  timeout 450 python3 benchmarks/cpu_checkpointing.py "$@" > "$OUT/cpu_checkpointing.log" 2>&1
+  echo "exit $?"; table "$OUT/cpu_checkpointing.log" 12
   ;;
 help | -h | --help) usage ;;
 *) echo "tools/device.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;

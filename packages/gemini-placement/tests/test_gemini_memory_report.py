@@ -16,11 +16,11 @@ CONFIG = GPTConfig(bias=False)
 CHUNK = 20_000
 
 
-def _wrap(dtype=torch.float32, **adam):
+def _wrap(dtype=torch.float32, offload_optim_frac=0.0, **adam):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(
-        model, mixed_precision=dtype, compute_device="cpu",
+        model, mixed_precision=dtype, compute_device="cpu", offload_optim_frac=offload_optim_frac,
         chunk_config_dict={1: {"chunk_size": CHUNK, "keep_gathered": False}},
     )  # fmt: skip
     return ddp, GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-3, **adam), ddp)
@@ -91,7 +91,10 @@ def test_timeline_png_or_the_pip_command(tmp_path):
 
 def test_states_on_disk_are_the_disk_tier(tmp_path):
     pytest.importorskip("zerostack.nvme")
-    ddp, opt = _wrap(nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))
+    # Only optimizer chunks on the host go to disk: see [Note: NVMe on the host tier].
+    ddp, opt = _wrap(
+        offload_optim_frac=1.0, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path)
+    )
     assert tier_bytes(ddp, opt)["disk"] == 0
     _step(ddp, opt)
     on_disk = opt.optimizer.nvme_bytes_on_disk()

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerostack.booster import _exit
+
 logger = logging.getLogger(__name__)
 _API = "launch_from_torch"
 # What torchrun sets for every worker.
@@ -51,6 +53,7 @@ def launch_from_torch(
             device, or ``timeout`` is not positive.
     """
     if dist.is_available() and dist.is_initialized():
+        _exit.register()
         local_rank = _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ else None
         _set_device(local_rank)
         _seed_all(seed)
@@ -74,6 +77,7 @@ def launch_from_torch(
     dist.init_process_group(
         backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs
     )
+    _exit.register()  # See [Note: exit code under gloo]
     _seed_all(seed)
     logger.info(
         "%s: rank %d of %d (local rank %d), backend %s, seed %d",
@@ -155,6 +159,7 @@ def launch(
         backend=backend, init_method=f"tcp://{address}:{port}", rank=rank,
         world_size=world_size, **kwargs,
     )  # fmt: skip
+    _exit.register()  # See [Note: exit code under gloo]
     _seed_all(seed)
     logger.log(
         logging.INFO if verbose else logging.DEBUG,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -57,6 +58,29 @@ def _check_flags(api: str, **flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{api}: {name} must be a bool (got {value!r})")
+
+
+# torch.optim.Adam/AdamW options a parameter group may carry (torch keeps any
+# key): changing the math or the step's nature, with the value that is off.
+_TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+def _check_torch_keys(api: str, group: dict[str, Any], adamw_mode: bool) -> None:
+    """Refuse torch's Adam options in a group: the kernels would ignore them."""
+    for key, off in _TORCH_ONLY.items():
+        if key in group and group[key] != off:
+            raise NotImplementedError(
+                f"{api}: {key}={group[key]!r} is an option of torch.optim.AdamW that is not "
+                f"implemented here (got {key}={group[key]!r} in a parameter group); use "
+                f"torch.optim.AdamW for it, or leave {key} out"
+            )
+    decoupled = group.get("decoupled_weight_decay")
+    if decoupled is not None and bool(decoupled) != adamw_mode:
+        raise ValueError(
+            f"{api}: decoupled_weight_decay={decoupled!r} contradicts adamw_mode="
+            f"{adamw_mode!r}; set adamw_mode (True: decoupled decay as AdamW, "
+            "False: L2 as Adam) and leave decoupled_weight_decay out"
+        )
 
 
 def _check_nvme(
@@ -121,6 +145,7 @@ class _Adam(torch.optim.Optimizer):
         ):
             _kernels.require_cuda(self._api)
         self._nvme = None
+        self._step_waiter: Callable[[], Any] | None = None  # see set_step_waiter
         # Slices of on-disk states the next step leaves alone, by parameter.
         self._keep_on_disk: dict[torch.Tensor, list[slice]] = {}
         if nvme_offload_fraction > 0.0:
@@ -145,9 +170,10 @@ class _Adam(torch.optim.Optimizer):
             _check_flags(
                 self._api, adamw_mode=group["adamw_mode"], bias_correction=group["bias_correction"]
             )
+            _check_torch_keys(self._api, group, group["adamw_mode"])
             for pi, p in enumerate(group["params"]):
                 self._check_param(len(self.param_groups) - 1, pi, p)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, NotImplementedError):
             self.param_groups.pop()
             raise
 
@@ -195,6 +221,38 @@ class _Adam(torch.optim.Optimizer):
             self._disk()
             self._nvme.plan(params)
 
+    def nvme_host_params(self, params: list[torch.Tensor] | None, hint: str = "") -> None:
+        """Say which of this optimizer's parameters a wrapper's placement
+        keeps in host memory: only their Adam states may go to disk
+        (``nvme_offload_fraction`` is a share of their elements). Default,
+        and with None: every CPU parameter. GeminiOptimizer names its
+        offloaded master chunks, so a CPU compute device puts on disk what a
+        GPU would. ``hint`` ends the warning given when none is host-held
+        (how to hold states on the host). Takes effect at the next step; a
+        no-op without NVMe."""
+        if self._nvme is not None:
+            self._nvme.set_host(None if params is None else list(params), hint)
+
+    def set_step_waiter(self, wait: Callable[[], Any] | None) -> None:
+        """A wrapper that runs this optimizer's steps on a worker thread
+        (GeminiOptimizer, ZeroOptimizer with ``overlap_cpu_step``) passes the
+        call that waits for those steps (no write-back, no collective);
+        ``nvme_bytes_on_disk`` and ``nvme_host_buffers`` call it first, so a
+        figure read right after the wrapper's ``step()`` describes the states
+        after that step. A bound method is held weakly. None removes it."""
+        if wait is not None and not callable(wait):
+            raise TypeError(
+                f"{self._api}.set_step_waiter: wait must be callable or None (got {wait!r})"
+            )
+        self._step_waiter = (
+            weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda w=wait: w)
+        ) if wait is not None else None  # fmt: skip
+
+    def _wait_steps(self) -> None:
+        waiter = self._step_waiter() if self._step_waiter is not None else None
+        if waiter is not None:
+            waiter()
+
     @property
     def nvme_wait_s(self) -> float:
         """Seconds this optimizer waited for disk reads and writes (exposed I/O)."""
@@ -203,12 +261,22 @@ class _Adam(torch.optim.Optimizer):
     def nvme_host_buffers(self) -> list[torch.Tensor]:
         """The host buffers the NVMe path holds now: the prefetch pipeline's
         slots (bounded by (prefetch depth + 2) pieces) and states kept in RAM
-        after a failed write; empty without NVMe."""
-        return self._nvme.host_buffers() if self._nvme is not None else []
+        after a failed write; empty without NVMe. Waits for the steps in
+        flight (see ``set_step_waiter``)."""
+        if self._nvme is None:
+            return []
+        self._wait_steps()
+        return self._nvme.host_buffers()
 
     def nvme_bytes_on_disk(self) -> int:
-        """Bytes of Adam state now on disk."""
-        return self._nvme.on_disk_bytes() if self._nvme is not None else 0
+        """Bytes of Adam state on disk: the steps in flight (a wrapper's
+        worker, see ``set_step_waiter``) and the writes in flight are waited
+        for first, so the figure is never short of states that are in RAM
+        only for their update."""
+        if self._nvme is None:
+            return 0
+        self._wait_steps()
+        return self._nvme.on_disk_bytes()
 
     # -- validation --------------------------------------------------------
 
@@ -461,6 +529,7 @@ class _Adam(torch.optim.Optimizer):
                 s.get("eps", self.defaults["eps"]),
                 s.get("weight_decay", self.defaults["weight_decay"]),
             )
+            _check_torch_keys(api, s, self._saved_adamw_mode(s))
         params = {
             i: p
             for s, g in zip(saved, self.param_groups, strict=True)
@@ -485,8 +554,17 @@ class _Adam(torch.optim.Optimizer):
                         f"{tuple(p.shape)}"
                     )
 
+    def _saved_adamw_mode(self, group: dict[str, Any]) -> bool:
+        """A saved group's decay mode: ours, else torch's decoupled_weight_decay
+        (AdamW's True, Adam's False), else this optimizer's default."""
+        if "adamw_mode" in group:
+            return group["adamw_mode"]
+        return bool(group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
+        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``
+        (torch's ``decoupled_weight_decay`` gives ``adamw_mode``; ``amsgrad``
+        and ``maximize`` are refused).
 
         ``step`` comes back as a CPU float32 scalar and the moments as fp32
         contiguous tensors on the parameter's device, whatever the source kept;
@@ -496,7 +574,7 @@ class _Adam(torch.optim.Optimizer):
         on_disk = self._disk()  # bound first: loaded states of disk parameters go straight there
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+            group.setdefault("adamw_mode", self._saved_adamw_mode(group))
             group.setdefault("bias_correction", self.defaults["bias_correction"])
             for p in group["params"]:
                 state = self.state.get(p)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import threading
 import time
 import uuid
 import warnings
@@ -44,10 +46,14 @@ class NVMeStates:
     wrappers (GeminiOptimizer, ZeroOptimizer with cpu_offload) replace the
     optimizer's parameters by master shards after building it, and only the
     tensors that are really stepped can own disk space. ``fraction`` is a
-    share of the CPU-resident parameters' elements (states of parameters on
-    a GPU stay there), taken in parameter order. Keys are positional
-    (group.index:start), so a rebinding to other tensors of the same sizes
-    keeps what is on disk.
+    share of the host-held parameters' elements (states of parameters on
+    a GPU stay there), taken whole parameter by parameter in parameter
+    order. Host-held means on the CPU and, where a wrapper said which of its
+    tensors its placement keeps on the host (``set_host``), one of those: a
+    GeminiOptimizer names its offloaded master chunks, so that on a CPU
+    compute device the same chunks go to disk as on a GPU. Keys are
+    positional (group.index:start), so a rebinding to other tensors of the
+    same sizes keeps what is on disk.
 
     A parameter is cut into pieces of at most PIECE_NUMEL elements; each piece
     is one key holding ``[exp_avg piece, exp_avg_sq piece]`` as one fp32
@@ -66,10 +72,25 @@ class NVMeStates:
         self._bound: list[torch.Tensor] | None = None
         self._open: list | None = None  # [pipeline, pieces, next piece] of a planned order
         self.wait_s = 0.0  # time the optimizer waited for disk reads and writes
+        # A wrapper's worker thread steps while a figure may be read on the
+        # main thread: one holder at a time of the keys and the pipelines.
+        self.lock = threading.RLock()
+        self._host: set[int] | None = None  # ids of the tensors a wrapper keeps on the host
+        self._host_hint = ""
+        self._bound_host: set[int] | None = None
+
+    def set_host(self, params: list[torch.Tensor] | None, hint: str) -> None:
+        """Restrict the states that may go to disk to those of ``params``
+        (None: every CPU parameter); ``hint`` says how to put more on the
+        host, for the warning when none is. Takes effect at the next bind."""
+        with self.lock:
+            self._host = None if params is None else {id(p) for p in params}
+            self._host_hint = hint
 
     def bound_to(self, params: list[torch.Tensor]) -> bool:
         return (
             self._bound is not None
+            and self._bound_host == self._host
             and len(params) == len(self._bound)
             and all(a is b for a, b in zip(params, self._bound, strict=True))
         )
@@ -82,16 +103,24 @@ class NVMeStates:
             NotImplementedError: a parameter whose states are on disk moved
                 to a GPU or changed size.
         """
+        with self.lock:
+            return self._bind(param_groups)
+
+    def _bind(self, param_groups: list[dict]) -> list[torch.Tensor]:
         self._finish_open()
         params = [p for g in param_groups for p in g["params"]]
-        cpu = [p for p in params if p.device.type == "cpu"]
+        cpu = [
+            p for p in params
+            if p.device.type == "cpu" and (self._host is None or id(p) in self._host)
+        ]  # fmt: skip
+        host = {id(p) for p in cpu}
         target = self.fraction * sum(p.numel() for p in cpu)
         old = {key[0]: p for p, key in ((p, ks[0]) for p, ks in self.keys.items())}
         keys: dict[torch.Tensor, list[tuple[str, int, int]]] = {}
         offloaded = 0
         for gi, group in enumerate(param_groups):
             for pi, p in enumerate(group["params"]):
-                if p.device.type != "cpu" or offloaded + p.numel() > target:
+                if id(p) not in host or offloaded + p.numel() > target:
                     continue
                 pieces = []
                 for start in range(0, p.numel(), PIECE_NUMEL):
@@ -108,12 +137,8 @@ class NVMeStates:
                 "changed; build the optimizer on the tensors it will step"
             )
         fresh = [p for p, ks in keys.items() if ks[0][0] not in old]
-        self.keys, self._bound = keys, params
-        if not cpu:
-            _warn_once(
-                f"{self.api}: nvme_offload_fraction={self.fraction} has no effect: no parameter "
-                "it steps is on the CPU (states live where their parameters are)"
-            )
+        self.keys, self._bound, self._bound_host = keys, params, self._host
+        self._warn_no_effect(params, cpu)
         logger.info(
             "nvme: Adam states of %d of %d parameters (%d elements, %.1f MB, %.0f%% of the "
             "CPU-held ones) on disk in %s",
@@ -122,10 +147,42 @@ class NVMeStates:
         )  # fmt: skip
         return fresh
 
+    def _warn_no_effect(self, params: list[torch.Tensor], host: list[torch.Tensor]) -> None:
+        """Warn once when the fraction puts nothing on disk: no state is held
+        on the host, or every host-held parameter is larger than the share."""
+        if not params:
+            return
+        if not host:
+            hint = self._host_hint or (
+                "Adam states live where their parameters are and only host-held ones go to "
+                "disk: step parameters on the CPU"
+            )
+            devices = sorted({str(p.device) for p in params})
+            _warn_once(
+                f"{self.api}: nvme_offload_fraction={self.fraction} has no effect: no optimizer "
+                f"state it keeps is held in host memory (got {len(params)} parameters on "
+                f"{', '.join(devices)}, none of them host-held); {hint}"
+            )
+        elif not self.keys:
+            total = sum(p.numel() for p in host)
+            smallest = min(p.numel() for p in host)
+            _warn_once(
+                f"{self.api}: nvme_offload_fraction={self.fraction} puts no Adam state on disk: "
+                "it is a share of the host-held elements, taken whole parameter by parameter "
+                "(a wrapper such as GeminiOptimizer steps one parameter per chunk), and every "
+                f"host-held parameter is larger than that share (got {total} host-held "
+                f"elements, the smallest parameter {smallest}); raise nvme_offload_fraction to "
+                f"at least {smallest / total:.3g}, or hold more optimizer states on the host"
+            )
+
     def plan(self, params: list[torch.Tensor]) -> None:
         """The next ``step`` calls will step ``params`` one at a time, in this
         order: read ahead across them, so the first pieces of the next
         parameter are in flight while the current one updates."""
+        with self.lock:
+            self._plan(params)
+
+    def _plan(self, params: list[torch.Tensor]) -> None:
         self._finish_open()
         pieces = [(p, *piece) for p in params for piece in self.keys.get(p, ())]
         if pieces:
@@ -148,6 +205,10 @@ class NVMeStates:
         """Run ``update(param, start, end, exp_avg, exp_avg_sq)`` piece by piece
         through the prefetch pipeline (the planned one when ``params`` is next
         in the plan)."""
+        with self.lock:
+            self._step(params, update)
+
+    def _step(self, params: list[torch.Tensor], update: Callable) -> None:
         if self._open is not None:
             pipe, pieces, nxt = self._open
             mine = [i for i in range(nxt, len(pieces)) if pieces[i][0] is params[0]]
@@ -180,16 +241,22 @@ class NVMeStates:
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The swapper's pipeline slots and states kept in RAM (failed writes)."""
-        return self.swapper.host_buffers()
+        with self.lock:
+            return self.swapper.host_buffers()
 
     def on_disk_bytes(self) -> int:
-        """Bytes of optimizer state now on disk."""
-        return sum(
-            8 * (end - start)
-            for pieces in self.keys.values()
-            for key, start, end in pieces
-            if self.swapper.is_on_disk(key)
-        )
+        """Bytes of optimizer state on disk: waits for a piece being updated
+        and for the writes in flight, so a piece counts once its bytes have
+        landed (never while it is in RAM for its update)."""
+        with self.lock:
+            if self._open is not None:
+                self._open[0].drain_writes()
+            return sum(
+                8 * (end - start)
+                for pieces in self.keys.values()
+                for key, start, end in pieces
+                if self.swapper.is_on_disk(key)
+            )
 
     def snapshot(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This parameter's states, read into a file-backed mapping.
@@ -198,6 +265,10 @@ class NVMeStates:
         kernel can write back and drop, so a state_dict of states on disk
         never needs them all in RAM at once.
         """
+        with self.lock:
+            return self._snapshot(p)
+
+    def _snapshot(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self._finish_open()
         path = os.path.join(self.swapper.workdir, f"snapshot-{uuid.uuid4().hex}")
         out = torch.from_file(path, shared=True, size=2 * p.numel(), dtype=torch.float32)
@@ -213,15 +284,17 @@ class NVMeStates:
 
     def load(self, p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
         """Write loaded states of one parameter to disk, a piece at a time."""
-        self._finish_open()
-        m, v = exp_avg.reshape(-1), exp_avg_sq.reshape(-1)
-        for key, start, end in self.keys[p]:
-            piece = torch.cat([m[start:end].float(), v[start:end].float()]).cpu()
-            self.swapper.write(key, piece)
+        with self.lock:
+            self._finish_open()
+            m, v = exp_avg.reshape(-1), exp_avg_sq.reshape(-1)
+            for key, start, end in self.keys[p]:
+                piece = torch.cat([m[start:end].float(), v[start:end].float()]).cpu()
+                self.swapper.write(key, piece)
 
     def close(self) -> None:
-        self._finish_open()
-        self.swapper.close()
+        with self.lock:
+            self._finish_open()
+            self.swapper.close()
 
 
 _warned: set[str] = set()
@@ -230,4 +303,14 @@ _warned: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, UserWarning, stacklevel=4)
+        warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller outside zerostack (a warning
+    raised in a wrapper's step points at the user's line)."""
+    level, frame = 2, sys._getframe(2)  # _warn_once's caller
+    inside = f"{os.sep}zerostack{os.sep}"
+    while frame.f_back is not None and inside in frame.f_code.co_filename:
+        frame, level = frame.f_back, level + 1
+    return level

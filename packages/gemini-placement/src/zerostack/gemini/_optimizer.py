@@ -19,9 +19,12 @@ from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
     grad_stats,
+    hyperparameters,
     make_loss_scaler,
+    mark_stepped,
     plan_step,
     step_with_div_scale,
+    stepping_twin,
     takes_div_scale,
 )
 
@@ -48,10 +51,15 @@ class GeminiOptimizer:
     [Note: overflow policy]); bf16 and fp32 gradients are applied as torch's
     optimizers would, inf/nan included, with a warning.
 
+    Hyperparameters (lr, weight_decay, betas, ...) are read from
+    ``optimizer``'s own ``param_groups`` at every step: set them there, on
+    this object's ``param_groups`` (the same dicts), or through an lr
+    scheduler built on either. The wrapper steps a twin of ``optimizer``
+    whose groups hold the masters and each step's values (see zerostack.shard's
+    [Note: the user's hyperparameters]).
+
     Args:
-        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``. Step
-            learning-rate schedulers on this object (its ``param_groups``),
-            not on ``optimizer``: the worker thread reads the inner groups.
+        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``.
         module: the GeminiDDP model.
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
@@ -66,7 +74,7 @@ class GeminiOptimizer:
             from ``scaler_kwargs`` (fp16 models only).
         **scaler_kwargs: DynamicLossScaler's fields (initial_scale, min_scale,
             growth_factor, backoff_factor, growth_interval, hysteresis,
-            max_scale), the seed's names.
+            max_scale), ColossalAI's names.
 
     Raises:
         NotImplementedError: several parameter groups.
@@ -105,34 +113,49 @@ class GeminiOptimizer:
         self.manager = module.chunk_manager
         self.pipeline = module.cpu_step
         self.max_norm = max_norm
-        self.optimizer = optimizer
+        self._user = optimizer
+        # What steps the masters: the user's optimizer's twin, whose group
+        # gets each step's hyperparameters from the user's. See
+        # zerostack.shard's [Note: the user's hyperparameters].
+        self.optimizer = stepping_twin(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
-        trainable = [p for p in module.params if p.requires_grad]
-        # What users (and lr schedulers) see and change; copied into the
-        # inner group at each step, when no worker is reading it.
-        self.param_groups = [{**optimizer.param_groups[0], "params": trainable}]
+        self._trainable_params = [p for p in module.params if p.requires_grad]
         self.scaler = scaler
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
         self.collector = collector
         self.pipeline.start(overlap_cpu_step)
         weakref.finalize(self, _close, self.pipeline, self.collector)
+        if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
+            optimizer.set_step_waiter(self.pipeline.settle)
         self._bind_masters()
-        if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
-            optimizer.nvme_plan([])
+        if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
+            self.optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         # Their gradients' norms, taken before the update wrote over them.
         self._early_norms: dict[int, torch.Tensor] = {}
+        self._step_hyper: dict[str, Any] | None = None  # read when backward started an update
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
         self._warned_idle = False
         self.last_grad_norm = 0.0
-        self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"))
+        self._callbacks = (
+            _WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"),
+            _WeakCall(self, "_drop_updates"),
+        )  # fmt: skip
         module.backward_end_callbacks.append(self._callbacks[0])
         module.chunk_reduced_callbacks.append(self._callbacks[1])
+        module.zero_grad_callbacks.append(self._callbacks[2])
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
+        _WRAPPED.add(self.optimizer)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The user's optimizer's groups (what users and lr schedulers
+        change; every step reads them)."""
+        return self._user.param_groups
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
@@ -145,6 +168,10 @@ class GeminiOptimizer:
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
+        if hasattr(self.optimizer, "nvme_host_params"):  # See [Note: NVMe on the host tier]
+            self.optimizer.nvme_host_params(
+                [self.masters[i] for i in self._host], _host_hint(self.module)
+            )
 
     @property
     def nvme_wait_s(self) -> float:
@@ -171,8 +198,9 @@ class GeminiOptimizer:
             return
         self._closed = True
         module = self.module
-        lists: tuple[list[Any], list[Any]] = (
-            module.backward_end_callbacks, module.chunk_reduced_callbacks
+        lists: tuple[list[Any], list[Any], list[Any]] = (
+            module.backward_end_callbacks, module.chunk_reduced_callbacks,
+            module.zero_grad_callbacks,
         )  # fmt: skip
         for callbacks, callback in zip(lists, self._callbacks, strict=True):
             if callback in callbacks:
@@ -201,8 +229,52 @@ class GeminiOptimizer:
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: gradients live in the chunks and are consumed by
-        ``step`` (kept for the torch.optim interface)."""
+        """Between steps nothing to do: gradients live in the chunks and are
+        consumed by ``step``. After a backward without a step (one that
+        raised, caught by the caller on every rank) the batch is dropped, as
+        after an exception in forward: the steps that follow are those of a
+        run that never saw it. See GeminiDDP.zero_grad and zerostack.shard's
+        [Note: dropping a batch]. A CPU update that failed in ``step()`` is
+        kept (the next forward or step runs it again).
+
+        Args:
+            set_to_none: accepted for torch's interface.
+
+        Raises:
+            RuntimeError: CPU updates that backward started (with
+                ``overlap_cpu_step``, no clipping, no fp16 loss scale) had
+                begun: they cannot be taken back, their chunks took the
+                batch's step. The rest is dropped; reload the last checkpoint
+                to go on as if the batch had never run.
+        """
+        self.module.zero_grad(set_to_none)
+
+    def _drop_updates(self) -> Exception | None:
+        """GeminiDDP.zero_grad's first call: the CPU updates this backward
+        started are cancelled (written back where they ran), staged
+        gradients given back; the error for those that ran."""
+        early, self._early = self._early, set()
+        self._early_norms = {}
+        self._step_hyper = None
+        self._scaled_backward = False
+        begun = [
+            self.pairs[i][0].index
+            for i in sorted(early)
+            if not self.pipeline.cancel(self.pairs[i][0])
+        ]
+        for i in self._host:
+            self.pipeline.drop_staged(self.pairs[i][0])
+        if not begun:
+            return None
+        return RuntimeError(
+            f"{_API}.zero_grad: the CPU updates of chunks {begun} began during the backward of "
+            "the batch being dropped (overlap_cpu_step updates a CPU-held chunk as soon as its "
+            "gradient is reduced, when there is no clipping and no fp16 loss scale) and cannot "
+            "be taken back: those chunks took the batch's step, the others did not. Reload the "
+            "last checkpoint (booster.load_model and load_optimizer, or load_state) to go on as "
+            "if the batch had never run; with overlap_cpu_step=False or max_norm > 0 a batch "
+            "can always be dropped"
+        )
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
@@ -233,21 +305,19 @@ class GeminiOptimizer:
         ):
             return
         if not self._early:  # the first of this backward: this step's hyperparameters
-            self._sync_hyper()
+            self._step_hyper = self._hyper()
         grad = _grad_share(chunk)
         # The update writes the new shard over a host-held gradient (see
         # [Note: CPU-step buffers]): the step's norm takes this one now.
         self._early_norms[i] = torch._foreach_norm([grad])[0]
         self.pipeline.stage_grad(chunk, grad)
-        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._hyper())
+        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._step_hyper)
         self._early.add(i)
 
-    def _sync_hyper(self) -> None:
-        self.optimizer.param_groups[0].update(self._hyper())
-
     def _hyper(self) -> dict[str, Any]:
-        """This step's hyperparameters (lr, betas, ...), kept with each CPU update."""
-        return {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        """The user's hyperparameters now (lr, betas, ...): a step's, kept
+        with each of its CPU updates."""
+        return hyperparameters(self.param_groups[0])
 
     # -- the step ---------------------------------------------------------------------
 
@@ -264,6 +334,7 @@ class GeminiOptimizer:
                 in zerostack.gemini._cpu_step).
         """
         self._check_open("step")
+        mark_stepped(self._user)  # See zerostack.shard's [Note: the user's hyperparameters]
         try:
             self.pipeline.check()
         except CpuStepError as error:
@@ -313,6 +384,11 @@ class GeminiOptimizer:
                     stacklevel=3,
                 )
             return False
+        if state is TrainingState.BACKWARD:
+            raise RuntimeError(
+                f"{_API}.step: the last backward did not finish (an exception in it?); call "
+                "optimizer.zero_grad() to drop that batch"
+            )
         if state is not TrainingState.REDUCED:
             raise RuntimeError(
                 f"{_API}.step: the model is in state {state.name}; step after a backward outside "
@@ -369,7 +445,7 @@ class GeminiOptimizer:
     def _step(self, early: set[int]) -> bool:
         module = self.module
         grads = [_grad_share(c) for c, _ in self.pairs]
-        trainable = self.param_groups[0]["params"]
+        trainable = self._trainable_params
         used = torch.tensor(
             [float(p in module.used) for p in trainable], device=module.compute_device
         )
@@ -381,8 +457,9 @@ class GeminiOptimizer:
                 self.pipeline.write_back(chunk, None)
             return False
         self.last_grad_norm = plan.grad_norm
-        if not early:  # else the hyperparameters read when backward started the CPU updates
-            self._sync_hyper()
+        # Read when backward started the CPU updates, else now.
+        hyper = self._step_hyper if early else self._hyper()
+        self._step_hyper = None
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
@@ -392,6 +469,7 @@ class GeminiOptimizer:
         # lock: a CPU update started during backward may be running; each
         # call steps exactly the masters that have a grad.)
         with self._lock:
+            self.optimizer.param_groups[0].update(hyper)
             for i in self._device:
                 # A shard kept on the host (offload_param_frac) reduced its gradient there.
                 grad, master = grads[i], self.masters[i]
@@ -412,7 +490,6 @@ class GeminiOptimizer:
         if order and hasattr(self.optimizer, "nvme_plan"):
             with self._lock:
                 self.optimizer.nvme_plan([self.masters[i] for i in order])
-        hyper = self._hyper()
         for i in order:
             chunk = self.pairs[i][0]
             args = (i, grads[i], plan.div_scale, saved.get(i), hyper)
@@ -526,6 +603,7 @@ class GeminiOptimizer:
         """Load ``state_dict()`` output of the same rank and world size."""
         self._check_open("load_state_dict")
         _check_state(state, ("optimizer", "scaler"), "load_state_dict")
+        self.module.drop_batch_for_load()
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -603,6 +681,7 @@ class GeminiOptimizer:
         self._check_open("load_full_state_dict")
         _check_state(full, ("params", "param_group", "scaler"), "load_full_state_dict")
         module = self.module
+        module.drop_batch_for_load()
         module.wait_updates()
         names = [module.param_names[p] for p in self._trainable()]
         missing = [n for n in names if n not in full["params"]]
@@ -656,6 +735,33 @@ class GeminiOptimizer:
             self.scaler.load_state_dict(full["scaler"])
         for i in range(len(self.pairs)):
             self.pipeline.write_back(self.pairs[i][0], None)
+
+
+# [Note: NVMe on the host tier] HybridAdam's nvme_offload_fraction puts on
+# disk a share of the Adam states held in host memory, as ColossalAI's does:
+# states of optimizer chunks on the GPU stay there. GeminiOptimizer names the
+# master chunks its placement offloads (offload_optim_frac, or those auto
+# placement keeps on the CPU) as the host-held ones, also on a CPU compute
+# device, where every chunk is in host memory but the placement's decisions
+# (and so what goes to disk) are the same as on a GPU. A placement that
+# offloads none gets one warning naming the settings that would.
+def _host_hint(module: GeminiDDP) -> str:
+    """How to hold optimizer states on the host, for HybridAdam's warning."""
+    fix = (
+        "set placement_policy='static' with offload_optim_frac=1.0 (GeminiPlugin or GeminiDDP), "
+        "as ColossalAI's NVMe guide places the optimizer states on the CPU"
+    )
+    if module.compute_device.type == "cpu":
+        fix += (
+            " (on a CPU compute device the chunks the placement keeps on the compute device "
+            "count as device memory, as they would on a GPU)"
+        )
+    if module.config.auto:
+        return f"placement_policy='auto' planned every optimizer chunk on the compute device; {fix}"
+    frac = module.config.placement.offload_optim_frac
+    return (
+        f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
+    )
 
 
 def _write_failed(error: OSError) -> bool:

@@ -345,6 +345,13 @@ class PrefetchPipeline:
         self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
         self.s._on_disk.add(self.keys[i])
 
+    def drain_writes(self) -> None:
+        """Wait for the writes issued so far, leaving the pass open (for a
+        reader of the bytes on disk between two updates); a write that
+        failed is kept in memory and reported by ``post_step``, as ever."""
+        for slot in list(self._writes):
+            self._finish_write(slot)
+
     def cancel(self) -> None:
         """Stop before every key was updated: reads in flight are waited for
         and dropped (their keys stay on disk, unchanged), writes drained as

@@ -33,7 +33,7 @@ def make_loss_scaler(
     api: str, fp16: bool, loss_scaler: DynamicLossScaler | None, scaler_kwargs: dict[str, Any]
 ) -> DynamicLossScaler | None:
     """The fp16 loss scaler of a wrapper: ``loss_scaler`` as given, or one built
-    from the seed's keyword names (``initial_scale``, ``min_scale``, ...);
+    from ColossalAI's keyword names (``initial_scale``, ``min_scale``, ...);
     None for bf16/fp32 models (which need none).
 
     Raises:

@@ -33,8 +33,9 @@ a gradient on this rank, so it is used on every rank; div_scale -1): CPU
 Adam then runs under backward, and the floor is about forward + max(backward,
 CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
 stays the bound either way; what is left is its bandwidth. Such a backward
-commits to the step: a ``zero_grad()`` without ``step()`` after it still
-applies those updates (with a warning).
+commits to the step: a ``zero_grad()`` without ``step()`` after it (a batch
+dropped after an exception) cancels the updates that have not begun and
+raises for those that have (see [Note: dropping a batch]).
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -132,6 +133,16 @@ class OffloadPipeline:
     def overlapping(self) -> bool:
         return self._executor is not None
 
+    def settle(self) -> None:
+        """Wait until no update is running on the worker (errors stay in
+        their futures, nothing is written back: no collective), for readers
+        of the optimizer's figures between steps."""
+        if threading.current_thread().name.startswith(_THREAD_PREFIX):
+            return  # the worker itself: its own update is the one running
+        for _, future in [*self.pending, *self.early]:
+            if future is not None:
+                future.exception()
+
     def close(self) -> None:
         """Finish what is pending (errors kept, not raised) and stop the worker."""
         for _, future in [*self.pending, *self.early]:
@@ -169,6 +180,19 @@ class OffloadPipeline:
         if self.early:
             self.pending = deque(sorted([*self.pending, *self.early], key=lambda e: e[0]))
             self.early.clear()
+
+    def cancel_early(self) -> list[int]:
+        """Cancel the updates queued during backward that have not begun;
+        the positions of those that had (they stay queued). See [Note:
+        dropping a batch]."""
+        begun = []
+        for position, future in self.early:
+            if future is not None and future.cancel():
+                self._calls.pop(position, None)
+            else:
+                begun.append((position, future))
+        self.early = begun
+        return [position for position, _ in begun]
 
     def wait_early(self) -> None:
         """Wait for the updates queued during backward (they stay queued);

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,7 @@ from zerostack.shard._bucket import (
 )
 from zerostack.shard._clip import grad_stats
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -167,9 +169,11 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     adamw = type(optimizer) is torch.optim.AdamW
     groups = []
     for g in optimizer.param_groups:
+        # torch's Adam(decoupled_weight_decay=True) is AdamW.
+        decoupled = adamw or bool(g.get("decoupled_weight_decay", False))
         groups.append(
             dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                 weight_decay=g["weight_decay"])
+                 weight_decay=g["weight_decay"], adamw_mode=decoupled)
         )  # fmt: skip
     logger.info(
         "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
@@ -316,7 +320,27 @@ class ZeroOptimizer:
             master_weights=master_weights, names=names,
         )  # fmt: skip
         _WRAPPED.add(optimizer)
-        self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
+        self.optimizer = optimizer
+        # What users see and change (see [Note: the user's hyperparameters]):
+        # their optimizer's groups; with cpu_offload, updates read the groups
+        # of another optimizer, filled from these when no update runs.
+        self._groups: list[dict] | None = None
+        self._foreign: frozenset[str] = frozenset()
+        if cpu_offload:
+            inner = _cpu_kernel(optimizer)
+            self.optimizer = inner if inner is not optimizer else stepping_twin(optimizer)
+            self._groups = optimizer.param_groups
+            self._foreign = foreign_keys(optimizer, self.optimizer)
+            _WRAPPED.add(self.optimizer)
+        self._user = optimizer
+        if hasattr(self.optimizer, "nvme_host_params"):
+            # Only host-held states go to disk, on a CPU compute device as on a GPU.
+            self.optimizer.nvme_host_params(
+                [s.master for s in self.shards] if cpu_offload else [],
+                f"{_API} keeps the fp32 masters and their states on the compute device (got "
+                "cpu_offload=False); set cpu_offload=True (LowLevelZeroPlugin(cpu_offload=True), "
+                "DeepSpeed's offload_optimizer device 'cpu')",
+            )
         if hasattr(self.optimizer, "nvme_plan"):
             # fused-adam's optimizers put Adam states on disk for the tensors
             # they step: the masters, from now on (a full disk fails here).
@@ -325,6 +349,15 @@ class ZeroOptimizer:
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
+        self._bucket_of = [self.buckets[0]] * len(self.shards)  # shard index -> its bucket
+        self._offset_of = [0] * len(self.shards)  # shard index -> its offset in the bucket
+        for bucket in self.buckets:
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                self._bucket_of[s.index], self._offset_of[s.index] = bucket, off
+        # Each parameter's version counter when this optimizer last wrote it;
+        # see [Note: parameters written in place].
+        self._versions = [s.param._version for s in self.shards]
+        self._warned_dropped = False
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
@@ -338,14 +371,11 @@ class ZeroOptimizer:
         self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
         self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
         self._pipe: OffloadPipeline | None = None
-        self._groups: list[dict] | None = (
-            None  # what users see while the worker reads the inner ones
-        )
         if cpu_offload:
             self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
             weakref.finalize(self, self._pipe.close)
-            if self._pipe.overlapping:
-                self._groups = [dict(g) for g in self.optimizer.param_groups]
+            if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
+                self.optimizer.set_step_waiter(self._pipe.settle)
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
                     # The host waits for these two (blocking: no spinning
@@ -411,7 +441,9 @@ class ZeroOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
-        """The parameter groups whose hyperparameters the next step uses."""
+        """The parameter groups whose hyperparameters the next step uses:
+        those of the optimizer the user built (see [Note: the user's
+        hyperparameters])."""
         return self._groups if self._groups is not None else self.optimizer.param_groups
 
     def _push_hyper(self) -> None:
@@ -420,14 +452,14 @@ class ZeroOptimizer:
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            inner.update({k: v for k, v in user.items() if k != "params"})
+            inner.update(hyperparameters(user, self._foreign))
 
     def _pull_hyper(self) -> None:
         """The inner groups' hyperparameters (just loaded) into the users'."""
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            user.update({k: v for k, v in inner.items() if k != "params"})
+            user.update(hyperparameters(inner, self._foreign))
 
     # -- gradients ---------------------------------------------------------------
 
@@ -455,16 +487,42 @@ class ZeroOptimizer:
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
         self.wait_updates()
+        self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
+
+    def _reduce_again(self) -> None:
+        """A backward after the last one's gradients were reduced, before
+        ``step()`` (gradient accumulation without ``no_sync``, as torch's DDP
+        allows): the reduced pieces are kept in the shards, copied out of the
+        bucket buffers the new reductions reuse, and the new ones are added
+        to them at the step."""
+        self._refuse_after_early_updates()
+        self._finish_reduction()
+        for s in self.shards:
+            if s.grad is not None:
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _refuse_after_early_updates(self) -> None:
+        if self._early:
+            raise RuntimeError(
+                f"{_API}.backward: a second backward before step() (got {len(self._early)} "
+                "buckets whose CPU updates started in the first one: cpu_offload with "
+                "overlap_cpu_step, no clipping, no fp16 loss scale); its gradients cannot be "
+                "added to them: accumulate inside no_sync() (booster.no_sync(model, optimizer)) "
+                "for all but the last backward, or step() between (zero_grad() drops this one)"
+            )
 
     def _on_grad(self, s: _Shard) -> None:
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
+        if self._bucket_of[s.index].launched:  # a second backward before step()
+            self._reduce_again()
         if self._no_sync or not self.overlap:
             return
         s.ready = True
@@ -510,6 +568,7 @@ class ZeroOptimizer:
             bucket.on_host = True
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._push_hyper()
+        self._adopt_writes(bucket.shards)
         pairs = [
             (s.master, bucket.host_grads[off : off + s.piece])
             for s, off in zip(bucket.shards, bucket.offsets, strict=True)
@@ -650,6 +709,7 @@ class ZeroOptimizer:
                 unfinished: ``step()`` again finishes it, see [Note: a failed
                 CPU update in ZeRO]).
         """
+        mark_stepped(self._user)  # See [Note: the user's hyperparameters]
         if self._unfinished:  # the last step's update failed: finishing it is this step
             self.wait_updates()
             self._unfinished = False
@@ -664,6 +724,8 @@ class ZeroOptimizer:
                 "instead of loss.backward() (this step's gradients were dropped)"
             )
         self.wait_updates()  # the last step's, when no forward ran since
+        for bucket in self.buckets:  # updates started in backward read the masters already
+            self._adopt_writes(bucket.shards, dropping_update=bucket in self._early)
         self._scaled_backward = False
         with phase("zerostack::reduce"):
             device_norm_sq = self._finish_reduction()
@@ -791,6 +853,50 @@ class ZeroOptimizer:
                 if bucket.copied is not None:
                     bucket.copied.synchronize()
                 self._refresh_host(bucket)
+        self._versions = [s.param._version for s in self.shards]
+
+    @torch.no_grad()
+    def _adopt_writes(self, shards: list[_Shard], dropping_update: bool = False) -> None:
+        """Parameters written in place since this optimizer last wrote them
+        become their masters' values. See [Note: parameters written in place].
+
+        [Note: parameters written in place] A user who writes a parameter
+        (``p.mul_()``, ``p.copy_()``, ``module.load_state_dict``, an embedding's
+        ``max_norm``) expects the next step to start from it, as with a torch
+        optimizer; the fp32 master would write the old value back. Every write
+        bumps the tensor's version counter, so each parameter's counter is
+        kept after this optimizer's own writes (the write-back,
+        ``masters_written``) and a parameter whose counter moved has this
+        rank's piece copied into its master (and its pinned copy) before its
+        next update: at ``step()``, or when its CPU update starts in backward.
+        A write that comes after the update of that step started (between
+        ``step()`` and the write-back of a deferred CPU update, or after an
+        update started in backward) replaces the update's result for that
+        parameter, with a warning."""
+        dropped = []
+        for s in shards:
+            if s.param._version == self._versions[s.index]:
+                continue
+            start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
+            s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
+            bucket = self._bucket_of[s.index]
+            if bucket.host_params is not None:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()  # the last H2D copy out of host_params
+                off = self._offset_of[s.index]
+                bucket.host_params[off : off + s.piece].copy_(s.master)
+            self._versions[s.index] = s.param._version
+            dropped.append(s.name)
+        if dropped and dropping_update and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn(
+                f"{_API}: parameters written in place after their update of this step had "
+                f"started (got {dropped[:3]}): the written values are kept and that update "
+                "is dropped for them; with cpu_offload call wait_updates() after step() "
+                "before writing parameters, and write them before backward",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
@@ -831,6 +937,8 @@ class ZeroOptimizer:
         stream = self._pipe.stream if self._pipe is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         dtype, total = bucket.shards[0].param.dtype, bucket.piece_total
+        if not from_masters:  # a write since step(): see [Note: parameters written in place]
+            self._adopt_writes(bucket.shards, dropping_update=True)
         with phase("zerostack::gather"), ctx:
             mine = self._ring("gather_in", dtype, 1).take(total)
             if bucket.host_params is not None:
@@ -853,14 +961,42 @@ class ZeroOptimizer:
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 n = s.param.numel()
                 s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+                self._versions[s.index] = s.param._version
             if bucket.written is not None:
                 bucket.written.record(stream)
 
+    # [Note: dropping a batch] After an exception in forward or backward
+    # that the user catches, optimizer.zero_grad() drops the batch: the steps
+    # that follow equal, bitwise, those of a run that never saw it. A forward
+    # changes nothing but activations and gathered copies; a backward leaves
+    # gradients (in the parameters, the buckets, GeminiDDP's chunks, where a
+    # reduced gradient sits in place of the parameter shard until the step)
+    # and reductions in flight, which zero_grad() waits for and drops. What
+    # cannot be dropped is an optimizer update that began: with cpu_offload
+    # and overlap_cpu_step, and neither clipping nor an fp16 loss scale, a
+    # CPU-held bucket (chunk) is updated as soon as its gradient is reduced,
+    # during backward. zero_grad() cancels those that have not begun and
+    # raises for those that have (keeping their result, so the model stays
+    # consistent), saying to reload the last checkpoint. Collectives: every
+    # rank must catch the exception at the same point (as with torch's DDP);
+    # a rank alone leaves the others in a collective until the timeout.
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending). CPU
         updates still running keep what they read; the failed updates of an
-        unfinished step are dropped (their parameters keep their values)."""
+        unfinished step are dropped (their parameters keep their values).
+
+        After an exception in forward or backward that the caller caught
+        (on every rank), this drops the batch: the steps that follow are
+        those of a run that never saw it. See [Note: dropping a batch].
+
+        Raises:
+            RuntimeError: CPU updates that backward started (``cpu_offload``
+                with ``overlap_cpu_step``, no clipping, no fp16 loss scale)
+                had begun: they cannot be taken back, their buckets took the
+                batch's step. Everything else is dropped; reload the last
+                checkpoint to go on as if the batch had never run.
+        """
         if self._unfinished:
             dropped = self._pipe.drop_failed()
             logger.warning(
@@ -869,17 +1005,16 @@ class ZeroOptimizer:
             )  # fmt: skip
             self._unfinished = False
             self.wait_updates()
+        begun: list[int] = []
         if self._early:
-            # Updates started in backward cannot be taken back: they count as
-            # the step (see overlap_cpu_step); their parameters come at the next forward.
-            logger.warning(
-                "%s.zero_grad: %d buckets' CPU updates started in backward before this "
-                "zero_grad() without a step(); they are applied", _API, len(self._early),
-            )  # fmt: skip
-            if self._pipe.stream is not None:
-                self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._pipe.round_open = True
-            self._pipe.adopt_early()
+            # See [Note: dropping a batch]: the updates that have not begun
+            # are cancelled; those that have are written back as they are.
+            begun = self._pipe.cancel_early()
+            if begun:
+                if self._pipe.stream is not None:
+                    self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._pipe.round_open = True
+                self._pipe.adopt_early()
             self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
@@ -890,6 +1025,18 @@ class ZeroOptimizer:
         self._next_bucket = 0
         self._in_flight = None
         self._accumulated = False
+        self._scaled_backward = self._unscaled = False
+        if begun:
+            raise RuntimeError(
+                f"{_API}.zero_grad: the CPU updates of buckets {begun} (in write-back order) "
+                "began during the backward of the batch being dropped (cpu_offload with "
+                "overlap_cpu_step updates a bucket as soon as its gradient is reduced, when "
+                "there is no clipping and no fp16 loss scale) and cannot be taken back: those "
+                "buckets took the batch's step, the others did not. Reload the last checkpoint "
+                "(booster.load_model and load_optimizer, or load_state) to go on as if the batch "
+                "had never run; with overlap_cpu_step=False or max_norm > 0 a batch can always "
+                "be dropped"
+            )
 
     # -- state ---------------------------------------------------------------------
 
