@@ -6,6 +6,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -567,7 +568,7 @@ class GeminiOptimizer:
         else:
             values.copy_(master)
 
-    def _save_slices(self, params: list[torch.Tensor]) -> dict[int, list]:
+    def _save_slices(self, params: Sequence[torch.Tensor]) -> dict[int, list]:
         """Copies of ``params``' elements in this rank's master shards and
         states, by pair index."""
         saved: dict[int, list] = {}
@@ -758,7 +759,7 @@ def _host_hint(module: GeminiDDP) -> str:
         )
     if module.config.auto:
         return f"placement_policy='auto' planned every optimizer chunk on the compute device; {fix}"
-    frac = module.config.placement.offload_optim_frac
+    frac = module.config.placement.offload_optim_frac  # type: ignore[union-attr]  # static here
     return (
         f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
     )

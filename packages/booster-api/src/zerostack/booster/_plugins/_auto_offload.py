@@ -68,7 +68,7 @@ class AutoOffloadModel(ModelWrapper):
         refuse_moves(self._API, _API, fn, [*module.parameters(), *module.buffers()])
         return self
 
-    def state_dict(
+    def state_dict(  # type: ignore[override]  # torch.nn.Module.state_dict, whole-model
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, torch.Tensor]:
         """The fp32 masters and buffers keyed as torch keys a wrapped module

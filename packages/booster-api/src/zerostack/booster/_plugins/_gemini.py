@@ -122,7 +122,7 @@ class GeminiModel(ModelWrapper):
         refuse_moves(self._API, _API, fn, [*self.module.params, *self.unwrap().buffers()])
         return self
 
-    def state_dict(
+    def state_dict(  # type: ignore[override]  # torch.nn.Module.state_dict, whole-model
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, torch.Tensor]:
         """The whole model (fp32 parameters from the masters, buffers) keyed

@@ -497,7 +497,7 @@ class LowLevelZeroPlugin(Plugin):
         """
         if self.deepspeed is not None:
             batch_size = self.deepspeed.loader_batch_size(batch_size)
-        return super().prepare_dataloader(dataset, batch_size, *args, **kwargs)
+        return super().prepare_dataloader(dataset, batch_size, *args, **kwargs)  # type: ignore[arg-type]
 
     def supported_precisions(self) -> list[str]:
         return list(_DTYPES)
