@@ -63,6 +63,11 @@ def _meta(folder: str) -> dict:
     return tomllib.loads((ROOT / "packages" / folder / "pyproject.toml").read_text())["project"]
 
 
+def _module_name(folder: str) -> str:
+    """The package's import name under the namespace (fused_adam for fused-adam)."""
+    return next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
+
+
 def _dist_to_folder() -> dict[str, str]:
     return {_meta(f)["name"]: f for f in PACKAGES}
 
@@ -352,6 +357,11 @@ def _install_packages(
     _check_installed(session, "python", closure)
 
 
+# mypy reads torch's annotations from the torch this session links in (see
+# _install_torch); the packages' sources are checked in place, not installed.
+MYPY = "mypy==2.4.1"
+
+
 def _check_not_importable(session: nox.Session, module: str) -> None:
     """`module` does not import in the session's environment (e.g. a dev-only
     package that what the session runs must not need)."""
@@ -367,12 +377,20 @@ def _check_not_importable(session: nox.Session, module: str) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole repository,
     tools/check_words.py (no internal vocabulary in code, docs and errors),
-    and tools/release.py check (a package changed since its last release has
-    a new version and a changelog heading for it)."""
-    session.install("ruff")
+    tools/release.py check (a package changed since its last release has a
+    new version and a changelog heading for it), and mypy ([tool.mypy] in
+    pyproject.toml) over every package's sources and over
+    tools/typing_check.py, a user's script over the public API, so that a
+    signature a user's type checker would reject fails here."""
+    session.install("ruff", MYPY)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", "tools/check_words.py")
+    _install_torch(session)
+    sources = [str(ROOT / "packages" / f / "src") for f in PACKAGES]
+    session.run(
+        "mypy", *sources, "tools/typing_check.py", env={"MYPYPATH": os.pathsep.join(sources)}
+    )
     session.install("packaging")  # tools/release.py: versions bumped with their changes
     session.run("python", "tools/release.py", "check")
 
@@ -544,8 +562,10 @@ def _readme_install_snippet(session: nox.Session, folder: str) -> str:
 
 
 def _check_wheel_contents(session: nox.Session, out: Path) -> None:
-    """Every wheel keeps the PEP 420 namespace (no zerostack/__init__.py) and
-    its __about__.py; fused-adam's carries its compiled CPU kernel."""
+    """Every wheel keeps the PEP 420 namespace (no zerostack/__init__.py), its
+    __about__.py and its py.typed (PEP 561: a user's type checker reads the
+    package's annotations only with it); fused-adam's carries its compiled CPU
+    kernel."""
     problems = []
     for folder in PACKAGES:
         name = _meta(folder)["name"].replace("-", "_")
@@ -556,8 +576,10 @@ def _check_wheel_contents(session: nox.Session, out: Path) -> None:
         files = zipfile.ZipFile(wheels[0]).namelist()
         if "zerostack/__init__.py" in files:
             problems.append(f"{wheels[0].name}: ships zerostack/__init__.py (breaks the namespace)")
-        if not any(f.startswith("zerostack/") and f.endswith("/__about__.py") for f in files):
-            problems.append(f"{wheels[0].name}: no zerostack/<name>/__about__.py")
+        module = _module_name(folder)
+        for required in ("__about__.py", "py.typed"):
+            if f"zerostack/{module}/{required}" not in files:
+                problems.append(f"{wheels[0].name}: no zerostack/{module}/{required}")
         if folder == "fused-adam" and not any(
             f.startswith("zerostack/fused_adam/_adam_cpu") and f.endswith(".so") for f in files
         ):
@@ -600,7 +622,7 @@ def build(session: nox.Session) -> None:
         session.run(python, "-m", "pip", "install", "--quiet", "--find-links", str(out), name,
                     external=True)  # fmt: skip
         _check_installed(session, python, [folder, *_zerostack_deps(folder, extras=False)])
-        module = "zerostack." + next((ROOT / "packages" / folder / "src/zerostack").iterdir()).name
+        module = "zerostack." + _module_name(folder)
         snippet = tmp / f"{folder}_install.py"
         snippet.write_text(
             f"from {module} import *  # noqa: F403\n" + _readme_install_snippet(session, folder)

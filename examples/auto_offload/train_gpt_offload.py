@@ -30,7 +30,13 @@ except ImportError as error:  # ColossalAI's demo trains transformers' GPT-2
         "train_gpt_offload.py: needs transformers: pip install transformers"
     ) from error
 
-from zerostack.auto_offload import AMPOptimizer, HardwareProfile, memory_optimize, plan_offload
+from zerostack.auto_offload import (
+    AMPOptimizer,
+    HardwareProfile,
+    memory_optimize,
+    parameter_size,
+    plan_offload,
+)
 from zerostack.fused_adam import HybridAdam
 
 # ColossalAI's model table: (hidden size, layers, attention heads).
@@ -69,15 +75,6 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def smoke_profile() -> HardwareProfile:
-    """Rates of a plausible GPU, for planning on a CPU (--smoke)."""
-    return HardwareProfile.from_dict(dict(
-        device_name="smoke", device_memory_bytes=16 << 30, h2d_bandwidth={4096: 2e9, 1 << 26: 2.5e10},
-        d2h_bandwidth={4096: 2e9, 1 << 26: 2.5e10}, gemm_flops={"float16": 3e14, "bfloat16": 3e14},
-        memory_bandwidth=2e12, kernel_launch_s=5e-6,
-    ))  # fmt: skip
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,7 +100,7 @@ def build(args, device):
     model = GPTLMModel(*MODELS[args.model_type], vocab=vocab)
     ids = torch.randint(0, DATA_VOCAB, (args.batch_size, SEQ_LEN))
     batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
-    param_mb = sum(p.numel() for p in model.parameters()) * 2 / 1024**2
+    param_mb = parameter_size(model) / 1024**2 / 2  # fp32 now, half once optimized
     print(f"init_param_size={param_mb:.3f} MB | model_type={args.model_type}")
     return model, batch, param_mb
 
@@ -111,7 +108,7 @@ def build(args, device):
 def offloaded(args, model, batch, device):
     """memory_optimize + AMPOptimizer; prints the solver's time and prediction.
     Returns the forward+backward and the step closures."""
-    profile = smoke_profile() if args.smoke else HardwareProfile.measure(device)
+    profile = HardwareProfile.measure(device)  # the CPU's too (--smoke), once per process
     budget = args.memory_budget * 1024**3
     if args.smoke:  # a budget halfway between the least plan and no offload
         _, rm, _ = plan_offload(copy.deepcopy(model), batch, -1, args.solver_type,

@@ -1,8 +1,10 @@
-"""HardwareProfile: built from a dict, interpolated, validated; measured only on a GPU."""
+"""HardwareProfile: built from a dict, interpolated, validated; the CPU's measured
+once per process (a GPU's in test_gpu.py)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -66,8 +68,40 @@ def test_from_dict_names_missing_and_unknown_fields():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_measure_without_cuda_says_what_to_do():
-    with pytest.raises(RuntimeError, match=r"HardwareProfile\.from_dict"):
+    with pytest.raises(RuntimeError, match=r"pass device='cpu' to measure the CPU, or .*from_dict"):
         HardwareProfile.measure()
+
+
+def _rates(p: HardwareProfile) -> list[float]:
+    curves = [*p.h2d_bandwidth.values(), *p.gemm_flops.values()]
+    curves += [v for c in p.gemm_curve.values() for v in c.values()]
+    return [*curves, p.memory_bandwidth, p.kernel_launch_s, p.backward_op_s]
+
+
+def test_the_cpu_is_measured_once_per_process_and_thread_count():
+    p = HardwareProfile.measure("cpu")
+    assert HardwareProfile.measure(torch.device("cpu")) is p  # the process's cache
+    assert p.device_name.startswith("cpu: ")
+    assert p.device_memory_bytes == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert set(p.gemm_flops) == {"float16", "bfloat16", "float32"} == set(p.gemm_curve)
+    assert list(p.h2d_bandwidth) == [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+    assert all(v > 0 and math.isfinite(v) for v in _rates(p))
+    # a host copy is the CPU's transfer, both ways; its memory bandwidth counts read and write
+    assert p.d2h_bandwidth == p.h2d_bandwidth
+    assert p.memory_bandwidth == 2 * p.h2d_bandwidth[1 << 24]
+    # measured, not looked up: a second measurement's timings differ
+    q = HardwareProfile.measure("cpu", refresh=True)
+    assert q is not p and HardwareProfile.measure("cpu") is q
+    assert _rates(q) != _rates(p)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)  # rates follow the thread count
+        assert HardwareProfile.measure("cpu") is not q
+    finally:
+        torch.set_num_threads(threads)
+    assert HardwareProfile.measure("cpu") is q
+    with pytest.warns(UserWarning, match="cache_dir has no effect for the CPU"):
+        assert HardwareProfile.measure("cpu", cache_dir="/nonexistent") is q
 
 
 def test_gemm_curve_for_small_matmuls():

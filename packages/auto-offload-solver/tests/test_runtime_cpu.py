@@ -163,12 +163,28 @@ def test_errors_of_amp_optimizer():
 def test_without_cuda_memory_optimize_says_what_to_do():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU-only error")
-    with pytest.raises(RuntimeError, match="pass device='cpu' and a HardwareProfile"):
+    with pytest.raises(RuntimeError, match="pass device='cpu' to exercise the plan on the CPU"):
         memory_optimize(tiny_gpt2(1), batch())
     with pytest.raises(ValueError, match="precision must be one of"):
         memory_optimize(
             tiny_gpt2(1), batch(), precision="fp8", device="cpu", profile=fake_profile()
         )
+
+
+def test_on_the_cpu_without_a_profile_it_measures_plans_and_trains():
+    from zerostack.auto_offload import HardwareProfile
+
+    inputs = batch(2, 8)
+    budget = halfway_budget(gpt2_2, "asyn")  # the peaks do not depend on the rates
+    torch.manual_seed(0)
+    losses, _, om, _ = offload_losses(
+        gpt2_2(), inputs, steps=3, precision="bf16", device="cpu", solver="asyn",
+        budget=budget, profile=None, **HYPER,
+    )  # fmt: skip
+    assert om.region_manager.profile is HardwareProfile.measure("cpu")  # measured, then cached
+    assert any(r.need_offload for r in om.regions)
+    assert om.region_manager.solver.best_ts.peak_mem <= budget * 0.95
+    assert losses[-1] < losses[0]
 
 
 def test_state_dict_round_trip():

@@ -1,6 +1,7 @@
 """launch_from_torch: under torchrun (2 processes, gloo) it joins the group,
 seeds every RNG and is idempotent; without torchrun's variables it says
-which are missing."""
+which are missing. launch: ColossalAI's `colossalai.launch` in processes the
+script starts itself (torch.multiprocessing.spawn)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from zerostack.booster import launch_from_torch
+from zerostack.booster import launch, launch_from_torch
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -23,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
     import torch.distributed as dist
-    from zerostack.booster import launch_from_torch
+    from zerostack.booster import launch, launch_from_torch
 
     torch.set_num_threads(1)
     launch_from_torch(seed=7, timeout=60)
@@ -47,6 +48,40 @@ SCRIPT = textwrap.dedent(
     assert t.item() == 3.0
     dist.destroy_process_group()
     print(f"launched rank {rank}", flush=True)
+    """
+)
+
+
+SPAWN_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    from zerostack.booster import launch
+
+    def run(rank, world_size, port):
+        torch.set_num_threads(1)
+        launch(rank=rank, world_size=world_size, host="localhost", port=port, seed=5)
+        assert dist.get_world_size() == world_size and dist.get_rank() == rank
+        assert dist.get_backend() == "gloo"  # no CUDA here
+        drawn = torch.rand(3)
+        torch.manual_seed(5)
+        assert torch.equal(drawn, torch.rand(3))
+        try:
+            launch(rank=rank, world_size=world_size, host="localhost", port=port)
+        except RuntimeError as error:
+            assert "a process group exists already" in str(error), error
+        else:
+            raise AssertionError("a second launch was accepted")
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        assert t.item() == 3.0
+        dist.destroy_process_group()
+        print(f"launched rank {rank}", flush=True)
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
     """
 )
 
@@ -80,6 +115,18 @@ def test_under_torchrun_it_joins_seeds_and_is_idempotent(tmp_path):
     assert "launched rank 0" in stdout and "launched rank 1" in stdout
 
 
+def test_launch_in_spawned_processes_joins_and_seeds(tmp_path):
+    script = tmp_path / "spawn_launch.py"
+    script.write_text(SPAWN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ENV}
+    run = subprocess.run(
+        [sys.executable, str(script), str(_free_port())], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "launched rank 0" in run.stdout and "launched rank 1" in run.stdout
+
+
 @pytest.fixture
 def no_group():
     assert not dist.is_initialized()  # the parent test process never joins a group
@@ -109,4 +156,22 @@ def test_bad_values_are_refused(monkeypatch, no_group):
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(ValueError, match=r"timeout must be > 0 seconds \(got 0\)"):
         launch_from_torch(timeout=0)
+    assert not dist.is_initialized()
+
+
+def test_launch_checks_its_arguments_before_joining(no_group):
+    ok = dict(rank=0, world_size=1, host="localhost", port=29500)
+    cases = [
+        (dict(rank=1), ValueError, r"launch: rank must be in \[0, world_size\) \(got rank=1, "),
+        (dict(rank=-1), ValueError, r"rank must be in \[0, world_size\)"),
+        (dict(port=0), ValueError, r"launch: port must be in 1\.\.65535 \(got 0\)"),
+        (dict(port="29500"), TypeError, r"launch: port must be an int \(got '29500'\)"),
+        (dict(world_size=True), TypeError, r"launch: world_size must be an int \(got True\)"),
+        (dict(host=""), TypeError, r"launch: host must be a non-empty str"),
+        (dict(local_rank=0.5), TypeError, r"launch: local_rank must be an int or None"),
+        (dict(timeout=0), ValueError, r"launch: timeout must be > 0 seconds \(got 0\)"),
+    ]
+    for change, error, match in cases:
+        with pytest.raises(error, match=match):
+            launch(**{**ok, **change})
     assert not dist.is_initialized()

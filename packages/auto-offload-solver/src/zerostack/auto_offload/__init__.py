@@ -4,7 +4,7 @@ from zerostack.auto_offload.__about__ import __version__
 from zerostack.auto_offload._amp import AMPOptimizer
 from zerostack.auto_offload._api import memory_optimize, plan_offload
 from zerostack.auto_offload._module import BaseOffloadModule
-from zerostack.auto_offload._profile import HardwareProfile
+from zerostack.auto_offload._profile import NOT_NVML, HardwareProfile
 from zerostack.auto_offload._region import Region
 from zerostack.auto_offload._region_manager import RegionManager
 from zerostack.auto_offload._runtime import (
@@ -27,9 +27,16 @@ from zerostack.auto_offload._solver import (
     SolverFactory,
     SynGreedySolver,
 )
-from zerostack.auto_offload._trace import NodeInfo, propagate, retarget_devices, trace_model
+from zerostack.auto_offload._trace import (
+    NodeInfo,
+    parameter_size,
+    propagate,
+    retarget_devices,
+    trace_model,
+)
 
 __all__ = [
+    "NOT_NVML",
     "AMPOptimizer",
     "ActivationProfile",
     "AsynGreedySolver",
@@ -49,6 +56,7 @@ __all__ = [
     "TrainingSimulator",
     "__version__",
     "memory_optimize",
+    "parameter_size",
     "plan_offload",
     "propagate",
     "region_costs",

@@ -131,7 +131,7 @@ class AMPOptimizer:
                 if has_copy_out and any(
                     m is q for g in self.optim.param_groups for q in g["params"]
                 ):
-                    self.optim.set_copy_out(m, half)
+                    self.optim.set_copy_out(m, half)  # type: ignore[attr-defined]
         self._copy_out = has_copy_out
 
     # -- the step ------------------------------------------------------------

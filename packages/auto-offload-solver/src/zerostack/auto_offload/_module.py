@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from typing import cast
 
 import torch
 import torch.fx
@@ -50,7 +51,7 @@ class BaseOffloadModule:
         self.is_sync = is_sync
         self.dtype = dtype
         self.device = device
-        self.runtime: OffloadRuntime = model.get_submodule(RUNTIME_NAME)
+        self.runtime = cast(OffloadRuntime, model.get_submodule(RUNTIME_NAME))
         self._input_names = [n.target for n in model.graph.nodes if n.op == "placeholder"]
         self._out_spec = getattr(model, "zerostack_out_spec", None)
         self.input_shapes: dict[str, tuple[int, ...]] = {}

@@ -1,26 +1,39 @@
 """HardwareProfile: what the planner needs to know about the machine, measured on it.
 
-ColossalAI looked FLOP/s up in a table of four GPUs (anything else raised
-TypeError). Here every rate is measured at first use on the device itself
-and cached per device, so any GPU works; a profile can also be built from a
-dict, which is how the solver runs on a CPU-only machine (tests).
+ColossalAI's auto-offload looked FLOP/s up in a table of four GPUs (anything
+else raised TypeError). Here every rate is measured at first use on the
+device itself and cached per device, so any GPU works. A CPU device is
+measured too (host copy rate as its "transfer", matmul FLOP/s, per-op host
+cost) once per process, in 0.3-1.2 s on a shared 2-core host, so that
+``memory_optimize(..., device="cpu")`` plans without a hand-written profile;
+a profile can also be built from a dict (one measured elsewhere).
 """
 
 from __future__ import annotations
 
 import bisect
+import importlib.util
 import json
 import logging
 import math
 import os
+import platform
 import re
+import statistics
 import time
+import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+NOT_NVML: bool = importlib.util.find_spec("pynvml") is None
+"""True when pynvml is not installed (ColossalAI's name, from its offload
+solver). The profile then takes the device's name and memory from torch;
+``pip install zerostack-auto-offload[nvml]`` brings NVML."""
 
 _LINKS = ("h2d", "d2h")
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -131,10 +144,10 @@ class HardwareProfile:
             )
         return _interpolate(getattr(self, f"{link}_bandwidth"), self._sizes[link], nbytes)
 
-    def gemm_rate(self, dtype: torch.dtype, flops: float) -> float:
+    def gemm_rate(self, dtype: torch.dtype | None, flops: float) -> float:
         """Achieved FLOP/s of a matmul of ``flops`` in ``dtype``: the measured
         curve where there is one, else the peak (the largest peak for a dtype
-        not measured)."""
+        not measured, or None)."""
         name = str(dtype).removeprefix("torch.")
         if name in self.gemm_curve:
             return _interpolate(self.gemm_curve[name], self._sizes[f"gemm:{name}"], flops)
@@ -150,7 +163,7 @@ class HardwareProfile:
         self,
         flops: float,
         bytes_moved: float,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         kernels: int = 1,
         backward: bool = False,
     ) -> float:
@@ -212,21 +225,39 @@ class HardwareProfile:
         """Measure ``device`` (default: the current CUDA device), or read the
         cached measurement of that very device.
 
+        A CPU device is measured in this process (host memcpy rate by size as
+        both transfer directions and as the memory bandwidth, matmul FLOP/s
+        per dtype by size, the host cost per op in forward and backward; its
+        total memory is the host's) and kept for the process's later calls
+        at the same ``torch.get_num_threads()``; nothing is written to disk,
+        since a host's rates change with its load.
+
         Args:
-            device: a CUDA device. Default: ``torch.cuda.current_device()``.
-            cache_dir: where the per-device JSON lives. Default:
+            device: a CUDA device or ``"cpu"``. Default:
+                ``torch.cuda.current_device()``.
+            cache_dir: where a CUDA device's JSON lives. Default:
                 ``$ZEROSTACK_CACHE_DIR/auto_offload`` or ``~/.cache/zerostack/auto_offload``.
-            refresh: measure again even when a cached file exists. Default False.
+                No effect for the CPU (warns).
+            refresh: measure again even when a cached measurement exists. Default False.
 
         Raises:
-            RuntimeError: no CUDA device (pass a profile instead, e.g.
-                ``HardwareProfile.from_dict``).
+            RuntimeError: no device given and no CUDA device (pass ``"cpu"``,
+                or a profile measured elsewhere through ``HardwareProfile.from_dict``).
         """
+        if device is not None and torch.device(device).type == "cpu":
+            if cache_dir is not None:
+                warnings.warn(
+                    "HardwareProfile.measure: cache_dir has no effect for the CPU (its profile is "
+                    "measured once per process and not written); leave cache_dir out",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return _cpu_profile(refresh)
         if not torch.cuda.is_available():
             raise RuntimeError(
-                "HardwareProfile.measure: no CUDA device; build the profile with "
-                "HardwareProfile.from_dict(...) (e.g. one measured on the GPU machine) to plan on "
-                "a CPU-only machine"
+                "HardwareProfile.measure: no CUDA device; pass device='cpu' to measure the CPU, or "
+                "build the profile with HardwareProfile.from_dict(...) (e.g. one measured on the "
+                "GPU machine)"
             )
         index = None if device is None else torch.device(device).index
         device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
@@ -290,7 +321,7 @@ def _cache_path(cache_dir, name: str, uuid: str, device: torch.device) -> Path:
     return root / f"{key}.json"
 
 
-def _time_cuda(fn, repeat: int, warmup: int = 2) -> float:
+def _time_cuda(fn: Callable[..., object], repeat: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -315,7 +346,7 @@ def _measure_rates(device: torch.device) -> dict:
             curves["h2d"][n], curves["d2h"][n] = n / h2d, n / d2h
         other = torch.empty_like(dev)
         hbm = 2 * dev.numel() / _time_cuda(lambda: other.copy_(dev), 10)
-        host = dev = other = None  # free them before the matmuls
+        host = dev = other = None  # type: ignore[assignment]  # free them before the matmuls
         gemm, gemm_curve = {}, {}
         for name in _DTYPES:
             dt = getattr(torch, name)
@@ -327,7 +358,7 @@ def _measure_rates(device: torch.device) -> dict:
                 repeat = max(20, 2**37 // flops)
                 curve[flops] = flops / _time_cuda(lambda a=a, b=b: a @ b, repeat)
             gemm_curve[name], gemm[name] = curve, max(curve.values())
-            a = b = None
+            a = b = None  # type: ignore[assignment]
         launch, backward = _host_op_costs(device)
         torch.cuda.empty_cache()
     return dict(
@@ -337,7 +368,9 @@ def _measure_rates(device: torch.device) -> dict:
     )  # fmt: skip
 
 
-def _host_op_costs(device: torch.device, ops: int = 200) -> tuple[float, float]:
+def _host_op_costs(
+    device: torch.device, ops: int = 200, timer: Callable[..., float] = _time_cuda
+) -> tuple[float, float]:
     """Host seconds per op of a chain of tiny ops under autograd: forward
     (dispatch, graph recording, launch) and backward (the engine's node and
     its launches). Small ops are bound by these, not by the GPU."""
@@ -352,6 +385,93 @@ def _host_op_costs(device: torch.device, ops: int = 200) -> tuple[float, float]:
     def forward_backward():
         forward().sum().backward()
 
-    fwd = _time_cuda(forward, 20, warmup=5)
-    both = _time_cuda(forward_backward, 20, warmup=5)
+    fwd = timer(forward, 20, warmup=5)
+    both = timer(forward_backward, 20, warmup=5)
     return fwd / ops, max(both - fwd, 0.0) / ops
+
+
+# -- the CPU -----------------------------------------------------------------
+
+# The CPU's profile by torch.get_num_threads(): measured once per process.
+_CPU_PROFILES: dict[int, HardwareProfile] = {}
+
+
+def _cpu_profile(refresh: bool = False) -> HardwareProfile:
+    threads = torch.get_num_threads()
+    if refresh or threads not in _CPU_PROFILES:
+        start = time.perf_counter()
+        _CPU_PROFILES[threads] = HardwareProfile(
+            device_name=_cpu_name(threads), device_memory_bytes=_host_memory_bytes(),
+            **_measure_cpu_rates(),
+        )  # fmt: skip
+        logger.info(
+            "auto_offload: measured the CPU in %.2f s (%d threads)",
+            time.perf_counter() - start, threads,
+        )  # fmt: skip
+    return _CPU_PROFILES[threads]
+
+
+def _cpu_name(threads: int) -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                model,
+            )
+    except OSError:
+        pass
+    return f"cpu: {model} ({threads} threads)"
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError) as err:
+        raise RuntimeError(
+            f"HardwareProfile.measure: cannot read this host's memory size ({err}); build the "
+            "profile with HardwareProfile.from_dict(...) instead"
+        ) from err
+
+
+def _time_cpu(fn: Callable[..., object], repeat: int = 3, warmup: int = 1) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` batches of at least
+    ~1 ms each (a shared host's hiccups move the mean, not the median)."""
+    for _ in range(warmup):
+        fn()
+    start = time.perf_counter()
+    fn()
+    calls = max(1, int(1e-3 / max(time.perf_counter() - start, 1e-9)))
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+def _measure_cpu_rates() -> dict:
+    """Host copy rate from 4 KiB to 16 MiB, matmul FLOP/s per dtype at two
+    sizes, the host cost per op: 0.3-1.2 s on a shared 2-core host."""
+    src = torch.ones(1 << 24, dtype=torch.uint8)  # touched: no page faults in the timing
+    dst = torch.zeros_like(src)
+    copy: dict[int, float] = {}
+    for exp in (12, 16, 20, 24):
+        n = 1 << exp
+        copy[n] = n / _time_cpu(lambda n=n: dst[:n].copy_(src[:n]), repeat=5)
+    gemm, gemm_curve = {}, {}
+    for name in _DTYPES:
+        dt = getattr(torch, name)
+        b = torch.randn(512, 512, dtype=dt)
+        curve = {}
+        for rows in (32, 512):  # (rows x 512) @ (512 x 512)
+            a = torch.randn(rows, 512, dtype=dt)
+            flops = 2 * rows * 512 * 512
+            curve[flops] = flops / _time_cpu(lambda a=a, b=b: a @ b)
+        gemm_curve[name], gemm[name] = curve, max(curve.values())
+    launch, backward = _host_op_costs(torch.device("cpu"), timer=_time_cpu)
+    return dict(
+        h2d_bandwidth=copy, d2h_bandwidth=dict(copy), gemm_flops=gemm, gemm_curve=gemm_curve,
+        memory_bandwidth=2 * copy[1 << 24], kernel_launch_s=launch, backward_op_s=backward,
+    )  # fmt: skip

@@ -35,23 +35,20 @@ class ActivationProfile:
     def __init__(self, nodes: Sequence[NodeInfo]) -> None:
         n = len(nodes)
         last_read = list(range(n))
-        saved_until = [None] * n  # backward of this node frees the storage
+        saved_until: list[int | None] = [None] * n  # backward of this node frees the storage
         for info in nodes:
             for i in info.inputs:
                 last_read[i] = max(last_read[i], info.index)
             for i in info.saves:
-                saved_until[i] = (
-                    info.index if saved_until[i] is None else min(saved_until[i], info.index)
-                )
+                until = saved_until[i]
+                saved_until[i] = info.index if until is None else min(until, info.index)
         for info in nodes:
             if info.is_output:
                 saved_until[info.index] = min(saved_until[info.index] or info.index, info.index)
         free_fwd: list[list[int]] = [[] for _ in range(n)]
         free_bwd: list[list[int]] = [[] for _ in range(n)]
-        for i in range(n):
-            (
-                free_bwd[saved_until[i]] if saved_until[i] is not None else free_fwd[last_read[i]]
-            ).append(i)
+        for i, until in enumerate(saved_until):
+            (free_bwd[until] if until is not None else free_fwd[last_read[i]]).append(i)
         self.fwd = [0] * n
         self.bwd = [0] * n
         mem = 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx
@@ -26,6 +27,19 @@ from torch.utils.flop_counter import FlopCounterMode
 
 _PLACEHOLDER = -1  # owner index of storages that belong to inputs, params and buffers
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def parameter_size(module: torch.nn.Module) -> int:
+    """Bytes of ``module``'s parameters in their current dtypes, each shared
+    parameter once: ColossalAI's ``colossalai.fx.profiler.parameter_size``.
+
+    Args:
+        module: any ``nn.Module``.
+
+    Returns:
+        The sum of ``numel() * element_size()`` over ``module.parameters()``.
+    """
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 @dataclass(slots=True)
@@ -116,7 +130,7 @@ def _plain_calling(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     gm._forward_pre_hooks_with_kwargs.clear()
     gm._forward_hooks.clear()
     gm._forward_hooks_always_called.clear()
-    gm.zerostack_out_spec = out_spec
+    gm.zerostack_out_spec = out_spec  # type: ignore[assignment]  # an attribute of ours
     gm.recompile()
     return gm
 
@@ -156,7 +170,7 @@ def _meta_like(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return out.requires_grad_(requires_grad) if t.is_floating_point() else out
 
 
-def _fetch_attr(gm: torch.nn.Module, target: str):
+def _fetch_attr(gm: torch.nn.Module, target: Any):  # a get_attr node's target: a str
     obj = gm
     for atom in target.split("."):
         obj = getattr(obj, atom)
@@ -169,7 +183,7 @@ class _Propagator:
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
-        self.env: dict[torch.fx.Node, object] = {}
+        self.env: dict[torch.fx.Node, Any] = {}
         self.owner: dict[int, int] = {}  # storage key -> owning compute node (or _PLACEHOLDER)
         self.params: dict[torch.fx.Node, torch.nn.Parameter] = {}
         self.infos: list[NodeInfo] = []
@@ -313,10 +327,11 @@ def _regrad(t):
 def _callable(gm: torch.fx.GraphModule, node: torch.fx.Node):
     if node.op == "call_function":
         return node.target
+    target: Any = node.target  # a str for these two ops
     if node.op == "call_module":
-        return gm.get_submodule(node.target)
+        return gm.get_submodule(target)
     if node.op == "call_method":
-        return lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)
+        return lambda self_, *a, **k: getattr(self_, target)(*a, **k)
     raise AssertionError(f"auto_offload: node {node.name} has op {node.op}")
 
 

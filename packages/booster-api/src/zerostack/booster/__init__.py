@@ -7,7 +7,7 @@ from zerostack.booster._booster import Booster
 from zerostack.booster._checkpoint import CheckpointIO
 from zerostack.booster._checkpoint_errors import CheckpointCorruptError, CheckpointSaveError
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
-from zerostack.booster._launch import launch_from_torch
+from zerostack.booster._launch import launch, launch_from_torch
 from zerostack.booster._plugins import (
     AutoOffloadModel,
     AutoOffloadOptimizer,
@@ -52,5 +52,6 @@ __all__ = [
     "TorchDDPOptimizer",
     "TorchDDPPlugin",
     "__version__",
+    "launch",
     "launch_from_torch",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast, overload
 
 import torch
 from torch import nn
@@ -86,7 +86,8 @@ class Booster:
         else:
             device = _check_device(device)
         self.device = device
-        self.plugin = plugin if plugin is not None else DefaultPlugin(device)
+        # Without a plugin, device went through _check_device above.
+        self.plugin = plugin if plugin is not None else DefaultPlugin(cast(torch.device, device))
         if mixed_precision is not None and self.plugin.control_precision():
             warnings.warn(
                 f"{_API}: mixed_precision={mixed_precision!r} has no effect: "
@@ -107,14 +108,53 @@ class Booster:
 
     # -- training -------------------------------------------------------------------
 
+    # The overloads tell a type checker that what was passed comes back
+    # wrapped, and None stays None: the usual call passes an optimizer (and a
+    # criterion), whose results then need no None check.
+    @overload
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: Callable[..., Any],
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper, Callable[..., Any], Any, Any]: ...
+    @overload
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper, None, Any, Any]: ...
+    @overload
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: None = None,
+        criterion: None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, None, None, Any, Any]: ...
+    @overload
     def boost(
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        criterion: Callable | None = None,
+        criterion: Callable[..., Any] | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
-    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, Any, Any]:
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable[..., Any] | None, Any, Any]: ...
+    def boost(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        criterion: Callable[..., Any] | None = None,
+        dataloader: Any = None,
+        lr_scheduler: Any = None,
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable[..., Any] | None, Any, Any]:
         """Wrap the model and optimizer for the plugin.
 
         Build the optimizer (and lr scheduler) on ``model.parameters()``
@@ -156,14 +196,14 @@ class Booster:
             _own_parameters(model, optimizer)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _exit.register()  # See [Note: exit code under gloo]
-        model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
+        wrapped, boosted, criterion, dataloader, lr_scheduler = self.plugin.configure(
             model, optimizer, criterion, dataloader, lr_scheduler
         )
         if self.mixed_precision is not None:
-            model, optimizer, criterion = self.mixed_precision.configure(
-                model, optimizer, criterion
+            wrapped, boosted, criterion = self.mixed_precision.configure(
+                wrapped, boosted, criterion
             )
-        return model, optimizer, criterion, dataloader, lr_scheduler
+        return wrapped, boosted, criterion, dataloader, lr_scheduler
 
     def backward(self, loss: torch.Tensor, optimizer: OptimizerWrapper) -> None:
         """``loss.backward()`` as the plugin needs it (loss scaling, hooks).

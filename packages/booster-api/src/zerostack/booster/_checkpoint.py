@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -296,7 +297,7 @@ class CheckpointIO:
             return
         if use_safetensors:
             file_name, index_name = files.SAFE_WEIGHTS_NAME, files.SAFE_WEIGHTS_INDEX_NAME
-            write = files.write_safetensors
+            write: Callable[..., None] = files.write_safetensors
         else:
             file_name, index_name = files.WEIGHTS_NAME, files.WEIGHTS_INDEX_NAME
             write = files.write_torch
@@ -672,7 +673,7 @@ class CheckpointIO:
         return path
 
 
-def _supports(obj: Any, base: type) -> bool:
+def _supports(obj: Any, base: Any) -> bool:
     """True when the wrapper implements the per-rank sharded state."""
     return type(obj).sharded_state_dict is not base.sharded_state_dict
 

@@ -134,7 +134,7 @@ def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
         t = tensors[name].detach().cpu().contiguous()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     return digest.hexdigest()
 
 

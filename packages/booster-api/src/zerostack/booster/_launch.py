@@ -1,5 +1,7 @@
-"""launch_from_torch: join the process group torchrun describes, pick the
-rank's GPU and seed every RNG, as ColossalAI's ``colossalai.launch_from_torch``."""
+"""launch_from_torch / launch: join a process group (torchrun's, or one
+described by rank, world size, host and port), pick the rank's GPU and seed
+every RNG, as ColossalAI's ``colossalai.launch_from_torch`` and
+``colossalai.launch``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import logging
 import os
 import random
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,7 +71,7 @@ def launch_from_torch(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     _set_device(local_rank)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = _timedelta(timeout)
     dist.init_process_group(
@@ -79,6 +82,89 @@ def launch_from_torch(
     logger.info(
         "%s: rank %d of %d (local rank %d), backend %s, seed %d",
         _API, rank, world_size, local_rank, backend, seed,
+    )  # fmt: skip
+
+
+def launch(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    backend: str | None = None,
+    local_rank: int | None = None,
+    seed: int = 1024,
+    verbose: bool = True,
+    timeout: float | timedelta | None = None,
+) -> None:
+    """Initialise torch.distributed for a process that knows its rank, as
+    ColossalAI's ``colossalai.launch`` (the processes started by the script
+    itself, e.g. ``torch.multiprocessing.spawn``; under torchrun use
+    :func:`launch_from_torch`).
+
+    Calls ``init_process_group`` with ``tcp://host:port`` (an IPv6 host is
+    bracketed), makes ``local_rank`` the current CUDA device when CUDA is
+    present, and seeds Python's ``random``, numpy's global RNG (when numpy
+    is installed) and torch with ``seed``.
+
+    Args:
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: the number of processes.
+        host: the address of rank 0.
+        port: a free port on ``host``.
+        backend: the process-group backend. Default None: "nccl" when CUDA is
+            available, else "gloo". (ColossalAI's default is "nccl", and it
+            replaces the argument with its accelerator's backend.)
+        local_rank: the CUDA device of this process. Default None:
+            ``rank % torch.cuda.device_count()``.
+        seed: the seed of every RNG. Default 1024.
+        verbose: log the group at INFO (else DEBUG). Default True.
+        timeout: the process group's timeout, in seconds or as a timedelta.
+            Default None: torch's default.
+
+    Raises:
+        TypeError: ``rank``, ``world_size``, ``port`` or ``local_rank`` is
+            not an int, or ``host`` not a str.
+        ValueError: ``rank`` outside ``[0, world_size)``, a port outside
+            1..65535, ``local_rank`` names no CUDA device, or ``timeout`` is
+            not positive.
+        RuntimeError: a process group exists already.
+    """
+    api = "launch"
+    for name, value in (("rank", rank), ("world_size", world_size), ("port", port)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{api}: {name} must be an int (got {value!r})")
+    if local_rank is not None and (isinstance(local_rank, bool) or not isinstance(local_rank, int)):
+        raise TypeError(f"{api}: local_rank must be an int or None (got {local_rank!r})")
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"{api}: host must be a non-empty str (got {host!r}); e.g. 'localhost'")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"{api}: rank must be in [0, world_size) (got rank={rank}, world_size={world_size})"
+        )
+    if not 0 < port < 65536:
+        raise ValueError(f"{api}: port must be in 1..65535 (got {port})")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            f"{api}: a process group exists already (got world size {dist.get_world_size()}); "
+            "call launch once per process, or destroy_process_group() first"
+        )
+    kwargs: dict[str, Any] = {} if timeout is None else {"timeout": _timedelta(timeout, api)}
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if local_rank is None and torch.cuda.is_available():
+        local_rank = rank % torch.cuda.device_count()
+    _set_device(local_rank, api)
+    address = f"[{host}]" if ":" in host else host
+    dist.init_process_group(
+        backend=backend, init_method=f"tcp://{address}:{port}", rank=rank,
+        world_size=world_size, **kwargs,
+    )  # fmt: skip
+    _exit.register()  # See [Note: exit code under gloo]
+    _seed_all(seed)
+    logger.log(
+        logging.INFO if verbose else logging.DEBUG,
+        "%s: rank %d of %d (%s:%d), backend %s, seed %d",
+        api, rank, world_size, host, port, backend, seed,
     )  # fmt: skip
 
 
@@ -93,21 +179,26 @@ def _int_env(name: str) -> int:
         ) from None
 
 
-def _timedelta(timeout: float | timedelta) -> timedelta:
+def _timedelta(timeout: float | timedelta, api: str = _API) -> timedelta:
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if not seconds > 0:
-        raise ValueError(f"{_API}: timeout must be > 0 seconds (got {timeout!r})")
+        raise ValueError(f"{api}: timeout must be > 0 seconds (got {timeout!r})")
     return timedelta(seconds=seconds)
 
 
-def _set_device(local_rank: int | None) -> None:
+def _set_device(local_rank: int | None, api: str = _API) -> None:
     if local_rank is None or not torch.cuda.is_available():
         return
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:
-        raise ValueError(
-            f"{_API}: LOCAL_RANK {local_rank} names no CUDA device (got {count} devices); "
+        how = (
             "start at most one process per GPU (torchrun --nproc-per-node)"
+            if api == _API
+            else "pass local_rank=None (rank % the device count) or a device index"
+        )
+        name = "LOCAL_RANK" if api == _API else "local_rank"
+        raise ValueError(
+            f"{api}: {name} {local_rank} names no CUDA device (got {count} devices); {how}"
         )
     torch.cuda.set_device(local_rank)
 

@@ -504,7 +504,9 @@ class _Adam(torch.optim.Optimizer):
             or not isinstance(state_dict.get("state"), dict)
             or not isinstance(state_dict.get("param_groups"), list)
         ):
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            got: object = (
+                sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            )
             raise TypeError(
                 f"{api}: state_dict must be a dict with 'state' and 'param_groups' (got {got}); "
                 "pass an optimizer's state_dict()"

@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # dtypes, shapes and contiguity (_adam.py) and passes data_ptr()s here. That
 # keeps `pip install` free of torch at build time and lets one build serve
 # every torch version. The dtype codes below are the ones in csrc/*.
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 SIMD_ENV = "ZEROSTACK_CPU_ADAM_SIMD"
 THREADS_ENV = "ZEROSTACK_CPU_THREADS"
 _logged_threads: list[int] = []
@@ -65,7 +65,7 @@ def cpu_threads() -> int:
 
 
 try:
-    from zerostack.fused_adam import _adam_cpu as _cpu
+    from zerostack.fused_adam import _adam_cpu as _cpu  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - only a broken install gets here
     _cpu = None
     _cpu_error: ImportError | None = exc
@@ -73,7 +73,7 @@ else:
     _cpu_error = None
 
 try:
-    from zerostack.fused_adam import _adam_cuda as _cuda
+    from zerostack.fused_adam import _adam_cuda as _cuda  # type: ignore[attr-defined]
 except ImportError as exc:
     _cuda = None
     _cuda_error: ImportError | None = exc

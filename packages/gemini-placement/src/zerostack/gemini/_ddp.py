@@ -6,7 +6,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -28,7 +28,7 @@ from zerostack.chunk import (
     search_chunk_configuration,
     set_collective_label,
 )
-from zerostack.gemini._config import GeminiConfig
+from zerostack.gemini._config import AutoPlacementConfig, GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
 from zerostack.shard import ShardedGradient, local_grad
@@ -221,7 +221,7 @@ class GeminiDDP(nn.Module):
 
     def _make_placement(self, keep_gathered: bool) -> Placement:
         placement = self.config.placement
-        if self.config.auto:
+        if isinstance(placement, AutoPlacementConfig):  # self.config.auto
             item = torch.empty((), dtype=self.mixed_precision).element_size()
             return AutoPlacement(
                 placement, self.compute_device, keep_gathered, item, self.world_size,
@@ -232,7 +232,7 @@ class GeminiDDP(nn.Module):
     def _register_params(self, module: nn.Module, init_fn: Callable | None) -> None:
         """Pack every parameter (tied ones once) and its fp32 master into chunks."""
         self.params: list[nn.Parameter] = []
-        self.param_names: dict[nn.Parameter, str] = {}
+        self.param_names: dict[torch.Tensor, str] = {}
         self.aliases: dict[str, nn.Parameter] = {}  # every name, tied ones included
         for name, p in module.named_parameters(remove_duplicate=False):
             self.aliases[name] = p
@@ -252,7 +252,7 @@ class GeminiDDP(nn.Module):
             compute_device=self.compute_device,
             reuse_fp16_chunk=not self.accumulate,
         )
-        self.masters: dict[nn.Parameter, torch.Tensor] = {}
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
         self._total_numel = sum(p.numel() for p in self.params)
         self._seen = 0
         pin = self.config.chunk.pin_memory or (
@@ -479,7 +479,7 @@ class GeminiDDP(nn.Module):
             if info.state in _GATHERABLE:
                 chunk.trans_info_state(info, state)
 
-    def _release(self, params: list[torch.Tensor], state: TensorState) -> None:
+    def _release(self, params: Sequence[torch.Tensor], state: TensorState) -> None:
         for p in params:
             chunk = self.chunk_manager.get_chunk(p)
             if chunk.tensor_state(p) is S.COMPUTE:

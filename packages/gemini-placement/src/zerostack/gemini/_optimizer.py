@@ -6,6 +6,7 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -208,12 +209,11 @@ class GeminiOptimizer:
             return
         self._closed = True
         module = self.module
-        for callbacks, callback in zip(
-            (module.backward_end_callbacks, module.chunk_reduced_callbacks,
-             module.zero_grad_callbacks),
-            self._callbacks,
-            strict=True,
-        ):  # fmt: skip
+        lists: tuple[list[Any], list[Any], list[Any]] = (
+            module.backward_end_callbacks, module.chunk_reduced_callbacks,
+            module.zero_grad_callbacks,
+        )  # fmt: skip
+        for callbacks, callback in zip(lists, self._callbacks, strict=True):
             if callback in callbacks:
                 callbacks.remove(callback)
         ref = _OPTIMIZERS.get(module)
@@ -620,7 +620,7 @@ class GeminiOptimizer:
             own = div_scale <= 0 or self._div_scale or grad is not host_grad
             master.grad = grad if own else grad.clone()
             if self._copy_out:
-                self.optimizer.set_copy_out(master, values)
+                self.optimizer.set_copy_out(master, values)  # type: ignore[attr-defined]
             try:
                 step_with_div_scale(self.optimizer, div_scale)
             except OSError as error:
@@ -633,7 +633,7 @@ class GeminiOptimizer:
             finally:  # a failed update must not leave its gradient (or its buffer) behind
                 master.grad = None
                 if self._copy_out:
-                    self.optimizer.set_copy_out(master, None)
+                    self.optimizer.set_copy_out(master, None)  # type: ignore[attr-defined]
         _restore(saved)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
@@ -642,7 +642,7 @@ class GeminiOptimizer:
         else:
             values.copy_(master)
 
-    def _save_slices(self, params: list[torch.Tensor]) -> dict[int, list]:
+    def _save_slices(self, params: Sequence[torch.Tensor]) -> dict[int, list]:
         """Copies of ``params``' elements in this rank's master shards and
         states, by pair index."""
         saved: dict[int, list] = {}
@@ -833,7 +833,7 @@ def _host_hint(module: GeminiDDP) -> str:
         )
     if module.config.auto:
         return f"placement_policy='auto' planned every optimizer chunk on the compute device; {fix}"
-    frac = module.config.placement.offload_optim_frac
+    frac = module.config.placement.offload_optim_frac  # type: ignore[union-attr]  # static here
     return (
         f"the static placement offloads no optimizer chunk (got offload_optim_frac={frac}); {fix}"
     )
@@ -900,7 +900,7 @@ def _check_module(api: str, module: object) -> None:
         )
 
 
-def _check_wrap(optimizer: object, module: object) -> None:
+def _check_wrap(optimizer: object, module: Any) -> None:
     if isinstance(optimizer, GeminiOptimizer):
         raise TypeError(
             f"{_API}: the optimizer is a GeminiOptimizer already; wrap the torch optimizer once"

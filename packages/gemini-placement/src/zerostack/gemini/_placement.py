@@ -8,6 +8,7 @@ import bisect
 import logging
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -207,7 +208,7 @@ class AutoPlacement(Placement):
         self.prefetches = 0
         self.peak_model_bytes = 0
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
-        self._prefetched: dict[Chunk, object] = {}
+        self._prefetched: dict[Chunk, Any] = {}
         self._period_open: int | None = None
         self._model_after_gather = 0
 

@@ -274,7 +274,7 @@ class PrefetchPipeline:
         # depth slots being read, one computing, one still being written.
         self.slots = swapper._slot_buffers(self.depth + 2, max_numel) if keys else []
         self._reads: dict[int, object] = {}
-        self._writes: dict[int, object] = {}  # slot -> (key index, handle)
+        self._writes: dict[int, tuple] = {}  # slot -> (key index, handle)
         self._next_read = 0
         self._errors: list[str] = []
         self._computing: set[int] = set()  # pre_update(i) called, post_update(i) not yet

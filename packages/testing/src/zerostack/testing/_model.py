@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ class GPTConfig:
         return cls._gpt2(dict(num_layers=48, dim=1600, num_heads=25), overrides)
 
     @classmethod
-    def _gpt2(cls, shape: dict[str, object], overrides: dict[str, object]) -> GPTConfig:
+    def _gpt2(cls, shape: dict[str, Any], overrides: dict[str, Any]) -> GPTConfig:
         fields = {"vocab_size": 50257, "max_seq_len": 1024, "tie_embeddings": True, **shape}
         return cls(**{**fields, **overrides})
 
@@ -209,8 +210,9 @@ class TinyGPT(nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)  # nn.Embedding has none
+                if bias is not None:
+                    nn.init.zeros_(bias)
             elif isinstance(module, nn.LayerNorm):
                 nn.init.ones_(module.weight)
                 if module.bias is not None:

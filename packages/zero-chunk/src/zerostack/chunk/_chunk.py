@@ -6,6 +6,7 @@ import logging
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -504,7 +505,7 @@ class Chunk:
     def tensor_state(self, tensor: torch.Tensor) -> TensorState:
         return self._info("tensor_state", tensor).state
 
-    def _info(self, api: str, tensor: object) -> TensorInfo:
+    def _info(self, api: str, tensor: Any) -> TensorInfo:
         _check_tensor(f"Chunk {self.index}.{api}", tensor)
         info = self.tensors_info.get(tensor)
         if info is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
@@ -84,7 +85,7 @@ class ColoInitContext:
         self._stack = stack
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         stack, self._stack = self._stack, None
         stack.__exit__(*exc)
         if exc[0] is not None:

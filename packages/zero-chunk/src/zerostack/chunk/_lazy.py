@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -122,7 +123,7 @@ class LazyInitContext:
         self._stack = stack
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         stack, self._stack = self._stack, None
         stack.__exit__(*exc)
 

@@ -53,7 +53,7 @@ class Ref:
 
 
 def ref_of(sid: int, t: torch.Tensor) -> Ref:
-    return Ref(sid, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return Ref(sid, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -425,10 +425,10 @@ class Recorder(TorchDispatchMode):
 
 
 _GETTERS = {
-    torch.Tensor.is_meta.__get__: lambda d: False,
+    torch.Tensor.is_meta.__get__: lambda d: False,  # type: ignore[attr-defined]
     torch.Tensor.device.__get__: lambda d: d,
-    torch.Tensor.is_cuda.__get__: lambda d: d.type == "cuda",
-    torch.Tensor.is_cpu.__get__: lambda d: d.type == "cpu",
+    torch.Tensor.is_cuda.__get__: lambda d: d.type == "cuda",  # type: ignore[attr-defined]
+    torch.Tensor.is_cpu.__get__: lambda d: d.type == "cpu",  # type: ignore[attr-defined]
 }
 
 

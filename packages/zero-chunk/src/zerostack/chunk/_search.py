@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -126,7 +126,7 @@ def search_chunk_configuration(
         best = _best_chunk_size(sizes, start, start + search_range, search_interval)
         chunk_size = best + (-best % dp_size)
         keep_gathered = False
-        wasted_size = _waste(sizes, torch.tensor([chunk_size]))[0].item()
+        wasted_size = int(_waste(sizes, torch.tensor([chunk_size]))[0].item())
 
     result = ChunkSearchResult(
         config={dp_size: {"chunk_size": chunk_size, "keep_gathered": keep_gathered}},
@@ -151,7 +151,7 @@ def search_chunk_configuration(
 
 
 def _check_args(
-    model: object, search_range_m: object, search_interval: object, min_chunk_size_m: object
+    model: object, search_range_m: Any, search_interval: Any, min_chunk_size_m: Any
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(

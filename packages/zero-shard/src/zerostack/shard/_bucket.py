@@ -241,4 +241,4 @@ def pin_offload_buffers(
             view.copy_(s.master)  # the step refreshes it; params without grads keep this
             if copy_out:
                 s.copy_out = view
-                optimizer.set_copy_out(s.master, view)
+                optimizer.set_copy_out(s.master, view)  # type: ignore[attr-defined]

@@ -132,7 +132,7 @@ def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> N
     are): passed through where the optimizer takes it, else the gradients
     are divided in place first (one foreach call)."""
     if takes_div_scale(optimizer):
-        optimizer.step(div_scale=div_scale)
+        optimizer.step(div_scale=div_scale)  # type: ignore[call-overload]
         return
     if div_scale > 0:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

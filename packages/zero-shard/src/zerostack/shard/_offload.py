@@ -119,8 +119,8 @@ class OffloadPipeline:
             cuda = device.type == "cuda"
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix=_THREAD_PREFIX,
-                initializer=torch.cuda.set_device if cuda else None,
-                initargs=(device,) if cuda else (),
+                initializer=torch.cuda.set_device if cuda else None,  # type: ignore[arg-type]
+                initargs=(device,) if cuda else (),  # type: ignore[arg-type]
             )  # fmt: skip
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)

@@ -35,6 +35,7 @@ class AutoOffloadModel(ModelWrapper):
     checkpoints hold its fp32 masters by the model's names."""
 
     _API = "AutoOffloadModel"
+    module: Any  # the BaseOffloadModule (not an nn.Module)
 
     def __init__(self, offload: Any, facts: ModelFacts) -> None:
         super().__init__(offload)
@@ -67,7 +68,7 @@ class AutoOffloadModel(ModelWrapper):
         refuse_moves(self._API, _API, fn, [*module.parameters(), *module.buffers()])
         return self
 
-    def state_dict(
+    def state_dict(  # type: ignore[override]  # torch.nn.Module.state_dict, whole-model
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, torch.Tensor]:
         """The fp32 masters and buffers keyed as torch keys a wrapped module
@@ -203,7 +204,7 @@ class AutoOffloadPlugin(Plugin):
         max_norm: clip the gradient norm to this; 0 turns clipping off. Default 0.
         profile: a ``HardwareProfile`` (default: measured on the device).
         device: the compute device (default: the current CUDA device; "cpu"
-            with a ``profile`` runs the mechanics on the CPU).
+            runs the mechanics on the CPU, with the CPU's measured profile).
 
     Raises:
         ValueError: an unknown ``solver_name`` or ``precision``, or a negative
@@ -242,7 +243,7 @@ class AutoOffloadPlugin(Plugin):
         self.max_norm = max_norm
         self.profile = profile
         self.device = device
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -261,7 +262,7 @@ class AutoOffloadPlugin(Plugin):
         criterion: Callable | None = None,
         dataloader: Any | None = None,
         lr_scheduler: Any | None = None,
-    ) -> tuple[nn.Module, AutoOffloadOptimizer | None, Callable | None, Any, Any]:
+    ) -> tuple[ModelWrapper, AutoOffloadOptimizer | None, Callable | None, Any, Any]:
         """Trace, plan and rewrite ``model``; wrap ``optimizer`` in an AMPOptimizer.
 
         Raises:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from zerostack.booster._interface import OptimizerWrapper
+from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
@@ -65,7 +65,7 @@ class Plugin(ABC):
         criterion: Callable | None = None,
         dataloader: DataLoader | None = None,
         lr_scheduler: Any | None = None,
-    ) -> tuple[nn.Module, OptimizerWrapper | None, Callable | None, DataLoader | None, Any]:
+    ) -> tuple[ModelWrapper, OptimizerWrapper | None, Callable | None, DataLoader | None, Any]:
         """Wrap ``model`` and ``optimizer``; returns the 5-tuple ``boost`` returns."""
 
     def no_sync(

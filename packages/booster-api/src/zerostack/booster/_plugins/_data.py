@@ -95,7 +95,7 @@ class ResumableDataLoader(DataLoader):
     """A DataLoader that tells its :class:`StatefulDistributedSampler` how many
     samples it has yielded; see [Note: sampler position]."""
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator over it
         sampler = self.sampler
         if not isinstance(sampler, StatefulDistributedSampler):
             yield from super().__iter__()
@@ -125,7 +125,7 @@ class ResumableDataLoader(DataLoader):
 
 
 def _stateful(loader: DataLoader) -> StatefulDistributedSampler:
-    sampler = getattr(loader, "sampler", None)
+    sampler: Any = getattr(loader, "sampler", None)
     if not callable(getattr(sampler, "state_dict", None)):
         raise TypeError(
             f"dataloader: its sampler has no state_dict (got {type(sampler).__name__}); build "

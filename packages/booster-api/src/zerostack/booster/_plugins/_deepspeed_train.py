@@ -223,7 +223,7 @@ class DeepSpeedTraining:
                 )
                 if v is not None
             }
-            zero_kwargs = {**zero_kwargs, "reduce_bucket_size": bucket_elements(sizes)}
+            zero_kwargs = {**zero_kwargs, "reduce_bucket_size": bucket_elements(sizes)}  # type: ignore[arg-type]
             logger.info("%s: 'auto' bucket size of hidden size %d: %s", _API, hidden, sizes)
         if optimizer is None and s.optimizer is not None:
             optimizer = build_optimizer(s.optimizer, model.unwrap().parameters())
@@ -243,7 +243,7 @@ class DeepSpeedTraining:
         """The lr scheduler to return: stepped by the optimizer (see [Note:
         DeepSpeed gradient accumulation]); ``cpu_checkpointing``'s hooks."""
         if self.settings.cpu_checkpointing and getattr(model, "host_activations", None) is None:
-            model.host_activations = HostActivations(model.unwrap())
+            model.host_activations = HostActivations(model.unwrap())  # type: ignore[assignment]
         if isinstance(lr_scheduler, EngineSteppedScheduler):
             lr_scheduler = lr_scheduler.scheduler
         if lr_scheduler is None or not isinstance(optimizer, DeepSpeedZeroOptimizer):

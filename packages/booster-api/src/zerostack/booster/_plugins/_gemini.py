@@ -87,6 +87,7 @@ class GeminiModel(ModelWrapper):
     whose parameters are views into chunks."""
 
     _API = "GeminiModel"
+    module: GeminiDDP
 
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
@@ -121,7 +122,7 @@ class GeminiModel(ModelWrapper):
         refuse_moves(self._API, _API, fn, [*self.module.params, *self.unwrap().buffers()])
         return self
 
-    def state_dict(
+    def state_dict(  # type: ignore[override]  # torch.nn.Module.state_dict, whole-model
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, torch.Tensor]:
         """The whole model (fp32 parameters from the masters, buffers) keyed
@@ -505,12 +506,12 @@ class GeminiPlugin(Plugin):
             scatter_after_inference=scatter_after_inference,
             master_weights=master_weights,
         )
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        self.optim_kwargs = dict(
+        self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
         )
 
@@ -541,7 +542,7 @@ class GeminiPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | GeminiOptimizerWrapper | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,

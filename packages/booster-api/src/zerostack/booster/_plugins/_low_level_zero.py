@@ -438,12 +438,12 @@ class LowLevelZeroPlugin(Plugin):
         self.dtype = _DTYPES[precision]
         self.cast_inputs = cast_inputs
         self.verbose = verbose
-        self.scaler_kwargs = dict(
+        self.scaler_kwargs: dict[str, Any] = dict(
             initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
             backoff_factor=backoff_factor, growth_interval=growth_interval,
             hysteresis=hysteresis, max_scale=max_scale,
         )  # fmt: skip
-        self.zero_kwargs = dict(
+        self.zero_kwargs: dict[str, Any] = dict(
             stage=stage,
             reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
             overlap_communication=overlap_communication,
@@ -504,7 +504,7 @@ class LowLevelZeroPlugin(Plugin):
         """
         if self.deepspeed is not None:
             batch_size = self.deepspeed.loader_batch_size(batch_size)
-        return super().prepare_dataloader(dataset, batch_size, *args, **kwargs)
+        return super().prepare_dataloader(dataset, batch_size, *args, **kwargs)  # type: ignore[arg-type]
 
     def supported_precisions(self) -> list[str]:
         return list(_DTYPES)
@@ -518,7 +518,7 @@ class LowLevelZeroPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | LowLevelZeroOptimizer | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,

@@ -108,7 +108,7 @@ class TorchDDPModel(ModelWrapper):
         # outputs and never reached its end (an engine callback queued from a
         # hook on the outputs): a backward that ended with parameters DDP saw
         # no gradient for is DDP's own error and is left to it.
-        self.module.reducer._reset_state()
+        self.module.reducer._reset_state()  # type: ignore[union-attr,operator]  # DDP's Reducer
 
     def unwrap(self) -> nn.Module:
         return self.module.module if isinstance(self.module, DDP) else self.module
@@ -339,7 +339,7 @@ class TorchDDPPlugin(Plugin):
     def configure(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | TorchDDPOptimizer | None = None,
         criterion: Callable | None = None,
         dataloader: Any = None,
         lr_scheduler: Any = None,
