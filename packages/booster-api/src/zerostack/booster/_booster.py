@@ -287,7 +287,7 @@ class Booster:
                 f"{type(model.unwrap()).__name__}); pass the model boost returned with it"
             )
         check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
-        return optimizer.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
+        return optimizer.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)  # type: ignore[attr-defined]
 
     def no_sync(
         self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None

@@ -213,7 +213,7 @@ def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | N
                 buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
             if stream is not None:
                 g.record_stream(stream)
-            s.guard.local = None  # the reduced piece replaces it
+            s.guard.local = None  # type: ignore[union-attr]  # the reduced piece replaces it
             s.param.grad = s.guard
         s.ready = False
 

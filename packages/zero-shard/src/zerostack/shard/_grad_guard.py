@@ -48,6 +48,8 @@ class ShardedGradient(torch.Tensor):
     """
 
     __slots__ = ("local", "owner")
+    local: torch.Tensor | None
+    owner: str
 
     @staticmethod
     def __new__(
@@ -60,7 +62,7 @@ class ShardedGradient(torch.Tensor):
         self.owner = owner
         return self
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -88,7 +90,7 @@ class ShardedGradient(torch.Tensor):
             "gradient over every rank (and the plugin's max_norm= clips at every step)"
         )
 
-    def __repr__(self, *, tensor_contents=None) -> str:  # torch's signature
+    def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # torch's signature
         return (
             f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"device={self.device}, owner={self.owner}: the gradient lives in its shards)"
