@@ -14,6 +14,7 @@ per session on a 2-core machine, linking it takes under a second.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -38,12 +39,16 @@ CPU_ENV = {"ZEROSTACK_BUILD_CUDA": os.environ.get("ZEROSTACK_BUILD_CUDA", "0")}
 # 5.24.0 (torch >= 2.6, Python >= 3.11) installs in ~15 s: pure-Python plus
 # tokenizers, safetensors, hf-xet and regex wheels; torch is not among its deps.
 TEST_REQUIREMENTS = {
+    "zero-chunk": ["transformers==5.24.0; python_version >= '3.11'"],
     "gemini-placement": ["transformers==5.24.0; python_version >= '3.11'"],
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
+# The examples, and the DeepSpeed program of docs/migration/deepspeed.md, train
+# transformers' GPT-2 (tqdm, which two examples show, comes with it).
+EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # What CI runs, in order; `tests` requires them all (nox then reports each one).
-CI_SESSIONS = ["lint", "unit", "integration", "examples", "build", "docs"]
+CI_SESSIONS = ["lint", "unit", "compat", "integration", "examples", "build", "docs"]
 WHEELHOUSE = ROOT / ".nox" / "_dist"  # See [Note: installs as from an index]
 TORCH_HOME = ROOT / ".nox" / "_torch"
 TENSORNVME_HOME = ROOT / ".nox" / "_wheels"
@@ -209,6 +214,15 @@ def _builder(session: nox.Session) -> str:
     return str(python)
 
 
+def _build_wheels(session: nox.Session, sources: list[str], out: Path, env: dict) -> None:
+    """Wheels of package folders into `out` (emptied first), in one pip call
+    in the shared build environment."""
+    shutil.rmtree(out, ignore_errors=True)
+    session.run(_builder(session), "-m", "pip", "wheel", "--quiet", "--no-deps",
+                "--no-build-isolation", "--wheel-dir", str(out), *sources, env=env,
+                external=True)  # fmt: skip
+
+
 def _wheel_dirs(session: nox.Session, folders: list[str], env: dict) -> list[Path]:
     """One folder per package holding its wheel, built from this tree when
     its sources changed since the last build (one pip call for all)."""
@@ -216,10 +230,7 @@ def _wheel_dirs(session: nox.Session, folders: list[str], env: dict) -> list[Pat
     stale = [f for f, d in dirs.items() if not list(d.glob("*.whl"))]
     if stale:
         tmp = WHEELHOUSE / "_partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        session.run(_builder(session), "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(tmp),
-                    *[f"packages/{f}" for f in stale], env=env, external=True)  # fmt: skip
+        _build_wheels(session, [f"packages/{f}" for f in stale], tmp, env)
         for f in stale:
             name = _meta(f)["name"].replace("-", "_")
             for old in WHEELHOUSE.glob(f"{f}-*"):
@@ -311,11 +322,17 @@ def _check_installed(session: nox.Session, python: str, expected: list[str]) -> 
 
 
 def _install_packages(
-    session: nox.Session, requested: list[str], env: dict | None = None, testing: bool = True
+    session: nox.Session,
+    requested: list[str],
+    env: dict | None = None,
+    testing: bool = True,
+    oldest: dict[str, tuple[str, Path]] | None = None,
 ) -> None:
     """Install the `requested` packages (folders; each with its zerostack-only
     extras) as a user would from an index, plus zerostack-testing, the dev-only
-    helper every suite uses. See [Note: installs as from an index]."""
+    helper every suite uses. `oldest` (folder -> (version, the folder of its
+    wheel)) asks for those siblings at that version instead of this tree's.
+    See [Note: installs as from an index]."""
     env = CPU_ENV if env is None else env
     _install_torch(session)
     closure = list(dict.fromkeys(f for r in requested for f in [*_zerostack_deps(r), r]))
@@ -323,21 +340,41 @@ def _install_packages(
         closure = list(dict.fromkeys(["testing", *closure]))
     if "nvme-offload" in closure:
         _install_tensornvme(session)
-    links = [a for d in _wheel_dirs(session, closure, env) for a in ("--find-links", str(d))]
+    oldest = oldest or {}
+    dirs = [*_wheel_dirs(session, closure, env), *(d for _, d in oldest.values())]
+    links = [a for d in dirs for a in ("--find-links", str(d))]
     names = [_meta(f)["name"] for f in PACKAGES]
     # A reused environment: the new wheels carry the same versions, so drop the old ones.
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *names, silent=True)
     specs = dict.fromkeys(_spec(f) for f in [*(["testing"] if testing else []), *requested])
+    specs.update(dict.fromkeys(f"{_meta(f)['name']}=={v}" for f, (v, _) in oldest.items()))
     session.install(*links, *specs)
     _check_installed(session, "python", closure)
 
 
+def _check_not_importable(session: nox.Session, module: str) -> None:
+    """`module` does not import in the session's environment (e.g. a dev-only
+    package that what the session runs must not need)."""
+    code = (
+        f"import importlib.util, sys; spec = importlib.util.find_spec({module!r}); "
+        f"sys.exit(spec and f'{module} is importable (from {{spec.origin or "
+        f"list(spec.submodule_search_locations)}}), but this session must run without it')"
+    )
+    session.run("python", "-c", code)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
+    """ruff check and ruff format --check over the whole repository,
+    tools/check_words.py (no internal vocabulary in code, docs and errors),
+    and tools/release.py check (a package changed since its last release has
+    a new version and a changelog heading for it)."""
     session.install("ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "tools/check_words.py")
+    session.install("packaging")  # tools/release.py: versions bumped with their changes
+    session.run("python", "tools/release.py", "check")
 
 
 @nox.session
@@ -355,11 +392,63 @@ def unit(session: nox.Session, package: str) -> None:
     )
 
 
+def _release_tool():
+    """tools/release.py as a module: it decides what is released and what
+    `compat` tests."""
+    spec = importlib.util.spec_from_file_location("release_tool", ROOT / "tools" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _released_wheel_dir(session: nox.Session, record: dict) -> Path:
+    """The folder holding the wheel of a released version, built once from
+    its release commit (git archive of the package folder)."""
+    out = WHEELHOUSE / "_released" / f"{Path(record['path']).name}-{record['version']}"
+    out = out.with_name(f"{out.name}-{record['commit'][:10]}")
+    if not list(out.glob("*.whl")):
+        src = Path(session.create_tmp()).resolve() / "released"
+        shutil.rmtree(src, ignore_errors=True)
+        folder = _release_tool().export_release(record, src)
+        _build_wheels(session, [str(folder)], out, CPU_ENV)
+    return out
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """Each package's tests with its zerostack siblings at the lowest versions
+    its ranges allow (`python tools/release.py compat` lists them), each built
+    from its release commit as recorded in releases.json. Where every lowest
+    version is the current one the unit sessions test exactly that, and this
+    session says so and stops."""
+    plan = _release_tool().compat_plan()
+    if not plan:
+        session.log("every sibling range's lowest version is the current one: unit covers it")
+        return
+    for case in plan:
+        oldest = {
+            folder: (str(version), _released_wheel_dir(session, record))
+            for folder, version, record in case.oldest.values()
+        }
+        session.log(f"{case.dist} with " + ", ".join(f"{f} {v}" for f, (v, _) in oldest.items()))
+        _install_packages(session, [case.folder], oldest=oldest)
+        if case.folder in TEST_REQUIREMENTS:
+            session.install(*TEST_REQUIREMENTS[case.folder])
+        session.run(
+            "python", "-m", "pytest", f"packages/{case.folder}/tests", "-m", "not gpu",
+            *session.posargs,
+        )  # fmt: skip
+
+
 @nox.session
 def integration(session: nox.Session) -> None:
     """Cross-package tests (integration_tests/) with every package installed,
-    and the torchrun runner of the multi-GPU checks in its CPU (gloo) mode."""
+    the torchrun runner of the multi-GPU checks in its CPU (gloo) mode, and
+    benchmarks/scale.py's smoke."""
     _install_packages(session, PACKAGES)
+    session.install(*EXAMPLE_REQUIREMENTS)  # docs/migration/deepspeed.md trains transformers' GPT-2
+    session.install("build", "twine")  # test_release_tool.py releases two small packages
     session.run("python", "-m", "pytest", "integration_tests", "-m", "not gpu", *session.posargs)
     runner = ["torchrun", "--nproc-per-node"]
     script, ckpt = "integration_tests/multi_gpu.py", f"{session.create_tmp()}/multi_gpu.pt"
@@ -367,21 +456,26 @@ def integration(session: nox.Session) -> None:
     session.run(*runner, "2", script, "parity", "--cpu", env=env)
     session.run(*runner, "2", script, "save", "--cpu", "--path", ckpt, env=env)
     session.run(*runner, "4", script, "load", "--cpu", "--path", ckpt, env=env)
-
-
-@nox.session
-def examples(session: nox.Session) -> None:
-    """Every script in examples/ in its --smoke mode, and benchmarks/scale.py's."""
-    _install_packages(session, PACKAGES)
-    session.install("tqdm", "transformers==5.24.0")  # the Booster demo is the seed's GPT-2 one
-    for script in sorted((ROOT / "examples").glob("*.py")):
-        session.run("python", str(script), "--smoke")
     # The scale benchmark's CPU smoke (the GPU run is tools/device.sh scale).
     for fraction in ("0", "1"):
         session.run(
             "python", str(ROOT / "benchmarks/scale.py"), "--smoke", "--nvme-fraction", fraction
         )
-    # The seed's auto-offload demo writes offload_logs/ where it runs.
+
+
+@nox.session
+def examples(session: nox.Session) -> None:
+    """Every script in examples/ in its --smoke mode, with what a user
+    installs for them: the `zerostack` meta-package (resolved with the
+    zerostack packages it declares) and transformers. The dev-only
+    zerostack-testing is not installed, and the session checks that
+    zerostack.testing does not import."""
+    _install_packages(session, ["booster-api"], testing=False)
+    session.install(*EXAMPLE_REQUIREMENTS)
+    _check_not_importable(session, "zerostack.testing")
+    for script in sorted((ROOT / "examples").glob("[!_]*.py")):  # _gpt2.py: their model
+        session.run("python", str(script), "--smoke")
+    # ColossalAI's auto-offload demo writes offload_logs/ where it runs.
     with session.chdir(session.create_tmp()):
         session.run("python", str(ROOT / "examples/auto_offload/train_gpt_offload.py"), "--smoke")
 
@@ -392,10 +486,20 @@ RELIABILITY_TESTS = [
     "packages/booster-api/tests/test_checkpoint_atomic.py",
     "packages/booster-api/tests/test_checkpoint_integrity.py",
     "packages/booster-api/tests/test_checkpoint_kill_points.py",  # the full sweep here
+    "packages/booster-api/tests/test_checkpoint_records.py",
+    "packages/booster-api/tests/test_checkpoint_save_errors.py",
     "packages/gemini-placement/tests/test_gemini_failures.py",
     "packages/zero-shard/tests/test_offload_overlap.py",
     "packages/booster-api/tests/test_determinism.py",
     "integration_tests/test_nvme_wrappers.py",
+    # User actions take effect: hyperparameters on the user's optimizer, and
+    # recovery after an exception in forward or backward.
+    "packages/gemini-placement/tests/test_gemini_hyperparameters.py",
+    "packages/zero-shard/tests/test_zero_hyperparameters.py",
+    "packages/gemini-placement/tests/test_gemini_recovery.py",
+    "packages/zero-shard/tests/test_zero_recovery.py",
+    "packages/booster-api/tests/test_booster_recovery.py",
+    "packages/booster-api/tests/test_user_contract.py",
     "integration_tests/test_exit_code.py",  # 60 torchrun launches of a finished job
 ]
 
@@ -404,9 +508,10 @@ RELIABILITY_TESTS = [
 def reliability(session: nox.Session) -> None:
     """The reliability suite of docs/reliability.md on the CPU: every
     package's bad-input table, collective mismatch, a dead peer, crash-safe
-    checkpoints, determinism, offload-tier faults, then the 1,000-step soak
-    of every plugin (`-- --steps 200` for a shorter one). Not in CI: its
-    quick parts run in the unit and integration sessions."""
+    checkpoints, determinism, offload-tier faults, user actions taking
+    effect (hyperparameters, recovery after an exception), then the
+    1,000-step soak of every plugin (`-- --steps 200` for a shorter one). Not
+    in CI: its quick parts run in the unit and integration sessions."""
     _install_packages(session, PACKAGES)
     session.install("matplotlib")  # the soak's curves
     # auto-offload's table plans a transformers GPT-2 (it skips without it).
@@ -504,6 +609,18 @@ def build(session: nox.Session) -> None:
             session.run(python, str(snippet), external=True)
 
 
+@nox.session
+def release(session: nox.Session) -> None:
+    """Release every package changed since its last release, through
+    `python tools/release.py release`: versions, CHANGELOG headings and ranges
+    checked, sdist + wheel built into dist/ and checked with twine, HEAD
+    tagged `<distribution>-v<version>`, the release recorded in releases.json,
+    and the upload command printed (there is no index to upload to).
+    `nox -s release -- --dry-run` tags and records nothing. Not in CI."""
+    session.install("build", "twine", "packaging")
+    session.run("python", "tools/release.py", "release", *session.posargs)
+
+
 @nox.session(python=False)
 def gpu(session: nox.Session) -> None:
     """On a CUDA machine, in the current environment (its own CUDA torch):
@@ -537,21 +654,23 @@ def multi_gpu(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """The main job: a small GPT trained through the Booster (GeminiPlugin,
+    """The main job: a small GPT-2 trained through the Booster (GeminiPlugin,
     HybridAdam with half its states on disk), about a minute on a 2-core CPU;
     progress lines, a closing summary (tokens/s, peak memory, chunk
     placement) and a run directory with the memory picture."""
     # The CUDA kernel only where a GPU can run it: nvcc alone (a CPU machine
     # with the toolkit) would add minutes of compiling to a one-minute job.
     env = {} if Path("/dev/nvidia0").exists() else CPU_ENV
-    _install_packages(session, PACKAGES, env=env)
+    _install_packages(session, ["booster-api"], env=env, testing=False)  # as the examples
+    session.install(*EXAMPLE_REQUIREMENTS)
+    _check_not_importable(session, "zerostack.testing")
     session.install("./packages/gemini-placement[plot]", env=env)  # matplotlib: the timeline PNG
     session.run("python", "examples/train_booster.py", *session.posargs)
 
 
 @nox.session(python=False, requires=CI_SESSIONS)
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, unit for every package, integration, examples,
-    build and docs, each its own session (nox lists each result; this one only runs
-    when all of them passed)."""
+    """What CI runs: lint, unit for every package, compat, integration,
+    examples, build and docs, each its own session (nox lists each result;
+    this one only runs when all of them passed)."""
     session.log(f"every session passed: {', '.join(CI_SESSIONS)}")

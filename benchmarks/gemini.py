@@ -43,7 +43,6 @@ def gemini(
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
         with LazyInitContext():
             base = T.build_model(config, None, "cpu")
-        kwargs["init_fn"] = TinyGPT.reset_parameters if isinstance(base, TinyGPT) else _init_hf
     else:
         base = T.build_model(config, None, "cuda")
     hidden = config.dim if isinstance(base, TinyGPT) else config.hidden_size
@@ -88,10 +87,6 @@ def gemini(
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
     opt.close()
     return result
-
-
-def _init_hf(model) -> None:
-    model.hf.initialize_weights()
 
 
 def _configurations(a, args, wanted):

@@ -1,4 +1,4 @@
-"""GPT-2 through the Booster: the seed's train_gpt_demo, one process per GPU.
+"""GPT-2 through the Booster: ColossalAI's train_gpt_demo, one process per GPU.
 
     torchrun --nproc-per-node 8 examples/gpt2_booster_demo.py --model gpt2_xl
     torchrun --nproc-per-node 2 examples/gpt2_booster_demo.py --plugin zero2
@@ -8,7 +8,7 @@
 
 A Hugging Face GPT2LMHeadModel built from a config, activation
 checkpointing on, HybridAdam, and the plugin: GeminiPlugin(max_norm=1.0,
-initial_scale=2**5) as in the seed, "gemini_auto" with auto placement,
+initial_scale=2**5) as in ColossalAI, "gemini_auto" with auto placement,
 "zero1"/"zero2" (LowLevelZeroPlugin) or "ddp" (TorchDDPPlugin with
 Booster(mixed_precision=...)). Every step prints the loss, the step time,
 TFLOPS per process (8 x parameters x tokens: forward, backward and the
@@ -27,6 +27,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from _gpt2 import gpt2
 from torch import nn
 
 from zerostack.booster import (
@@ -39,7 +40,7 @@ from zerostack.booster import (
 )
 from zerostack.fused_adam import HybridAdam
 
-# (hidden size, layers, heads), the seed's model table.
+# (hidden size, layers, heads), ColossalAI's model table.
 MODELS = {
     "gpt2_medium": (1024, 24, 16),
     "gpt2_large": (1280, 36, 20),
@@ -53,7 +54,7 @@ VOCAB = 50257
 
 
 class GPTLMLoss(nn.Module):
-    """Next-token cross-entropy on the logits (the seed's criterion)."""
+    """Next-token cross-entropy on the logits (ColossalAI's criterion)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -63,24 +64,6 @@ class GPTLMLoss(nn.Module):
         shift_logits = logits[..., :-1, :].contiguous().float()
         shift_labels = labels[..., 1:].contiguous()
         return self.loss_fn(shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1))
-
-
-def gpt2(name: str, seq_len: int, vocab: int):
-    import transformers
-
-    hidden, layers, heads = MODELS[name]
-    config = transformers.GPT2Config(
-        n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq_len, vocab_size=vocab,
-        use_cache=False, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-        bos_token_id=vocab - 1, eos_token_id=vocab - 1,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    return model
 
 
 def make_plugin(name: str, precision: str, smoke: bool):
@@ -126,11 +109,11 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument(
         "--model", choices=sorted(MODELS), default=None,
-        help="GPT-2 size from the seed's table; default: gpt2_medium on CUDA, small on a CPU",
+        help="GPT-2 size from ColossalAI's table; default: gpt2_medium on CUDA, small on a CPU",
     )  # fmt: skip
     ap.add_argument(
         "--precision", choices=["fp16", "bf16"], default=None,
-        help="mixed precision of the plugin (default: fp16 on CUDA as in the seed, bf16 on a CPU)",
+        help="mixed precision of the plugin (default: fp16 on CUDA as in ColossalAI, bf16 on a CPU)",
     )  # fmt: skip
     ap.add_argument(
         "--batch-size", type=int, default=None,
@@ -163,6 +146,8 @@ def main() -> int:
     if "RANK" not in os.environ:  # plain `python`: one process
         single_process_env()
     vocab = 256 if a.model in ("smoke", "small") else VOCAB
+    hidden, layers, heads = MODELS[a.model]
+    shape = dict(layers=layers, dim=hidden, heads=heads, seq_len=a.seq_len, vocab=vocab)
     launch_from_torch(seed=42)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
@@ -171,13 +156,15 @@ def main() -> int:
 
     plugin = make_plugin(a.plugin, a.precision, a.smoke)
     booster = Booster(plugin=plugin, mixed_precision=a.precision if a.plugin == "ddp" else None)
-    if a.lazy and a.plugin != "ddp":
-        with LazyInitContext():  # nothing allocated: boost materializes it (into chunks)
-            model = gpt2(a.model, a.seq_len, vocab)
+    if a.lazy:
+        # As ColossalAI's demo: nothing allocated; boost materializes it
+        # (GeminiPlugin: into chunks), the init running on `device`.
+        with LazyInitContext(default_device=device):
+            model = gpt2(**shape, checkpointing=True)
     else:
-        model = gpt2(a.model, a.seq_len, vocab)
+        model = gpt2(**shape, checkpointing=True)
     numel = sum(p.numel() for p in model.parameters())
-    if a.lazy and a.plugin != "ddp":
+    if a.lazy:
         # HybridAdam refuses meta parameters: boost the model first, then
         # build the optimizer on its (now real) parameters and boost again.
         model, *_ = booster.boost(model)

@@ -2,14 +2,16 @@
 
     torchrun --nproc-per-node 8 examples/gpt2_gemini.py                    # GPT-2 medium, bf16
     torchrun --nproc-per-node 1 examples/gpt2_gemini.py --placement auto
-    python examples/gpt2_gemini.py --smoke                                 # a tiny GPT on the CPU (CI)
-    python examples/gpt2_gemini.py         # without a GPU: a small GPT (11M params) on the CPU
+    python examples/gpt2_gemini.py --smoke                                 # a tiny GPT-2 on the CPU (CI)
+    python examples/gpt2_gemini.py         # without a GPU: a small GPT-2 (11M params) on the CPU
 
-The model is built under LazyInitContext (nothing allocated) and
-materialized module by module into bf16 chunks; each rank keeps 1/N of
+The model, a transformers GPT2LMHeadModel, is built under LazyInitContext
+(nothing allocated) and materialized module by module into bf16 chunks, with
+the values an eager build would have; each rank keeps 1/N of
 every chunk and of the fp32 master chunks, whose optimizer states live on
 the CPU (`--offload-optim 1.0`), the GPU, or where auto placement puts them. Every block is activation
-checkpointed; a chunk gathered for a block serves its recomputation too.
+checkpointed (transformers' gradient checkpointing); a chunk gathered for a
+block serves its recomputation too.
 The data is random tokens: the point is the memory and the speed, and the
 loss falls towards the uniform-token entropy.
 """
@@ -24,13 +26,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+from _gpt2 import gpt2, next_token_loss
 from tqdm import tqdm
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
-from zerostack.testing import GPTConfig, TinyGPT
 
 
 def main() -> int:
@@ -40,7 +41,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="training steps (default %(default)s)")
     ap.add_argument(
         "--model", choices=["gpt2_medium", "small"], default=None,
-        help="gpt2_medium (355M params, bf16) or small (6 layers x 384, 11M params, fp32); "
+        help="GPT-2 medium (355M params, bf16) or small (6 layers x 384, byte vocabulary, 11M "
+        "params, fp32); "
         "default: gpt2_medium on CUDA, small on a CPU",
     )  # fmt: skip
     ap.add_argument(
@@ -78,32 +80,30 @@ def main() -> int:
         a.model = "gpt2_medium" if device == "cuda" else "small"
         if device == "cpu" and rank == 0:
             print(
-                "gpt2_gemini: no CUDA device, so a small GPT (6 layers x 384, 11M params, fp32) "
+                "gpt2_gemini: no CUDA device, so a small GPT-2 (6 layers x 384, 11M params, fp32) "
                 "trains on the CPU instead of GPT-2 medium (355M); --model gpt2_medium forces "
                 "that, --smoke runs a tiny one",
                 file=sys.stderr,
             )
     if a.smoke:
-        config = GPTConfig(num_layers=2, dim=64, num_heads=4, max_seq_len=64)
         a.steps, a.batch_size, a.seq_len = min(a.steps, 6), 4, 64
+        shape = dict(layers=2, dim=64, heads=4, vocab=256)
         chunks = {
             max(1, dist.get_world_size() if dist.is_initialized() else 1): {"chunk_size": 65536}
         }
         dtype = torch.float32
     elif a.model == "small":
         a.seq_len = a.seq_len or 256
-        config = GPTConfig(num_layers=6, dim=384, num_heads=6, max_seq_len=a.seq_len)
+        shape = dict(layers=6, dim=384, heads=6, vocab=256)
         chunks, dtype = None, torch.float32 if device == "cpu" else torch.bfloat16
     else:
         a.seq_len = a.seq_len or 1024
-        config = GPTConfig.gpt2_medium(max_seq_len=a.seq_len, tie_embeddings=True)
+        shape = dict(layers=24, dim=1024, heads=16)  # GPT-2 medium, GPT-2's vocabulary
         chunks, dtype = None, torch.bfloat16
     torch.manual_seed(0)
     with LazyInitContext():  # nothing allocated: GeminiDDP materializes it into the chunks
-        model = TinyGPT(config)
-    for block in model.blocks:
-        forward = block.forward
-        block.forward = lambda x, forward=forward: checkpoint(forward, x, use_reentrant=False)
+        model = gpt2(**shape, seq_len=a.seq_len, checkpointing=True)
+    vocab = model.config.vocab_size
     placement = (
         dict(placement_policy="auto")
         if a.placement == "auto"
@@ -117,7 +117,6 @@ def main() -> int:
         chunk_config_dict=chunks,
         compute_device=device,
         min_chunk_size_m=32 if a.model == "gpt2_medium" else 0.5,
-        init_fn=TinyGPT.reset_parameters,
         **placement,
     )
     opt = GeminiOptimizer(
@@ -129,8 +128,8 @@ def main() -> int:
     for step in bar:
         if a.smoke:  # one batch over and over: a few steps must lower its loss
             gen.manual_seed(1 + rank)
-        idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len + 1), generator=gen)
-        loss = model(idx[:, :-1], idx[:, 1:])
+        idx = torch.randint(0, vocab, (a.batch_size, a.seq_len + 1), generator=gen)
+        loss = next_token_loss(model(input_ids=idx[:, :-1]).logits, idx[:, 1:])
         opt.backward(loss.float())
         opt.step()
         losses.append(loss.item())

@@ -1,6 +1,6 @@
-"""Adam states on disk: GPT-2 small trained for a few steps with HybridAdam
-at nvme_offload_fraction 0.0 and 1.0, printing loss, step time and peak RSS
-of each (the two examples of ColossalAI's NVMe offload guide, run here):
+"""Adam states on disk: GPT-2 small (transformers' GPT2LMHeadModel) trained
+for a few steps with HybridAdam at nvme_offload_fraction 0.0 and 1.0,
+printing loss, step time and peak RSS of each (the two examples of ColossalAI's NVMe offload guide, run here):
 
 * ``plain``: the model on the CPU, stepped by HybridAdam directly;
 * ``gemini``: GeminiDDP with every parameter shard and optimizer chunk on the
@@ -12,7 +12,7 @@ Each run is its own process, so the peak RSS figures are clean. At fraction
 printed), and the losses must equal those of fraction 0.0.
 
     python examples/nvme_offload.py                 # GPT-2 small (124M), 3 steps, both
-    python examples/nvme_offload.py --smoke         # a tiny GPT, for CI
+    python examples/nvme_offload.py --smoke         # a tiny GPT-2, for CI
     python examples/nvme_offload.py --only gemini --dir /mnt/nvme --backend threads
 """
 
@@ -28,17 +28,18 @@ import time
 import torch
 
 from zerostack.fused_adam import HybridAdam
-from zerostack.testing import GPTConfig, TinyGPT, make_batch, num_parameters
 
 
 def run(fraction: float, args: argparse.Namespace) -> dict:
-    if args.smoke:
-        config = GPTConfig(num_layers=2, dim=128, num_heads=4, vocab_size=1024, max_seq_len=128)
-    else:
-        config = GPTConfig.gpt2_small(tie_embeddings=True)
+    from _gpt2 import gpt2, next_token_loss  # here: the parent process only starts the runs
+
     torch.manual_seed(0)
-    model = TinyGPT(config)
-    params = num_parameters(model)
+    if args.smoke:
+        model = gpt2(layers=2, dim=128, heads=4, seq_len=128, vocab=1024)
+    else:
+        model = gpt2(layers=12, dim=768, heads=12, seq_len=1024)  # GPT-2 small
+    params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
     nvme = dict(
         nvme_offload_fraction=fraction, nvme_offload_dir=args.dir, nvme_backend=args.backend
     )
@@ -58,11 +59,12 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         wrapped, opt = model, HybridAdam(model.parameters(), lr=1e-4, **nvme)
         inner = opt
     losses, times = [], []
-    for step in range(args.steps):
-        idx, tgt = make_batch(config, args.batch_size, args.seq_len, seed=step)
+    for step in range(args.steps):  # random tokens, the same at both fractions
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
         start = time.perf_counter()
         opt.zero_grad()
-        loss = wrapped(idx.to(device), tgt.to(device))
+        loss = next_token_loss(wrapped(input_ids=ids[:, :-1]).logits, ids[:, 1:])
         if args.child_mode == "gemini":
             opt.backward(loss)
         else:
@@ -106,7 +108,7 @@ def main() -> int:
         choices=["uring", "aio", "threads"],
         help="the disk I/O backend (default: the best installed)",
     )
-    ap.add_argument("--smoke", action="store_true", help="a tiny GPT for 2 steps (CI)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny GPT-2 for 2 steps (CI)")
     ap.add_argument(
         "--only", choices=["plain", "gemini"], default=None,
         help="run one of the two examples (default: both)",

@@ -1,4 +1,5 @@
-"""The repository's main job: a small GPT trained through the Booster with
+"""The repository's main job: a small GPT-2 (transformers' GPT2LMHeadModel,
+4 layers x 192, one token per byte) trained through the Booster with
 GeminiPlugin (ZeRO-3 over chunks) and HybridAdam, about a minute on a
 2-core CPU machine.
 
@@ -34,11 +35,11 @@ import time
 from pathlib import Path
 
 import torch
+from _gpt2 import gpt2, next_token_loss
 from torch.utils.data import Dataset
 
 from zerostack.booster import Booster, GeminiPlugin, launch_from_torch
 from zerostack.fused_adam import HybridAdam
-from zerostack.testing import GPTConfig, TinyGPT, num_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,15 +117,15 @@ def offload_optim_frac(nvme_fraction: float, asked: float | None) -> tuple[float
 
 def build(args: argparse.Namespace, device: torch.device, run_dir: Path, rank: int = 0):
     """The model, optimizer, scheduler and dataloader, boosted."""
+    shape = dict(layers=2, dim=64, heads=4, seq_len=64) if args.smoke else dict(
+        layers=4, dim=192, heads=6, seq_len=args.seq_len
+    )  # fmt: skip
+    seq = min(args.seq_len, shape["seq_len"])
     if args.smoke:
-        config = GPTConfig(vocab_size=256, max_seq_len=64, num_layers=2, dim=64, num_heads=4)
         # Four chunks (the search would take one), so that a share of them goes to disk.
         chunks = dict(chunk_config_dict={n: {"chunk_size": 36_000} for n in (1, 2, 4, 8)})
     else:
-        config = GPTConfig(vocab_size=256, max_seq_len=args.seq_len, num_layers=4, dim=192,
-                           num_heads=6)  # fmt: skip
-        chunks = dict(hidden_dim=config.dim, min_chunk_size_m=0.25, search_range_m=1)
-    seq = min(args.seq_len, config.max_seq_len)
+        chunks = dict(hidden_dim=shape["dim"], min_chunk_size_m=0.25, search_range_m=1)
     cuda = device.type == "cuda"
     optim_frac, why = offload_optim_frac(args.nvme_fraction, args.offload_optim_frac)
     log(rank, f"placement: offload_optim_frac={optim_frac} ({why})")
@@ -134,8 +135,8 @@ def build(args: argparse.Namespace, device: torch.device, run_dir: Path, rank: i
     )  # fmt: skip
     booster = Booster(plugin=plugin)
     torch.manual_seed(0)
-    model = TinyGPT(config)
-    n_params = num_parameters(model)  # before boost: then the parameters live in chunks
+    model = gpt2(**shape, vocab=256)  # one token per byte
+    n_params = sum(p.numel() for p in model.parameters())  # before boost: then they live in chunks
     nvme = dict(nvme_offload_fraction=args.nvme_fraction, nvme_offload_dir=str(run_dir / "nvme"))
     optimizer = HybridAdam(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -151,7 +152,7 @@ def build(args: argparse.Namespace, device: torch.device, run_dir: Path, rank: i
     model, optimizer, _, loader, scheduler = booster.boost(
         model, optimizer, None, loader, scheduler
     )
-    return booster, model, optimizer, scheduler, loader, (config, seq, n_params)
+    return booster, model, optimizer, scheduler, loader, (shape, seq, n_params)
 
 
 def batches(loader, device: torch.device):
@@ -176,7 +177,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 
 def train(args, rank, world, device, run_dir) -> dict:
-    booster, model, optimizer, scheduler, loader, (config, seq, n_params) = build(
+    booster, model, optimizer, scheduler, loader, (shape, seq, n_params) = build(
         args, device, run_dir, rank
     )
     start_step = 0
@@ -185,8 +186,8 @@ def train(args, rank, world, device, run_dir) -> dict:
         start_step = scheduler.last_epoch
         log(rank, f"resumed from {args.resume} at step {start_step}")
     ddp, inner = model.module, optimizer.optim  # GeminiDDP, GeminiOptimizer
-    log(rank, f"model: {n_params / 1e6:.2f}M params ({config.num_layers} "
-              f"layers, dim {config.dim}); {len(loader.dataset)} windows of {seq} bytes; "
+    log(rank, f"model: GPT-2, {n_params / 1e6:.2f}M params ({shape['layers']} "
+              f"layers, dim {shape['dim']}); {len(loader.dataset)} windows of {seq} bytes; "
               f"batch {args.batch_size} x {world} ranks; {args.steps} steps on {device}")  # fmt: skip
     data = batches(loader, device)
     losses, timeline = [], None
@@ -196,14 +197,14 @@ def train(args, rank, world, device, run_dir) -> dict:
         x, y = next(data)
         if step == start_step + 2 and timeline is None:  # after the warm-up steps
             with ddp.memory_timeline(inner) as timeline:
-                loss = model(x, y)
+                loss = next_token_loss(model(input_ids=x).logits, y)
                 booster.backward(loss, optimizer)
                 timeline.sample("before step")
                 optimizer.step()
                 ddp.wait_updates()
                 timeline.sample("after step")
         else:
-            loss = model(x, y)
+            loss = next_token_loss(model(input_ids=x).logits, y)
             booster.backward(loss, optimizer)
             optimizer.step()
         optimizer.zero_grad()

@@ -1,10 +1,10 @@
 """Train a small GPT-2 with HybridAdam: the repository's main job.
 
 The data is this repository's own text (every .md and .py file, as bytes), so
-the run needs no download. On a CUDA machine it trains GPT-2 small's shape
-(12 layers, 768 wide, byte vocabulary) in bf16 autocast with the parameters
-on the GPU; on a CPU-only machine a narrower GPT-2 (6 layers, 384 wide) with
-the CPU kernel. Either way HybridAdam steps each parameter on the kernel of
+the run needs no download. The model is transformers' GPT2LMHeadModel: on
+a CUDA machine of GPT-2 small's shape (12 layers, 768 wide, byte vocabulary)
+in bf16 autocast with the parameters on the GPU; on a CPU-only machine a
+narrower GPT-2 (6 layers, 384 wide) with the CPU kernel. Either way HybridAdam steps each parameter on the kernel of
 its device.
 
     python examples/train_gpt2.py                 # the full run
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from _gpt2 import gpt2, next_token_loss
 from tqdm import tqdm
 
 from zerostack.fused_adam import HybridAdam, backend_info
-from zerostack.testing import GPTConfig, TinyGPT, num_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,17 +79,17 @@ def main() -> int:
         return 2
     device = torch.device("cuda" if use_cuda else "cpu")
     if args.smoke:
-        config = GPTConfig(max_seq_len=64, num_layers=2, dim=64, num_heads=4)
+        shape = dict(layers=2, dim=64, heads=4)
         steps, batch, seq = args.steps or 30, args.batch_size or 8, 64
     elif use_cuda:
-        config = GPTConfig.gpt2_small(vocab_size=256, max_seq_len=args.seq_len)
+        shape = dict(layers=12, dim=768, heads=12)  # GPT-2 small's shape
         steps, batch, seq = args.steps or 300, args.batch_size or 32, args.seq_len
     else:
-        config = GPTConfig(max_seq_len=args.seq_len, num_layers=6, dim=384, num_heads=6)
+        shape = dict(layers=6, dim=384, heads=6)
         steps, batch, seq = args.steps or 200, args.batch_size or 8, args.seq_len
 
     torch.manual_seed(0)
-    model = TinyGPT(config).to(device)
+    model = gpt2(**shape, seq_len=seq, vocab=256).to(device)  # one token per byte
     opt = HybridAdam(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt,
@@ -97,7 +97,8 @@ def main() -> int:
     )
     corpus = load_corpus()
     print(
-        f"model: {num_parameters(model) / 1e6:.1f}M params ({config.num_layers} layers, dim {config.dim}) "
+        f"model: GPT-2, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params "
+        f"({shape['layers']} layers, dim {shape['dim']}) "
         f"on {device}; corpus {corpus.numel() / 1e6:.2f}M bytes; batch {batch} x {seq}; "
         f"optimizer HybridAdam {backend_info()}"
     )
@@ -109,7 +110,7 @@ def main() -> int:
     for step in bar:
         x, y = next(data)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_cuda):
-            loss = model(x, y)
+            loss = next_token_loss(model(input_ids=x).logits, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -370,60 +370,74 @@ def test_tables_stand_apart(page: str) -> None:
 ROW = re.compile(r"^\| `(?P<key>[^`]+)`(?P<note>[^|]*)\| (?P<value>[^|]*?) *\|", re.M)
 
 
-def _rows(page: str) -> dict[str, str]:
-    """First-column name -> second-column text of every table row of a page."""
-    return {m["key"]: m["value"] for m in ROW.finditer((DOCS / page).read_text())}
+def _rows(page: str, section: str | None = None) -> dict[str, str]:
+    """First-column name -> second-column text of every table row of a page,
+    or of its ``## `` section whose title contains ``section``."""
+    text = (DOCS / page).read_text()
+    if section is not None:
+        parts = [p for p in re.split(r"^## ", text, flags=re.M) if section in p.split("\n", 1)[0]]
+        assert parts, f"docs/{page}: no section titled with {section!r}"
+        text = "\n".join(parts)
+    return {m["key"]: m["value"] for m in ROW.finditer(text)}
 
 
 def test_deepspeed_table_has_every_key_the_code_knows() -> None:
+    """A row for every key of every rule table of zerostack.booster's DeepSpeed
+    reader ([Note: DeepSpeed keys]); a key accepted silently at one value
+    shows that value in the second column."""
     from zerostack.booster._plugins import _deepspeed
 
     rows = _rows("migration/deepspeed.md")
-    prefix = {"": "", "zero_optimization": "", "bf16": "bf16."}
-    prefix |= {"zero_optimization.offload_optimizer": "offload_optimizer.", "fp16": "fp16."}
-    for section, defaults in _deepspeed._DEFAULTS.items():
-        for key, default in defaults.items():
+    prefix = {"": "", "zero_optimization": "", "bf16": "bf16.", "fp16": "fp16."}
+    prefix |= {"zero_optimization.offload_optimizer": "offload_optimizer."}
+    prefix |= {"activation_checkpointing": "activation_checkpointing."}
+    for section, rules in _deepspeed.RULES.items():
+        for key, rule in rules.items():
             name = prefix[section] + key
             assert name in rows, f"docs/migration/deepspeed.md: no row for {name}"
             shown = rows[name].split()[0] if rows[name] else ""
-            assert shown == json.dumps(default), (
-                f"docs/migration/deepspeed.md: {name} is accepted at {json.dumps(default)} "
+            quiet = getattr(rule, "default", getattr(rule, "quiet", _deepspeed._ALWAYS))
+            expected = "" if quiet is _deepspeed._ALWAYS else json.dumps(quiet)
+            assert shown == expected, (
+                f"docs/migration/deepspeed.md: {name} is accepted silently at {expected or 'no value'} "
                 f"in the code (got {shown!r})"
             )
-    mapped = [
-        "stage", "reduce_bucket_size", "overlap_comm", "offload_optimizer.device",
-        "offload_optimizer.pin_memory", "cpu_offload", "offload_param", "fp16.enabled",
-        "bf16.enabled", "fp16.initial_scale_power", "fp16.loss_scale_window", "fp16.hysteresis",
-        "fp16.min_loss_scale", "gradient_clipping", "communication_data_type",
-        "zero_allow_untested_optimizer",
-    ]  # fmt: skip
-    hinted = [k.removeprefix("zero_optimization.") for k in _deepspeed._HINTS]
-    for name in [*mapped, *hinted]:
+    for name in _deepspeed._OFF_ONLY:
         assert name in rows, f"docs/migration/deepspeed.md: no row for {name}"
-    # The mapped keys really map (none of them is refused).
+    # The mapped keys really map (none of them is reported).
     config = {
         "zero_optimization": {
             "stage": 2, "reduce_bucket_size": 2**20, "overlap_comm": False, "cpu_offload": False,
             "offload_optimizer": {"device": "cpu", "pin_memory": False},
-            "offload_param": {"device": "none"},
+            "offload_param": {"device": "none"}, "allgather_bucket_size": 2**19,
         },
         "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 10,
                  "hysteresis": 1, "min_loss_scale": 2},
         "gradient_clipping": 1.0, "communication_data_type": "fp32",
-        "zero_allow_untested_optimizer": True,
+        "zero_allow_untested_optimizer": True, "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
+        "activation_checkpointing": {"cpu_checkpointing": True},
     }  # fmt: skip
-    kwargs = _deepspeed.deepspeed_to_kwargs(config)
+    kwargs, settings = _deepspeed.read_deepspeed_config(config, world_size=1)
     assert kwargs["initial_scale"] == 2**8 and kwargs["cpu_offload"] and kwargs["max_norm"] == 1.0
+    assert kwargs["reduce_bucket_size_in_m"] == 0.5 and settings.cpu_checkpointing
+    assert settings.gradient_accumulation_steps == 2 and settings.scheduler is not None
 
 
 def _assert_signature_rows(page: str, obj: object, skip: tuple[str, ...] = ()) -> None:
-    rows = _rows(page)
+    """Each argument of ``obj`` has a row, with its default, in the page's
+    section that names ``obj``."""
+    import torch
+
+    rows = _rows(page, section=obj.__name__)
     for name, param in inspect.signature(obj).parameters.items():
         if name in skip:
             continue
         assert name in rows, f"docs/{page}: no row for {obj.__name__}'s argument {name}"
         shown = rows[name].strip("`")
-        assert eval(shown) == param.default, (  # the defaults are Python literals
+        assert eval(shown, {"torch": torch}) == param.default, (  # Python literals, torch's too
             f"docs/{page}: {obj.__name__}({name}=...) defaults to {param.default!r} "
             f"(got {rows[name]!r})"
         )
@@ -436,6 +450,10 @@ def test_colossalai_tables_have_every_argument() -> None:
     _assert_signature_rows("migration/colossalai.md", GeminiPlugin)
     _assert_signature_rows("migration/colossalai.md", HybridAdam, skip=("params",))
     assert "params" in _rows("migration/colossalai.md")
+    from zerostack.booster import ColoInitContext, LazyInitContext
+
+    _assert_signature_rows("migration/colossalai.md", LazyInitContext)
+    _assert_signature_rows("migration/colossalai.md", ColoInitContext)
 
 
 # -- the checks themselves catch mistakes ------------------------------------------------

@@ -25,7 +25,11 @@
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
 #                              auto-offload: its GPU tests; train_gpt_offload.py per model, budget (GB) and
 #                              solver (syn, asyn, gemini: Gemini auto capped at the budget), then plain
-#                              per model; logs in $OUT/solver_logs.tgz, the seed's lines in $OUT/solver.txt
+#                              per model; logs in $OUT/solver_logs.tgz, ColossalAI's lines in $OUT/solver.txt
+#   tools/device.sh cpu-checkpointing [ARGS]  benchmarks/cpu_checkpointing.py (DeepSpeed's
+#                              cpu_checkpointing under from_deepspeed_config: peak GPU bytes with and
+#                              without it, GPT-2 XL shape, ARGS passed on), after the booster-api GPU
+#                              tests of it
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -185,6 +189,14 @@ solver)
     done
   fi
   tar czf "$OUT/solver_logs.tgz" -C "$logs" . && rm -r "$logs"
+  ;;
+cpu-checkpointing)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  timeout 120 python3 -m pytest packages/booster-api/tests/test_deepspeed_cpu_checkpointing.py -m gpu -q \
+    -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/cpu_checkpointing_tests.log"
+  timeout 450 python3 benchmarks/cpu_checkpointing.py "$@" > "$OUT/cpu_checkpointing.log" 2>&1
+  echo "exit $?"; table "$OUT/cpu_checkpointing.log" 12
   ;;
 help | -h | --help) usage ;;
 *) echo "tools/device.sh: unknown command '$cmd'" >&2; usage >&2; exit 2 ;;

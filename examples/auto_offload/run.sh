@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Auto-offload on GPT-2 (the seed's run.sh): plan under MEMORY_BUDGET GB, train
+# Auto-offload on GPT-2 (ColossalAI's run.sh): plan under MEMORY_BUDGET GB, train
 # 10 steps, print the step time and the measured peak. Any CUDA GPU.
 set -euo pipefail
-here="$(dirname "$0")"  # logs go to ./offload_logs of the calling directory, as in the seed
+here="$(dirname "$0")"  # logs go to ./offload_logs of the calling directory, as in ColossalAI
 export BATCH_SIZE=${BATCH_SIZE:-64}
 export MODEL_TYPE=${MODEL_TYPE:-"gpt2_medium"}
 export MEMORY_BUDGET=${MEMORY_BUDGET:-16}

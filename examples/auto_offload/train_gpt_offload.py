@@ -1,4 +1,4 @@
-"""Train the seed's GPT-2 models with auto-offload under a memory budget.
+"""Train ColossalAI's GPT-2 models with auto-offload under a memory budget.
 
     bash run.sh                                       # gpt2_medium, bs 64, 16 GB, asyn
     MODEL_TYPE=gpt2_xl SOLVER_TYPE=syn bash run.sh
@@ -6,8 +6,8 @@
     python train_gpt_offload.py --solver_type gemini  # the peer: Gemini auto, GPU capped at the budget
     python train_gpt_offload.py --smoke               # a tiny model on the CPU (CI)
 
-Prints the solver's time and its predicted peak and step time, then the
-seed's line: exec_time (mean of the fastest 5 of 10 steps, forward and
+Prints the solver's time and its predicted peak and step time, then
+ColossalAI's line: exec_time (mean of the fastest 5 of 10 steps, forward and
 backward), param_size and the measured peak allocated/reserved memory,
 and the whole step's time (forward, backward and optimizer step: the figure
 to compare solvers and peers by, since Gemini overlaps its CPU step with the
@@ -23,10 +23,17 @@ import time
 
 import torch
 
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as error:  # ColossalAI's demo trains transformers' GPT-2
+    raise SystemExit(
+        "train_gpt_offload.py: needs transformers: pip install transformers"
+    ) from error
+
 from zerostack.auto_offload import AMPOptimizer, HardwareProfile, memory_optimize, plan_offload
 from zerostack.fused_adam import HybridAdam
 
-# The seed's model table: (hidden size, layers, attention heads).
+# ColossalAI's model table: (hidden size, layers, attention heads).
 MODELS = {
     "gpt2_medium": (1024, 24, 16),
     "gpt2_xl": (1600, 48, 32),
@@ -36,39 +43,26 @@ MODELS = {
     "gpt2_24b": (8192, 30, 16),
     "tiny": (64, 2, 4),
 }
-VOCAB, DATA_VOCAB, SEQ_LEN = 50257, 1024, 8  # the seed's data: ids below 1024, 8 tokens
+VOCAB, DATA_VOCAB, SEQ_LEN = 50257, 1024, 8  # ColossalAI's data: ids below 1024, 8 tokens
 
 
 class GPTLMModel(torch.nn.Module):
-    """GPT-2 returning only the logits (the seed's model_zoo.GPTLMModel): the
-    transformers model, or zerostack.testing's TinyGPT of the same shape (tied
-    head, pre-LN blocks) where transformers is not installed."""
+    """transformers' GPT-2 returning only the logits (ColossalAI's
+    model_zoo.GPTLMModel)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, vocab: int = VOCAB) -> None:
         super().__init__()
-        try:
-            from transformers import GPT2Config, GPT2LMHeadModel
-        except ImportError:
-            from zerostack.testing import GPTConfig, TinyGPT
-
-            print("transformers is not installed: zerostack.testing.TinyGPT of the same shape")
-            cfg = GPTConfig(vocab_size=vocab, max_seq_len=1024, num_layers=layers, dim=hidden,
-                            num_heads=heads, tie_embeddings=True)  # fmt: skip
-            self.model, self.hf = TinyGPT(cfg), False
-            return
         cfg = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=1024,
                          vocab_size=vocab)  # fmt: skip
-        self.model, self.hf = GPT2LMHeadModel(cfg), True
+        self.model = GPT2LMHeadModel(cfg)
 
     def forward(self, input_ids, attention_mask):
-        if not self.hf:
-            return self.model(input_ids)  # causal attention; the mask is all ones
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The seed's GPTLMLoss: next-token cross entropy."""
+    """ColossalAI's GPTLMLoss: next-token cross entropy."""
     shift = logits[..., :-1, :].contiguous().float()
     return torch.nn.functional.cross_entropy(
         shift.view(-1, shift.size(-1)), labels[..., 1:].reshape(-1)
@@ -228,7 +222,7 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     times, whole = [], []
-    for _ in range(args.steps):  # the seed times forward + backward; the step follows
+    for _ in range(args.steps):  # ColossalAI times forward + backward; the step follows
         times.append(timed(fwd_bwd, device))
         whole.append(times[-1] + timed(step, device))
     exec_time = sum(sorted(times)[:5]) / min(5, len(times))

@@ -29,7 +29,7 @@ def fake_profile(**over) -> HardwareProfile:
 
 
 class LogitsOnly(torch.nn.Module):
-    """A transformers causal LM returning only its logits (the seed's GPTLMModel)."""
+    """A transformers causal LM returning only its logits (ColossalAI's GPTLMModel)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
@@ -84,7 +84,7 @@ def batch(batch_size: int = 2, seq: int = 8, seed: int = 0) -> dict:
 
 
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy in fp32 (the seed's GPTLMLoss)."""
+    """Next-token cross entropy in fp32 (ColossalAI's GPTLMLoss)."""
     shift = logits[:, :-1].float()
     return torch.nn.functional.cross_entropy(
         shift.reshape(-1, shift.size(-1)), input_ids[:, 1:].reshape(-1)
@@ -134,7 +134,7 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
     params = list(model.parameters())
     om = memory_optimize(model, inputs, budget, solver, precision=precision, profile=profile,
                          device=device)  # fmt: skip
-    # the seed built the optimizer on the model's parameters; AMPOptimizer swaps them
+    # ColossalAI built the optimizer on the model's parameters; AMPOptimizer swaps them
     targets = list(om.parameters()) if on_model_params else om.master_parameters()
     inner = (
         torch.optim.SGD(targets, lr=lr, weight_decay=weight_decay) if sgd

@@ -124,10 +124,12 @@ def test_booster_refusals_and_warnings():
     booster = Booster()
     with pytest.raises(NotImplementedError, match=r"pipeline parallelism is not implemented"):
         booster.execute_pipeline(iter([]), None, None)
+    mine, other = _model(), _model()
+    mixed = [*mine.parameters()][:1] + [*other.parameters()][1:]
     with pytest.raises(
-        ValueError, match=r"the optimizer holds a parameter that is not the model's"
+        ValueError, match=r"the optimizer holds parameters that are not the model's"
     ):
-        booster.boost(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+        booster.boost(mine, torch.optim.SGD(mixed, lr=0.1))
     model = _model()
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(TypeError, match=r"optimizer must be the one boost returned \(got SGD\)"):
@@ -189,18 +191,18 @@ def test_checkpoint_calls_are_forwarded_to_the_plugins_checkpoint_io(monkeypatch
     booster.save_model(model, "m", shard=True, prefix="p", size_per_shard=7, use_safetensors=True)
     booster.load_model(model, "m", strict=False)
     booster.save_optimizer(opt, "o", shard=True, gather_dtensor=False, size_per_shard=3)
-    booster.load_optimizer(opt, "o")
+    booster.load_optimizer(opt, "o", verify=False)
     booster.save_lr_scheduler("sched", "s")
     booster.load_lr_scheduler("sched", "s")
     assert calls == [
         ("save_model", (model,), dict(checkpoint="m", shard=True, gather_dtensor=True,
                                       prefix="p", size_per_shard=7, use_safetensors=True)),
-        ("load_model", (model, "m"), dict(strict=False)),
+        ("load_model", (model, "m"), dict(strict=False, verify=True)),
         ("save_optimizer", (opt,), dict(checkpoint="o", shard=True, gather_dtensor=False,
                                         prefix=None, size_per_shard=3)),
-        ("load_optimizer", (opt, "o"), {}),
+        ("load_optimizer", (opt, "o"), dict(verify=False)),
         ("save_lr_scheduler", ("sched", "s"), {}),
-        ("load_lr_scheduler", ("sched", "s"), {}),
+        ("load_lr_scheduler", ("sched", "s"), dict(verify=True)),
     ]  # fmt: skip
 
 

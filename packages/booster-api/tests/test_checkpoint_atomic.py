@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_checkpoint_helpers import PlainModel, mlp, same
 
-from zerostack.booster import _checkpoint_atomic
+from zerostack.booster import CheckpointSaveError, _checkpoint_atomic
 from zerostack.booster._checkpoint import CheckpointIO
 
 # Run in a child: save mlp(1) over the checkpoint at PATH, stopping for good at
@@ -25,6 +25,7 @@ path, shard, use_safetensors, point, marker = sys.argv[1:]
 shard, use_safetensors = shard == "1", use_safetensors == "1"
 from test_checkpoint_helpers import PlainModel, mlp
 from zerostack.booster import _checkpoint_atomic, _checkpoint_files
+from zerostack.booster import CheckpointSaveError
 from zerostack.booster._checkpoint import CheckpointIO
 
 def stop():
@@ -144,7 +145,10 @@ def test_failed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         torch.save(state, file)
 
     monkeypatch.setattr("zerostack.booster._checkpoint_files.write_torch", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(
+        CheckpointSaveError,
+        match=r"^CheckpointIO.save_model: no space left on device: 3\.0 MB needed, [0-9.]+ [kMG]?B free at ",
+    ):
         CheckpointIO().save_model(PlainModel(mlp(1)), path, shard=True, size_per_shard=1)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]

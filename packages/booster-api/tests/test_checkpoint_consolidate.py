@@ -100,7 +100,7 @@ def test_consolidate_command_line(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert "wrote 5 files" in result.stderr
+    assert "wrote 6 files" in result.stderr  # 4 shards, the index, the record
     state, shards = _read_hf(tmp_path / "hf")
     assert len(shards) == 4
     same(model.state_dict(), state)

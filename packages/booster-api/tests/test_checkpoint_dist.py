@@ -1,9 +1,10 @@
 """CheckpointIO at world size 2 (gloo): the state is gathered, rank 0 alone
 writes, every rank returns only once the checkpoint is in place, every rank
-loads it, and an error on rank 0 reaches rank 1."""
+loads it, and an error on rank 0 is raised on rank 1 too."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from test_checkpoint_helpers import PlainModel, PlainOptimizer, ShardedModel, mlp, same, train
 
-from zerostack.booster import _checkpoint_atomic, _checkpoint_files
+from zerostack.booster import CheckpointSaveError, _checkpoint_atomic, _checkpoint_files
 from zerostack.booster._checkpoint import CheckpointIO
 from zerostack.testing import spawn
 
@@ -83,17 +84,32 @@ def _world_2_cases(rank, world, root):
     same(opt.full_state_dict(), opt2.full_state_dict())
     assert sched2.state_dict() == sched.state_dict()
 
-    # Rank 0 fails (a file where the directory goes): rank 1 hears of it.
+    # A file where the directory goes: every rank refuses before writing.
     if rank == 0:
         with open(os.path.join(root, "a-file"), "w") as f:
             f.write("x")
     dist.barrier()
+    with pytest.raises(ValueError, match=r"shard=True writes a directory but"):
+        io.save_model(target, os.path.join(root, "a-file"), shard=True)
+    # Rank 0's write fails (a full disk): every rank raises the same error.
+    real = _checkpoint_files.write_torch
     if rank == 0:
-        with pytest.raises(ValueError, match=r"shard=True writes a directory but"):
-            io.save_model(target, os.path.join(root, "a-file"), shard=True)
-    else:
-        with pytest.raises(RuntimeError, match=r"save_model: rank 0 failed to write .*a-file"):
-            io.save_model(target, os.path.join(root, "a-file"), shard=True)
+
+        def full(path, obj):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        _checkpoint_files.write_torch = full
+    try:
+        with pytest.raises(
+            CheckpointSaveError,
+            match=r"^CheckpointIO.save_model: no space left on device: 2\.0 MB needed, .* free "
+            r"at .*\(got on rank 0: OSError: \[Errno 28\]",
+        ):
+            io.save_model(target, os.path.join(root, "model.pt"))
+    finally:
+        _checkpoint_files.write_torch = real
+    io.load_model(other, os.path.join(root, "model.pt"))  # the previous one, unchanged
+    same(expected, other.full_state_dict(only_rank_0=False))
     # The group still works after the failed save.
     io.save_model(target, os.path.join(root, "after.pt"))
 

@@ -8,6 +8,7 @@ nvme_offload_fraction) are saved and restored."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -81,8 +82,8 @@ class _GatherCounter:
         _comm._all_gather = self._real
 
 
-def _elements_per_file(path):
-    """{file: tensor elements stored in it}, from DCP's metadata."""
+def _elements_per_rank(path):
+    """{rank: tensor elements stored in its file}, from DCP's metadata."""
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(path).read_metadata()
@@ -92,7 +93,8 @@ def _elements_per_file(path):
         if not hasattr(tensor, "chunks"):
             continue
         [chunk] = [c for c in tensor.chunks if c.offsets == index.offset]
-        out[info.relative_path] = out.get(info.relative_path, 0) + chunk.sizes.numel()
+        rank = int(info.relative_path.split("_")[2])  # __<rank>_<save id>_0.distcp
+        out[rank] = out.get(rank, 0) + chunk.sizes.numel()
     return out
 
 
@@ -113,10 +115,10 @@ def _save_at_2(rank, world, root):
     assert parallel.bytes == 0, f"rank {rank}: a parallel save gathered {parallel.bytes} bytes"
     assert gathered.bytes >= _state_bytes(model)  # the control: the one-file save gathers
     # Each rank's file holds exactly the elements of its own ranges, less than the whole.
-    per_file = _elements_per_file(f"{root}/model")
+    per_rank = _elements_per_rank(f"{root}/model")
     mine = sum(end - start for start, end, _ in model.local_ranges().values())
-    assert per_file[f"__{rank}_0.distcp"] == mine < _state_bytes(model) // 4, (per_file, mine)
-    assert sum(per_file.values()) == _state_bytes(model) // 4
+    assert per_rank[rank] == mine < _state_bytes(model) // 4, (per_rank, mine)
+    assert sum(per_rank.values()) == _state_bytes(model) // 4
     losses = _train(booster, model, opt, 3, 4)
     if rank == 0:
         torch.save(losses, f"{root}/losses.pt")
@@ -134,11 +136,9 @@ def _load_at_1(root):
     # LowLevelZero at 1 process saves (after step 5); Gemini at 2 ranks goes on from there.
     booster.save_model(model, f"{root}/model5", shard=True)
     booster.save_optimizer(opt, f"{root}/optim5", shard=True)
-    assert sorted(os.listdir(f"{root}/model5")) == [
-        ".metadata",
-        "__0_0.distcp",
-        "zerostack-files-0.json",
-    ]
+    names = sorted(os.listdir(f"{root}/model5"))
+    assert names[0] == ".metadata" and names[2] == "zerostack-checkpoint.json", names
+    assert re.fullmatch(r"__0_[0-9a-f]{16}_0\.distcp", names[1]) and len(names) == 3, names
 
 
 def _back_at_2(rank, world, root):

@@ -169,13 +169,14 @@ def test_optimizer_round_trip(tmp_path, shard):
 
 
 def test_optimizer_before_first_step(tmp_path):
-    """No per-parameter state yet: the directory holds the groups file and the index."""
+    """No per-parameter state yet: the directory holds the groups file, the index and the record."""
     model = mlp(0, depth=1)
     opt = PlainOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
     CheckpointIO().save_optimizer(opt, tmp_path / "o", shard=True)
     assert sorted(os.listdir(tmp_path / "o")) == [
         "pytorch_optim.bin.index.json",
         "pytorch_optim_group.bin",
+        "zerostack-checkpoint.json",
     ]
     opt2 = PlainOptimizer(torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.1), model)
     CheckpointIO().load_optimizer(opt2, tmp_path / "o")
@@ -206,6 +207,7 @@ def test_prefix_names_files(tmp_path):
     assert sorted(os.listdir(tmp_path / "m")) == [
         "model.ema-00001-of-00001.safetensors",
         "model.safetensors.index.ema.json",
+        "zerostack-checkpoint.json",
     ]
     target = PlainModel(mlp(1, depth=1))
     io.load_model(target, tmp_path / "m")

@@ -92,7 +92,8 @@ def _resumed(rank, world, root):
 def test_resume_is_exact_with_dropout_and_shuffle(tmp_path):
     spawn(_uninterrupted, 2, args=(str(tmp_path),), backend="gloo", timeout_s=180)
     assert sorted(os.listdir(tmp_path / "state")) == [
-        "lr_scheduler.pt", "model", "optimizer", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt"
+        "lr_scheduler.pt", "model", "optimizer", "rank-00000-of-00002.pt", "rank-00001-of-00002.pt",
+        "zerostack-checkpoint.json",
     ]  # fmt: skip
     spawn(_resumed, 2, args=(str(tmp_path),), backend="gloo", timeout_s=180)
 

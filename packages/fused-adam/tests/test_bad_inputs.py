@@ -157,6 +157,12 @@ CASES = [
     Case("add-group-lr-negative", lambda env: env["opt"].add_param_group({"params": [env["new"]], "lr": -1.0}), ValueError, r"lr must be >= 0 \(got -1\.0\)", True),
     Case("add-group-float64", lambda env: env["opt"].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]}), TypeError, r"param 1\.0 .* has unsupported dtype \(got torch\.float64\)", True),
     Case("add-group-meta", lambda env: env["opt"].add_param_group({"params": [_meta()]}), ValueError, r"param 1\.0 .* is on meta", True),
+    # -- torch.optim.AdamW's options in a group: the kernels would ignore them -----------
+    Case("group-amsgrad", lambda env: CPUAdam([{"params": [env["new"]], "amsgrad": True}]), NotImplementedError, r"CPUAdam: amsgrad=True is an option of torch\.optim\.AdamW that is not implemented here .*use torch\.optim\.AdamW for it", True),
+    Case("add-group-maximize", lambda env: env["opt"].add_param_group({"params": [env["new"]], "maximize": True}), NotImplementedError, r"maximize=True is an option of torch\.optim\.AdamW", True),
+    Case("add-group-differentiable", lambda env: env["opt"].add_param_group({"params": [env["new"]], "differentiable": True}), NotImplementedError, r"differentiable=True is an option of torch\.optim\.AdamW", True),
+    Case("group-decoupled-vs-adamw_mode", lambda env: CPUAdam([{"params": [env["new"]], "decoupled_weight_decay": False}]), ValueError, r"CPUAdam: decoupled_weight_decay=False contradicts adamw_mode=True; set adamw_mode", True),
+    Case("load-amsgrad-state", _sd(lambda sd: sd["param_groups"][0].update(amsgrad=True)), NotImplementedError, r"load_state_dict: amsgrad=True is an option of torch\.optim\.AdamW", True),
     Case("add-group-adamw_mode-str", lambda env: env["opt"].add_param_group({"params": [env["new"]], "adamw_mode": "no"}), TypeError, r"adamw_mode must be a bool \(got 'no'\)", True),
     # -- step: gradients and arguments ------------------------------------------------
     Case("grad-float64", _bad_grad(lambda: torch.ones(2, 3, dtype=torch.float64)), TypeError, r"param 0\.1 .* gradient of unsupported dtype \(got torch\.float64\)", True),

@@ -70,3 +70,24 @@ def test_bf16_param_with_bf16_torch_states_loads_as_fp32():
     assert opt.state[p]["exp_avg"].dtype == torch.float32
     opt.step()
     assert float(opt.state[p]["step"]) == 2
+
+
+def test_torch_adam_state_keeps_its_l2_decay():
+    """torch.optim.Adam's groups say decoupled_weight_decay=False: loaded into
+    an optimizer built with adamw_mode=True, the steps go on as torch's Adam
+    (L2), not AdamW."""
+    ref_model = small_model()
+    ref_opt = torch.optim.Adam(ref_model.parameters(), foreach=False, **HYPER)
+    train_steps(ref_model, ref_opt, 3, seed=1)
+
+    ours_model = small_model()
+    ours_model.load_state_dict(ref_model.state_dict())
+    ours_opt = CPUAdam(ours_model.parameters(), adamw_mode=True, **HYPER)
+    ours_opt.load_state_dict(ref_opt.state_dict())
+    assert [g["adamw_mode"] for g in ours_opt.param_groups] == [False]
+
+    ref_losses = train_steps(ref_model, ref_opt, 5, seed=2)
+    ours_losses = train_steps(ours_model, ours_opt, 5, seed=2)
+    torch.testing.assert_close(ours_losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours_model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

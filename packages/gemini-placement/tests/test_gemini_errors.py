@@ -52,9 +52,11 @@ def test_bad_dtype_and_policy():
             _model(), mixed_precision=torch.float64, chunk_config_dict=CFG, compute_device="cpu"
         )
     with pytest.raises(
-        ValueError, match=r"placement_policy must be 'static' or 'auto' \(got 'cpu'\)"
+        ValueError, match=r"placement_policy must be 'static' or 'auto'.* \(got 'const'\)"
     ):
-        GeminiDDP(_model(), placement_policy="cpu")
+        GeminiDDP(_model(), placement_policy="const")
+    with pytest.raises(ValueError, match=r"placement_policy='cpu' fixes shard_param_frac"):
+        GeminiDDP(_model(), placement_policy="cpu", offload_optim_frac=0.5)
 
 
 def test_optimizer_must_cover_the_module():

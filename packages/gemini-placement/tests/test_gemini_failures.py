@@ -170,7 +170,7 @@ def test_a_fault_that_stays_keeps_failing_without_changing_anything(monkeypatch)
 
 def test_the_training_state_table():
     moves = {(a, b) for a, targets in _MOVES.items() for b in targets}
-    assert len(moves) == 9 and all(a is not b for a, b in moves)
+    assert len(moves) == 13 and all(a is not b for a, b in moves)
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(

@@ -14,11 +14,22 @@ from zerostack.testing import spawn
 CHUNKS = {"chunk_size": 5000, "keep_gathered": False}
 
 
+class _Scaled(nn.Module):
+    """Values computed in __init__ and no reset_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(64) * 0.1 + 1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
 def _model():
-    # Every module's init is its own reset_parameters, so lazy equals eager.
     return nn.Sequential(
-        nn.Embedding(50, 32), nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 50)
-    )
+        nn.Embedding(50, 32), nn.LayerNorm(32), nn.Linear(32, 64), _Scaled(), nn.GELU(),
+        nn.Linear(64, 50),
+    )  # fmt: skip
 
 
 def _lazy_equals_eager(rank, world):

@@ -134,39 +134,20 @@ def test_gpt2_parity_with_ddp(world_size):
     spawn(_all, world_size, args=(CASES,), backend="gloo", timeout_s=120)
 
 
-# Lazy equals eager only when eager init is the modules' reset_parameters in
-# module order. GPT-2's is not: Conv1D has no reset_parameters (it draws in
-# __init__), and post_init re-draws every weight through _init_weights (GPT2Model's
-# right after its own construction, before lm_head exists), which transformers
-# skips on the meta device. Without init_fn GeminiDDP says so; with
-# init_fn=initialize_weights the lazy model equals an eager one whose weights
-# were drawn by initialize_weights from the same seed (GPT-2's own init,
-# c_proj scaled), not one drawn by the interleaved eager constructor.
-def test_gpt2_lazy_init_needs_init_fn_and_then_equals_initialize_weights():
-    torch.manual_seed(0)
-    with LazyInitContext():
-        lazy = _gpt2()
-    with pytest.raises(NotImplementedError):
-        GeminiDDP(
-            lazy, mixed_precision=torch.float32, chunk_config_dict={1: CHUNKS}, compute_device="cpu"
-        )
+# GPT-2's construction is not its modules' reset_parameters: Conv1D draws in
+# __init__ and post_init draws every weight again (c_proj scaled). LazyInitContext
+# replays all of it, so the lazy model equals the eager one without an init_fn.
+def test_gpt2_lazy_init_equals_eager_construction():
     torch.manual_seed(0)
     with LazyInitContext():
         lazy = _gpt2()
     assert all(p.is_meta for p in lazy.parameters())
     ddp = GeminiDDP(
-        lazy,
-        mixed_precision=torch.float32,
-        chunk_config_dict={1: CHUNKS},
-        compute_device="cpu",
-        init_fn=lambda m: m.initialize_weights(),
+        lazy, mixed_precision=torch.float32, chunk_config_dict={1: CHUNKS}, compute_device="cpu"
     )
     assert lazy.lm_head.weight is lazy.transformer.wte.weight
-    eager = _gpt2()
-    for m in eager.modules():  # let initialize_weights draw every weight again
-        m._is_hf_initialized = False
     torch.manual_seed(0)
-    eager.initialize_weights()
+    eager = _gpt2()
     full = ddp.state_dict()
     assert list(full) == list(eager.state_dict())
     for name, p in eager.named_parameters():

@@ -1,5 +1,6 @@
 """The bad-input matrix of zero-chunk (issue 17): Chunk, ChunkManager,
-search_chunk_configuration, LazyInitContext and the collective debug switches.
+search_chunk_configuration, LazyInitContext, ColoInitContext and the collective
+debug switches.
 
 One row per bad call: the error type, a regex that names the argument (or
 the misused call) and the value got, and whether this table's work added the
@@ -22,6 +23,7 @@ from torch import nn
 from zerostack.chunk import (
     Chunk,
     ChunkManager,
+    ColoInitContext,
     LazyInitContext,
     TensorState,
     _comm,
@@ -127,6 +129,11 @@ def _nested(env):
         pass
 
 
+def _other_nested(env):
+    with LazyInitContext(), LazyInitContext():
+        pass
+
+
 def _search(*args, **kwargs):
     return lambda env: search_chunk_configuration(*args, **kwargs)
 
@@ -211,6 +218,15 @@ CASES = [
     Case("search-no-params", _search(nn.ReLU(), 1), ValueError, r"the model has no parameters \(got ReLU\)"),
     # -- LazyInitContext ---------------------------------------------------------------------------
     Case("lazy-nested", _nested, RuntimeError, r"LazyInitContext: this context is already entered \(got a nested `with` on it\)"),
+    Case("lazy-other-nested", _other_nested, RuntimeError, r"LazyInitContext: another LazyInitContext is already entered in this thread \(got nested blocks\)", True),
+    Case("lazy-default-device-bogus", lambda env: LazyInitContext(default_device="gpu"), ValueError, r"LazyInitContext: default_device is not a device \(got 'gpu'\)", True),
+    Case("lazy-default-device-meta", lambda env: LazyInitContext(default_device="meta"), ValueError, r"LazyInitContext: default_device cannot be meta \(got 'meta'\); it is the device the initialisation runs on", True),
+    Case("lazy-default-device-float", lambda env: LazyInitContext(default_device=1.5), TypeError, r"LazyInitContext: default_device must be a torch\.device, str, int or None \(got 1\.5\)", True),
+    Case("lazy-default-device-cuda-less", lambda env: LazyInitContext(default_device=torch.device("cuda")), ValueError, r"LazyInitContext: default_device is device\(type='cuda'\) but CUDA is not available", True),
+    Case("colo-device-meta", lambda env: ColoInitContext(device="meta"), ValueError, r"ColoInitContext: device cannot be meta \(got 'meta'\)", True),
+    Case("colo-device-bogus", lambda env: ColoInitContext(device="gpu"), ValueError, r"ColoInitContext: device is not a device \(got 'gpu'\)", True),
+    Case("colo-dtype-int", lambda env: ColoInitContext(dtype=torch.int64), TypeError, r"ColoInitContext: dtype must be a floating-point torch\.dtype \(got torch\.int64\)", True),
+    Case("colo-default-pg", lambda env: ColoInitContext(default_pg=object()), NotImplementedError, r"ColoInitContext: default_pg is not implemented \(got object\): it configured ColossalAI's tensor parallelism", True),
     Case("materialize-eager-model", lambda env: LazyInitContext.materialize(env["model"]), ValueError, r"materialize: the model was not built under LazyInitContext \(got Linear\)"),
     Case("materialize-twice", _materialized_twice, RuntimeError, r"materialize: the model was already materialized \(got Linear\)"),
     Case("materialize-not-module", lambda env: LazyInitContext.materialize([env["lazy"]]), TypeError, r"materialize: model must be an nn\.Module .* \(got list\)", True),
@@ -226,8 +242,8 @@ CASES = [
     Case("debug-collectives-str", lambda env: debug_collectives("yes"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'yes'\)"),
     Case("collective-label-int", lambda env: set_collective_label(3), TypeError, r"set_collective_label: label must be a str \(got 3\)", True),
 ]  # fmt: skip
-if torch.cuda.is_available():  # the CUDA-less case is the one this machine can run
-    CASES = [c for c in CASES if c.id != "manager-device-cuda-less"]
+if torch.cuda.is_available():  # the CUDA-less cases are the ones this machine can run
+    CASES = [c for c in CASES if not c.id.endswith("-cuda-less")]
 
 
 @pytest.fixture(autouse=True)

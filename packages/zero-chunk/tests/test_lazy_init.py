@@ -1,9 +1,12 @@
-"""LazyInitContext: meta construction, eager-equal materialization, and
+"""LazyInitContext: meta construction, materialization bitwise equal to an
+eager build (modules without reset_parameters, values computed in __init__,
+RNG state changes, tied weights, a transformers GPT-2 in a plain module), and
 distribution into chunks at 1 and 2 ranks (gloo) against eagerly registered
-references."""
+references, with its peak memory."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -31,9 +34,75 @@ class TiedLM(nn.Module):
 
 
 class NoReset(nn.Module):
+    """No reset_parameters anywhere in the module itself."""
+
     def __init__(self) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.ones(4))
+        self.lin = nn.Linear(4, 4)
+
+
+class Computed(nn.Module):
+    """Values computed in ``__init__``: a scaled draw, ``normal_``, ``fill_``,
+    a ``copy_`` from another parameter, an in-place op on a view, an arange
+    buffer, a causal mask, a plain tensor attribute and a size read with
+    ``.item()`` while building."""
+
+    def __init__(self, dim: int = 8, seq: int = 6) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) * 0.02)
+        self.v = nn.Parameter(torch.empty(dim, 2 * dim))
+        nn.init.normal_(self.v, std=0.5)
+        self.f = nn.Parameter(torch.empty(dim))
+        self.f.data.fill_(0.25)
+        self.c = nn.Parameter(torch.empty(dim, dim))
+        with torch.no_grad():
+            self.c.copy_(self.w.t() * 3)
+            self.c[0].add_(1.0)
+        self.register_buffer("pos", torch.arange(seq).unsqueeze(0))
+        mask = torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq)
+        self.register_buffer("mask", mask, persistent=False)
+        self.n = int(torch.rand(()).mul(5).item()) + 1
+        self.extra = nn.Parameter(torch.randn(self.n))
+        self.ramp = torch.linspace(0, 1, dim)
+
+
+class Reseeding(nn.Module):
+    """Changes RNG states while it is built: a fork undoes draws, a state is
+    saved and restored, the RNG is reseeded, a private generator draws."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.g = nn.Parameter(torch.randn(5, generator=torch.Generator().manual_seed(7)))
+        state = torch.get_rng_state()
+        self.c = nn.Parameter(torch.rand(3))
+        torch.set_rng_state(state)
+        self.d = nn.Parameter(torch.rand(3))
+        torch.manual_seed(123)
+        self.e = nn.Linear(3, 3)
+
+
+class TorchInits(nn.Module):
+    """torch's initialisers, four of which skip meta tensors, and values read
+    back while building (a list of drop rates, a condition)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates = torch.linspace(0, 0.1, 3).tolist()
+        self.t = nn.Parameter(nn.init.trunc_normal_(torch.empty(5, 5), std=0.02))
+        self.o = nn.Parameter(nn.init.orthogonal_(torch.empty(4, 6)))
+        self.s = nn.Parameter(nn.init.sparse_(torch.empty(6, 3), sparsity=0.5))
+        self.conv = nn.Conv1d(3, 3, 3)
+        nn.init.dirac_(self.conv.weight)
+        nn.init.xavier_uniform_(self.conv.weight[:, :1])
+        self.k = nn.Parameter(nn.init.kaiming_normal_(torch.empty(3, 4)))
+        self.register_buffer("perm", torch.randperm(7))
+        self.b = nn.Parameter(torch.bernoulli(torch.full((4,), 0.5)))
+        if (self.k > 0).any():
+            self.k.data.mul_(2.0)
 
 
 def _stack() -> nn.Module:
@@ -42,32 +111,56 @@ def _stack() -> nn.Module:
     )
 
 
-def _tied() -> nn.Module:
-    return TiedLM()
-
-
 def _gpt() -> nn.Module:
     return TinyGPT(GPTConfig(tie_embeddings=True, add_unused_param=True))
 
 
-# (builder, init_fn): init_fn None means the modules' own reset_parameters.
+class WrappedGPT2(nn.Module):
+    """A transformers GPT2LMHeadModel (its lm_head tied to wte) inside a plain module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        config = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.gpt2 = transformers.GPT2LMHeadModel(config)
+        self.score = nn.Linear(64, 2)
+
+
 CASES = {
-    "stack": (_stack, None),
-    "tied_after_construction": (_tied, None),
-    "tinygpt": (_gpt, TinyGPT.reset_parameters),
+    "stack": _stack,
+    "tied_after_construction": TiedLM,
+    "tinygpt": _gpt,
+    "no_reset_parameters": lambda: nn.Sequential(NoReset(), nn.GELU(), NoReset()),
+    "computed_in_init": Computed,
+    "rng_changes_in_init": Reseeding,
+    "torch_initialisers": TorchInits,
+    "transformers_gpt2": WrappedGPT2,
 }
 
 
-def _build(name: str, lazy: bool, seed: int = 0) -> nn.Module:
+def _need(name: str) -> None:
+    if name == "transformers_gpt2":
+        pytest.importorskip("transformers")
+
+
+def _build(name: str, lazy: bool, seed: int = 0, **context) -> nn.Module:
     torch.manual_seed(seed)
     if not lazy:
-        return CASES[name][0]()
-    with LazyInitContext():
-        return CASES[name][0]()
+        return CASES[name]()
+    with LazyInitContext(**context):
+        return CASES[name]()
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return list(model.named_parameters()) + list(model.named_buffers())
+    plain = [
+        (f"{n}.{a}", t) for n, m in model.named_modules() for a, t in vars(m).items()
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    ]  # fmt: skip
+    return list(model.named_parameters()) + list(model.named_buffers()) + plain
 
 
 def _rss_bytes() -> int:
@@ -110,13 +203,15 @@ def test_construction_allocates_nothing():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_materialize_equals_eager(name):
+    _need(name)
     model = _build(name, lazy=True)
+    assert all(p.is_meta for p in model.parameters())  # torch.tensor(...) literals are real
     params = list(model.parameters())
     if name == "stack":
         model[0].weight.requires_grad_(False)
     torch.randn(100)  # draws between the block and materialization change nothing
     rng = torch.random.get_rng_state()
-    LazyInitContext.materialize(model, init_fn=CASES[name][1])
+    LazyInitContext.materialize(model)
     assert torch.equal(torch.random.get_rng_state(), rng)  # the global RNG is left alone
     assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
     ref = _build(name, lazy=False)
@@ -127,9 +222,94 @@ def test_materialize_equals_eager(name):
         assert torch.equal(a, b), f"{name}: {n} differs from eager construction"
     if name == "stack":
         assert not model[0].weight.requires_grad and model[1].weight.requires_grad
-    if name != "stack":
-        head, emb = (model.lm_head, model.tok_emb) if name == "tinygpt" else (model.head, model.emb)
+    if name == "torch_initialisers":
+        assert model.rates == ref.rates and len(model.rates) == 3  # read with .tolist()
+    tied = {
+        "tinygpt": lambda m: (m.lm_head, m.tok_emb),
+        "tied_after_construction": lambda m: (m.head, m.emb),
+        "transformers_gpt2": lambda m: (m.gpt2.lm_head, m.gpt2.transformer.wte),
+    }
+    if name in tied:
+        head, emb = tied[name](model)
         assert head.weight is emb.weight
+
+
+def test_values_that_are_overwritten_are_not_computed():
+    """GPT-2's layers draw their own init, which post_init draws again: the
+    first values are never computed, their draws are still consumed (the
+    equality above), and materializing runs fewer ops than were recorded."""
+    pytest.importorskip("transformers")
+    from zerostack.chunk._lazy import _BUILT
+    from zerostack.chunk._lazy_replay import Replay
+
+    model = _build("transformers_gpt2", lazy=True)
+    rec = _BUILT[model]
+    replay = Replay(rec, {rec.sid(p) for p in model.parameters()})
+    scratch = sum(m == 2 for m in replay.mode)
+    skipped = sum(not m for m, op in zip(replay.mode, rec.ops, strict=True) if op.rng is None)
+    assert scratch >= 2 * 4  # each block's Conv1D init draws, redrawn by post_init
+    assert skipped >= 2 * 4
+
+
+def test_draws_whose_rng_state_is_restored_are_skipped():
+    """TinyGPT builds its layers inside torch.random.fork_rng, then draws
+    every weight: the layers' own draws change neither a value nor a later
+    draw, so the replay runs none of them (only the tied embedding's first
+    draw, which the LM head's redraw overwrites, runs on scratch)."""
+    from zerostack.chunk._lazy import _BUILT
+    from zerostack.chunk._lazy_replay import Replay
+
+    model = _build("tinygpt", lazy=True)
+    rec = _BUILT[model]
+    replay = Replay(rec, {rec.sid(p) for p in model.parameters()})
+    draws = [k for k, op in enumerate(rec.ops) if op.random and op.rng is None]
+    in_fork = [
+        k for k in draws if k < next(i for i, op in enumerate(rec.ops) if op.rng == ("slot", 0))
+    ]
+    assert len(in_fork) >= 10 and all(replay.mode[k] == 0 for k in in_fork)
+    assert sum(replay.mode[k] == 2 for k in draws) == 1
+
+
+def test_init_fn_runs_after_the_replay():
+    """init_fn(model) sees the RNG where eager construction left it: the
+    values equal an eager build followed by the same call."""
+    model = _build("tinygpt", lazy=True)
+    LazyInitContext.materialize(model, init_fn=TinyGPT.reset_parameters)
+    ref = _build("tinygpt", lazy=False)
+    ref.reset_parameters()
+    for (n, a), (_, b) in zip(_tensors(model), _tensors(ref), strict=True):
+        assert torch.equal(a, b), n
+    assert not torch.equal(model.tok_emb.weight, _build("tinygpt", lazy=False).tok_emb.weight)
+
+
+def test_default_device_is_where_init_runs():
+    ctx = LazyInitContext(default_device="cpu")
+    assert ctx.default_device == torch.device("cpu")
+    torch.manual_seed(0)
+    with ctx:
+        model = Computed()
+    LazyInitContext.materialize(model)
+    ref = _build("computed_in_init", lazy=False)
+    for (n, a), (_, b) in zip(_tensors(model), _tensors(ref), strict=True):
+        assert a.device == torch.device("cpu") and torch.equal(a, b), n
+    assert LazyInitContext(default_device=None).default_device is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["computed_in_init", "rng_changes_in_init", "transformers_gpt2"])
+def test_default_device_cuda_equals_an_eager_build_on_the_gpu(name):
+    """Drawn by the GPU's generator, as an eager build under torch.device("cuda")."""
+    _need(name)
+    model = _build(name, lazy=True, default_device=torch.device("cuda"))
+    cuda_rng = torch.cuda.get_rng_state()
+    LazyInitContext.materialize(model)
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref = CASES[name]()
+    for (n, a), (_, b) in zip(_tensors(model), _tensors(ref), strict=True):
+        assert a.device == b.device and torch.equal(a, b), n
 
 
 def test_errors():
@@ -147,15 +327,17 @@ def test_errors():
     with pytest.raises(RuntimeError, match=r"distribute: the model was already materialized"):
         LazyInitContext.distribute(model, manager, config_key="k")
 
+    outside = torch.zeros(3, device="meta")
     with LazyInitContext():
-        odd = nn.Sequential(nn.Linear(4, 4), NoReset())
-    with pytest.raises(
-        NotImplementedError, match=r"have no reset_parameters\(\) \(got 1 \(NoReset\)"
-    ):
-        LazyInitContext.materialize(odd)
-    assert all(p.is_meta for p in odd.parameters())  # refused before touching anything
-    LazyInitContext.materialize(odd, init_fn=lambda m: [p.fill_(2.0) for p in m.parameters()])
-    assert torch.equal(odd[1].scale, torch.full((4,), 2.0))
+        uses = nn.Linear(3, 3)
+        uses.weight.data[0].copy_(outside)  # a meta tensor with no values to replay
+        moved = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"a value depends on a meta tensor made outside the"):
+        LazyInitContext.materialize(uses)
+    assert all(p.is_meta for p in uses.parameters())  # refused before touching anything
+    moved.weight.data = torch.empty(2, 2, device="meta")  # after the block: not recorded
+    with pytest.raises(ValueError, match=r"materialize: weight is on the meta device but was not"):
+        LazyInitContext.materialize(moved)
     assert manager.chunks() == []
 
 
@@ -170,10 +352,9 @@ def _register_eager(model, dtype, chunk_size, cpu_offload=False):
 
 
 def _check_distribute(rank, world, name, dtype, chunk_size):
-    init_fn = CASES[name][1]
     model = _build(name, lazy=True)
     manager = ChunkManager({"k": {"chunk_size": chunk_size}}, compute_device="cpu")
-    LazyInitContext.distribute(model, manager, config_key="k", dtype=dtype, init_fn=init_fn)
+    LazyInitContext.distribute(model, manager, config_key="k", dtype=dtype)
     ref = _build(name, lazy=False)
     ref_manager = _register_eager(ref, dtype, chunk_size)
     chunks, ref_chunks = manager.chunks(), ref_manager.chunks()
@@ -195,11 +376,36 @@ def _check_rng_mismatch(rank, world):
     assert manager.chunks() == [] and all(p.is_meta for p in model.parameters())
 
 
-def _check_peak_memory(rank, world):
-    """Peak RSS while distributing 128 MB of Linear layers stays near this rank's share."""
+class _Layer(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim, dim) * 0.02)  # two temporaries in eager
+
+
+class _RedrawnAtTheEnd(nn.Module):
+    """Layers that compute their values in __init__; then the model draws
+    every weight again, as transformers' post_init does."""
+
+    def __init__(self, num_layers: int, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(dim) for _ in range(num_layers))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0.0, 0.02)
+
+
+_PEAK_MODELS = {
+    "linear_layers": lambda: nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(32))),
+    "redrawn_at_the_end": lambda: _RedrawnAtTheEnd(32, 1024),
+}
+
+
+def _check_peak_memory(rank, world, name):
+    """Peak RSS while distributing 128 MB of layers stays near this rank's
+    share: one layer's temporaries at a time, never the model."""
     torch.manual_seed(0)
     with LazyInitContext():
-        model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(32)))
+        model = _PEAK_MODELS[name]()
     model_bytes = 32 * 1024 * 1024 * 4
     manager = ChunkManager({"k": {"chunk_size": 2 * 2**20}}, compute_device="cpu")
     rss = _rss_bytes()
@@ -207,17 +413,26 @@ def _check_peak_memory(rank, world):
     LazyInitContext.distribute(model, manager, config_key="k")
     grown = _peak_rss_bytes() - rss
     budget = model_bytes / world + 24 * 2**20  # this rank's shards + open chunk + one layer
-    assert grown < budget, f"rank {rank}: peak grew {grown / 2**20:.0f} MB > {budget / 2**20:.0f}"
+    assert grown < budget, (
+        f"{name}: rank {rank}: peak grew {grown / 2**20:.0f} MB > {budget / 2**20:.0f}"
+    )
 
 
-def _run_all(rank, world, check_memory):
+def _run_all(rank, world, check_memory, with_transformers):
     _check_distribute(rank, world, "stack", None, 200)
     _check_distribute(rank, world, "tied_after_construction", torch.bfloat16, 40)
     _check_distribute(rank, world, "tinygpt", torch.float16, 20000)
+    _check_distribute(rank, world, "no_reset_parameters", None, 24)
+    _check_distribute(rank, world, "computed_in_init", torch.bfloat16, 130)
+    _check_distribute(rank, world, "rng_changes_in_init", None, 30)
+    _check_distribute(rank, world, "torch_initialisers", None, 40)
+    if with_transformers:
+        _check_distribute(rank, world, "transformers_gpt2", torch.float16, 20000)
     if world > 1:
         _check_rng_mismatch(rank, world)
     if check_memory:
-        _check_peak_memory(rank, world)
+        for name in _PEAK_MODELS:
+            _check_peak_memory(rank, world, name)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -225,4 +440,8 @@ def test_distribute_equals_eager_registration(world, monkeypatch):
     # glibc keeps freed blocks above its adaptive mmap threshold resident, so RSS
     # would count freed temporaries; a fixed threshold unmaps them on free.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-    spawn(_run_all, world, args=(_can_reset_peak(),), backend="gloo", timeout_s=60)
+    with_transformers = importlib.util.find_spec("transformers") is not None
+    spawn(
+        _run_all, world, args=(_can_reset_peak(), with_transformers), backend="gloo",
+        timeout_s=120,
+    )  # fmt: skip

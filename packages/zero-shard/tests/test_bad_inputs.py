@@ -109,6 +109,11 @@ def _sd(edit, full=False):
     return call
 
 
+def _clip_in_no_sync(env):
+    with env["z"].no_sync():
+        env["z"].clip_grad_by_norm(1.0)
+
+
 def _unscaled_backward(env):
     idx, tgt = make_batch(CONFIG, 2, 8, seed=1)
     env["model"](idx, tgt).backward()  # not env["z"].backward(loss)
@@ -154,6 +159,9 @@ CASES = [
     Case("debug-collectives-str", _wrap(debug_collectives="yes"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'yes'\)"),
     # -- misuse ----------------------------------------------------------------------------
     Case("backward-float", lambda env: env["z"].backward(2.0), TypeError, r"ZeroOptimizer\.backward: loss must be a tensor \(got float\)", True),
+    Case("clip-max-norm-zero", lambda env: env["z"].clip_grad_by_norm(0.0), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),
+    Case("clip-norm-type-negative", lambda env: env["z"].clip_grad_by_norm(1.0, -1), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: norm_type must be > 0 or inf \(got -1\)"),
+    Case("clip-in-no-sync", _clip_in_no_sync, RuntimeError, r"ZeroOptimizer\.clip_grad_by_norm: called inside no_sync\(\)"),
     Case("fp16-plain-backward", _unscaled_backward, RuntimeError, r"ZeroOptimizer\.step: fp16 gradients were not scaled; call optimizer\.backward\(loss\)", dtype=torch.float16),
     # -- load_state_dict / load_full_state_dict --------------------------------------------------
     Case("load-list", lambda env: env["z"].load_state_dict([]), TypeError, r"load_state_dict: the state must be a dict with \['optimizer', 'masters', 'scaler', 'layout'\] \(got list\)", True),

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 
-from zerostack.shard import ZeroOptimizer, shard_numel
+from zerostack.shard import ShardedGradient, ZeroOptimizer, local_grad, shard_numel
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 CONFIG = GPTConfig(bias=False)  # every parameter gets a gradient every step
@@ -36,6 +36,9 @@ def _storages(root: object) -> dict[int, int]:
         if id(obj) in seen or isinstance(obj, _OPAQUE):
             continue
         seen.add(id(obj))
+        if isinstance(obj, ShardedGradient):  # no storage: what it accumulated, if anything
+            todo.append(obj.local)
+            continue
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
             if storage.nbytes():
@@ -78,8 +81,10 @@ def _held_gradients(rank, world):
             zero.backward(loss)
             baseline = _not_gradients(model, zero)
             after_backward = _grad_bytes(zero, baseline)
-            # The model's grads went into the buckets as they arrived.
-            assert all(p.grad is None for p in model.parameters())
+            # The model's grads went into the buckets as they arrived; param.grad
+            # holds no values (see [Note: sharded param.grad]).
+            assert all(local_grad(p) is None for p in model.parameters())
+            assert all(isinstance(p.grad, ShardedGradient) for p in model.parameters())
             hook = zero.optimizer.register_step_pre_hook(
                 lambda *_, z=zero, b=baseline, out=at_step: out.append(_grad_bytes(z, b))
             )

@@ -50,7 +50,7 @@ def _fp16_overflow(rank, world):
         torch.manual_seed(0)
         model = TinyGPT(CONFIG).half()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if how == "keywords":  # the seed's names
+        if how == "keywords":  # ColossalAI's names
             zero = ZeroOptimizer(opt, hysteresis=1, initial_scale=1024.0)
         else:
             scaler = DynamicLossScaler(hysteresis=1, initial_scale=1024.0)

@@ -23,7 +23,7 @@ class AMPOptimizer:
 
     ``optimizer`` may be built on ``module.master_parameters()`` or on the
     model's parameters (``module.parameters()`` or ``module.model.parameters()``,
-    as the seed did); the latter are swapped for their masters, states
+    as ColossalAI did); the latter are swapped for their masters, states
     included. With fused-adam's ``HybridAdam``/``CPUAdam`` the step reads the
     half-precision gradients as they came back, divides by the loss scale and
     the clipping factor inside the kernel, and writes the half copy that the

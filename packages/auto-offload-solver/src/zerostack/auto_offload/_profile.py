@@ -1,6 +1,6 @@
 """HardwareProfile: what the planner needs to know about the machine, measured on it.
 
-The seed looked FLOP/s up in a table of four GPUs (anything else raised
+ColossalAI looked FLOP/s up in a table of four GPUs (anything else raised
 TypeError). Here every rate is measured at first use on the device itself
 and cached per device, so any GPU works; a profile can also be built from a
 dict, which is how the solver runs on a CPU-only machine (tests).

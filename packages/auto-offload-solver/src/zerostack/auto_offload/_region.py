@@ -5,7 +5,7 @@ half-precision parameters, and every parameter's ``.data`` is a view into it,
 set once. Offloading frees the buffer's *storage* (``resize_(0)``) and
 uploading re-grows that same storage and copies into it, so the parameter
 objects, and any view of them that autograd saved in forward, stay valid
-across offload and upload. (The seed swapped ``.data`` to other tensors and
+across offload and upload. (ColossalAI swapped ``.data`` to other tensors and
 pooled blocks, which breaks saved views.) The fp32 master, the half copy
 that is uploaded and the gradient that comes back live on the host; the
 optimizer writes the half copy as it steps the master (fused-adam's

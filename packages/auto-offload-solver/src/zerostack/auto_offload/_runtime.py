@@ -9,7 +9,7 @@ prefetch issued one region earlier) and, in the asynchronous mode, issues the
 next region's prefetch on the H2D stream. Its backward runs when the region
 before the boundary starts its backward: it makes that region ready again
 (waits for its prefetch, or uploads it) and issues the prefetch the plan
-hosts there. The seed's asynchronous op never freed offloaded regions in
+hosts there. ColossalAI's asynchronous op never freed offloaded regions in
 forward; here both modes do.
 """
 

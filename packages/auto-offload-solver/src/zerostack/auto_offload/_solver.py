@@ -4,7 +4,7 @@ Profit of a choice = (memory saved per second of added step time, memory
 saved, peak saved), compared lexicographically; memory saved is the area
 under the per-node memory curve (a choice can lower many nodes without
 lowering the peak yet). A choice that costs no time and saves memory has
-infinite profit; one that saves nothing has none (the seed called it
+infinite profit; one that saves nothing has none (ColossalAI called it
 infinite when its cost was zero).
 """
 

@@ -322,7 +322,7 @@ def _callable(gm: torch.fx.GraphModule, node: torch.fx.Node):
 
 def propagate(gm: torch.fx.GraphModule, inputs: dict | tuple) -> list[NodeInfo]:
     """Run ``gm`` node by node on meta tensors and return the facts of every
-    compute node, in graph order (the ``MetaInfoProp`` of the seed).
+    compute node, in graph order (the ``MetaInfoProp`` of ColossalAI).
 
     Args:
         gm: a traced module (see :func:`trace_model`).

@@ -5,13 +5,14 @@ between plugins and world sizes."""
 from zerostack.booster.__about__ import __version__
 from zerostack.booster._booster import Booster
 from zerostack.booster._checkpoint import CheckpointIO
-from zerostack.booster._checkpoint_files import CheckpointCorruptError
+from zerostack.booster._checkpoint_errors import CheckpointCorruptError, CheckpointSaveError
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._launch import launch_from_torch
 from zerostack.booster._plugins import (
     AutoOffloadModel,
     AutoOffloadOptimizer,
     AutoOffloadPlugin,
+    DeepSpeedConfigError,
     GeminiModel,
     GeminiOptimizerWrapper,
     GeminiPlugin,
@@ -24,7 +25,7 @@ from zerostack.booster._plugins import (
     TorchDDPOptimizer,
     TorchDDPPlugin,
 )
-from zerostack.chunk import LazyInitContext
+from zerostack.chunk import ColoInitContext, LazyInitContext
 
 __all__ = [
     "AutoOffloadModel",
@@ -33,6 +34,9 @@ __all__ = [
     "Booster",
     "CheckpointCorruptError",
     "CheckpointIO",
+    "CheckpointSaveError",
+    "ColoInitContext",
+    "DeepSpeedConfigError",
     "GeminiModel",
     "GeminiOptimizerWrapper",
     "GeminiPlugin",

@@ -1,6 +1,6 @@
 """Booster: one object that boosts a model, optimizer, criterion, dataloader
 and lr scheduler for a plugin, runs backward, and saves and loads
-checkpoints (the seed's ``colossalai.booster.Booster``)."""
+checkpoints (ColossalAI's ``colossalai.booster.Booster``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+from zerostack.chunk import rank_and_world
+from zerostack.shard import check_clip_args
 
 _API = "Booster"
 
@@ -48,12 +51,14 @@ class Booster:
             (autocast), a MixedPrecision, or None. Only without a plugin or
             with TorchDDPPlugin: the others choose the precision themselves
             (their ``precision`` argument). Default None.
-        plugin: the strategy. Default None.
+        plugin: the strategy. Default None. A plugin passed as the first
+            positional argument, as in ``Booster(plugin)`` (ColossalAI's NVMe
+            offload guide), is taken as ``plugin``.
 
     Raises:
         TypeError: ``plugin`` is not a Plugin, or ``mixed_precision`` has the wrong type.
         ValueError: an unknown mixed_precision.
-        NotImplementedError: the seed's "fp16_apex", "fp16_naive" or "fp8".
+        NotImplementedError: ColossalAI's "fp16_apex", "fp16_naive" or "fp8".
     """
 
     def __init__(
@@ -62,6 +67,9 @@ class Booster:
         mixed_precision: str | MixedPrecision | None = None,
         plugin: Plugin | None = None,
     ) -> None:
+        if isinstance(device, Plugin) and plugin is None:
+            # ColossalAI's NVMe offload guide writes Booster(plugin).
+            device, plugin = None, device
         if plugin is not None and not isinstance(plugin, Plugin):
             raise TypeError(
                 f"{_API}: plugin must be a Plugin (got {type(plugin).__name__}); pass e.g. "
@@ -114,8 +122,9 @@ class Booster:
         model may be boosted again with its optimizer.
 
         Args:
-            model: the model (or one built under LazyInitContext, for GeminiPlugin
-                and LowLevelZeroPlugin).
+            model: the model, or one built under LazyInitContext (GeminiPlugin
+                materializes it straight into its chunks; the other plugins
+                materialize it, then place it).
             optimizer: a torch optimizer over the model's parameters. Default None.
             criterion: the loss function, returned as is (under autocast with
                 ``mixed_precision``). Default None.
@@ -131,8 +140,20 @@ class Booster:
             TypeError: ``model`` is not an nn.Module, ``optimizer`` not a torch
                 optimizer, ``criterion`` not callable, ``lr_scheduler`` without
                 ``step`` and ``state_dict``.
+            ValueError: the optimizer holds parameters that are not the model's
+                (other than the twin-model case below).
+
+        An optimizer built on a twin of the model (every parameter another
+        model's, the same number with the same shapes in the same order, no
+        optimizer state yet: ColossalAI's GPT-2 demo builds its HybridAdam on
+        one model and then the model it trains under LazyInitContext) is
+        pointed at ``model``'s parameters in place, with one warning: the
+        optimizer object stays the same, so schedulers built on it keep working.
         """
         _check_boost(model, optimizer, criterion, lr_scheduler)
+        _check_dataloader(dataloader)
+        if isinstance(optimizer, torch.optim.Optimizer) and isinstance(model, nn.Module):
+            _own_parameters(model, optimizer)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             _exit.register()  # See [Note: exit code under gloo]
         model, optimizer, criterion, dataloader, lr_scheduler = self.plugin.configure(
@@ -161,6 +182,72 @@ class Booster:
                 "loss before .item()"
             )
         optimizer.backward(loss)
+
+    def clip_grad_norm_(
+        self,
+        model: ModelWrapper,
+        optimizer: OptimizerWrapper,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> torch.Tensor:
+        """Clip the gradients of ``model`` as torch's
+        ``clip_grad_norm_(model.parameters(), max_norm)`` clips the whole
+        gradients of a plain or DDP model, with every plugin: call it after
+        ``booster.backward`` and before ``optimizer.step()``, on every rank.
+        Under LowLevelZeroPlugin and GeminiPlugin the gradients are sharded
+        and ``param.grad`` holds no values (torch's own function raises
+        there); the norm is taken over every rank's shards, wherever they
+        live, and the step applies the clip. The norm accumulates in fp32
+        in every precision (fp16: of the unscaled gradients). A plugin's
+        ``max_norm=`` clips again at the step what this call left. See
+        zerostack.shard's [Note: gradient clipping].
+
+        ```python
+        booster.backward(loss, optimizer)
+        grad_norm = booster.clip_grad_norm_(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        ```
+
+        Args:
+            model: the model ``boost`` returned.
+            optimizer: the optimizer ``boost`` returned with it.
+            max_norm: the largest total norm (> 0); ``float('inf')`` only
+                reads the norm.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan (torch's).
+                Default False.
+
+        Returns:
+            The total norm of the gradients before clipping (a 0-dim fp32
+            tensor), as torch's returns.
+
+        Raises:
+            TypeError: ``model`` or ``optimizer`` not from ``boost``, or a
+                bad argument type.
+            ValueError: ``max_norm`` not > 0, ``norm_type`` not > 0, or the
+                optimizer was boosted with another model.
+            RuntimeError: no backward to clip (or inside ``no_sync``), or a
+                non-finite norm with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_norm_"
+        if not isinstance(model, ModelWrapper):
+            raise TypeError(
+                f"{api}: model must be the one boost returned (got {type(model).__name__}); "
+                "use the model from booster.boost(...)"
+            )
+        if not isinstance(optimizer, OptimizerWrapper):
+            raise TypeError(
+                f"{api}: optimizer must be the one boost returned (got "
+                f"{type(optimizer).__name__}); use the optimizer from booster.boost(...)"
+            )
+        if getattr(optimizer, "_model", model) is not model:
+            raise ValueError(
+                f"{api}: the optimizer was boosted with another model (got "
+                f"{type(model.unwrap()).__name__}); pass the model boost returned with it"
+            )
+        check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        return optimizer.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
 
     def no_sync(
         self, model: ModelWrapper | None = None, optimizer: OptimizerWrapper | None = None
@@ -224,10 +311,16 @@ class Booster:
             model: a boosted model.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
+
+        Raises:
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. ``no space left on device``),
+                or another save to ``checkpoint`` is running; the previous
+                checkpoint there is unchanged.
         """
         self.checkpoint_io.save_model(
             model,
@@ -239,15 +332,34 @@ class Booster:
             use_safetensors=use_safetensors,
         )
 
-    def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True) -> None:
+    def load_model(
+        self, model: ModelWrapper, checkpoint: str, strict: bool = True, *, verify: bool = True
+    ) -> Any:
         """Load a model checkpoint (every rank calls it).
 
         Args:
             model: a boosted model.
             checkpoint: the file or directory ``save_model`` wrote.
-            strict: every key must match. Default True.
+            strict: every key must match. With False, keys the checkpoint
+                lacks keep their values and keys the model lacks are
+                skipped; both are returned and logged. Default True.
+            verify: the checkpoint must be whole and of one save: a
+                directory needs its record (``zerostack-checkpoint.json``,
+                written last by the save), and every file's size and SHA-256
+                are checked before any is read. Pass False only for a
+                checkpoint written before zerostack wrote records (sizes
+                are still checked where recorded; warns once). Default True.
+
+        Returns:
+            ``missing_keys`` and ``unexpected_keys``, as torch's
+            ``nn.Module.load_state_dict`` returns them.
+
+        Raises:
+            CheckpointCorruptError: the record is missing, a file is
+                damaged, or files of different saves are mixed.
+            ValueError: with ``strict``, keys differ.
         """
-        self.checkpoint_io.load_model(model, checkpoint, strict=strict)
+        return self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify)
 
     def save_optimizer(
         self,
@@ -264,9 +376,12 @@ class Booster:
             optimizer: a boosted optimizer.
             checkpoint: a file path, or a directory when ``shard``.
             shard: save in shards into a directory. Default False.
-            gather_dtensor: the seed's; passed on. Default True.
+            gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_optimizer(
             optimizer,
@@ -277,14 +392,21 @@ class Booster:
             size_per_shard=size_per_shard,
         )
 
-    def load_optimizer(self, optimizer: OptimizerWrapper, checkpoint: str) -> None:
+    def load_optimizer(
+        self, optimizer: OptimizerWrapper, checkpoint: str, *, verify: bool = True
+    ) -> None:
         """Load an optimizer checkpoint (every rank calls it).
 
         Args:
             optimizer: a boosted optimizer.
             checkpoint: the file or directory ``save_optimizer`` wrote.
+            verify: as :meth:`load_model`'s. Default True.
+
+        Raises:
+            CheckpointCorruptError: the record is missing, a file is
+                damaged, or files of different saves are mixed.
         """
-        self.checkpoint_io.load_optimizer(optimizer, checkpoint)
+        self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
         """Save the lr scheduler's state.
@@ -292,17 +414,21 @@ class Booster:
         Args:
             lr_scheduler: the scheduler ``boost`` returned.
             checkpoint: a file path.
+
+        Raises:
+            CheckpointSaveError: as :meth:`save_model`.
         """
         self.checkpoint_io.save_lr_scheduler(lr_scheduler, checkpoint)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str, *, verify: bool = True) -> None:
         """Load the lr scheduler's state.
 
         Args:
             lr_scheduler: the scheduler ``boost`` returned.
             checkpoint: the file ``save_lr_scheduler`` wrote.
+            verify: check the file's CRC-32s. Default True.
         """
-        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint)
+        self.checkpoint_io.load_lr_scheduler(lr_scheduler, checkpoint, verify=verify)
 
     def save_state(
         self,
@@ -340,7 +466,9 @@ class Booster:
         Raises:
             TypeError: ``model`` is not a boosted model, ``dataloader`` has no
                 ``state_dict``, ``checkpoint`` is not a path.
-            RuntimeError: another rank failed to write its part.
+            CheckpointSaveError: a rank failed to write its part (on every
+                rank, the root cause in the first line), or another save to
+                ``checkpoint`` is running; the previous state is unchanged.
         """
         from zerostack.booster._checkpoint_state import save_state
 
@@ -353,6 +481,8 @@ class Booster:
         optimizer: OptimizerWrapper | None = None,
         lr_scheduler: Any = None,
         dataloader: Any = None,
+        *,
+        verify: bool = True,
     ) -> None:
         """Load what :meth:`save_state` wrote (every rank calls it), RNG states
         last. At the world size it was saved with, training goes on exactly as
@@ -368,16 +498,19 @@ class Booster:
             lr_scheduler: the lr scheduler ``boost`` returned; it must have
                 been saved. Default None.
             dataloader: the dataloader whose position was saved. Default None.
+            verify: as :meth:`load_model`'s. Default True.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
             ValueError: ``checkpoint`` is not a state directory, or lacks an
                 object that was given.
-            CheckpointCorruptError: a file is missing, truncated or altered.
+            CheckpointCorruptError: the record is missing, a file is
+                missing, truncated or altered, or parts of different saves
+                are mixed.
         """
         from zerostack.booster._checkpoint_state import load_state
 
-        load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader)
+        load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader, verify)
 
 
 def _check_device(device: Any) -> torch.device:
@@ -401,6 +534,63 @@ def _check_device(device: Any) -> torch.device:
             "pass 'cpu'"
         )
     return device
+
+
+def _check_dataloader(dataloader: Any) -> None:
+    """Warn when every rank would read the same batches: a map-style
+    DataLoader without a DistributedSampler in a group of several ranks."""
+    if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        return
+    _, world = rank_and_world()
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    samplers = (dataloader.sampler, getattr(batch_sampler, "sampler", None))
+    if world > 1 and not any(isinstance(s, DistributedSampler) for s in samplers):
+        warnings.warn(
+            f"{_API}.boost: the dataloader has no DistributedSampler (got "
+            f"{type(dataloader.sampler).__name__}) at {world} ranks: every rank reads the same "
+            "batches; build it with plugin.prepare_dataloader(dataset, batch_size=...) (as "
+            "ColossalAI's), or pass DistributedSampler(dataset) as its sampler",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _own_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer over parameters that are not the model's, except a
+    twin model's, which it takes over (see Booster.boost)."""
+    api = f"{_API}.boost"
+    mine = list(model.parameters())
+    ids = {id(p) for p in mine}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in ids]
+    if not foreign:
+        return
+    twin = (
+        len(foreign) == len(held) == len(mine)
+        and not optimizer.state
+        and all(a.shape == b.shape for a, b in zip(held, mine, strict=True))
+    )
+    if not twin:
+        why = (
+            "it has optimizer state already" if optimizer.state and len(foreign) == len(held)
+            else "their number or shapes differ from the model's"
+            if len(foreign) == len(held) else "some are the model's and some are not"
+        )  # fmt: skip
+        raise ValueError(
+            f"{api}: the optimizer holds parameters that are not the model's (got "
+            f"{len(foreign)} of {len(held)} foreign; {why}); build the optimizer on "
+            "model.parameters() of the model you boost"
+        )
+    warnings.warn(
+        f"{api}: the optimizer was built on another model with the same parameter shapes "
+        f"({len(held)} parameters); it now steps this model's parameters (as ColossalAI's "
+        "GPT-2 demo expects). Build it on model.parameters() to silence this",
+        UserWarning,
+        stacklevel=3,
+    )
+    rest = iter(mine)
+    for group in optimizer.param_groups:
+        group["params"] = [next(rest) for _ in group["params"]]
 
 
 def _check_boost(model: Any, optimizer: Any, criterion: Any, lr_scheduler: Any) -> None:

@@ -31,11 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_dcp as engine
+from zerostack.booster import _checkpoint_errors as errors
 from zerostack.booster import _checkpoint_files as files
 from zerostack.booster import _checkpoint_parallel as parallel_io
+from zerostack.booster import _checkpoint_record as record
 from zerostack.booster._checkpoint_names import alias_fill, alias_groups, drop_aliases, state_names
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 
@@ -158,10 +161,19 @@ class CheckpointIO:
 
     Every rank must call each method (they hold collectives).
 
+    A directory checkpoint is valid by its record, written last (see [Note:
+    checkpoint record]); a save holds a lock beside its path (see [Note:
+    checkpoint save lock]) and fails with ``CheckpointSaveError`` on every
+    rank (see [Note: checkpoint save errors]).
+
     Args:
-        verify: on load, check each file's sha256 (sharded directories) or
-            CRC-32/sha256 (single files); False checks byte sizes only, which
-            skips one read of every file. Default True.
+        verify: the default of the loads' ``verify``: True requires a
+            directory's record and checks each file's size and SHA-256
+            (sharded directories) or CRC-32/SHA-256 (single files) before
+            reading; False (for checkpoints written before the records)
+            checks byte sizes only, skipping one read of every file, and
+            accepts a directory without a record, with a warning once.
+            Default True.
     """
 
     def __init__(self, *, verify: bool = True) -> None:
@@ -207,10 +219,10 @@ class CheckpointIO:
                 ``model.safetensors.index.json`` (or
                 ``pytorch_model.bin.index.json``) and, for a transformers
                 model, ``config.json``. Default False: one file.
-            gather_dtensor: accepted for the seed's signature; the state is
+            gather_dtensor: accepted for ColossalAI's signature; the state is
                 always gathered, so False only warns. Default True.
             prefix: inserted before the last extension of every file name
-                (``model.<prefix>-00001-of-00002.safetensors``), as the seed
+                (``model.<prefix>-00001-of-00002.safetensors``), as ColossalAI
                 does; ``from_pretrained`` needs None. Default None.
             size_per_shard: most MB per shard file (a larger tensor gets a
                 file of its own). Default 1024.
@@ -227,7 +239,10 @@ class CheckpointIO:
                 is a file where a directory goes or the other way round.
             NotImplementedError: ``parallel=True`` for a wrapper without
                 ``sharded_state_dict``.
-            RuntimeError: on other ranks, when one rank failed to write.
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. a full disk), or another save
+                to ``checkpoint`` is running; the previous checkpoint is
+                unchanged.
         """
         api = "CheckpointIO.save_model"
         _check_bool(api, "shard", shard)
@@ -236,14 +251,14 @@ class CheckpointIO:
             api, parallel, shard, use_safetensors, _supports(model, ModelWrapper)
         )
         path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
+        _check_kind(api, path, shard or parallel)
         if parallel:
-            _check_kind(api, path, True)
             parallel_io.save_model(
                 api, model, path, extra=lambda tmp: _save_hf_config(model.unwrap(), tmp)
             )
             return
         state = model.full_state_dict(only_rank_0=True)
-        error = None
+        error, needed = None, files.nbytes(state)
         if _rank() == 0:
             try:
                 self._write_model(
@@ -252,7 +267,7 @@ class CheckpointIO:
             except BaseException as exc:
                 error = exc
         del state
-        _finish(api, path, error)
+        _finish(api, path, error, needed)
 
     def _write_model(
         self,
@@ -270,11 +285,10 @@ class CheckpointIO:
                 f"rank 0: {api}: model.full_state_dict(only_rank_0=True) gave rank 0 no state "
                 f"(got {type(state).__name__} of length {len(state) if isinstance(state, dict) else '-'})"
             )
-        _check_kind(api, path, shard)
         module = model.unwrap()
         state = drop_aliases(state, alias_groups(module, state))
         if not shard:
-            with atomic.atomic_path(path, is_dir=False) as tmp:
+            with atomic.atomic_path(path, is_dir=False, api=api) as tmp:
                 if use_safetensors:
                     files.write_safetensors(tmp, state, embed_sha256=True)
                 else:
@@ -287,8 +301,8 @@ class CheckpointIO:
             file_name, index_name = files.WEIGHTS_NAME, files.WEIGHTS_INDEX_NAME
             write = files.write_torch
         numel = sum(v.numel() for v in state.values() if isinstance(v, torch.Tensor))
-        with atomic.atomic_path(path, is_dir=True) as tmp:
-            files.save_sharded(
+        with atomic.atomic_path(path, is_dir=True, api=api) as tmp:
+            written = files.save_sharded(
                 tmp,
                 state,
                 file_name=files.add_prefix(file_name, prefix),
@@ -298,9 +312,17 @@ class CheckpointIO:
                 extra_metadata={"total_parameters": numel},
             )
             _save_hf_config(module, tmp)
+            record.seal(tmp, save_id=record.allocate_save_id(), kind="model", files=written)
         logger.info("%s: wrote %s", api, path)
 
-    def load_model(self, model: ModelWrapper, checkpoint: str, strict: bool = True) -> None:
+    def load_model(
+        self,
+        model: ModelWrapper,
+        checkpoint: str,
+        strict: bool = True,
+        *,
+        verify: bool | None = None,
+    ) -> _IncompatibleKeys:
         """Load a model checkpoint on every rank.
 
         Accepts what :meth:`save_model` writes (a parallel directory, of
@@ -318,36 +340,56 @@ class CheckpointIO:
             strict: the checkpoint's names must equal the model's
                 ``state_dict`` names (tied names count as present). With
                 False, names the model lacks are skipped and names the
-                checkpoint lacks keep their values. Default True.
+                checkpoint lacks keep their values; both are returned and
+                logged (a warning, once per call). Default True.
+            verify: True: the checkpoint must be whole and of one save (see
+                [Note: checkpoint record]): a directory needs its record,
+                and every file's size and SHA-256 are checked before any is
+                read. False: for checkpoints written before zerostack wrote
+                records; sizes only, a directory without a record loads
+                (warns once). Default None: this CheckpointIO's ``verify``.
+
+        Returns:
+            torch's ``_IncompatibleKeys`` (as ``nn.Module.load_state_dict``):
+            ``missing_keys``, the model's names the checkpoint lacks (they
+            kept their values), and ``unexpected_keys``, the checkpoint's
+            names the model lacks (skipped); both empty with ``strict``.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
-            CheckpointCorruptError: a file is missing, truncated or altered;
-                the message names it.
+            CheckpointCorruptError: the record of a directory is missing, a
+                file is missing, truncated or altered, or files of different
+                saves are mixed; the message names it.
             ValueError: with ``strict``, missing or unexpected names; a
                 directory without a model checkpoint.
         """
         api = "CheckpointIO.load_model"
         _check_bool(api, "strict", strict)
         _check_type(api, "model", model, ModelWrapper)
+        verify = self._resolve_verify(api, verify)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
-            parallel_io.verify_records(api, path, check_hash=self.verify)
-            parallel_io.load_model(api, model, path, strict)
-            return
+            parallel_io.check(api, path, verify=verify)
+            missing, unexpected = parallel_io.load_model(api, model, path, strict)
+            return _incompatible(api, path, missing, unexpected)
         module = model.unwrap()
         expected = set(state_names(module))
         groups = alias_groups(module)
+        vouched = record.check_present(api, path, verify=verify)
         index_path, single = _find_model_files(api, path)
         if index_path is not None:
             index = files.read_index(index_path, api)
+            if not vouched:
+                record.require_for_index(api, path, index, verify=verify)
             names = set(index["weight_map"])
-            fill = _check_names(api, path, names, expected, groups, strict)
-            parts = files.iter_index_files(index_path, api, check_hash=self.verify)
+            fill, missing, unexpected = _check_names(api, path, names, expected, groups, strict)
+            parts = files.iter_index_files(index_path, api, check_hash=verify and not vouched)
             whole = len(set(index["weight_map"].values())) <= 1
         else:
-            state = files.read_state(single, api, check=self.verify)
-            fill = _check_names(api, path, set(state), expected, groups, strict)
+            state = files.read_state(single, api, check=verify and not vouched)
+            fill, missing, unexpected = _check_names(
+                api, path, set(state), expected, groups, strict
+            )
             parts, whole = iter([(single, state)]), True
         for name, part in parts:
             part.update({m: part[s] for m, s in fill.items() if s in part})
@@ -355,6 +397,7 @@ class CheckpointIO:
             logger.debug("%s: loading %d tensors from %s", api, len(part), name)
             model.load_full_state_dict(part, strict=strict and whole)
             del part
+        return _incompatible(api, path, missing, unexpected)
 
     # --- optimizer ----------------------------------------------------------
 
@@ -386,10 +429,10 @@ class CheckpointIO:
                 ``size_per_shard`` MB each), the param groups and loss scaler
                 in ``pytorch_optim_group.bin``, and the index
                 ``pytorch_optim.bin.index.json``. Default False: one torch file.
-            gather_dtensor: accepted for the seed's signature; False only warns.
+            gather_dtensor: accepted for ColossalAI's signature; False only warns.
                 Default True.
             prefix: inserted before the last extension of every file name, as
-                the seed does. Default None.
+                ColossalAI does. Default None.
             size_per_shard: most MB per shard file. Default 1024.
             parallel: each rank writes its own part (no gather) through
                 ``torch.distributed.checkpoint`` into the directory
@@ -403,7 +446,10 @@ class CheckpointIO:
                 is a file where a directory goes or the other way round.
             NotImplementedError: ``parallel=True`` for a wrapper without
                 ``sharded_state_dict``.
-            RuntimeError: on other ranks, when one rank failed to write.
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. a full disk), or another save
+                to ``checkpoint`` is running; the previous checkpoint is
+                unchanged.
         """
         api = "CheckpointIO.save_optimizer"
         _check_bool(api, "shard", shard)
@@ -412,19 +458,19 @@ class CheckpointIO:
             api, parallel, shard, False, _supports(optimizer, OptimizerWrapper)
         )
         path = self._check_save(api, checkpoint, size_per_shard, prefix, gather_dtensor, parallel)
+        _check_kind(api, path, shard or parallel)
         if parallel:
-            _check_kind(api, path, True)
             parallel_io.save_optimizer(api, optimizer, path)
             return
         state = optimizer.full_state_dict()
-        error = None
+        error, needed = None, files.nbytes(state)
         if _rank() == 0:
             try:
                 self._write_optimizer(api, state, path, shard, prefix, size_per_shard)
             except BaseException as exc:
                 error = exc
         del state
-        _finish(api, path, error)
+        _finish(api, path, error, needed)
 
     def _write_optimizer(
         self,
@@ -440,15 +486,14 @@ class CheckpointIO:
                 f"rank 0: {api}: optimizer.full_state_dict() is not in the full state format "
                 f"(got {type(state).__name__} with keys {list(state)[:5] if isinstance(state, dict) else '-'})"
             )
-        _check_kind(api, path, shard)
         if not shard:
-            with atomic.atomic_path(path, is_dir=False) as tmp:
+            with atomic.atomic_path(path, is_dir=False, api=api) as tmp:
                 files.write_torch(tmp, state)
             return
         groups_name = files.add_prefix(files.OPTIM_GROUPS_NAME, prefix)
         rest = {k: v for k, v in state.items() if k != "state"}
-        with atomic.atomic_path(path, is_dir=True) as tmp:
-            files.save_sharded(
+        with atomic.atomic_path(path, is_dir=True, api=api) as tmp:
+            written = files.save_sharded(
                 tmp,
                 state["state"],
                 file_name=files.add_prefix(files.OPTIM_NAME, prefix),
@@ -458,6 +503,7 @@ class CheckpointIO:
                 extra_files={groups_name: rest},
                 extra_metadata={"param_groups": groups_name},
             )
+            record.seal(tmp, save_id=record.allocate_save_id(), kind="optimizer", files=written)
         logger.info("%s: wrote %s", api, path)
 
     def load_optimizer(
@@ -466,6 +512,8 @@ class CheckpointIO:
         checkpoint: str,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        *,
+        verify: bool | None = None,
     ) -> None:
         """Load an optimizer checkpoint on every rank: from a parallel
         directory each rank reads the ranges it holds
@@ -478,24 +526,30 @@ class CheckpointIO:
             prefix: picks the index ``pytorch_optim.bin.index.<prefix>.json``
                 in a directory; None takes the directory's only index.
                 Default None.
-            size_per_shard: accepted for the seed's signature; no effect.
+            size_per_shard: accepted for ColossalAI's signature; no effect.
                 Default 1024.
+            verify: as :meth:`load_model`'s. Default None: this
+                CheckpointIO's ``verify``.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
-            CheckpointCorruptError: a file is missing, truncated or altered;
-                the message names it.
+            CheckpointCorruptError: the record of a directory is missing, a
+                file is missing, truncated or altered, or files of different
+                saves are mixed; the message names it.
             ValueError: the checkpoint does not hold an optimizer state.
         """
         api = "CheckpointIO.load_optimizer"
         _check_type(api, "optimizer", optimizer, OptimizerWrapper)
         _check_prefix(api, prefix)
+        verify = self._resolve_verify(api, verify)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
         if engine.is_dcp_dir(path):
-            parallel_io.verify_records(api, path, check_hash=self.verify)
+            parallel_io.check(api, path, verify=verify)
             parallel_io.load_optimizer(api, optimizer, path)
             return
         if os.path.isdir(path):
+            vouched = record.check_present(api, path, verify=verify)
+            check_hash = verify and not vouched
             stem = files.add_prefix(files.OPTIM_INDEX_NAME, prefix).removesuffix(".json")
             index_path = files.find_index(path, (stem,), api)
             if index_path is None:
@@ -504,17 +558,19 @@ class CheckpointIO:
                     f"{sorted(os.listdir(path))[:8]}); pass a directory save_optimizer wrote"
                 )
             index = files.read_index(index_path, api)
+            if not vouched:
+                record.require_for_index(api, path, index, verify=verify)
             per_param: dict[str, Any] = {}
-            for _, part in files.iter_index_files(index_path, api, check_hash=self.verify):
+            for _, part in files.iter_index_files(index_path, api, check_hash=check_hash):
                 per_param.update(part)
             groups_name = (index.get("metadata") or {}).get("param_groups", files.OPTIM_GROUPS_NAME)
             groups_path = os.path.join(path, groups_name)
-            record = files.index_records(index).get(groups_name)
-            files.verify_file(groups_path, record, api, check_hash=self.verify)
-            rest = files.read_torch(groups_path, api, check_crc=self.verify and not record)
+            groups_record = files.index_records(index).get(groups_name)
+            files.verify_file(groups_path, groups_record, api, check_hash=check_hash)
+            rest = files.read_torch(groups_path, api, check_crc=check_hash and not groups_record)
             state = {"state": per_param, **rest}
         else:
-            state = files.read_torch(path, api, check_crc=self.verify)
+            state = files.read_torch(path, api, check_crc=verify)
         if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
             raise ValueError(
                 f"{api}: {path} does not hold an optimizer state (got "
@@ -536,7 +592,10 @@ class CheckpointIO:
             TypeError: ``lr_scheduler`` has no ``state_dict``, or
                 ``checkpoint`` is not a path.
             ValueError: ``checkpoint`` is a directory.
-            RuntimeError: on ranks other than 0, when rank 0 failed to write.
+            CheckpointSaveError: the write failed (on every rank, the root
+                cause in the first line, e.g. a full disk), or another save
+                to ``checkpoint`` is running; the previous checkpoint is
+                unchanged.
         """
         api = "CheckpointIO.save_lr_scheduler"
         path = os.path.abspath(_check_path(api, checkpoint))
@@ -545,32 +604,45 @@ class CheckpointIO:
                 f"{api}: lr_scheduler must have state_dict() (got {type(lr_scheduler).__name__}); "
                 "pass a torch.optim.lr_scheduler instance"
             )
+        _check_kind(api, path, False)
         error = None
         if _rank() == 0:
             try:
-                _check_kind(api, path, False)
-                with atomic.atomic_path(path, is_dir=False) as tmp:
+                with atomic.atomic_path(path, is_dir=False, api=api) as tmp:
                     files.write_torch(tmp, lr_scheduler.state_dict())
             except BaseException as exc:
                 error = exc
-        _finish(api, path, error)
+        _finish(api, path, error, None)
 
-    def load_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
+    def load_lr_scheduler(
+        self, lr_scheduler: Any, checkpoint: str, *, verify: bool | None = None
+    ) -> None:
         """Load a file :meth:`save_lr_scheduler` wrote, on every rank.
 
         Args:
             lr_scheduler: anything with ``load_state_dict``.
             checkpoint: the file to read.
+            verify: check the file's CRC-32s. Default None: this
+                CheckpointIO's ``verify``.
 
         Raises:
             FileNotFoundError: nothing at ``checkpoint``.
             CheckpointCorruptError: the file is truncated or altered.
         """
         api = "CheckpointIO.load_lr_scheduler"
+        verify = self._resolve_verify(api, verify)
         path = atomic.resolve_for_load(_check_path(api, checkpoint), api)
-        lr_scheduler.load_state_dict(files.read_torch(path, api, check_crc=self.verify))
+        lr_scheduler.load_state_dict(files.read_torch(path, api, check_crc=verify))
 
     # --- shared -------------------------------------------------------------
+
+    def _resolve_verify(self, api: str, verify: Any) -> bool:
+        if verify is None:
+            verify = self.verify
+        _check_bool(api, "verify", verify)
+        if not verify:
+            record.warn_unverified(api)
+        return verify
 
     def _check_save(
         self,
@@ -644,8 +716,9 @@ def _check_names(
     expected: set[str],
     groups: list[list[str]],
     strict: bool,
-) -> dict[str, str]:
-    """The tied-name fill; with ``strict``, raise unless the names match."""
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """``(the tied-name fill, missing names, unexpected names)``; with
+    ``strict``, raise unless the names match."""
     fill = {m: s for m, s in alias_fill(names, groups).items() if m in expected}
     missing = sorted(expected - names - set(fill))
     unexpected = sorted(names - expected)
@@ -656,23 +729,35 @@ def _check_names(
             f"{' ...' if len(unexpected) > 8 else ''}); load the checkpoint of this model, "
             "or pass strict=False"
         )
-    if unexpected:
-        logger.info(
-            "%s: skipping %d names the model lacks: %s", api, len(unexpected), unexpected[:8]
+    return fill, missing, unexpected
+
+
+def _incompatible(
+    api: str, path: str, missing: list[str], unexpected: list[str]
+) -> _IncompatibleKeys:
+    """What ``load_model(strict=False)`` returns, logged once (rank 0)."""
+    if (missing or unexpected) and _rank() == 0:
+        logger.warning(
+            "%s: strict=False: %s: %d names the checkpoint lacks kept their values %s; %d "
+            "names the model lacks were skipped %s",
+            api,
+            path,
+            len(missing),
+            missing[:8],
+            len(unexpected),
+            unexpected[:8],
         )
-    return fill
+    return _IncompatibleKeys(missing, unexpected)
 
 
-def _finish(api: str, path: str, error: BaseException | None) -> None:
-    """Every rank learns rank 0's outcome after its rename; this is the barrier.
-    See [Note: gathered checkpoint save]."""
+def _finish(api: str, path: str, error: BaseException | None, needed: int | None) -> None:
+    """Every rank learns rank 0's outcome after its rename; this is the
+    barrier. A failure raises ``CheckpointSaveError`` on every rank. See
+    [Note: gathered checkpoint save] and [Note: checkpoint save errors]."""
+    summary = None if error is None else errors.summarize(error, 0)
     if _world_size() > 1:
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(outcome, src=0)
-        if error is None and outcome[0] is not None:
-            raise RuntimeError(
-                f"{api}: rank 0 failed to write {path} (got {outcome[0]}); see rank 0's "
-                "traceback, fix it and save again"
-            )
-    if error is not None:
-        raise error
+        box = [summary]
+        dist.broadcast_object_list(box, src=0)
+        summary = box[0]
+    if summary is not None:
+        atomic.fail_everywhere(api, path, [summary], error, needed)

@@ -15,13 +15,15 @@ or the new one at ``<name>``; in the fallback's one window between its two
 renames, the previous one is whole at the ``.old-`` name, where
 :func:`resolve_for_load` finds it and the next save puts it back. A killed
 save leaves its temporary sibling behind; the next save to the same path
-removes it (two saves to one path at once are not supported).
+removes it, under the save lock that keeps two saves from one path (see
+[Note: checkpoint save lock]).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import logging
 import os
@@ -29,6 +31,11 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Iterator
+from typing import Any
+
+from zerostack.booster import _checkpoint_errors as errors
+from zerostack.booster import _checkpoint_record as record
+from zerostack.booster._checkpoint_lock import save_lock
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,15 @@ def _remove(path: str) -> None:
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+
+
+def _bytes_under(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
 
 
 def fsync_dir(path: str) -> None:
@@ -131,33 +147,39 @@ def prepare(path: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, *, is_dir: bool) -> Iterator[str]:
+def atomic_path(path: str, *, is_dir: bool, api: str = "save") -> Iterator[str]:
     """Yield a temporary sibling of ``path`` to write; on a normal exit move it
-    onto ``path``, on an exception remove it. See [Note: atomic checkpoint save].
+    onto ``path``, on an exception remove it. See [Note: atomic checkpoint
+    save]. Holds ``path``'s save lock throughout (see [Note: checkpoint save
+    lock]).
 
     With ``is_dir`` the sibling is created as an empty directory; otherwise the
     caller creates the file. Files written under a directory must be fsynced
     by the caller (``fsync_file``) before the block ends.
+
+    Raises:
+        CheckpointSaveError: another save to ``path`` is running.
     """
     final = os.path.abspath(path)
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
-    prepare(final)
-    tmp = _sibling(final, _TMP_TAG)
-    if is_dir:
-        os.mkdir(tmp)
-    try:
-        yield tmp
+    with save_lock(final, api):
+        prepare(final)
+        tmp = _sibling(final, _TMP_TAG)
         if is_dir:
-            fsync_dir(tmp)
-            _replace_dir(tmp, final)
-        else:
-            fsync_file(tmp)
-            os.replace(tmp, final)
-    except BaseException:
-        _remove(tmp)
-        raise
-    fsync_dir(parent)
+            os.mkdir(tmp)
+        try:
+            yield tmp
+            if is_dir:
+                fsync_dir(tmp)
+                _replace_dir(tmp, final)
+            else:
+                fsync_file(tmp)
+                os.replace(tmp, final)
+        except BaseException:
+            _remove(tmp)
+            raise
+        fsync_dir(parent)
 
 
 def resolve_for_load(path: str, api: str) -> str:
@@ -190,86 +212,125 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_outcomes(error: BaseException | None, world: int) -> list[str | None]:
-    """Every rank's error (as text), or None where it succeeded: a collective."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+def _all_gather(obj: Any, world: int) -> list[Any]:
     if world == 1:
-        return [mine]
+        return [obj]
     import torch.distributed as dist
 
-    out: list[str | None] = [None] * world
-    dist.all_gather_object(out, mine)
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
     return out
 
 
-def _raise_failed(api: str, path: str, outcomes: list[str | None], error: BaseException | None):
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise RuntimeError(
-            f"{api}: rank {rank} failed to write {path} (got {message}); see rank {rank}'s "
-            "traceback, fix it and save again"
-        )
+def _broadcast(obj: Any, world: int) -> Any:
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def fail_everywhere(
+    api: str,
+    path: str,
+    summaries: list[dict[str, Any] | None],
+    own: BaseException | None,
+    needed_bytes: int | None,
+) -> None:
+    """Raise one ``CheckpointSaveError`` on every rank for the first failed
+    rank of ``summaries`` (a collective: rank 0 words the message, after the
+    failed save's files are gone; see [Note: checkpoint save errors])."""
+    rank, world = _rank_world()
+    first = next(s for s in summaries if s is not None)
+    message = errors.compose(api, path, first, needed_bytes) if rank == 0 else None
+    raise errors.save_error(_broadcast(message, world), first, own, needed_bytes)
+
+
+@dataclasses.dataclass(slots=True)
+class DirSave:
+    """A rank's view of a collective save (see :func:`collective_dir`)."""
+
+    path: str
+    """The temporary directory every rank writes into."""
+    save_id: str
+    """The save's id (see [Note: checkpoint record])."""
+    rank: int
+    files: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """The records of the files this rank wrote (:meth:`add`)."""
+    needed_bytes: int = 0
+    """This rank's bytes to write, for the message of a full disk."""
+
+    def add(self, name: str) -> None:
+        """Record ``name`` (relative to :attr:`path`), a file this rank wrote
+        and fsynced: hashed here, in parallel with the other ranks."""
+        from zerostack.booster._checkpoint_files import file_record
+
+        self.files[name] = {**file_record(os.path.join(self.path, name)), "rank": self.rank}
 
 
 @contextlib.contextmanager
-def collective_dir(path: str, api: str) -> Iterator[str]:
+def collective_dir(path: str, api: str, *, kind: str) -> Iterator[DirSave]:
     """Every rank writes its own files under one temporary sibling directory
-    of ``path``; once all of them finished, rank 0 moves it onto ``path``
-    (see [Note: atomic checkpoint save]). A failure on any rank removes the
-    temporary directory and raises on every rank; every rank must enter.
-    The ranks must share the file system at ``path``.
+    of ``path``; once all of them finished, rank 0 writes the checkpoint
+    record (see [Note: checkpoint record]) and moves the directory onto
+    ``path`` (see [Note: atomic checkpoint save]), holding ``path``'s save
+    lock from before the first write (see [Note: checkpoint save lock]). A
+    failure on any rank removes the temporary directory and raises
+    ``CheckpointSaveError`` on every rank (see [Note: checkpoint save
+    errors]); every rank must enter. The ranks must share the file system
+    at ``path``.
 
     [Note: parallel checkpoint save] No rank waits for another to write:
     the only collectives are the broadcast of the temporary name, the
-    exchange of outcomes (also the barrier before the rename) and the
-    broadcast of the rename's outcome.
+    exchange of outcomes and file records (also the barrier before the
+    record and the rename) and the broadcast of the rename's outcome.
     """
     final = os.path.abspath(path)
     rank, world = _rank_world()
-    tmp, error = None, None
-    if rank == 0:
-        try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            prepare(final)
-            tmp = _sibling(final, _TMP_TAG)
-            os.mkdir(tmp)
-        except BaseException as exc:
-            error = exc
-    if world > 1:
-        import torch.distributed as dist
-
-        box = [tmp]
-        dist.broadcast_object_list(box, src=0)
-        tmp = box[0]
-    outcomes = _all_outcomes(error, world)
-    _raise_failed(api, final, outcomes, error)
-    error = None
-    try:
-        yield tmp
-    except BaseException as exc:
-        error = exc
-    outcomes = _all_outcomes(error, world)
-    if any(o is not None for o in outcomes):
+    tmp = save_id = error = None
+    with contextlib.ExitStack() as lock:
         if rank == 0:
-            _remove(tmp)
-        _raise_failed(api, final, outcomes, error)
-    error = None
-    if rank == 0:
+            try:
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                lock.enter_context(save_lock(final, api))
+                prepare(final)
+                tmp = _sibling(final, _TMP_TAG)
+                os.mkdir(tmp)
+                save_id = record.allocate_save_id()
+            except BaseException as exc:
+                error = exc
+        summary = None if error is None else errors.summarize(error, rank)
+        tmp, save_id, summary = _broadcast((tmp, save_id, summary), world)
+        if summary is not None:  # rank 0 could not start (the lock is held, say)
+            fail_everywhere(api, final, [summary], error, None)
+        save = DirSave(tmp, save_id, rank)
+        token = record.enter_save(save_id)
         try:
-            fsync_dir(tmp)
-            _replace_dir(tmp, final)
-            fsync_dir(os.path.dirname(final))
+            yield save
         except BaseException as exc:
-            _remove(tmp)
             error = exc
-    if world > 1:
-        outcomes = [None] * world
-        import torch.distributed as dist
-
-        box = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(box, src=0)
-        outcomes[0] = box[0]
-    _raise_failed(api, final, outcomes if world > 1 else [None], error)
+        finally:
+            record.exit_save(token)
+        mine = None if error is None else errors.summarize(error, rank)
+        reports = _all_gather((mine, save.files, save.needed_bytes), world)
+        if any(r[0] is not None for r in reports):
+            needed = sum(r[2] for r in reports)
+            if rank == 0:
+                needed = max(needed, _bytes_under(tmp))  # what the save got to write
+                _remove(tmp)
+            fail_everywhere(api, final, [r[0] for r in reports], error, needed or None)
+        if rank == 0:
+            try:
+                merged = {name: rec for r in reports for name, rec in r[1].items()}
+                record.seal(tmp, save_id=save_id, kind=kind, world_size=world, files=merged)
+                _replace_dir(tmp, final)
+                fsync_dir(os.path.dirname(final))
+            except BaseException as exc:
+                _remove(tmp)
+                error = exc
+        summary = None if error is None else errors.summarize(error, rank)
+        summary = _broadcast(summary, world)
+        if summary is not None:
+            fail_everywhere(api, final, [summary], error, sum(r[2] for r in reports) or None)

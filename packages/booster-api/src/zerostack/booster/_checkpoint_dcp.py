@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import (
     FileSystemReader,
     FileSystemWriter,
 )
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -163,7 +164,29 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def save(path: str, state: dict[str, Any], process_group: Any = None) -> None:
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with the save id in every rank's file names
+    (``__<rank>_<save id>_0.distcp``, which ``.metadata`` records), so a
+    file of another save is never read as this one's (see [Note:
+    checkpoint record])."""
+
+    def __init__(self, path: str, save_id: str) -> None:
+        super().__init__(path, sync_files=True, overwrite=True)
+        self._save_id = save_id
+
+    def prepare_global_plan(self, plans):
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(file_prefix(i, self._save_id)))
+            for i, plan in enumerate(plans)
+        ]
+
+
+def file_prefix(rank: int, save_id: str) -> str:
+    """The start of the names of the files ``rank`` writes in save ``save_id``."""
+    return f"__{rank}_{save_id}_"
+
+
+def save(path: str, state: dict[str, Any], save_id: str, process_group: Any = None) -> None:
     """Every rank writes its pieces and its share of the plain entries into
     the directory ``path`` (which must exist), in parallel; a collective.
 
@@ -172,12 +195,13 @@ def save(path: str, state: dict[str, Any], process_group: Any = None) -> None:
         state: flat ``{key: Piece | tensor | picklable}``. Plain tensors
             with the same key on several ranks must be equal; DCP writes
             them once.
+        save_id: goes into every file name (see :class:`_Writer`).
         process_group: the group. Default: the default group.
     """
     with _single_process_quiet():
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(path, sync_files=True, overwrite=True),
+            storage_writer=_Writer(path, save_id),
             planner=_PieceSavePlanner(),
             process_group=process_group,
             no_dist=not _distributed(),
@@ -201,6 +225,22 @@ def load(path: str, state: dict[str, Any], process_group: Any = None) -> dict[st
             no_dist=not _distributed(),
         )
     return {**state, **planner.state_dict}
+
+
+def check_save_id(api: str, path: str, save_id: str) -> None:
+    """Refuse a ``.metadata`` that names files of another save than ``save_id``.
+
+    Raises:
+        CheckpointCorruptError: naming ``.metadata``.
+    """
+    from zerostack.booster._checkpoint_record import check_save_id
+
+    for info in FileSystemReader(path).read_metadata().storage_data.values():
+        name = getattr(info, "relative_path", "")
+        parts = name.split("_")
+        got = parts[3] if name.startswith("__") and len(parts) >= 5 else name
+        if got != save_id:
+            check_save_id(api, os.path.join(path, METADATA_FILE), save_id, got)
 
 
 def saved_keys(path: str) -> dict[str, Any]:

@@ -16,7 +16,9 @@ it is read:
   ``torch.load``, which does not check them itself.
 
 Files written by other tools (a Hugging Face export) lack these records and
-are read unchecked, apart from what their readers detect.
+are read unchecked, apart from what their readers detect. A directory
+zerostack wrote also holds the record of [Note: checkpoint record], which a
+load requires.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from zerostack.booster._checkpoint_atomic import fsync_file
+from zerostack.booster._checkpoint_errors import CheckpointCorruptError
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -50,18 +53,11 @@ _HASH_BLOCK = 8 * _MB
 _SHA_KEY = "zerostack.sha256"
 
 
-class CheckpointCorruptError(ValueError):
-    """A checkpoint file is missing, truncated or altered since it was saved.
-
-    The message names the file. See [Note: checkpoint integrity].
-    """
-
-
 # --- names ---------------------------------------------------------------
 
 
 def add_prefix(name: str, prefix: str | None) -> str:
-    """The seed's naming: ``prefix`` goes before the last extension
+    """ColossalAI's naming: ``prefix`` goes before the last extension
     (``model.safetensors`` -> ``model.<prefix>.safetensors``)."""
     if not prefix:
         return name
@@ -180,7 +176,10 @@ def write_torch(path: str, obj: Any) -> None:
     if set_ is not None and not previous:
         set_(True)
     try:
-        torch.save(_compact(obj), path)
+        # Through a Python file, so that a full disk keeps its OSError (ENOSPC)
+        # in the chain; torch's own file writer reports "file write failed".
+        with open(path, "wb") as f:
+            torch.save(_compact(obj), f)
     finally:
         if set_ is not None and not previous:
             set_(previous)
@@ -236,7 +235,7 @@ def save_sharded(
     write: Callable[[str, dict[str, Any]], None],
     extra_files: dict[str, Any] | None = None,
     extra_metadata: dict[str, Any] | None = None,
-) -> list[str]:
+) -> dict[str, dict[str, Any]]:
     """Write ``state`` as shards of at most ``limit_bytes`` plus an index.
 
     Args:
@@ -251,19 +250,17 @@ def save_sharded(
         extra_metadata: more keys for the index's ``metadata``.
 
     Returns:
-        The names of the files written, index last.
+        ``{file name: {"size_bytes", "sha256"}}`` of every file written, index last.
     """
     sizes = [(name, nbytes(value)) for name, value in state.items()]
     shards = plan_shards(sizes, limit_bytes)
     weight_map: dict[str, str] = {}
     files: dict[str, dict[str, Any]] = {}
-    written: list[str] = []
 
     def _done(name: str) -> None:
         full = os.path.join(directory, name)
         fsync_file(full)
         files[name] = file_record(full)
-        written.append(name)
 
     for i, names in enumerate(shards):
         shard = shard_file_name(file_name, i, len(shards))
@@ -280,9 +277,9 @@ def save_sharded(
         sum(size for _, size in sizes),
         extra_metadata,
     )
-    fsync_file(os.path.join(directory, index_name))
-    written.append(index_name)
-    return written
+    index_path = os.path.join(directory, index_name)
+    fsync_file(index_path)
+    return {**files, index_name: file_record(index_path)}
 
 
 # --- reading ---------------------------------------------------------------
@@ -340,15 +337,22 @@ def index_records(index: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return dict(ours.get("files", {})) if isinstance(ours, dict) else {}
 
 
-def verify_file(path: str, record: dict[str, Any] | None, api: str, *, check_hash: bool) -> None:
-    """Check a file against its index record: present, its size, its sha256.
+def verify_file(
+    path: str,
+    record: dict[str, Any] | None,
+    api: str,
+    *,
+    check_hash: bool,
+    source: str = "the index",
+) -> None:
+    """Check a file against its record (in ``source``): present, its size, its sha256.
 
     Raises:
         CheckpointCorruptError: naming the file and what differs.
     """
     if not os.path.isfile(path):
         raise CheckpointCorruptError(
-            f"{api}: checkpoint file {path} is missing (got no file where the index "
+            f"{api}: checkpoint file {path} is missing (got no file where {source} "
             "points); copy the whole checkpoint directory, or load another checkpoint"
         )
     if not record:
@@ -358,7 +362,7 @@ def verify_file(path: str, record: dict[str, Any] | None, api: str, *, check_has
     if want is not None and size != want:
         what = "truncated" if size < want else "longer than saved"
         raise CheckpointCorruptError(
-            f"{api}: checkpoint file {path} is {what} (got {size} bytes, the index "
+            f"{api}: checkpoint file {path} is {what} (got {size} bytes, {source} "
             f"records {want}); the save or a copy of it did not finish: copy it again "
             "or load another checkpoint"
         )
@@ -366,9 +370,10 @@ def verify_file(path: str, record: dict[str, Any] | None, api: str, *, check_has
         got = file_record(path)["sha256"]
         if got != record["sha256"]:
             raise CheckpointCorruptError(
-                f"{api}: checkpoint file {path} is corrupt (got sha256 {got[:16]}..., the "
-                f"index records {record['sha256'][:16]}...); its bytes changed since the "
-                "save: copy it again or load another checkpoint"
+                f"{api}: checkpoint file {path} is corrupt (got sha256 {got[:16]}..., "
+                f"{source} records {record['sha256'][:16]}...); its bytes changed since the "
+                "save, or it is a file of another save: copy the checkpoint again or load "
+                "another one"
             )
 
 

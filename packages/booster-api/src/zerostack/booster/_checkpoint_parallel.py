@@ -8,12 +8,14 @@ plugin. Nothing is gathered: a rank materializes at most its own share
 
 [Note: parallel checkpoint integrity] DCP stores no sizes or checksums, so
 a truncated ``.distcp`` file used to fail deep in torch's zip reader without
-the file's name. Each rank therefore writes ``zerostack-files-<rank>.json``
-beside its files (``{name: {"size_bytes", "sha256"}}`` of the
-``__<rank>_*.distcp`` it wrote; rank 0 adds ``.metadata``), and a load
-checks every recorded file before DCP reads any: the sizes always, the
-SHA-256 when ``CheckpointIO(verify=True)`` (the default; it reads every
-file once more). Checkpoints without records (older ones) load unchecked.
+the file's name. Each rank hashes the files it wrote (in parallel) and rank
+0 writes them all into the checkpoint record (see [Note: checkpoint
+record]); the save id is in every file name (``__<rank>_<save id>_0.distcp``)
+and so in ``.metadata``. A load checks the record's files before DCP reads
+any, and that ``.metadata`` names this save's files only. Checkpoints from
+before the record (``zerostack-files-<rank>.json`` per rank, sizes and
+SHA-256 of its files) load with ``verify=False`` only; their per-rank
+records are still checked for sizes.
 
 Keys in the DCP directory: ``model/<name>`` (model), ``state/<name>/<key>``,
 ``param_groups``, ``loss_scaler`` (optimizer), and ``meta`` (format, kind,
@@ -33,36 +35,28 @@ import torch
 from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_dcp as engine
 from zerostack.booster import _checkpoint_files as files
+from zerostack.booster import _checkpoint_record as record
 from zerostack.booster._checkpoint_dcp import Piece
 
 logger = logging.getLogger(__name__)
 FORMAT = "zerostack.dcp/1"
 _MODEL, _STATE = "model/", "state/"
-_RECORDS = "zerostack-files-{rank}.json"
+_LEGACY_RECORDS = "zerostack-files-*.json"
 
 
-def write_records(directory: str) -> None:
-    """This rank's [Note: parallel checkpoint integrity] records, fsynced."""
-    rank = _rank()
-    names = sorted(glob.glob(os.path.join(glob.escape(directory), f"__{rank}_*.distcp")))
-    if rank == 0 and os.path.isfile(os.path.join(directory, engine.METADATA_FILE)):
-        names.append(os.path.join(directory, engine.METADATA_FILE))
-    records = {os.path.basename(n): files.file_record(n) for n in names}
-    path = os.path.join(directory, _RECORDS.format(rank=rank))
-    with open(path, "w") as f:
-        json.dump(records, f, indent=1)
-    atomic.fsync_file(path)
-
-
-def verify_records(api: str, path: str, *, check_hash: bool) -> None:
-    """Check every file the ranks recorded (see [Note: parallel checkpoint integrity]).
+def check(api: str, path: str, *, verify: bool, collective: bool = True) -> None:
+    """Check a parallel checkpoint before DCP reads it (see [Note: parallel
+    checkpoint integrity]); with ``collective``, every rank calls it.
 
     Raises:
-        CheckpointCorruptError: naming the missing, truncated or altered file.
+        CheckpointCorruptError: naming the missing record, or the missing,
+            truncated, altered file or the file of another save.
     """
-    for record_file in sorted(
-        glob.glob(os.path.join(glob.escape(path), _RECORDS.format(rank="*")))
-    ):
+    found = record.check(api, path, verify=verify, collective=collective)
+    if found is not None:
+        engine.check_save_id(api, path, found["save_id"])
+        return
+    for record_file in sorted(glob.glob(os.path.join(glob.escape(path), _LEGACY_RECORDS))):
         try:
             with open(record_file) as f:
                 records = json.load(f)
@@ -71,8 +65,28 @@ def verify_records(api: str, path: str, *, check_hash: bool) -> None:
                 f"{api}: checkpoint file {record_file} is unreadable (got {exc}); copy the "
                 "whole checkpoint directory again or load another checkpoint"
             ) from exc
-        for name, record in records.items():
-            files.verify_file(os.path.join(path, name), record, api, check_hash=check_hash)
+        for name, rec in records.items():
+            files.verify_file(os.path.join(path, name), rec, api, check_hash=False)
+
+
+def _files_of(save: Any) -> None:
+    """Record the files this rank's DCP save wrote (rank 0: ``.metadata`` too)."""
+    prefix = engine.file_prefix(save.rank, save.save_id)
+    for name in sorted(os.listdir(save.path)):
+        if name.startswith(prefix) or (save.rank == 0 and name == engine.METADATA_FILE):
+            save.add(name)
+
+
+def _save(api: str, path: str, kind: str, state: dict[str, Any], extra: Any = None) -> None:
+    with atomic.collective_dir(path, api, kind=kind) as save:
+        save.needed_bytes = files.nbytes(
+            {k: v.tensor if isinstance(v, Piece) else v for k, v in state.items()}
+        )
+        engine.save(save.path, state, save.save_id)
+        _files_of(save)
+        if extra is not None and save.rank == 0:
+            extra(save.path)
+    logger.info("%s: every rank wrote its part of %s", api, path)
 
 
 def _meta(kind: str, shapes: dict[str, Any]) -> dict[str, Any]:
@@ -111,17 +125,7 @@ def save_model(api: str, model: Any, path: str, extra: Any = None) -> None:
     rank 0 then calls ``extra(directory)`` (e.g. to write ``config.json``)."""
     state: dict[str, Any] = {_MODEL + name: v for name, v in model.sharded_state_dict().items()}
     state["meta"] = _meta("model", _shapes(model))
-    with atomic.collective_dir(path, api) as tmp:
-        engine.save(tmp, state)
-        write_records(tmp)
-        if extra is not None and _rank() == 0:
-            extra(tmp)
-    logger.info("%s: every rank wrote its part of %s", api, path)
-
-
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _save(api, path, "model", state, extra)
 
 
 def _dest(api: str, key: str, md: Any, ranges: tuple[int, int, int]) -> Piece:
@@ -134,8 +138,9 @@ def _dest(api: str, key: str, md: Any, ranges: tuple[int, int, int]) -> Piece:
     return Piece(torch.empty(end - start, dtype=md.properties.dtype), start, numel)
 
 
-def load_model(api: str, model: Any, path: str, strict: bool) -> None:
-    """Read this rank's ranges of ``model`` from a parallel checkpoint.
+def load_model(api: str, model: Any, path: str, strict: bool) -> tuple[list[str], list[str]]:
+    """Read this rank's ranges of ``model`` from a parallel checkpoint;
+    ``(missing names, unexpected names)``.
 
     Raises:
         ValueError: with ``strict``, names missing on either side; a size differs.
@@ -158,6 +163,7 @@ def load_model(api: str, model: Any, path: str, strict: bool) -> None:
     }
     engine.load(path, dest)
     model.load_sharded_state_dict({k[len(_MODEL) :]: p.tensor for k, p in dest.items()})
+    return missing, unexpected
 
 
 def save_optimizer(api: str, optimizer: Any, path: str) -> None:
@@ -169,10 +175,7 @@ def save_optimizer(api: str, optimizer: Any, path: str) -> None:
     state["param_groups"] = sd["param_groups"]
     state["loss_scaler"] = sd["loss_scaler"]
     state["meta"] = _meta("optimizer", {})
-    with atomic.collective_dir(path, api) as tmp:
-        engine.save(tmp, state)
-        write_records(tmp)
-    logger.info("%s: every rank wrote its part of %s", api, path)
+    _save(api, path, "optimizer", state)
 
 
 def load_optimizer(api: str, optimizer: Any, path: str) -> None:

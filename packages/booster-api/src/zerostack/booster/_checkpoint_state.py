@@ -7,10 +7,13 @@ in one directory, written atomically (Accelerate's ``save_state`` /
     dir/model/                  save_model(shard=True): every rank writes its part
     dir/optimizer/              save_optimizer(shard=True), when an optimizer is given
     dir/lr_scheduler.pt         save_lr_scheduler, when a scheduler is given
-    dir/rank-00000-of-00002.pt  per rank: its RNG states and its dataloader position
+    dir/rank-00000-of-00002.pt  per rank: its RNG states, its dataloader position, the save id
+    dir/zerostack-checkpoint.json  the record, written last (see [Note: checkpoint record])
 
 The whole directory appears at once (``collective_dir``): a save killed at
-any point leaves the previous state. Resuming is exact (the losses of the
+any point leaves the previous state. One save id marks every part (the
+records of ``model/`` and ``optimizer/``, the per-rank files), so a load
+refuses parts of different saves. Resuming is exact (the losses of the
 uninterrupted run, bitwise in fp32) at the same world size; at another one
 the model, optimizer and scheduler load as usual, the sampler position is
 scaled, and each rank takes the RNG state of the rank with its number
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_files as files
+from zerostack.booster import _checkpoint_record as record
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._rng import rng_state, set_rng_state
 
@@ -72,7 +76,8 @@ def save_state(
         )
     _check_dataloader(api, dataloader)
     rank, world = _rank_world()
-    with atomic.collective_dir(os.fspath(checkpoint), api) as tmp:
+    with atomic.collective_dir(os.fspath(checkpoint), api, kind="state") as save:
+        tmp = save.path
         booster.save_model(model, os.path.join(tmp, MODEL_DIR), shard=True)
         if optimizer is not None:
             booster.save_optimizer(optimizer, os.path.join(tmp, OPTIMIZER_DIR), shard=True)
@@ -81,10 +86,13 @@ def save_state(
         mine = {
             "rng": rng_state(),
             "dataloader": dataloader.state_dict() if dataloader is not None else None,
+            "save_id": save.save_id,
         }
-        path = os.path.join(tmp, _RANK_FILE.format(rank=rank, world=world))
-        files.write_torch(path, mine)
-        atomic.fsync_file(path)
+        save.needed_bytes = files.nbytes(mine)
+        name = _RANK_FILE.format(rank=rank, world=world)
+        files.write_torch(os.path.join(tmp, name), mine)
+        atomic.fsync_file(os.path.join(tmp, name))
+        save.add(name)
     logger.info("%s: wrote %s", api, checkpoint)
 
 
@@ -110,11 +118,17 @@ def load_state(
     optimizer: Any = None,
     lr_scheduler: Any = None,
     dataloader: Any = None,
+    verify: bool = True,
 ) -> None:
     """See ``Booster.load_state``."""
     api = "Booster.load_state"
     _check_dataloader(api, dataloader)
+    if not isinstance(verify, bool):
+        raise TypeError(f"{api}: verify must be a bool (got {verify!r})")
+    if not verify:
+        record.warn_unverified(api)
     path = atomic.resolve_for_load(os.fspath(checkpoint), api)
+    found = record.check(api, path, verify=verify)
     ranks = _rank_files(api, path)
     for what, given, name in (
         ("optimizer", optimizer, OPTIMIZER_DIR),
@@ -125,11 +139,12 @@ def load_state(
                 f"{api}: {path} holds no {what} (got {what}=... but no {name}); pass "
                 f"{what}=None or a state saved with one"
             )
-    booster.load_model(model, os.path.join(path, MODEL_DIR))
+    io = booster.checkpoint_io
+    io.load_model(model, os.path.join(path, MODEL_DIR), verify=verify)
     if optimizer is not None:
-        booster.load_optimizer(optimizer, os.path.join(path, OPTIMIZER_DIR))
+        io.load_optimizer(optimizer, os.path.join(path, OPTIMIZER_DIR), verify=verify)
     if lr_scheduler is not None:
-        booster.load_lr_scheduler(lr_scheduler, os.path.join(path, SCHEDULER_FILE))
+        io.load_lr_scheduler(lr_scheduler, os.path.join(path, SCHEDULER_FILE), verify=verify)
     rank, world = _rank_world()
     saved_world = next(iter(ranks.values()))[0]
     source = rank if saved_world == world else rank % saved_world
@@ -146,7 +161,9 @@ def load_state(
             f"{api}: {path} lacks the file of rank {source} (got ranks {sorted(ranks)}); copy the "
             "whole directory"
         )
-    mine = files.read_torch(ranks[source][1], api, check_crc=booster.checkpoint_io.verify)
+    mine = files.read_torch(ranks[source][1], api, check_crc=verify and found is None)
+    if found is not None:
+        record.check_save_id(api, ranks[source][1], found["save_id"], mine.get("save_id"))
     if dataloader is not None:
         if mine.get("dataloader") is None:
             raise ValueError(

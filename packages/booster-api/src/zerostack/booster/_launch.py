@@ -1,5 +1,5 @@
 """launch_from_torch: join the process group torchrun describes, pick the
-rank's GPU and seed every RNG, as the seed's ``colossalai.launch_from_torch``."""
+rank's GPU and seed every RNG, as ColossalAI's ``colossalai.launch_from_torch``."""
 
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ from zerostack.booster import _checkpoint_atomic as atomic
 from zerostack.booster import _checkpoint_dcp as engine
 from zerostack.booster import _checkpoint_files as files
 from zerostack.booster import _checkpoint_parallel as parallel_io
+from zerostack.booster import _checkpoint_record as record
+from zerostack.booster._checkpoint_errors import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +60,22 @@ def _dcp_sources(path: str) -> Iterator[dict[str, Any]]:
 
 def _sources(path: str, verify: bool) -> Iterator[dict[str, Any]]:
     if engine.is_dcp_dir(path):
+        parallel_io.check(_API, path, verify=verify, collective=False)
         yield from _dcp_sources(path)
         return
     if os.path.isdir(path):
+        # See [Note: checkpoint record]: once it vouched, the files' own checks are skipped.
+        check = verify and not record.check_present(_API, path, verify=verify, collective=False)
         index = files.find_index(path, _MODEL_INDEX_STEMS, _API)
         if index is not None:
-            for _, part in files.iter_index_files(index, _API, check_hash=verify):
+            if check:
+                record.require_for_index(_API, path, files.read_index(index, _API), verify=verify)
+            for _, part in files.iter_index_files(index, _API, check_hash=check):
                 yield part
             return
         for name in _MODEL_FILES:
             if os.path.isfile(os.path.join(path, name)):
-                yield files.read_state(os.path.join(path, name), _API, check=verify)
+                yield files.read_state(os.path.join(path, name), _API, check=check)
                 return
         raise ValueError(
             f"{_API}: {path} holds no model checkpoint (got files {sorted(os.listdir(path))[:8]}); "
@@ -91,7 +98,9 @@ def consolidate(
         out: the directory to write (replaced whole, atomically).
         size_per_shard: most MB per safetensors file (a larger tensor gets a
             file of its own). Default 1024.
-        verify: check the source's recorded sizes and hashes. Default True.
+        verify: the source must have its record (a directory zerostack
+            wrote) and match its recorded sizes and hashes; False for a
+            checkpoint written before the records (sizes only). Default True.
 
     Returns:
         The names of the files written under ``out``.
@@ -107,7 +116,7 @@ def consolidate(
     target = os.path.abspath(os.fspath(out))
     _check_args(source, target, size_per_shard)
     limit = size_per_shard * _MB
-    with atomic.atomic_path(target, is_dir=True) as tmp:
+    with atomic.atomic_path(target, is_dir=True, api=_API) as tmp:
         parts: list[tuple[str, list[str]]] = []
         buffer: dict[str, torch.Tensor] = {}
         buffered = 0
@@ -153,6 +162,8 @@ def consolidate(
                     shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
                     atomic.fsync_file(os.path.join(tmp, name))
                     written.append(name)
+        record.seal(tmp, save_id=record.allocate_save_id(), kind="model", files=records)
+        written.append(record.RECORD_NAME)
     logger.info("%s: wrote %d files (%d bytes of tensors) to %s", _API, len(written), total, target)
     return written
 
@@ -198,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         "--size-per-shard", type=int, default=1024, help="most MB per file (default 1024)"
     )
     parser.add_argument(
-        "--no-verify", action="store_true", help="skip the sha256 check of the source files"
+        "--no-verify",
+        action="store_true",
+        help="skip the sha256 check of the source files and accept a checkpoint without its "
+        "record (one written before zerostack wrote records)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -209,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             size_per_shard=args.size_per_shard,
             verify=not args.no_verify,
         )
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, CheckpointSaveError) as exc:
         logger.error("%s", exc)
         return 1
     return 0

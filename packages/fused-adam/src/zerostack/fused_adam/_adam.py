@@ -60,6 +60,29 @@ def _check_flags(api: str, **flags: object) -> None:
             raise TypeError(f"{api}: {name} must be a bool (got {value!r})")
 
 
+# torch.optim.Adam/AdamW options a parameter group may carry (torch keeps any
+# key): changing the math or the step's nature, with the value that is off.
+_TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False}
+
+
+def _check_torch_keys(api: str, group: dict[str, Any], adamw_mode: bool) -> None:
+    """Refuse torch's Adam options in a group: the kernels would ignore them."""
+    for key, off in _TORCH_ONLY.items():
+        if key in group and group[key] != off:
+            raise NotImplementedError(
+                f"{api}: {key}={group[key]!r} is an option of torch.optim.AdamW that is not "
+                f"implemented here (got {key}={group[key]!r} in a parameter group); use "
+                f"torch.optim.AdamW for it, or leave {key} out"
+            )
+    decoupled = group.get("decoupled_weight_decay")
+    if decoupled is not None and bool(decoupled) != adamw_mode:
+        raise ValueError(
+            f"{api}: decoupled_weight_decay={decoupled!r} contradicts adamw_mode="
+            f"{adamw_mode!r}; set adamw_mode (True: decoupled decay as AdamW, "
+            "False: L2 as Adam) and leave decoupled_weight_decay out"
+        )
+
+
 def _check_nvme(
     api: str, fraction: float, directory: str | None, backend: object, depth: object
 ) -> None:
@@ -147,9 +170,10 @@ class _Adam(torch.optim.Optimizer):
             _check_flags(
                 self._api, adamw_mode=group["adamw_mode"], bias_correction=group["bias_correction"]
             )
+            _check_torch_keys(self._api, group, group["adamw_mode"])
             for pi, p in enumerate(group["params"]):
                 self._check_param(len(self.param_groups) - 1, pi, p)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, NotImplementedError):
             self.param_groups.pop()
             raise
 
@@ -503,6 +527,7 @@ class _Adam(torch.optim.Optimizer):
                 s.get("eps", self.defaults["eps"]),
                 s.get("weight_decay", self.defaults["weight_decay"]),
             )
+            _check_torch_keys(api, s, self._saved_adamw_mode(s))
         params = {
             i: p
             for s, g in zip(saved, self.param_groups, strict=True)
@@ -527,8 +552,17 @@ class _Adam(torch.optim.Optimizer):
                         f"{tuple(p.shape)}"
                     )
 
+    def _saved_adamw_mode(self, group: dict[str, Any]) -> bool:
+        """A saved group's decay mode: ours, else torch's decoupled_weight_decay
+        (AdamW's True, Adam's False), else this optimizer's default."""
+        if "adamw_mode" in group:
+            return group["adamw_mode"]
+        return bool(group.get("decoupled_weight_decay", self.defaults["adamw_mode"]))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``.
+        """Load a state dict of ours or of ``torch.optim.Adam``/``AdamW``
+        (torch's ``decoupled_weight_decay`` gives ``adamw_mode``; ``amsgrad``
+        and ``maximize`` are refused).
 
         ``step`` comes back as a CPU float32 scalar and the moments as fp32
         contiguous tensors on the parameter's device, whatever the source kept;
@@ -538,7 +572,7 @@ class _Adam(torch.optim.Optimizer):
         on_disk = self._disk()  # bound first: loaded states of disk parameters go straight there
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            group.setdefault("adamw_mode", self.defaults["adamw_mode"])
+            group.setdefault("adamw_mode", self._saved_adamw_mode(group))
             group.setdefault("bias_correction", self.defaults["bias_correction"])
             for p in group["params"]:
                 state = self.state.get(p)

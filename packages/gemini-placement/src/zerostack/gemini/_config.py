@@ -1,5 +1,5 @@
 """GeminiDDP's settings: frozen configs, validated where they are built, and
-the thin keyword layer (the seed's argument names) that builds them."""
+the thin keyword layer (ColossalAI's argument names) that builds them."""
 
 from __future__ import annotations
 
@@ -237,15 +237,22 @@ class GeminiConfig:
         scatter_after_inference: bool = True,
         master_weights: bool = True,
     ) -> GeminiConfig:
-        """The config the seed's keyword arguments describe (see GeminiDDP).
+        """The config ColossalAI's keyword arguments describe (see GeminiDDP).
 
         Raises:
             ValueError: a bad policy name, share or dtype; static fractions under "auto".
             NotImplementedError: master_weights=False.
         """
+        if placement_policy in _LEGACY_POLICIES:
+            placement_policy, shard_param_frac, offload_optim_frac, offload_param_frac = (
+                _legacy_policy(placement_policy, shard_param_frac, offload_optim_frac,
+                               offload_param_frac)
+            )  # fmt: skip
         if placement_policy not in ("static", "auto"):
             raise ValueError(
-                f"{_API}: placement_policy must be 'static' or 'auto' (got {placement_policy!r})"
+                f"{_API}: placement_policy must be 'static' or 'auto', or ColossalAI's older "
+                f"'cpu' or 'cuda' (got {placement_policy!r}); 'cpu' is static with "
+                "shard_param_frac=1.0, offload_optim_frac=1.0, offload_param_frac=1.0"
             )
         if not master_weights:
             raise NotImplementedError(
@@ -270,7 +277,26 @@ class GeminiConfig:
                     "placement_policy='static'; 'auto' decides placement itself"
                 )
         else:
-            _warn_unused(auto, AutoPlacementConfig(), "placement_policy='static'")
+            _warn_unused(
+                auto, AutoPlacementConfig(), "under placement_policy='static'; it is an option "
+                "of placement_policy='auto'",
+            )  # fmt: skip
+            if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:
+                _warn(
+                    "pin_memory=True has no effect: placement_policy='static' without "
+                    "offload_optim_frac or offload_param_frac keeps no chunk on the CPU; set one "
+                    "of them, or leave pin_memory=False"
+                )
+        if chunk_config_dict is not None:
+            search = ChunkConfig(
+                search_range_m=search_range_m,
+                hidden_dim=hidden_dim,
+                min_chunk_size_m=min_chunk_size_m,
+            )
+            _warn_unused(
+                search, ChunkConfig(), "with chunk_config_dict (the chunk size is given, there "
+                "is no search); remove it, or chunk_config_dict to search",
+            )  # fmt: skip
         return cls(
             placement=auto if placement_policy == "auto" else static,
             chunk=ChunkConfig(
@@ -289,13 +315,34 @@ class GeminiConfig:
         )
 
 
+# ColossalAI's placement policies before "static"/"auto" (its Gemini docs give
+# these equivalences): (shard_param_frac, offload_optim_frac, offload_param_frac).
+_LEGACY_POLICIES = {"cpu": (1.0, 1.0, 1.0), "cuda": (1.0, 0.0, 0.0)}
+
+
+def _legacy_policy(
+    name: str, shard: float, optim: float, param: float
+) -> tuple[str, float, float, float]:
+    """The older "cpu" / "cuda" as the static shares they stand for; a share set beside
+    them that says otherwise is refused rather than silently overridden."""
+    wanted = _LEGACY_POLICIES[name]
+    given = (shard, optim, param)
+    if given != (1.0, 0.0, 0.0) and given != wanted:
+        raise ValueError(
+            f"{_API}: placement_policy={name!r} fixes shard_param_frac, offload_optim_frac and "
+            f"offload_param_frac to {wanted} (got {given}); use placement_policy='static' "
+            "with your shares"
+        )
+    return ("static", *wanted)
+
+
 def _warn_unused(given: Any, default: Any, why: str) -> None:
     """Warn (once per option and place) about options that have no effect."""
     for name in given.__dataclass_fields__:
         if getattr(given, name) != getattr(default, name):
-            warnings.warn(
-                f"{_API}: {name}={getattr(given, name)!r} has no effect under {why}; "
-                "it is an option of placement_policy='auto'",
-                UserWarning,
-                stacklevel=4,
-            )
+            _warn(f"{name}={getattr(given, name)!r} has no effect {why}", stacklevel=5)
+
+
+def _warn(message: str, stacklevel: int = 4) -> None:
+    # stacklevel: the caller of GeminiDDP(...) or of GeminiPlugin(...).
+    warnings.warn(f"{_API}: {message}", UserWarning, stacklevel=stacklevel)

@@ -259,6 +259,36 @@ class CpuStepPipeline:
     def pending(self) -> list[Chunk]:
         return list(self._pending)
 
+    def holds(self, chunk: Chunk) -> bool:
+        """True while ``chunk`` has an update that is not written back:
+        pending, or failed and kept to run again."""
+        return chunk in self._pending or chunk in self._failed
+
+    def cancel(self, chunk: Chunk) -> bool:
+        """Take back ``chunk``'s update of a batch being dropped (see
+        zerostack.shard's [Note: dropping a batch]): one that has not begun,
+        or that failed (it changed nothing, see [Note: a failed CPU
+        update]), is forgotten with its buffers: True. One that ran is
+        written back (if it was not already): False."""
+        if self._failed.pop(chunk, None) is not None:
+            self._release(chunk)
+            return True
+        future = self._pending.pop(chunk, None)
+        if future is None:
+            return False
+        self._calls.pop(chunk, None)
+        if future.cancel() or future.exception() is not None:
+            self._release(chunk)
+            return True
+        self._finish(chunk)
+        return False
+
+    def drop_staged(self, chunk: Chunk) -> None:
+        """Give back the staging buffers of ``chunk``'s gradient of a
+        dropped batch (none while an update of it is pending or kept)."""
+        if not self.holds(chunk):
+            self._release(chunk)
+
     def await_chunk(self, chunk: Chunk) -> None:
         """Finish ``chunk``'s pending update and write its new shard back; a
         failed one is run once more here, inline.

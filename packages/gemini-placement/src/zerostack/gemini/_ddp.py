@@ -31,6 +31,7 @@ from zerostack.chunk import (
 from zerostack.gemini._config import GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
+from zerostack.shard import ShardedGradient, local_grad
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
@@ -61,13 +62,17 @@ class TrainingState(Enum):
 
 T = TrainingState
 # [Note: training state table] Inference forwards (no grad) do not move the
-# state. REDUCED -> IDLE is the optimizer's step (or a step skipped).
+# state. REDUCED -> IDLE is the optimizer's step (or a step skipped). A
+# forward that raises goes back to the state it started from (FORWARD ->
+# IDLE, ACCUMULATED or AWAIT_BACKWARD); zero_grad() drops the batch from
+# ACCUMULATED, BACKWARD (a backward that raised) and REDUCED (-> IDLE). See
+# zerostack.shard's [Note: dropping a batch].
 _MOVES: dict[TrainingState, frozenset[TrainingState]] = {
     T.IDLE: frozenset({T.FORWARD}),
-    T.FORWARD: frozenset({T.AWAIT_BACKWARD}),
+    T.FORWARD: frozenset({T.AWAIT_BACKWARD, T.IDLE, T.ACCUMULATED}),
     T.AWAIT_BACKWARD: frozenset({T.FORWARD, T.BACKWARD}),
-    T.BACKWARD: frozenset({T.ACCUMULATED, T.REDUCED}),
-    T.ACCUMULATED: frozenset({T.FORWARD, T.BACKWARD}),
+    T.BACKWARD: frozenset({T.ACCUMULATED, T.REDUCED, T.IDLE}),
+    T.ACCUMULATED: frozenset({T.FORWARD, T.BACKWARD, T.IDLE}),
     T.REDUCED: frozenset({T.IDLE}),
 }
 
@@ -85,7 +90,7 @@ class GeminiDDP(nn.Module):
     reduce-scattered, and the reduced shard replaces the parameter shard until
     the optimizer writes the updated parameters back.
 
-    Settings come as a :class:`GeminiConfig` (``config=``) or as the seed's
+    Settings come as a :class:`GeminiConfig` (``config=``) or as ColossalAI's
     keyword arguments, which build one (not both):
 
     Args:
@@ -96,9 +101,11 @@ class GeminiDDP(nn.Module):
         process_group: the data-parallel group. Default: the default group.
         compute_device: where gathered chunks live. Default: the current CUDA
             device, else the CPU.
-        init_fn: for a model built under LazyInitContext without
-            ``reset_parameters`` on every module (e.g. transformers models):
-            a model-level initialiser, see LazyInitContext.distribute.
+        init_fn: for a model built under LazyInitContext: called as
+            ``init_fn(model)`` after its construction is replayed (see
+            LazyInitContext.materialize; it needs the whole model at once).
+            Default None: the replay alone, which gives any model the values
+            an eager build would.
         debug_collectives: True: before every gather and reduce, check that
             all ranks issue the same collective (for the same module), and
             raise CollectiveMismatchError on every rank, naming what each was
@@ -171,6 +178,11 @@ class GeminiDDP(nn.Module):
         # Called with (chunk, complete) as each chunk's reduced gradient is
         # ready (complete: every tensor got a gradient in this backward).
         self.chunk_reduced_callbacks: list[Callable[[Chunk, bool], None]] = []
+        # Called first by zero_grad() when it drops a batch; each returns the
+        # error to raise once the model is clean, or None (GeminiOptimizer:
+        # CPU updates of the batch that began).
+        self.zero_grad_callbacks: list[Callable[[], Exception | None]] = []
+        self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
         self._register_hooks()
         _WRAPPED.add(module)
         self._log_layout()
@@ -354,6 +366,8 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
+        for p in self._guarded:  # the next backward accumulates into None again
+            p.grad = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -419,6 +433,11 @@ class GeminiDDP(nn.Module):
         # would be a cycle through autograd's C++ side, never collected.
         tensor_chunk = self.chunk_manager.tensor_chunk_map
         self._slots = [(tensor_chunk[p], tensor_chunk[p].tensors_info[p]) for p in self.params]
+        # What param.grad holds from the reducing backward to the step (see
+        # zerostack.shard's [Note: sharded param.grad]): one per parameter,
+        # made at its first gradient (like the parameter, then gathered), reused.
+        self._guards: list[ShardedGradient | None] = [None] * len(self.params)
+        self._guarded = [p for p in self.params if p.requires_grad]
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 on_grad = _WeakCall(self, "_on_grad", i)
@@ -507,6 +526,13 @@ class GeminiDDP(nn.Module):
     def _pre_backward(
         self, slots: list[_Slot], chunks: list[Chunk], label: str, grads: Any
     ) -> None:
+        if self._state is T.REDUCED:
+            raise RuntimeError(
+                f"{_API}: a second backward before optimizer.step() (got a backward in state "
+                "REDUCED: the last backward's gradients are reduced already); to accumulate "
+                "gradients run all but the last backward inside no_sync() (booster.no_sync("
+                "model)) with enable_gradient_accumulation=True, or add the losses first"
+            )
         if self._state is not T.BACKWARD:
             self._transition(T.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -515,14 +541,24 @@ class GeminiDDP(nn.Module):
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
         chunk, info = self._slots[index]
         self.used.add(p)
+        grad = local_grad(p)  # a guard holds what autograd added into it, if anything
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
-            chunk.grad_view(p).add_(p.grad)
+            chunk.grad_view(p).add_(grad)
         else:
             # The value is no longer needed: its slot takes the gradient.
-            chunk.buffer[info.offset : info.end].copy_(p.grad.reshape(-1))
-        p.grad = None
+            chunk.buffer[info.offset : info.end].copy_(grad.reshape(-1))
+        # Under no_sync nothing is reduced: param.grad stays None until the
+        # reducing backward (a guard there would make autograd accumulate into it).
+        if self._no_sync:
+            p.grad = None
+        else:
+            guard = self._guards[index]
+            if guard is None:
+                guard = self._guards[index] = ShardedGradient(p.shape, p.dtype, p.device, _API)
+            guard.local = None  # taken into the chunk above
+            p.grad = guard
         if info.state is S.HOLD:
             chunk.trans_info_state(info, S.COMPUTE)
         chunk.trans_info_state(info, S.HOLD_AFTER_BWD)
@@ -587,7 +623,9 @@ class GeminiDDP(nn.Module):
         self.placement.end_warmup()
         if self._no_sync:
             self._transition(T.ACCUMULATED)
+            self._accumulated = True
             return
+        self._accumulated = False
         self._reduce_ready(flush=True)
         for entry in self._pending:
             self._finish_reduce(*entry)
@@ -618,19 +656,29 @@ class GeminiDDP(nn.Module):
         if self._state is T.REDUCED:
             raise RuntimeError(
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
-                "parameters belong; call optimizer.step() before the next forward"
+                "parameters belong; call optimizer.step() before the next forward (to accumulate "
+                "gradients over several batches, run all but the last backward inside no_sync() "
+                "(booster.no_sync(model)) with enable_gradient_accumulation=True)"
+            )
+        if self._state is T.BACKWARD:
+            raise RuntimeError(
+                f"{_API}.forward: the last backward did not finish (an exception in it?); call "
+                "optimizer.zero_grad() to drop that batch, then forward again"
             )
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         training = torch.is_grad_enabled()
         self.cpu_step.await_kept_gathered()  # See [Note: write-back order]
+        before = self._state
         if training:
             self._transition(T.FORWARD)
             self.placement.start_iteration()
         try:
             out = self.module(*args, **kwargs)
-        finally:
-            if training:
-                self._transition(T.AWAIT_BACKWARD)
+        except BaseException:
+            self._abandon_forward(before if training else None)
+            raise
+        if training:
+            self._transition(T.AWAIT_BACKWARD)
         # The end of forward: nothing is in use until backward gathers again.
         if training or self.config.scatter_after_inference:
             idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]
@@ -640,6 +688,102 @@ class GeminiDDP(nn.Module):
             else:
                 self._release_idle(idle)
         return out
+
+    def _abandon_forward(self, before: TrainingState | None) -> None:
+        """A forward raised: what it gathered is released and the state goes
+        back to ``before`` (None: an inference forward, which moved none).
+        A forward changes no values: the batch is dropped already."""
+        for chunk in self.param_chunks:
+            for info in chunk.tensors_info.values():
+                if info.state is S.COMPUTE:
+                    chunk.trans_info_state(info, S.HOLD)
+        self.placement.abandon_iteration()
+        self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
+        if before is not None:
+            self._transition(before)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop this iteration's gradients (``optimizer.zero_grad()`` calls it).
+
+        Between a forward and its backward only gradients accumulated under
+        ``no_sync`` are dropped. After a backward (under ``no_sync`` or not,
+        finished or ended by an exception) the batch is dropped: reductions in
+        flight are waited for, every chunk's parameters are as before the
+        batch and the model is IDLE, so the steps that follow are those of a
+        run that never saw the batch (see zerostack.shard's [Note: dropping a
+        batch]). Between steps, nothing to do.
+
+        Args:
+            set_to_none: accepted for torch's interface (gradients live in
+                the chunks either way).
+
+        Raises:
+            RuntimeError: from GeminiOptimizer, when CPU updates of the batch
+                had begun during backward (they cannot be taken back); the
+                rest of the batch is dropped first.
+        """
+        state = self._state
+        if state is T.IDLE:
+            return
+        if state is T.FORWARD or state is T.AWAIT_BACKWARD:
+            if self._accumulated:
+                self._drop_accumulated()
+            return
+        errors = [e for callback in self.zero_grad_callbacks if (e := callback()) is not None]
+        self._drop_batch()
+        if errors:
+            raise errors[0]
+
+    def drop_batch_for_load(self) -> None:
+        """What every load calls first: a batch a backward left behind (one
+        that raised, or gradients not stepped) is dropped, as by
+        ``zero_grad()``; the loaded values replace whatever CPU updates of
+        it had begun, so that is no error here."""
+        if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
+            for callback in self.zero_grad_callbacks:
+                callback()
+            self._drop_batch()
+
+    def _drop_accumulated(self) -> None:
+        """Zero the gradients that no_sync backwards left in the grad chunks."""
+        for chunk in self.grad_chunks:
+            grad = chunk.grad_chunk
+            if grad is not None and grad.buffer is not None:
+                grad.buffer.zero_()
+            for info in chunk.tensors_info.values():
+                if info.state is S.HOLD_AFTER_BWD:
+                    for s in path_between(info.state, S.HOLD):
+                        chunk.trans_info_state(info, s)
+        self.used.clear()
+        self._accumulated = False
+
+    @torch.no_grad()
+    def _drop_batch(self) -> None:
+        """From ACCUMULATED, BACKWARD or REDUCED: every chunk as before the
+        batch, IDLE. Reductions are collectives every rank issued in the same
+        order: they are waited for, never left behind."""
+        for _chunk, handle, _complete in self._pending:
+            if handle is not None:
+                handle.wait()
+        self._pending.clear()
+        self._next_reduce = 0
+        for chunk in self.param_chunks:
+            for info in chunk.tensors_info.values():
+                if info.state is not S.HOLD and info.state is not S.FREE:
+                    for s in path_between(info.state, S.HOLD):
+                        chunk.trans_info_state(info, s)
+        # A reduced gradient sits in place of the parameter shard, gradients
+        # in the slots of gathered chunks or in grad chunks: the masters hold
+        # the parameters (a chunk with an update of an earlier step still
+        # pending, or kept after a failure, is that step's and stays).
+        for chunk in self.grad_chunks:
+            if not self.cpu_step.holds(chunk):
+                self.cpu_step.write_back(chunk, None)
+        self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
+        self.used.clear()
+        self._accumulated = False
+        self.placement.abandon_iteration()
+        self._transition(T.IDLE)
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, only_rank_0: bool = False, **kwargs: Any
@@ -688,6 +832,7 @@ class GeminiDDP(nn.Module):
                 f"{_API}.load_state_dict: state_dict must be a dict of tensors (got "
                 f"{type(state_dict).__name__})"
             )
+        self.drop_batch_for_load()
         self.wait_updates()
         names = self.aliases
         buffers = _persistent_buffers(self.module)

@@ -70,6 +70,7 @@ def load_local_model_state(ddp: GeminiDDP, values: dict[str, torch.Tensor]) -> N
     Raises:
         ValueError: a value has another number of elements than this rank's range.
     """
+    ddp.drop_batch_for_load()
     ddp.wait_updates()
     touched: set[Chunk] = set()
     for p in ddp.params:
@@ -140,6 +141,7 @@ def load_local_optim_state(opt: Any, local: dict[str, Any]) -> None:
         ValueError: a tensor has another number of elements than the range.
     """
     ddp = opt.module
+    ddp.drop_batch_for_load()
     ddp.wait_updates()
     state: dict[int, dict[str, Any]] = {}
     for i, (chunk, master_chunk) in enumerate(opt.pairs):

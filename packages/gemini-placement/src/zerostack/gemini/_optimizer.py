@@ -18,10 +18,16 @@ from zerostack.gemini._local_state import load_local_optim_state, local_optim_st
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
+    check_clip_args,
     grad_stats,
+    hyperparameters,
     make_loss_scaler,
+    mark_stepped,
+    norm_part,
     plan_step,
+    record_clip,
     step_with_div_scale,
+    stepping_twin,
     takes_div_scale,
 )
 
@@ -48,17 +54,23 @@ class GeminiOptimizer:
     [Note: overflow policy]); bf16 and fp32 gradients are applied as torch's
     optimizers would, inf/nan included, with a warning.
 
+    Hyperparameters (lr, weight_decay, betas, ...) are read from
+    ``optimizer``'s own ``param_groups`` at every step: set them there, on
+    this object's ``param_groups`` (the same dicts), or through an lr
+    scheduler built on either. The wrapper steps a twin of ``optimizer``
+    whose groups hold the masters and each step's values (see zerostack.shard's
+    [Note: the user's hyperparameters]).
+
     Args:
-        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``. Step
-            learning-rate schedulers on this object (its ``param_groups``),
-            not on ``optimizer``: the worker thread reads the inner groups.
+        optimizer: e.g. ``HybridAdam(model.parameters(), lr=...)``.
         module: the GeminiDDP model.
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
             overlapped with the next forward; without clipping and without an
-            fp16 loss scale, a CPU-held chunk's update starts during backward,
-            with the hyperparameters ``param_groups`` hold then (step lr
-            schedulers after ``step()``, as usual). Default True.
+            fp16 loss scale, a CPU-held chunk's update starts during backward
+            (from the second step on, and never once ``clip_grad_by_norm``
+            was called), with the hyperparameters ``param_groups`` hold then
+            (step lr schedulers after ``step()``, as usual). Default True.
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -66,7 +78,7 @@ class GeminiOptimizer:
             from ``scaler_kwargs`` (fp16 models only).
         **scaler_kwargs: DynamicLossScaler's fields (initial_scale, min_scale,
             growth_factor, backoff_factor, growth_interval, hysteresis,
-            max_scale), the seed's names.
+            max_scale), ColossalAI's names.
 
     Raises:
         NotImplementedError: several parameter groups.
@@ -105,13 +117,14 @@ class GeminiOptimizer:
         self.manager = module.chunk_manager
         self.pipeline = module.cpu_step
         self.max_norm = max_norm
-        self.optimizer = optimizer
+        self._user = optimizer
+        # What steps the masters: the user's optimizer's twin, whose group
+        # gets each step's hyperparameters from the user's. See
+        # zerostack.shard's [Note: the user's hyperparameters].
+        self.optimizer = stepping_twin(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
-        trainable = [p for p in module.params if p.requires_grad]
-        # What users (and lr schedulers) see and change; copied into the
-        # inner group at each step, when no worker is reading it.
-        self.param_groups = [{**optimizer.param_groups[0], "params": trainable}]
+        self._trainable_params = [p for p in module.params if p.requires_grad]
         self.scaler = scaler
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
@@ -121,20 +134,38 @@ class GeminiOptimizer:
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
         self._bind_masters()
-        if hasattr(optimizer, "nvme_plan"):  # the masters are what it steps: states to disk now
-            optimizer.nvme_plan([])
+        if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
+            self.optimizer.nvme_plan([])
         self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
         # Their gradients' norms, taken before the update wrote over them.
         self._early_norms: dict[int, torch.Tensor] = {}
+        self._step_hyper: dict[str, Any] | None = None  # read when backward started an update
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
         self._warned_idle = False
         self.last_grad_norm = 0.0
-        self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"))
+        # clip_grad_by_norm: the coefficient recorded for the coming step (see
+        # zerostack.shard's [Note: gradient clipping]), whether it was ever
+        # called, and whether a step ran (see _on_chunk_reduced).
+        self._clip = 1.0
+        self._clip_requested = False
+        self._stepped = False
+        self._callbacks = (
+            _WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"),
+            _WeakCall(self, "_drop_updates"),
+        )  # fmt: skip
         module.backward_end_callbacks.append(self._callbacks[0])
         module.chunk_reduced_callbacks.append(self._callbacks[1])
+        module.zero_grad_callbacks.append(self._callbacks[2])
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
+        _WRAPPED.add(self.optimizer)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The user's optimizer's groups (what users and lr schedulers
+        change; every step reads them)."""
+        return self._user.param_groups
 
     def _bind_masters(self) -> None:
         """Point the inner optimizer at the master shards where they now are."""
@@ -178,7 +209,9 @@ class GeminiOptimizer:
         self._closed = True
         module = self.module
         for callbacks, callback in zip(
-            (module.backward_end_callbacks, module.chunk_reduced_callbacks), self._callbacks,
+            (module.backward_end_callbacks, module.chunk_reduced_callbacks,
+             module.zero_grad_callbacks),
+            self._callbacks,
             strict=True,
         ):  # fmt: skip
             if callback in callbacks:
@@ -207,8 +240,52 @@ class GeminiOptimizer:
         loss.backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: gradients live in the chunks and are consumed by
-        ``step`` (kept for the torch.optim interface)."""
+        """Between steps nothing to do: gradients live in the chunks and are
+        consumed by ``step``. After a backward without a step (one that
+        raised, caught by the caller on every rank) the batch is dropped, as
+        after an exception in forward: the steps that follow are those of a
+        run that never saw it. See GeminiDDP.zero_grad and zerostack.shard's
+        [Note: dropping a batch]. A CPU update that failed in ``step()`` is
+        kept (the next forward or step runs it again).
+
+        Args:
+            set_to_none: accepted for torch's interface.
+
+        Raises:
+            RuntimeError: CPU updates that backward started (with
+                ``overlap_cpu_step``, no clipping, no fp16 loss scale) had
+                begun: they cannot be taken back, their chunks took the
+                batch's step. The rest is dropped; reload the last checkpoint
+                to go on as if the batch had never run.
+        """
+        self.module.zero_grad(set_to_none)
+
+    def _drop_updates(self) -> Exception | None:
+        """GeminiDDP.zero_grad's first call: the CPU updates this backward
+        started are cancelled (written back where they ran), staged
+        gradients given back; the error for those that ran."""
+        early, self._early = self._early, set()
+        self._early_norms = {}
+        self._step_hyper = None
+        self._scaled_backward = False
+        begun = [
+            self.pairs[i][0].index
+            for i in sorted(early)
+            if not self.pipeline.cancel(self.pairs[i][0])
+        ]
+        for i in self._host:
+            self.pipeline.drop_staged(self.pairs[i][0])
+        if not begun:
+            return None
+        return RuntimeError(
+            f"{_API}.zero_grad: the CPU updates of chunks {begun} began during the backward of "
+            "the batch being dropped (overlap_cpu_step updates a CPU-held chunk as soon as its "
+            "gradient is reduced, when there is no clipping and no fp16 loss scale) and cannot "
+            "be taken back: those chunks took the batch's step, the others did not. Reload the "
+            "last checkpoint (booster.load_model and load_optimizer, or load_state) to go on as "
+            "if the batch had never run; with overlap_cpu_step=False or max_norm > 0 a batch "
+            "can always be dropped"
+        )
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
@@ -236,24 +313,26 @@ class GeminiOptimizer:
             or module._no_sync
             or chunk.keep_gathered  # See [Note: write-back order]
             or not module.placement.planned
+            # The first step learns whether clip_grad_by_norm is called (an
+            # update started before it could not be clipped).
+            or not self._stepped
+            or self._clip_requested
         ):
             return
         if not self._early:  # the first of this backward: this step's hyperparameters
-            self._sync_hyper()
+            self._step_hyper = self._hyper()
         grad = _grad_share(chunk)
         # The update writes the new shard over a host-held gradient (see
         # [Note: CPU-step buffers]): the step's norm takes this one now.
-        self._early_norms[i] = torch._foreach_norm([grad])[0]
+        self._early_norms[i] = norm_part([grad], 2.0, grad.device)
         self.pipeline.stage_grad(chunk, grad)
-        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._hyper())
+        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._step_hyper)
         self._early.add(i)
 
-    def _sync_hyper(self) -> None:
-        self.optimizer.param_groups[0].update(self._hyper())
-
     def _hyper(self) -> dict[str, Any]:
-        """This step's hyperparameters (lr, betas, ...), kept with each CPU update."""
-        return {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        """The user's hyperparameters now (lr, betas, ...): a step's, kept
+        with each of its CPU updates."""
+        return hyperparameters(self.param_groups[0])
 
     # -- the step ---------------------------------------------------------------------
 
@@ -270,6 +349,7 @@ class GeminiOptimizer:
                 in zerostack.gemini._cpu_step).
         """
         self._check_open("step")
+        mark_stepped(self._user)  # See zerostack.shard's [Note: the user's hyperparameters]
         try:
             self.pipeline.check()
         except CpuStepError as error:
@@ -282,6 +362,7 @@ class GeminiOptimizer:
         if not self._ready_to_step():
             self.pipeline.raise_new_errors()
             return False
+        self._stepped = True
         with phase("zerostack::step"):
             early, self._early = self._early, set()
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
@@ -308,6 +389,73 @@ class GeminiOptimizer:
         self._check_open("retry_failed_updates")
         self.pipeline.check()
 
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        would clip the whole gradients: call it after the backward and before
+        ``step()`` (ColossalAI's ``OptimizerWrapper.clip_grad_by_norm``;
+        ColossalAI's Gemini only warns there). The norm is taken over every
+        rank's chunk shards wherever they are (device, host), in fp32 (fp16:
+        of the unscaled gradients); the step applies the coefficient together
+        with the loss scale and ``max_norm`` (see zerostack.shard's [Note:
+        gradient clipping]). A collective: every rank calls it.
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm of the gradients (before this clip), a 0-dim fp32
+            tensor on the compute device, as torch's returns.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            RuntimeError: no reducing backward since the last step (or
+                inside ``no_sync``); CPU updates of this step started in
+                backward already (``overlap_cpu_step`` from the second step on
+                when the first did not clip); fp16 gradients not scaled
+                through ``backward``; a non-finite norm with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        self._check_open("clip_grad_by_norm")
+        module = self.module
+        if module.training_state is not TrainingState.REDUCED:
+            raise RuntimeError(
+                f"{api}: the model is in state {module.training_state.name}; clip after a "
+                "backward outside no_sync() and before step() (forward, optimizer.backward(loss), "
+                "clip, step)"
+            )
+        if self._early:
+            raise RuntimeError(
+                f"{api}: the CPU updates of {len(self._early)} chunks started during this backward "
+                "(overlap_cpu_step does so from the second step on when the first did not clip); "
+                "call clip_grad_by_norm at every step from the first, pass max_norm to the plugin "
+                "(clipping at step), or overlap_cpu_step=False"
+            )
+        self._check_scaled("clip_grad_by_norm")
+        self._clip_requested = True
+        grads = [_grad_share(c) for c, _ in self.pairs]
+        with phase("zerostack::reduce"):
+            total, self._clip = record_clip(
+                api, norm_part(grads, norm_type, module.compute_device),
+                max_norm=max_norm, norm_type=norm_type, group=module.process_group,
+                scale=self.scaler.scale if self.scaler is not None else 1.0,
+                applied=self._clip, error_if_nonfinite=error_if_nonfinite,
+            )  # fmt: skip
+        return total
+
+    def _check_scaled(self, api: str) -> None:
+        if self.scaler is not None and not self._scaled_backward:
+            self._drop_grads()
+            raise RuntimeError(
+                f"{_API}.{api}: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+
     def _ready_to_step(self) -> bool:
         state = self.module.training_state
         if state is TrainingState.IDLE:
@@ -319,21 +467,22 @@ class GeminiOptimizer:
                     stacklevel=3,
                 )
             return False
+        if state is TrainingState.BACKWARD:
+            raise RuntimeError(
+                f"{_API}.step: the last backward did not finish (an exception in it?); call "
+                "optimizer.zero_grad() to drop that batch"
+            )
         if state is not TrainingState.REDUCED:
             raise RuntimeError(
                 f"{_API}.step: the model is in state {state.name}; step after a backward outside "
                 "no_sync() (forward, optimizer.backward(loss), step)"
             )
-        if self.scaler is not None and not self._scaled_backward:
-            self._drop_grads()
-            raise RuntimeError(
-                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
-                "instead of loss.backward() (this step's gradients were dropped)"
-            )
+        self._check_scaled("step")
         self._scaled_backward = False
         return True
 
     def _drop_grads(self) -> None:
+        self._clip = 1.0
         self.module.used.clear()
         for chunk, _ in self.pairs:
             self.pipeline.write_back(chunk, None)
@@ -375,20 +524,22 @@ class GeminiOptimizer:
     def _step(self, early: set[int]) -> bool:
         module = self.module
         grads = [_grad_share(c) for c, _ in self.pairs]
-        trainable = self.param_groups[0]["params"]
+        trainable = self._trainable_params
         used = torch.tensor(
             [float(p in module.used) for p in trainable], device=module.compute_device
         )
         stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads, early))
         module.used.clear()
-        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
+        self._clip = 1.0
         if plan.skip:
             for chunk, _ in self.pairs:
                 self.pipeline.write_back(chunk, None)
             return False
         self.last_grad_norm = plan.grad_norm
-        if not early:  # else the hyperparameters read when backward started the CPU updates
-            self._sync_hyper()
+        # Read when backward started the CPU updates, else now.
+        hyper = self._step_hyper if early else self._hyper()
+        self._step_hyper = None
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
@@ -398,6 +549,7 @@ class GeminiOptimizer:
         # lock: a CPU update started during backward may be running; each
         # call steps exactly the masters that have a grad.)
         with self._lock:
+            self.optimizer.param_groups[0].update(hyper)
             for i in self._device:
                 # A shard kept on the host (offload_param_frac) reduced its gradient there.
                 grad, master = grads[i], self.masters[i]
@@ -418,7 +570,6 @@ class GeminiOptimizer:
         if order and hasattr(self.optimizer, "nvme_plan"):
             with self._lock:
                 self.optimizer.nvme_plan([self.masters[i] for i in order])
-        hyper = self._hyper()
         for i in order:
             chunk = self.pairs[i][0]
             args = (i, grads[i], plan.div_scale, saved.get(i), hyper)
@@ -427,21 +578,16 @@ class GeminiOptimizer:
 
     def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
         """This rank's squared gradient norm, as zerostack.shard's grad_stats
-        takes it: per-shard norms on the compute device, those of chunks
+        takes it: accumulated in fp32 on the compute device, that of chunks
         updated during backward from before their update."""
         device = self.module.compute_device
-        norms, taken = [], self._early_norms
-        self._early_norms = {}
-        rest = [g for i, g in enumerate(grads) if i not in early]
-        if rest:
-            norms += [n.float().to(device) for n in torch._foreach_norm(rest)]
-        norms += [
-            (taken[i] if i in taken else torch._foreach_norm([grads[i]])[0]).float().to(device)
+        taken, self._early_norms = self._early_norms, {}
+        parts = [norm_part([g for i, g in enumerate(grads) if i not in early], 2.0, device)]
+        parts += [
+            (taken[i] if i in taken else norm_part([grads[i]], 2.0, device)).to(device)
             for i in sorted(early)
         ]
-        if not norms:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return torch.stack(norms).pow(2).sum()
+        return torch.stack(parts).sum()
 
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the
@@ -532,6 +678,7 @@ class GeminiOptimizer:
         """Load ``state_dict()`` output of the same rank and world size."""
         self._check_open("load_state_dict")
         _check_state(state, ("optimizer", "scaler"), "load_state_dict")
+        self.module.drop_batch_for_load()
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
@@ -609,6 +756,7 @@ class GeminiOptimizer:
         self._check_open("load_full_state_dict")
         _check_state(full, ("params", "param_group", "scaler"), "load_full_state_dict")
         module = self.module
+        module.drop_batch_for_load()
         module.wait_updates()
         names = [module.param_names[p] for p in self._trainable()]
         missing = [n for n in names if n not in full["params"]]

@@ -33,8 +33,9 @@ class Placement:
     over the chunks once they exist. Then, per training iteration,
     ``start_iteration``, ``before_access``/``after_access`` around every
     gather, ``end_warmup`` at the end of backward, and ``plan`` at the first
-    optimizer step. ``offloaded_masters`` are the master chunks stepped on
-    the CPU; ``keeps_cache`` says whether idle gathered chunks stay gathered.
+    optimizer step; ``abandon_iteration`` when a forward or backward raised.
+    ``offloaded_masters`` are the master chunks stepped on the CPU;
+    ``keeps_cache`` says whether idle gathered chunks stay gathered.
     """
 
     warming_up = False
@@ -56,6 +57,9 @@ class Placement:
 
     def start_iteration(self) -> None:
         pass
+
+    def abandon_iteration(self) -> None:
+        """The iteration's forward or backward raised (its batch is dropped)."""
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         pass
@@ -273,6 +277,17 @@ class AutoPlacement(Placement):
     # -- hooks -------------------------------------------------------------------
 
     def start_iteration(self) -> None:
+        self.moment = 0
+
+    def abandon_iteration(self) -> None:
+        """Wait for the gathers prefetched ahead (collectives every rank
+        issued); during the warm-up, forget what it recorded: the next
+        iteration is the warm-up."""
+        for chunk in list(self._prefetched):
+            self.wait_prefetched(chunk)
+        if self.warming_up:
+            self.stats = MemStats()
+            self._period_open = None
         self.moment = 0
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:

@@ -3,6 +3,7 @@ gathered, released, reduced and moved as one."""
 
 from zerostack.chunk.__about__ import __version__
 from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, check_device
+from zerostack.chunk._colo_init import ColoInitContext
 from zerostack.chunk._comm import (
     CollectiveMismatchError,
     all_gather_into,
@@ -26,6 +27,7 @@ __all__ = [
     "ChunkManager",
     "ChunkSearchResult",
     "CollectiveMismatchError",
+    "ColoInitContext",
     "Handle",
     "LazyInitContext",
     "TensorInfo",

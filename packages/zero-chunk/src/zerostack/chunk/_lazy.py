@@ -1,14 +1,17 @@
-"""LazyInitContext: build a model on the meta device, then materialize it module
-by module, straight into chunks, so that it never exists whole anywhere."""
+"""LazyInitContext: build a model without allocating it, then materialize it
+module by module, straight into chunks, so that it never exists whole
+anywhere; ColoInitContext, ColossalAI's eager counterpart."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import threading
 import weakref
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,112 +20,146 @@ from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
 from zerostack.chunk._chunk import _default_device, check_device
+from zerostack.chunk._lazy_record import Disguise, Recorder, Recording, Ref, recording_rng, ref_of
+from zerostack.chunk._lazy_replay import Replay
 from zerostack.chunk._manager import ChunkManager
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, eq=False)
-class _Record:
-    rng_state: torch.Tensor  # the CPU generator's state when the `with` block began
-
-
 # Weak, so that a dropped model leaves nothing behind.
-_BUILT: weakref.WeakKeyDictionary[nn.Module, _Record] = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[nn.Module, Recording] = weakref.WeakKeyDictionary()
 _MATERIALIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_ENTERED = threading.local()  # .depth: LazyInitContext blocks open in this thread
 
 
 class LazyInitContext:
-    """Build models on the meta device; materialize them later with real values.
+    """Build models without allocating them; materialize them later with the
+    values an eager build would have given them, as ColossalAI's
+    ``LazyInitContext``.
 
     ``with LazyInitContext(): model = MyModel(...)`` allocates no parameter or
-    buffer (construction runs under ``torch.device("meta")``). The context
-    records which modules were built in it and the CPU RNG state at entry
-    (meta tensors draw no random numbers).
+    buffer: every tensor made in the block lives on the meta device, and
+    every operation that makes or changes one (``torch.randn(4, 4) * 0.02``,
+    ``nn.init.normal_``, ``.fill_``, ``.copy_``, a ``torch.arange`` or
+    ``torch.tril`` buffer, a transformers model's own ``post_init``) is
+    recorded in order, together with every change of an RNG state
+    (``torch.manual_seed``, ``torch.random.fork_rng``). Nothing is asked of
+    the model: no ``reset_parameters``, no initialiser.
 
-    Materialization replays initialisation, not construction: walking
-    ``model.modules()`` in order, each module that owns meta tensors gets them
-    as uninitialised CPU tensors and runs ``reset_parameters()``, under a fork
-    of the recorded RNG state. Values are thus drawn on the CPU whatever the
-    target device, the global RNG is left alone, and they equal eager
-    construction (same seed, then moved) whenever eager init is exactly the
-    modules' ``reset_parameters`` in module order (stacks of torch's Linear,
-    Embedding, LayerNorm, conv and norm layers). A tied parameter keeps its
-    first owner's value; later owners initialise a scratch copy, consuming the
-    RNG as eager construction did before the tie. Parameter objects keep their
-    identity (``swap_tensors``), so ties and earlier references stay valid.
+    ``materialize`` (or ``distribute``, which GeminiDDP and the Booster's
+    plugins call) replays the record. The values equal, bitwise, those of
+    the same model built eagerly on ``default_device`` after the same
+    ``torch.manual_seed`` (replay draws random numbers in the recorded
+    order, from the generators' states at the ``with``), tied parameters stay
+    tied and parameter objects keep their identity. Only what the model's
+    tensors need is computed (a layer's own init that the model's init
+    redraws is skipped, its random draws still consumed), and each tensor is
+    handed over once final, so that materializing holds about one module's
+    tensors at a time. Materializing leaves the global RNG alone; so does the
+    block, unless the model's code sets a state (that still takes effect).
 
-    Limits: values computed in ``__init__`` (a buffer from ``torch.arange``, a
-    re-init of child layers as ``TinyGPT`` does) are lost on meta; a module with
-    meta tensors and no ``reset_parameters`` makes materialization raise. Pass
-    ``init_fn`` then: a model-level initialiser, called once as
-    ``init_fn(model)`` (e.g. ``TinyGPT.reset_parameters``). It needs the whole
-    model on the CPU at once, so only the per-module path keeps ``distribute``'s
-    peak at one module. Tensors created with an explicit ``device=`` are real
-    and kept unless their module is re-initialised.
+    During construction the model's code sees its tensors on the device they
+    will have (torch's ``trunc_normal_`` and ``orthogonal_`` skip meta
+    tensors), and a value Python reads (``.item()``, ``.tolist()``) is
+    computed then, by replaying the record so far; after the block they are
+    on meta. Limits: an op that writes a lazily built tensor and has no meta
+    kernel raises ``NotImplementedError``; ``torch.tensor(...)`` literals are
+    made for real (they are small). See [Note: lazy init record].
+
+    Args:
+        default_device: the device the initialisation runs on (tensors
+            made without a device go there, as under ``torch.device(...)``;
+            "cuda" draws on the GPU: faster, and allocates GPU memory while
+            materializing). Default None: the CPU.
+
+    Raises:
+        TypeError: ``default_device`` is not a device, str, int or None.
+        ValueError: ``default_device`` is not a device name, is meta, or is
+            CUDA where CUDA is not available.
     """
 
-    def __init__(self) -> None:
-        self._handles: list = []
-        self._device_ctx: torch.device | None = None
+    def __init__(self, default_device: torch.device | str | int | None = None) -> None:
+        self.default_device = _check_default_device(default_device)
+        self._stack: contextlib.ExitStack | None = None
 
     def __enter__(self) -> LazyInitContext:
-        if self._handles:
+        if self._stack is not None:
             raise RuntimeError(
                 "LazyInitContext: this context is already entered (got a nested `with` on it); "
                 "use a new LazyInitContext() for each `with`"
             )
-        record = _Record(torch.random.get_rng_state())
+        if getattr(_ENTERED, "depth", 0):
+            raise RuntimeError(
+                "LazyInitContext: another LazyInitContext is already entered in this thread "
+                "(got nested blocks); build each model in its own block, one after the other"
+            )
+        rec = Recording(self.default_device)
 
         def remember(module: nn.Module, name: str, value: object) -> None:
-            _BUILT[module] = record
+            _BUILT[module] = rec
 
-        self._handles = [
-            _module_hooks.register_module_parameter_registration_hook(remember),
-            _module_hooks.register_module_buffer_registration_hook(remember),
-            _module_hooks.register_module_module_registration_hook(remember),
-        ]
-        self._device_ctx = torch.device("meta")
-        self._device_ctx.__enter__()
+        stack = contextlib.ExitStack()
+        try:
+            for register in (
+                _module_hooks.register_module_parameter_registration_hook,
+                _module_hooks.register_module_buffer_registration_hook,
+                _module_hooks.register_module_module_registration_hook,
+            ):
+                stack.callback(register(remember).remove)
+            if self.default_device is not None:
+                rec.track_device(self.default_device)
+                stack.enter_context(torch.device(self.default_device))
+            stack.enter_context(recording_rng(rec))
+            stack.enter_context(Disguise(rec))
+            stack.enter_context(Recorder(rec))
+        except BaseException:
+            stack.close()
+            raise
+        rec.active = True
+        stack.callback(setattr, rec, "active", False)
+        _ENTERED.depth = 1
+        stack.callback(setattr, _ENTERED, "depth", 0)
+        self._stack = stack
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._device_ctx.__exit__(*exc)
-        self._device_ctx = None
+        stack, self._stack = self._stack, None
+        stack.__exit__(*exc)
 
     @staticmethod
     def materialize(
         model: nn.Module,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         init_fn: Callable[[nn.Module], None] | None = None,
     ) -> nn.Module:
-        """Give a lazily built model real, initialised tensors on ``device``.
+        """Give a lazily built model its real tensors, as ColossalAI's
+        ``LazyInitContext.materialize``.
 
         Args:
             model: a model built under ``LazyInitContext``.
-            device: where the tensors go; values are drawn on the CPU. Default "cpu".
-            init_fn: called once as ``init_fn(model)`` instead of the per-module
-                ``reset_parameters``. Default None.
+            device: where the tensors go once computed. Default None: where
+                they were computed (the context's ``default_device``).
+            init_fn: called once as ``init_fn(model)`` after the replay, the
+                RNG where eager construction left it (so the values equal an
+                eager build followed by ``init_fn(model)``). It needs the
+                whole model at once. Default None.
 
         Returns:
             ``model``, whole, with the same parameter objects.
 
         Raises:
-            ValueError: the model was not built under LazyInitContext.
+            ValueError: the model was not built under LazyInitContext, or
+                depends on a meta tensor made outside its block.
             RuntimeError: the model was already materialized or distributed.
-            NotImplementedError: a module has meta tensors, no
-                ``reset_parameters`` and no ``init_fn`` was given.
         """
         api = "LazyInitContext.materialize"
         _check_model(api, model)
-        device = check_device(api, "device", device)
+        if device is not None:
+            device = check_device(api, "device", device, optional=True)
 
         def place(tensors: list[tuple[torch.Tensor, bool]]) -> None:
             for t, _ in tensors:
-                if t.device != device:
+                if device is not None and t.device != device:
                     t.data = t.data.to(device)
 
         _materialize(model, "LazyInitContext.materialize", init_fn, place)
@@ -144,13 +181,15 @@ class LazyInitContext:
     ) -> nn.Module:
         """Materialize a lazily built model one module at a time into chunks.
 
-        Each parameter is initialised on the CPU, cast to ``dtype``, registered
-        with ``chunk_manager`` (which copies it into its chunk) and its
-        temporary dropped before the next module, in ``model.parameters()``
-        order, tied parameters once; then every chunk is closed (sharded).
-        Peak extra memory is one module's own tensors plus the open chunk.
-        Buffers go whole to the chunk manager's compute device. Every rank must
-        have entered the context with the same RNG state (checked).
+        The record is replayed on the context's ``default_device``; each
+        parameter, once final, is cast to ``dtype``, registered with
+        ``chunk_manager`` (which copies it into its chunk) and its temporary
+        dropped, in ``model.parameters()`` order, tied parameters once; then
+        every chunk is closed (sharded). Peak extra memory is about one
+        module's tensors plus the open chunk (more where the model's
+        initialisation finishes its tensors far out of that order). Buffers
+        go whole to the chunk manager's compute device. Every rank must have
+        entered the context with the same RNG state (checked).
 
         Args:
             model: a model built under ``LazyInitContext``.
@@ -171,9 +210,8 @@ class LazyInitContext:
             ``model``, its parameters now views into the chunks.
 
         Raises:
-            ValueError: the model was not built under LazyInitContext.
+            ValueError: as in ``materialize``.
             RuntimeError: already materialized, or ranks' RNG states differ.
-            NotImplementedError: as in ``materialize``.
         """
         api = "LazyInitContext.distribute"
         # Checked before any module is materialized: a bad argument leaves
@@ -251,14 +289,14 @@ def _check_distribute_args(
         )
 
 
-def _check_same_rng(api: str, process_group: dist.ProcessGroup | None, record: _Record) -> None:
+def _check_same_rng(api: str, process_group: dist.ProcessGroup | None, record: Recording) -> None:
     """Every rank entered LazyInitContext with the same CPU RNG state."""
     _, world = _comm.rank_and_world(process_group)
     if world == 1:
         return
     # A tensor collective, not all_gather_object, which needs numpy.
     mine = torch.tensor(
-        list(hashlib.sha1(bytes(record.rng_state.tolist())).digest()), dtype=torch.int64
+        list(hashlib.sha1(bytes(record.cpu_state.tolist())).digest()), dtype=torch.int64
     )
     device = _comm_device(process_group)
     gathered = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
@@ -272,6 +310,28 @@ def _check_same_rng(api: str, process_group: dist.ProcessGroup | None, record: _
         )
 
 
+def _check_default_device(value: object) -> torch.device | None:
+    api = "LazyInitContext"
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = torch.device(value)  # an accelerator index, as torch.device(0)
+    if not isinstance(value, torch.device | str):
+        raise TypeError(
+            f"{api}: default_device must be a torch.device, str, int or None (got {value!r})"
+        )
+    try:
+        meta = torch.device(value).type == "meta"
+    except RuntimeError:
+        meta = False  # not a device name: check_device says so
+    if meta:
+        raise ValueError(
+            f"{api}: default_device cannot be meta (got {value!r}); it is the device the "
+            "initialisation runs on when the model is materialized: pass 'cpu' or 'cuda'"
+        )
+    return check_device(api, "default_device", value, optional=True)
+
+
 def _check_model(api: str, model: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -281,21 +341,23 @@ def _check_model(api: str, model: object) -> None:
 
 
 def _own(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, is_param) for the module's direct parameters and buffers."""
+    """(name, tensor, is_param) for the module's direct parameters and buffers,
+    and its plain tensor attributes that are lazily built."""
     params = [(n, t, True) for n, t in module._parameters.items() if t is not None]
-    return params + [(n, t, False) for n, t in module._buffers.items() if t is not None]
+    buffers = [(n, t, False) for n, t in module._buffers.items() if t is not None]
+    plain = [
+        (n, t, False) for n, t in vars(module).items() if isinstance(t, torch.Tensor) and t.is_meta
+    ]
+    return params + buffers + plain
 
 
-def _empty(like: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    new = torch.empty(shape, dtype=dtype)
-    if isinstance(like, nn.Parameter):
-        new = nn.Parameter(new, requires_grad=like.requires_grad)
-    return new
-
-
-def _make_real(t: torch.Tensor) -> None:
-    """Turn meta ``t`` into an uninitialised CPU tensor, keeping the Python object."""
-    new = _empty(t, t.shape, t.dtype)
+def _make_real(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Turn meta ``t`` into a tensor holding ``value``, keeping the Python object."""
+    new = value.detach()
+    if isinstance(t, nn.Parameter):
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    elif t.requires_grad:
+        new.requires_grad_(True)
     new.__dict__.update(t.__dict__)
     torch.utils.swap_tensors(t, new)
 
@@ -305,73 +367,96 @@ def _materialize(
     api: str,
     init_fn: Callable[[nn.Module], None] | None,
     place: Callable[[list[tuple[torch.Tensor, bool]]], None],
-    check: Callable[[_Record], None] | None = None,
+    check: Callable[[Recording], None] | None = None,
 ) -> None:
-    """Initialise ``model``'s meta tensors module by module, handing each
-    module's new tensors to ``place`` once their values are final."""
+    """Replay ``model``'s record, handing each parameter and buffer to
+    ``place`` once its value is final, in module order (tied ones once)."""
     modules = list(model.modules())
     if any(m in _MATERIALIZED for m in modules):
         raise RuntimeError(
             f"{api}: the model was already materialized (got {type(model).__name__}); "
             "build a new model under LazyInitContext to materialize again"
         )
-    record = next((_BUILT[m] for m in modules if m in _BUILT), None)
-    if record is None:
+    rec = next((_BUILT[m] for m in modules if m in _BUILT), None)
+    if rec is None:
         raise ValueError(
             f"{api}: the model was not built under LazyInitContext (got "
             f"{type(model).__name__}); construct it inside `with LazyInitContext():`"
         )
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"{api}: init_fn must be callable (got {type(init_fn).__name__})")
-    # Shapes and dtypes now: a tensor placed into a closed chunk has shape (0,).
-    spec = {id(t): (t.shape, t.dtype) for m in modules for _, t, _ in _own(m) if t.is_meta}
-    if init_fn is None:
-        missing = [
-            f"{name or '<root>'} ({type(m).__name__})"
-            for name, m in model.named_modules()
-            if any(t.is_meta for _, t, _ in _own(m)) and not hasattr(m, "reset_parameters")
-        ]
-        if missing:
-            raise NotImplementedError(
-                f"{api}: modules with meta tensors have no reset_parameters() (got "
-                f"{', '.join(missing[:5])}); pass init_fn=, or give them reset_parameters()"
-            )
+    order: list[tuple[torch.Tensor, bool]] = []
+    refs: dict[int, Ref] = {}
+    seen: set[int] = set()  # ids: every tensor stays alive meanwhile
+    for prefix, m in model.named_modules():
+        for name, t, is_param in _own(m):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if t.is_meta:
+                sid = rec.sid(t)
+                if sid is None:
+                    raise ValueError(
+                        f"{api}: {prefix + '.' if prefix else ''}{name} is on the meta device but "
+                        f"was not made in the model's LazyInitContext block (got shape "
+                        f"{list(t.shape)}); make it inside the block (a model moved with .to() "
+                        "after the block: move it after materializing)"
+                    )
+                refs[id(t)] = ref_of(sid, t)
+            order.append((t, is_param))
     if check is not None:
-        check(record)
-    placed: dict[int, torch.Tensor] = {}
-
-    def place_new(m: nn.Module) -> None:
-        new = [(t, is_param) for _, t, is_param in _own(m) if id(t) not in placed]
-        placed.update((id(t), t) for t, _ in new)
-        place(new)
-
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.random.set_rng_state(record.rng_state)
+        check(rec)
+    replay = Replay(rec, {r.sid for r in refs.values()}, all_random=init_fn is not None)
+    with torch.no_grad():
         if init_fn is not None:
-            for m in modules:
-                for _, t, _ in _own(m):
-                    if t.is_meta:
-                        _make_real(t)
-            init_fn(model)
-            for m in modules:
-                place_new(m)
+            replay.run()
+            for t, _ in order:
+                if id(t) in refs:
+                    _make_real(t, replay.view(refs[id(t)]))
+            replay.live.clear()
+            with replay.generators_at_end():
+                init_fn(model)
+            place(order)
         else:
-            for m in modules:
-                own = _own(m)
-                if any(id(t) in spec for _, t, _ in own):
-                    scratch = []
-                    for name, t, is_param in own:
-                        if t.is_meta:
-                            _make_real(t)
-                        elif id(t) in placed and id(t) in spec:  # tied: the first owner set it
-                            slots = m._parameters if is_param else m._buffers
-                            slots[name] = _empty(t, *spec[id(t)])
-                            scratch.append((slots, name, t))
-                    m.reset_parameters()
-                    for slots, name, t in scratch:
-                        slots[name] = t
-                place_new(m)
+            _place_in_order(replay, order, refs, place)
     _MATERIALIZED.update(modules)
+
+
+def _place_in_order(
+    replay: Replay,
+    order: list[tuple[torch.Tensor, bool]],
+    refs: dict[int, Ref],
+    place: Callable[[list[tuple[torch.Tensor, bool]]], None],
+) -> None:
+    """Replay, placing tensors in ``order`` as their values become final (a
+    final value waits for the tensors before it)."""
+    pending = deque(order)
+    ready: set[int] = set()
+    users = Counter(r.sid for r in refs.values())
+
+    def flush() -> None:
+        while pending:
+            t, is_param = pending[0]
+            ref = refs.get(id(t))
+            if ref is not None:
+                if ref.sid not in ready:
+                    return
+                _make_real(t, replay.view(ref))
+                users[ref.sid] -= 1
+                if not users[ref.sid]:
+                    replay.drop(ref.sid)
+            pending.popleft()
+            place([(t, is_param)])
+
+    def on_final(sid: int) -> None:
+        ready.add(sid)
+        flush()
+
+    flush()
+    replay.run(on_final)
+    flush()
+    if pending:
+        raise AssertionError(f"LazyInitContext: {len(pending)} tensors were never final")
 
 
 def _comm_device(process_group) -> torch.device:

@@ -1,8 +1,17 @@
 """ZeRO stage 1/2 and the sharding numerics every ZeRO stage shares."""
 
 from zerostack.shard.__about__ import __version__
-from zerostack.shard._clip import clip_coefficient, grad_stats
+from zerostack.shard._clip import (
+    check_clip_args,
+    clip_coefficient,
+    clip_grads_,
+    grad_stats,
+    norm_part,
+    record_clip,
+)
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._grad_guard import ShardedGradient, local_grad
+from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     StepPlan,
@@ -17,15 +26,24 @@ from zerostack.shard._partition import shard_bounds, shard_numel
 __all__ = [
     "CollectorSchedule",
     "DynamicLossScaler",
+    "ShardedGradient",
     "StepPlan",
     "ZeroOptimizer",
     "__version__",
+    "check_clip_args",
     "clip_coefficient",
+    "clip_grads_",
     "grad_stats",
+    "hyperparameters",
+    "local_grad",
     "make_loss_scaler",
+    "mark_stepped",
+    "norm_part",
     "plan_step",
+    "record_clip",
     "shard_bounds",
     "shard_numel",
     "step_with_div_scale",
+    "stepping_twin",
     "takes_div_scale",
 ]

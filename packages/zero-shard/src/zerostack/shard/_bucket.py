@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from zerostack.shard import _partition as part
+from zerostack.shard._grad_guard import ShardedGradient, local_grad
 
 
 @dataclass(slots=True)
@@ -30,6 +31,8 @@ class _Shard:
     ready: bool = False  # its gradient arrived in the current backward
     used: bool = False  # it had a gradient at some point since the last step
     copy_out: torch.Tensor | None = None  # low-precision pinned buffer (cpu_offload)
+    # What param.grad holds once the gradient is taken (see [Note: sharded param.grad]).
+    guard: ShardedGradient | None = None
 
 
 class _Bucket:
@@ -167,7 +170,9 @@ def make_shards(
             if hasattr(master, "grad_dtype"):
                 master.grad_dtype = None  # torch >= 2.10: CPUAdam takes bf16/fp16 grads as they are
             index = len(shards)
-            shards.append(_Shard(p, index, names.get(id(p), f"param {index}"), piece, master))
+            name = names.get(id(p), f"param {index}")
+            guard = ShardedGradient(p.shape, p.dtype, p.device, "ZeroOptimizer")
+            shards.append(_Shard(p, index, name, piece, master, guard=guard))
             masters.append(master)
         group["params"] = masters
     return shards
@@ -193,9 +198,10 @@ def make_buckets(shards: list[_Shard], world: int, reduce_bucket_size: int) -> l
 
 def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
     """Move each parameter's gradient into the zeroed (world, piece_total)
-    ``buf``: rank r's piece to row r. The model's ``.grad`` is dropped."""
+    ``buf``: rank r's piece to row r. The model's ``.grad`` becomes the
+    shard's guard (see [Note: sharded param.grad])."""
     for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-        g = s.param.grad
+        g = local_grad(s.param)
         if g is not None:
             s.used = True
             # Whole rows in one copy, the padded tail in another (buf is zeroed).
@@ -207,7 +213,8 @@ def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | N
                 buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
             if stream is not None:
                 g.record_stream(stream)
-            s.param.grad = None  # the reduced piece replaces it
+            s.guard.local = None  # the reduced piece replaces it
+            s.param.grad = s.guard
         s.ready = False
 
 

@@ -33,7 +33,7 @@ def make_loss_scaler(
     api: str, fp16: bool, loss_scaler: DynamicLossScaler | None, scaler_kwargs: dict[str, Any]
 ) -> DynamicLossScaler | None:
     """The fp16 loss scaler of a wrapper: ``loss_scaler`` as given, or one built
-    from the seed's keyword names (``initial_scale``, ``min_scale``, ...);
+    from ColossalAI's keyword names (``initial_scale``, ``min_scale``, ...);
     None for bf16/fp32 models (which need none).
 
     Raises:
@@ -83,10 +83,17 @@ class StepPlan:
 
 
 def plan_step(
-    api: str, norm_sq: float, scaler: DynamicLossScaler | None, max_norm: float
+    api: str,
+    norm_sq: float,
+    scaler: DynamicLossScaler | None,
+    max_norm: float,
+    clip: float = 1.0,
 ) -> StepPlan:
     """Turn the all-reduced squared gradient norm (of the scaled gradients)
-    into the step's plan, and update the loss scaler. See [Note: overflow policy]."""
+    into the step's plan, and update the loss scaler. ``clip``: the
+    coefficient ``clip_grad_by_norm`` recorded since the last step, which
+    ``max_norm`` clips after (see [Note: gradient clipping]). See [Note:
+    overflow policy]."""
     scale = scaler.scale if scaler is not None else 1.0
     finite = math.isfinite(norm_sq)
     grad_norm = math.sqrt(norm_sq) / scale if finite else norm_sq
@@ -103,7 +110,7 @@ def plan_step(
             "%s: the gradient norm is %s; applied as torch's optimizers would (only fp16 "
             "loss scaling skips steps)", api, norm_sq,
         )  # fmt: skip
-    combined = clip_coefficient(grad_norm, max_norm) / scale
+    combined = clip * clip_coefficient(grad_norm * clip, max_norm) / scale
     return StepPlan(
         skip=False, grad_norm=grad_norm, div_scale=1.0 / combined if combined != 1.0 else -1.0
     )

@@ -32,9 +32,13 @@ is reduced and copied to the host during backward (every parameter in it had
 a gradient on this rank, so it is used on every rank; div_scale -1): CPU
 Adam then runs under backward, and the floor is about forward + max(backward,
 CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
-stays the bound either way; what is left is its bandwidth. Such a backward
-commits to the step: a ``zero_grad()`` without ``step()`` after it still
-applies those updates (with a warning).
+stays the bound either way; what is left is its bandwidth. Updates start
+in backward from the second step on, and never once ``clip_grad_by_norm``
+was called or a step had two backwards (an update started before either
+would miss it; see [Note: gradient clipping]). Such a backward commits to
+the step: a ``zero_grad()`` without ``step()`` after it (a batch dropped
+after an exception) cancels the updates that have not begun and raises for
+those that have (see [Note: dropping a batch]).
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -179,6 +183,19 @@ class OffloadPipeline:
         if self.early:
             self.pending = deque(sorted([*self.pending, *self.early], key=lambda e: e[0]))
             self.early.clear()
+
+    def cancel_early(self) -> list[int]:
+        """Cancel the updates queued during backward that have not begun;
+        the positions of those that had (they stay queued). See [Note:
+        dropping a batch]."""
+        begun = []
+        for position, future in self.early:
+            if future is not None and future.cancel():
+                self._calls.pop(position, None)
+            else:
+                begun.append((position, future))
+        self.early = begun
+        return [position for position, _ in begun]
 
     def wait_early(self) -> None:
         """Wait for the updates queued during backward (they stay queued);

@@ -6,6 +6,7 @@ import contextlib
 import copy
 import logging
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -32,8 +33,10 @@ from zerostack.shard._bucket import (
     pack_grads,
     pin_offload_buffers,
 )
-from zerostack.shard._clip import grad_stats
+from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._gc import CollectorSchedule
+from zerostack.shard._grad_guard import ShardedGradient
+from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -167,9 +170,11 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     adamw = type(optimizer) is torch.optim.AdamW
     groups = []
     for g in optimizer.param_groups:
+        # torch's Adam(decoupled_weight_decay=True) is AdamW.
+        decoupled = adamw or bool(g.get("decoupled_weight_decay", False))
         groups.append(
             dict(params=g["params"], lr=float(g["lr"]), betas=tuple(g["betas"]), eps=g["eps"],
-                 weight_decay=g["weight_decay"])
+                 weight_decay=g["weight_decay"], adamw_mode=decoupled)
         )  # fmt: skip
     logger.info(
         "ZeRO: cpu_offload steps %s through CPUAdam (adamw_mode=%s)",
@@ -316,7 +321,19 @@ class ZeroOptimizer:
             master_weights=master_weights, names=names,
         )  # fmt: skip
         _WRAPPED.add(optimizer)
-        self.optimizer = _cpu_kernel(optimizer) if cpu_offload else optimizer
+        self.optimizer = optimizer
+        # What users see and change (see [Note: the user's hyperparameters]):
+        # their optimizer's groups; with cpu_offload, updates read the groups
+        # of another optimizer, filled from these when no update runs.
+        self._groups: list[dict] | None = None
+        self._foreign: frozenset[str] = frozenset()
+        if cpu_offload:
+            inner = _cpu_kernel(optimizer)
+            self.optimizer = inner if inner is not optimizer else stepping_twin(optimizer)
+            self._groups = optimizer.param_groups
+            self._foreign = foreign_keys(optimizer, self.optimizer)
+            _WRAPPED.add(self.optimizer)
+        self._user = optimizer
         if hasattr(self.optimizer, "nvme_host_params"):
             # Only host-held states go to disk, on a CPU compute device as on a GPU.
             self.optimizer.nvme_host_params(
@@ -333,6 +350,15 @@ class ZeroOptimizer:
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
+        self._bucket_of = [self.buckets[0]] * len(self.shards)  # shard index -> its bucket
+        self._offset_of = [0] * len(self.shards)  # shard index -> its offset in the bucket
+        for bucket in self.buckets:
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                self._bucket_of[s.index], self._offset_of[s.index] = bucket, off
+        # Each parameter's version counter when this optimizer last wrote it;
+        # see [Note: parameters written in place].
+        self._versions = [s.param._version for s in self.shards]
+        self._warned_dropped = False
         if cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
@@ -346,16 +372,11 @@ class ZeroOptimizer:
         self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
         self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
         self._pipe: OffloadPipeline | None = None
-        self._groups: list[dict] | None = (
-            None  # what users see while the worker reads the inner ones
-        )
         if cpu_offload:
             self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
             weakref.finalize(self, self._pipe.close)
             if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
                 self.optimizer.set_step_waiter(self._pipe.settle)
-            if self._pipe.overlapping:
-                self._groups = [dict(g) for g in self.optimizer.param_groups]
             if self._pipe.stream is not None:
                 for bucket in self.buckets:
                     # The host waits for these two (blocking: no spinning
@@ -371,6 +392,16 @@ class ZeroOptimizer:
         self._scaled_backward = False
         self._unscaled = False
         self._accumulated = False
+        # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
+        # recorded for the coming step, whether it was called since the last
+        # step, and this step's squared norm it took.
+        self._clip = 1.0
+        self._clipped = False
+        self._clip_norm_sq: torch.Tensor | None = None
+        # See _can_start_early: a step has run; updates must never start in
+        # backward (clip_grad_by_norm was called, or two backwards fed one step).
+        self._stepped = False
+        self._early_veto = False
         self._unfinished = False  # a synchronous step whose CPU update failed; see step()
         self._update_lock = threading.Lock()  # see _cpu_update
         self._stream = (
@@ -421,7 +452,9 @@ class ZeroOptimizer:
 
     @property
     def param_groups(self) -> list[dict]:
-        """The parameter groups whose hyperparameters the next step uses."""
+        """The parameter groups whose hyperparameters the next step uses:
+        those of the optimizer the user built (see [Note: the user's
+        hyperparameters])."""
         return self._groups if self._groups is not None else self.optimizer.param_groups
 
     def _push_hyper(self) -> None:
@@ -430,14 +463,14 @@ class ZeroOptimizer:
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            inner.update({k: v for k, v in user.items() if k != "params"})
+            inner.update(hyperparameters(user, self._foreign))
 
     def _pull_hyper(self) -> None:
         """The inner groups' hyperparameters (just loaded) into the users'."""
         if self._groups is None:
             return
         for user, inner in zip(self._groups, self.optimizer.param_groups, strict=True):
-            user.update({k: v for k, v in inner.items() if k != "params"})
+            user.update(hyperparameters(inner, self._foreign))
 
     # -- gradients ---------------------------------------------------------------
 
@@ -464,18 +497,50 @@ class ZeroOptimizer:
                 f"{_API}.backward: the last step's CPU update failed and is still to run; "
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
             )
+        self._refuse_after_clip("backward")
         self.wait_updates()
+        self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
 
+    def _refuse_after_early_updates(self) -> None:
+        if self._early:
+            raise RuntimeError(
+                f"{_API}.backward: a second backward before step() (got {len(self._early)} "
+                "buckets whose CPU updates started in the first one: cpu_offload with "
+                "overlap_cpu_step, no clipping, no fp16 loss scale); its gradients cannot be "
+                "added to them: accumulate inside no_sync() (booster.no_sync(model, optimizer)) "
+                "for all but the last backward, or step() between (zero_grad() drops this one)"
+            )
+
+    def _refuse_after_clip(self, api: str) -> None:
+        if self._clipped:
+            raise RuntimeError(
+                f"{_API}.{api}: a backward after clip_grad_by_norm() and before step(); the "
+                "recorded clip would scale its gradients too; clip after the last backward of "
+                "the step (or call zero_grad() to drop this step's gradients)"
+            )
+
     def _on_grad(self, s: _Shard) -> None:
+        self._refuse_after_clip("backward")  # loss.backward() called directly
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
-        if self._no_sync or not self.overlap:
+        if self._bucket_of[s.index].launched:  # reduced already in this step: a new backward
+            self._restart_reduction()
+        if self._no_sync:
+            return  # local gradients in param.grad, as DDP's no_sync leaves them
+        if not self.overlap:
+            # Reduced at step: until then the guard holds the local gradient
+            # (see [Note: sharded param.grad]). A plain param.grad means the
+            # guard was dropped (model.zero_grad()): what it held goes too.
+            g = s.param.grad
+            if type(g) is not ShardedGradient:
+                s.guard.local = g
+                s.param.grad = s.guard
             return
         s.ready = True
         self._launch_ready_buckets()
@@ -506,6 +571,11 @@ class ZeroOptimizer:
             and self.max_norm == 0
             and self.scaler is None
             and not self._no_sync
+            # The first step learns whether clip_grad_by_norm is called or a
+            # second backward comes (an update started before either would
+            # miss it).
+            and self._stepped
+            and not self._early_veto
         )
 
     def _start_early(self, bucket: _Bucket) -> None:
@@ -520,6 +590,7 @@ class ZeroOptimizer:
             bucket.on_host = True
         if not self._early:  # the first of this backward: this step's hyperparameters
             self._push_hyper()
+        self._adopt_writes(bucket.shards)
         pairs = [
             (s.master, bucket.host_grads[off : off + s.piece])
             for s, off in zip(bucket.shards, bucket.offsets, strict=True)
@@ -600,12 +671,33 @@ class ZeroOptimizer:
             self.buffer_allocations += 1
         return buf
 
-    def _finish_reduction(self) -> torch.Tensor | None:
-        """Wait for every bucket; give each shard its reduced piece. Returns
-        the squared gradient norm summed on the device, or None when it has to
-        be computed from the pieces (gradients accumulated over several
-        reductions, or no device-side norm)."""
-        self._launch_ready_buckets(flush=True)
+    def _restart_reduction(self) -> None:
+        """A backward began after buckets of this step were reduced (two
+        backwards before ``step()``: torch's accumulation, without
+        ``no_sync``). Their reductions go into the shards' gradients, out of
+        the buffers the next reductions reuse, and the buckets are reduced
+        again from the first: ``step()`` then sums both.
+
+        Raises:
+            RuntimeError: CPU updates started during the first backward
+                (they used its gradients alone).
+        """
+        self._refuse_after_early_updates()
+        self._early_veto = True
+        self._finish_reduction(flush=False)
+        for s in self.shards:
+            if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
+                s.grad = s.grad.clone()
+        self._accumulated = True
+
+    def _finish_reduction(self, flush: bool = True) -> torch.Tensor | None:
+        """Wait for every bucket (``flush``: launching those not launched
+        yet); give each shard its reduced piece. Returns the squared gradient
+        norm summed on the device, or None when it has to be computed from
+        the pieces (gradients accumulated over several reductions, or no
+        device-side norm)."""
+        if flush:
+            self._launch_ready_buckets(flush=True)
         self._next_bucket = 0
         self._in_flight = None
         norm_parts: list[torch.Tensor] | None = []
@@ -660,27 +752,26 @@ class ZeroOptimizer:
                 unfinished: ``step()`` again finishes it, see [Note: a failed
                 CPU update in ZeRO]).
         """
+        mark_stepped(self._user)  # See [Note: the user's hyperparameters]
+        self._stepped = True
         if self._unfinished:  # the last step's update failed: finishing it is this step
             self.wait_updates()
             self._unfinished = False
             self.zero_grad()
             self.collector.tick()
             return True
-        if self._unscaled:
-            self._unscaled = False
-            self.zero_grad()
-            raise RuntimeError(
-                f"{_API}.step: fp16 gradients were not scaled; call optimizer.backward(loss) "
-                "instead of loss.backward() (this step's gradients were dropped)"
-            )
+        self._check_scaled("step")
         self.wait_updates()  # the last step's, when no forward ran since
+        for bucket in self.buckets:  # updates started in backward read the masters already
+            self._adopt_writes(bucket.shards, dropping_update=bucket in self._early)
         self._scaled_backward = False
         with phase("zerostack::reduce"):
-            device_norm_sq = self._finish_reduction()
+            # clip_grad_by_norm reduced everything already (no backward since).
+            device_norm_sq = self._clip_norm_sq if self._clipped else self._finish_reduction()
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
-        plan = plan_step(_API, stats[0], self.scaler, self.max_norm)
+        plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self.last_grad_norm = plan.grad_norm
         if plan.skip:
             self.zero_grad()
@@ -697,6 +788,84 @@ class ZeroOptimizer:
         self.zero_grad()
         self.collector.tick()
         return True
+
+    def _check_scaled(self, api: str) -> None:
+        if self._unscaled:
+            self._unscaled = False
+            self.zero_grad()
+            raise RuntimeError(
+                f"{_API}.{api}: fp16 gradients were not scaled; call optimizer.backward(loss) "
+                "instead of loss.backward() (this step's gradients were dropped)"
+            )
+
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        would clip the whole (all-reduced) gradients: call it after the last
+        backward and before ``step()`` (ColossalAI's
+        ``OptimizerWrapper.clip_grad_by_norm``). The norm is taken over every
+        rank's pieces in fp32 (fp16: of the unscaled gradients); the
+        coefficient is applied by the step, together with the loss scale and
+        ``max_norm`` (see [Note: gradient clipping]). A collective: every
+        rank calls it.
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm of the gradients (before this clip), a 0-dim fp32
+            tensor on the parameters' device, as torch's returns.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            RuntimeError: inside ``no_sync()``; CPU updates of this step
+                started in backward already (``overlap_cpu_step`` from the
+                second step on when the first step did not clip); fp16
+                gradients not scaled through ``backward``; a non-finite norm
+                with ``error_if_nonfinite``.
+        """
+        api = f"{_API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        if self._unfinished:
+            raise RuntimeError(
+                f"{api}: the last step's CPU update failed and is still to run; remove its "
+                "cause and call step() again first (or zero_grad() to drop it)"
+            )
+        if self._no_sync:
+            raise RuntimeError(
+                f"{api}: called inside no_sync(), where gradients are not reduced yet; clip "
+                "after the backward outside no_sync(), before step()"
+            )
+        if self._early:
+            raise RuntimeError(
+                f"{api}: the CPU updates of {len(self._early)} buckets started during this "
+                "backward (overlap_cpu_step does so from the second step on when the first did "
+                "not clip); call clip_grad_by_norm at every step from the first, pass max_norm "
+                "to the plugin (clipping at step), or overlap_cpu_step=False"
+            )
+        self._check_scaled("clip_grad_by_norm")
+        self._early_veto = True
+        self.wait_updates()  # the last step's write-backs come before any reduction
+        with phase("zerostack::reduce"):
+            if not self._clipped:
+                self._clip_norm_sq = self._finish_reduction()
+                self._clipped = True
+            if norm_type == 2.0 and self._clip_norm_sq is not None:
+                part = self._clip_norm_sq.clone()
+            else:
+                part = norm_part(
+                    [s.grad for s in self.shards if s.grad is not None], norm_type, self.device
+                )
+            total, self._clip = record_clip(
+                api, part, max_norm=max_norm, norm_type=norm_type, group=self.group,
+                scale=self.scaler.scale if self.scaler is not None else 1.0,
+                applied=self._clip, error_if_nonfinite=error_if_nonfinite,
+            )  # fmt: skip
+        return total
 
     def _device_step(self, div_scale: float, used: list[float]) -> None:
         """Step every master on the device at once, then all-gather."""
@@ -801,6 +970,50 @@ class ZeroOptimizer:
                 if bucket.copied is not None:
                     bucket.copied.synchronize()
                 self._refresh_host(bucket)
+        self._versions = [s.param._version for s in self.shards]
+
+    @torch.no_grad()
+    def _adopt_writes(self, shards: list[_Shard], dropping_update: bool = False) -> None:
+        """Parameters written in place since this optimizer last wrote them
+        become their masters' values. See [Note: parameters written in place].
+
+        [Note: parameters written in place] A user who writes a parameter
+        (``p.mul_()``, ``p.copy_()``, ``module.load_state_dict``, an embedding's
+        ``max_norm``) expects the next step to start from it, as with a torch
+        optimizer; the fp32 master would write the old value back. Every write
+        bumps the tensor's version counter, so each parameter's counter is
+        kept after this optimizer's own writes (the write-back,
+        ``masters_written``) and a parameter whose counter moved has this
+        rank's piece copied into its master (and its pinned copy) before its
+        next update: at ``step()``, or when its CPU update starts in backward.
+        A write that comes after the update of that step started (between
+        ``step()`` and the write-back of a deferred CPU update, or after an
+        update started in backward) replaces the update's result for that
+        parameter, with a warning."""
+        dropped = []
+        for s in shards:
+            if s.param._version == self._versions[s.index]:
+                continue
+            start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
+            s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
+            bucket = self._bucket_of[s.index]
+            if bucket.host_params is not None:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()  # the last H2D copy out of host_params
+                off = self._offset_of[s.index]
+                bucket.host_params[off : off + s.piece].copy_(s.master)
+            self._versions[s.index] = s.param._version
+            dropped.append(s.name)
+        if dropped and dropping_update and not self._warned_dropped:
+            self._warned_dropped = True
+            warnings.warn(
+                f"{_API}: parameters written in place after their update of this step had "
+                f"started (got {dropped[:3]}): the written values are kept and that update "
+                "is dropped for them; with cpu_offload call wait_updates() after step() "
+                "before writing parameters, and write them before backward",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
@@ -841,6 +1054,8 @@ class ZeroOptimizer:
         stream = self._pipe.stream if self._pipe is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         dtype, total = bucket.shards[0].param.dtype, bucket.piece_total
+        if not from_masters:  # a write since step(): see [Note: parameters written in place]
+            self._adopt_writes(bucket.shards, dropping_update=True)
         with phase("zerostack::gather"), ctx:
             mine = self._ring("gather_in", dtype, 1).take(total)
             if bucket.host_params is not None:
@@ -863,14 +1078,42 @@ class ZeroOptimizer:
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 n = s.param.numel()
                 s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+                self._versions[s.index] = s.param._version
             if bucket.written is not None:
                 bucket.written.record(stream)
 
+    # [Note: dropping a batch] After an exception in forward or backward
+    # that the user catches, optimizer.zero_grad() drops the batch: the steps
+    # that follow equal, bitwise, those of a run that never saw it. A forward
+    # changes nothing but activations and gathered copies; a backward leaves
+    # gradients (in the parameters, the buckets, GeminiDDP's chunks, where a
+    # reduced gradient sits in place of the parameter shard until the step)
+    # and reductions in flight, which zero_grad() waits for and drops. What
+    # cannot be dropped is an optimizer update that began: with cpu_offload
+    # and overlap_cpu_step, and neither clipping nor an fp16 loss scale, a
+    # CPU-held bucket (chunk) is updated as soon as its gradient is reduced,
+    # during backward. zero_grad() cancels those that have not begun and
+    # raises for those that have (keeping their result, so the model stays
+    # consistent), saying to reload the last checkpoint. Collectives: every
+    # rank must catch the exception at the same point (as with torch's DDP);
+    # a rank alone leaves the others in a collective until the timeout.
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the model's gradients and the reduced pieces (and finish any
         reduction still in flight, so no collective is left pending). CPU
         updates still running keep what they read; the failed updates of an
-        unfinished step are dropped (their parameters keep their values)."""
+        unfinished step are dropped (their parameters keep their values).
+
+        After an exception in forward or backward that the caller caught
+        (on every rank), this drops the batch: the steps that follow are
+        those of a run that never saw it. See [Note: dropping a batch].
+
+        Raises:
+            RuntimeError: CPU updates that backward started (``cpu_offload``
+                with ``overlap_cpu_step``, no clipping, no fp16 loss scale)
+                had begun: they cannot be taken back, their buckets took the
+                batch's step. Everything else is dropped; reload the last
+                checkpoint to go on as if the batch had never run.
+        """
         if self._unfinished:
             dropped = self._pipe.drop_failed()
             logger.warning(
@@ -879,27 +1122,40 @@ class ZeroOptimizer:
             )  # fmt: skip
             self._unfinished = False
             self.wait_updates()
+        begun: list[int] = []
         if self._early:
-            # Updates started in backward cannot be taken back: they count as
-            # the step (see overlap_cpu_step); their parameters come at the next forward.
-            logger.warning(
-                "%s.zero_grad: %d buckets' CPU updates started in backward before this "
-                "zero_grad() without a step(); they are applied", _API, len(self._early),
-            )  # fmt: skip
-            if self._pipe.stream is not None:
-                self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
-            self._pipe.round_open = True
-            self._pipe.adopt_early()
+            # See [Note: dropping a batch]: the updates that have not begun
+            # are cancelled; those that have are written back as they are.
+            begun = self._pipe.cancel_early()
+            if begun:
+                if self._pipe.stream is not None:
+                    self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+                self._pipe.round_open = True
+                self._pipe.adopt_early()
             self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
         for s in self.shards:
             s.param.grad = None
+            s.guard.local = None
             s.grad = None
             s.ready = s.used = False
         self._next_bucket = 0
         self._in_flight = None
         self._accumulated = False
+        self._clip, self._clipped, self._clip_norm_sq = 1.0, False, None
+        self._scaled_backward = self._unscaled = False
+        if begun:
+            raise RuntimeError(
+                f"{_API}.zero_grad: the CPU updates of buckets {begun} (in write-back order) "
+                "began during the backward of the batch being dropped (cpu_offload with "
+                "overlap_cpu_step updates a bucket as soon as its gradient is reduced, when "
+                "there is no clipping and no fp16 loss scale) and cannot be taken back: those "
+                "buckets took the batch's step, the others did not. Reload the last checkpoint "
+                "(booster.load_model and load_optimizer, or load_state) to go on as if the batch "
+                "had never run; with overlap_cpu_step=False or max_norm > 0 a batch can always "
+                "be dropped"
+            )
 
     # -- state ---------------------------------------------------------------------
 

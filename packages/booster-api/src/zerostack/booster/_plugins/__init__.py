@@ -7,6 +7,7 @@ from zerostack.booster._plugins._auto_offload import (
     AutoOffloadPlugin,
 )
 from zerostack.booster._plugins._base import Plugin
+from zerostack.booster._plugins._deepspeed import DeepSpeedConfigError
 from zerostack.booster._plugins._gemini import GeminiModel, GeminiOptimizerWrapper, GeminiPlugin
 from zerostack.booster._plugins._low_level_zero import (
     LowLevelZeroModel,
@@ -24,6 +25,7 @@ __all__ = [
     "AutoOffloadModel",
     "AutoOffloadOptimizer",
     "AutoOffloadPlugin",
+    "DeepSpeedConfigError",
     "DefaultPlugin",
     "GeminiModel",
     "GeminiOptimizerWrapper",

@@ -1,5 +1,5 @@
 """Booster(mixed_precision="fp16"/"bf16"): torch.autocast around forward and
-the criterion, and torch.amp.GradScaler for fp16 (the seed's
+the criterion, and torch.amp.GradScaler for fp16 (ColossalAI's
 FP16TorchMixedPrecision), for plugins that leave precision to the Booster
 (no plugin, TorchDDPPlugin)."""
 
@@ -12,7 +12,7 @@ import torch
 
 _API = "Booster"
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-# The seed's other names: valid there, not built here.
+# ColossalAI's other names: valid there, not built here.
 _NOT_BUILT = ("fp16_apex", "fp16_naive", "fp8")
 
 
@@ -29,7 +29,7 @@ class MixedPrecision:
 
     Raises:
         ValueError: an unknown precision.
-        NotImplementedError: one of the seed's other precisions.
+        NotImplementedError: one of ColossalAI's other precisions.
         TypeError: scaler keywords with "bf16".
     """
 

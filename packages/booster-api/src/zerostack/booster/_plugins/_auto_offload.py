@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,6 +11,12 @@ from torch import nn
 
 from zerostack.booster._interface import ModelWrapper
 from zerostack.booster._plugins._base import BoostedOptimizer, Plugin, attach_scheduler
+from zerostack.booster._plugins._contract import (
+    incompatible,
+    refuse_moves,
+    with_prefix,
+    without_prefix,
+)
 from zerostack.booster._plugins._state import (
     ModelFacts,
     full_to_positional,
@@ -28,6 +34,8 @@ class AutoOffloadModel(ModelWrapper):
     """A model made by ``memory_optimize``: calls run the planned graph;
     checkpoints hold its fp32 masters by the model's names."""
 
+    _API = "AutoOffloadModel"
+
     def __init__(self, offload: Any, facts: ModelFacts) -> None:
         super().__init__(offload)
         self._facts = facts
@@ -35,6 +43,55 @@ class AutoOffloadModel(ModelWrapper):
     def unwrap(self) -> nn.Module:
         """The traced module (its parameters are the device copies)."""
         return self.module.model
+
+    def train(self, mode: bool = True) -> AutoOffloadModel:
+        """Training mode only: the graph was traced in it (``eval()`` raises,
+        see BaseOffloadModule.train)."""
+        self.module.train(mode)
+        return super().train(mode)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_hooks(f"{self._API}.forward", self.unwrap(), "the traced module's submodules")
+        return self.module(*args, **kwargs)
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Any:
+        """The traced module's (device) parameters, named as in ``state_dict()``."""
+        inner = f"{prefix}.module" if prefix else "module"
+        return self.unwrap().named_parameters(inner, recurse, remove_duplicate)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> AutoOffloadModel:
+        # See [Note: boosted model methods]
+        module = self.unwrap()
+        refuse_moves(self._API, _API, fn, [*module.parameters(), *module.buffers()])
+        return self
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The fp32 masters and buffers keyed as torch keys a wrapped module
+        (``"module." + name``); see [Note: boosted model methods].
+
+        Raises:
+            NotImplementedError: ``keep_vars=True`` (the masters live on the host).
+        """
+        if args or keep_vars:
+            raise NotImplementedError(
+                f"{self._API}.state_dict: positional arguments and keep_vars=True are not "
+                f"supported (got {len(args)} positional, keep_vars={keep_vars!r}); the fp32 "
+                "masters are not the module's parameters: call state_dict() for their values"
+            )
+        return with_prefix(self.module.state_dict(), prefix, destination)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict`` with ``state_dict()``'s keys, into the
+        fp32 masters (the next forward uploads them)."""
+        own, stray = without_prefix(self._API, state_dict, strict, assign)
+        self.load_full_state_dict(own, strict=strict)
+        return incompatible(self._facts.dtypes, own, stray)
 
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
         """The fp32 masters and buffers; see [Note: full state format]."""
@@ -71,9 +128,22 @@ class AutoOffloadOptimizer(BoostedOptimizer):
         """The fp16 loss scaler (None in bf16)."""
         return self.optim.grad_scaler
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward through the planned graph, the loss scaled in fp16."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward through the planned graph, the loss scaled in fp16.
+
+        Raises:
+            NotImplementedError: ``retain_graph=True``.
+        """
+        if retain_graph:
+            raise NotImplementedError(
+                f"{self._API}.backward: retain_graph=True is not supported (got True): the "
+                "planned graph frees what it offloaded as backward goes; add the losses and "
+                "call backward once"
+            )
         self.optim.backward(loss)
+
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step_closure(closure)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
@@ -115,7 +185,7 @@ class AutoOffloadPlugin(Plugin):
     before ``boost`` (fused-adam's HybridAdam steps the host masters fastest).
 
     Args:
-        memory_budget: device memory for the step, in GB as the seed's
+        memory_budget: device memory for the step, in GB as ColossalAI's
             (``memory_budget=16`` is 16 * 1024**3 bytes); ``<= 0`` means the
             whole device. Default -1.
         solver_name: "asyn" (uploads prefetched on side streams) or "syn".
@@ -213,6 +283,7 @@ class AutoOffloadPlugin(Plugin):
                 f"{_API}: example_inputs is required: one batch as a dict of keyword "
                 "arguments or a tuple of positional ones (the model is traced on it)"
             )
+        _refuse_hooks(f"{_API}.configure", model, "the model's submodules")
         facts = ModelFacts.of(model)
         budget = self.memory_budget * 1024**3 if self.memory_budget > 0 else -1.0
         offload = memory_optimize(
@@ -228,3 +299,15 @@ class AutoOffloadPlugin(Plugin):
             boosted = AutoOffloadOptimizer(amp, wrapped)
             attach_scheduler(lr_scheduler, boosted, optimizer)
         return wrapped, boosted, criterion, dataloader, lr_scheduler
+
+
+def _refuse_hooks(api: str, root: nn.Module, where: str) -> None:
+    """Forward hooks below the root never run: the model is traced into one
+    graph that calls no submodule."""
+    for name, m in root.named_modules():
+        if m is not root and (m._forward_hooks or m._forward_pre_hooks):
+            raise NotImplementedError(
+                f"{api}: forward hooks on {where} do not run under AutoOffloadPlugin (got a hook "
+                f"on {name!r}): the model is traced into one graph; register the hook on the "
+                "boosted model itself, or use another plugin"
+            )

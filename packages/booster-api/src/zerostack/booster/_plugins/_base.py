@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from zerostack.booster._interface import OptimizerWrapper
+from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
 
@@ -28,7 +29,7 @@ class Plugin(ABC):
     """A training strategy ``Booster.boost`` applies: it wraps the model and
     optimizer in a :class:`ModelWrapper` / :class:`OptimizerWrapper` of its
     own and hands the lower packages their configs (no training logic here).
-    The seed's ``colossalai.booster.plugin.Plugin`` interface."""
+    ColossalAI's ``colossalai.booster.plugin.Plugin`` interface."""
 
     def supported_precisions(self) -> list[str]:
         """Precisions the plugin trains in ("fp16", "bf16", "fp32")."""
@@ -170,7 +171,11 @@ def compute_device() -> torch.device:
 
 class BoostedOptimizer(OptimizerWrapper):
     """What every plugin's optimizer shares: ``step`` counts for lr
-    schedulers (see :func:`attach_scheduler`)."""
+    schedulers (see :func:`attach_scheduler`); ``step(closure)`` runs the
+    closure; ``add_param_group`` refuses (the plugin has taken the
+    parameters apart)."""
+
+    _API = "BoostedOptimizer"
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         self._opt_called = True  # torch's LRScheduler checks it at its first step
@@ -183,8 +188,59 @@ class BoostedOptimizer(OptimizerWrapper):
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         return self.optim.step(*args, **kwargs)
 
+    def _step_closure(self, closure: Callable[[], Any] | None) -> Any:
+        """torch's ``step(closure)`` around a plugin step that takes no closure:
+        the closure runs first; the step returns its loss (else the plugin's
+        return value)."""
+        loss = run_closure(self._API, closure)
+        stepped = self.optim.step()
+        return stepped if closure is None else loss
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group``: not after boost (the plugin has taken
+        the optimizer's parameters apart); every group goes in before.
+
+        Raises:
+            NotImplementedError: always (TorchDDPOptimizer adds the group).
+        """
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        count = 1 if isinstance(params, torch.Tensor) else len(list(params or ()))
+        raise NotImplementedError(
+            f"{self._API}.add_param_group: adding a parameter group after boost is not "
+            f"supported (got a group of {count} tensors); the plugin has replaced the "
+            "optimizer's parameters by its fp32 masters: build the optimizer with every group "
+            "before booster.boost"
+        )
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
+        clips the model's whole gradients (ColossalAI's
+        ``OptimizerWrapper.clip_grad_by_norm``; ``booster.clip_grad_norm_``
+        calls it). Call it after the backward, before ``step()``; every rank
+        calls it. The norm accumulates in fp32 (fp16: of the unscaled
+        gradients). See zerostack.shard's [Note: gradient clipping].
+
+        Args:
+            max_norm: the largest total norm; ``float('inf')`` only reads it.
+            norm_type: the p of the p-norm, or ``inf``. Default 2.0.
+            error_if_nonfinite: raise when the norm is inf or nan. Default False.
+
+        Returns:
+            The total norm before clipping, a 0-dim fp32 tensor.
+
+        Raises:
+            TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
+            NotImplementedError: the plugin cannot clip on request.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__}.clip_grad_by_norm: not implemented for this plugin (got "
+            f"max_norm={max_norm!r}); pass max_norm= to the plugin, which clips at every step"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The plugin optimizer's own state dict: this rank's shard under
@@ -201,10 +257,10 @@ class BoostedOptimizer(OptimizerWrapper):
 
 
 def attach_scheduler(lr_scheduler: Any, optimizer: BoostedOptimizer, user: Any) -> None:
-    """Point an lr scheduler built on the user's optimizer at the boosted one,
-    whose ``param_groups`` are what the plugin reads at each step (Gemini
-    copies its own groups into the inner optimizer; ZeRO's cpu_offload
-    replaces torch Adam by CPUAdam)."""
+    """Point an lr scheduler built on the user's optimizer at the boosted one
+    (whose ``param_groups`` are the user's optimizer's own, see zerostack.shard's
+    [Note: the user's hyperparameters]), so that its step counts the
+    boosted optimizer's steps."""
     if lr_scheduler is None or getattr(lr_scheduler, "optimizer", None) is not user:
         return
     lr_scheduler.optimizer = optimizer

@@ -1,10 +1,12 @@
 """GeminiPlugin: ZeRO-3 over chunks (zerostack.gemini) behind the Booster,
-with the seed's parameter table turned into one GeminiConfig."""
+with ColossalAI's parameter table turned into one GeminiConfig."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +22,12 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
-from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._contract import (
+    incompatible,
+    refuse_moves,
+    with_prefix,
+    without_prefix,
+)
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -51,7 +58,7 @@ _SCALER_DEFAULTS = dict(
     initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
     growth_interval=1000, hysteresis=2, max_scale=2**32,
 )  # fmt: skip
-# The seed's options that are not built here, with the value that means "off".
+# ColossalAI's options that are not built here, with the value that means "off".
 _NOT_BUILT = {
     "force_outputs_fp32": False,
     "memstats": None,
@@ -79,12 +86,69 @@ class GeminiModel(ModelWrapper):
     """A GeminiDDP model (``.module``); ``unwrap()`` is the user's module,
     whose parameters are views into chunks."""
 
+    _API = "GeminiModel"
+
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
+        # Parameters frozen at boost have no fp32 master: see forward.
+        self._frozen = [p for p in module.params if not p.requires_grad]
+        module.module.register_state_dict_pre_hook(
+            functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            names = [self.module.param_names[p] for p in self._frozen if p.requires_grad]
+            raise NotImplementedError(
+                f"{_API}: parameters frozen when the model was boosted cannot be unfrozen (got "
+                f"requires_grad=True on {names[:3]}); they have no fp32 master and would not be "
+                "trained: set requires_grad before booster.boost (freezing a trained parameter "
+                "later is fine)"
+            )
+        return self.module(*args, **kwargs)
 
     def unwrap(self) -> nn.Module:
         return self.module.module
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """GeminiDDP.zero_grad (after an exception in forward or backward,
+        it drops the batch, as ``optimizer.zero_grad()`` does)."""
+        self.module.zero_grad(set_to_none)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GeminiModel:
+        # See [Note: boosted model methods]
+        refuse_moves(self._API, _API, fn, [*self.module.params, *self.unwrap().buffers()])
+        return self
+
+    def state_dict(
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The whole model (fp32 parameters from the masters, buffers) keyed
+        as torch keys a wrapped module (``"module." + name``), on the CPU.
+        A collective: every rank calls it, as ColossalAI's GeminiDDP.state_dict
+        (see [Note: boosted model methods]).
+
+        Raises:
+            NotImplementedError: ``keep_vars=True`` (the parameters are chunk views).
+        """
+        if args or keep_vars:
+            raise NotImplementedError(
+                f"{self._API}.state_dict: positional arguments and keep_vars=True are not "
+                f"supported (got {len(args)} positional, keep_vars={keep_vars!r}); the "
+                "parameters are views into sharded chunks: call state_dict() for their values"
+            )
+        return with_prefix(self.module.state_dict(), prefix, destination)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict`` with ``state_dict()``'s keys: parameters
+        and their fp32 masters (GeminiDDP.load_state_dict). Every rank passes
+        the whole dict."""
+        own, stray = without_prefix(self._API, state_dict, strict, assign)
+        self.module.load_state_dict(own, strict=strict)
+        return incompatible(self._facts.dtypes, own, stray)
 
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
         """GeminiDDP.state_dict (fp32 from the masters) in the [Note: full
@@ -129,12 +193,31 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled for fp16."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward()``, scaled for fp16.
+
+        Raises:
+            NotImplementedError: ``retain_graph=True``.
+        """
+        if retain_graph:
+            raise NotImplementedError(
+                f"{self._API}.backward: retain_graph=True is not supported (got True): GeminiDDP "
+                "reduces every chunk's gradient at the end of a backward, so a second backward "
+                "through the graph before step() cannot add to it; add the losses and call "
+                "backward once"
+            )
         self.optim.backward(loss)
 
-    def _step(self, *args: Any, **kwargs: Any) -> bool:
-        return self.optim.step()
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step_closure(closure)
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """GeminiOptimizer.clip_grad_by_norm: the norm over every rank's chunk
+        shards wherever they live; the step applies the clip (see
+        BoostedOptimizer.clip_grad_by_norm)."""
+        return self.optim.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
 
     def _trainable(self) -> list[tuple[str, torch.Tensor]]:
         ddp = self._model.module
@@ -238,6 +321,26 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
         )
 
 
+def _refuse_sharded_state_dict(
+    ddp_ref: Any, module: nn.Module, prefix: str, keep_vars: bool
+) -> None:
+    """state_dict pre-hook of the user's module under Gemini: its parameters
+    are chunk views, empty while their chunk is sharded."""
+    ddp = ddp_ref()
+    if ddp is None:
+        return
+    manager = ddp.chunk_manager
+    for p in ddp.params:
+        if p.numel() != manager.get_chunk(p).tensors_info[p].shape.numel():
+            raise RuntimeError(
+                f"{_API}: model.unwrap().state_dict() would hold empty tensors (got "
+                f"{ddp.param_names[p]} of shape {tuple(p.shape)}): the parameters are sharded "
+                "over the ranks between forward passes; call the boosted model's state_dict() "
+                "on every rank (it gathers them, as ColossalAI's GeminiDDP.state_dict) or "
+                "booster.save_model(model, path)"
+            )
+
+
 def _one_group(api: str, opt: GeminiOptimizer, saved: list[dict], names: list[str]) -> dict:
     """The saved hyperparameters of the groups holding ``names`` (one set:
     GeminiOptimizer holds one group), merged into the current ones."""
@@ -262,15 +365,22 @@ class GeminiPlugin(Plugin):
     GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
-    straight into chunks; for transformers models the plugin passes their
-    own initialiser (``initialize_weights``).
+    straight into chunks, one module at a time, with the values an eager
+    build would have (any module: transformers models, modules without
+    ``reset_parameters``).
 
     Args:
         chunk_config_dict: ``{dp size: {"chunk_size": int, "keep_gathered":
             bool}}``, skipping the search. Default None.
         chunk_init_device: where chunks are made: only the compute device
             (the current CUDA device, else the CPU). Default None (that one).
-        placement_policy: "static" or "auto". Default "static".
+        device: ColossalAI's older name for the device the model trains on
+            (``GeminiPlugin(device=torch.cuda.current_device())`` in its NVMe
+            offload guide): the same as chunk_init_device. Default None.
+        placement_policy: "static" or "auto"; ColossalAI's older "cpu"
+            (static with shard_param_frac, offload_optim_frac and
+            offload_param_frac 1.0) and "cuda" (static, everything on the
+            GPU) are taken as those shares. Default "static".
         enable_gradient_accumulation: gradients in chunks of their own, so
             that ``booster.no_sync`` works. Default False.
         max_prefetch: chunks gathered ahead ("auto"). Default 0.
@@ -280,7 +390,7 @@ class GeminiPlugin(Plugin):
             placement ratios. Defaults 0.8, 0.9.
         gpu_capacity_bytes: the device memory "auto" plans for. Default
             None (the CUDA device's; required on a CPU).
-        precision: "fp16", "bf16" or "fp32" (the seed has no "fp32"). Default "fp16".
+        precision: "fp16", "bf16" or "fp32" (ColossalAI has no "fp32"). Default "fp16".
         master_weights: True only. Default True.
         pin_memory: pin CPU chunk shards. Default False.
         search_range_m, hidden_dim, min_chunk_size_m: the chunk search.
@@ -297,7 +407,7 @@ class GeminiPlugin(Plugin):
         strict_ddp_mode: accepted either way (only data parallelism exists here).
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
-        force_outputs_fp32: the seed's, not implemented, as are memstats,
+        force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
             enable_flash_attention, enable_sequence_parallelism,
@@ -354,6 +464,7 @@ class GeminiPlugin(Plugin):
         verbose: bool = False,
         fp8_communication: bool = False,
         *,
+        device: torch.device | str | int | None = None,
         gpu_capacity_bytes: int | None = None,
         scatter_after_inference: bool = True,
         overlap_cpu_step: bool = True,
@@ -371,7 +482,7 @@ class GeminiPlugin(Plugin):
         )  # fmt: skip
         _check_options(given, precision, norm_type, max_norm)
         self.precision = precision
-        self.chunk_init_device = chunk_init_device
+        self.chunk_init_device = _init_device(chunk_init_device, device)
         self.enable_gradient_accumulation = enable_gradient_accumulation
         self.verbose = verbose
         self.gemini_config = GeminiConfig.from_kwargs(
@@ -440,10 +551,7 @@ class GeminiPlugin(Plugin):
         log = logger.warning if self.verbose else logger.debug
         if not isinstance(model, GeminiModel):
             facts = ModelFacts.of(model)
-            init_fn = transformers_init_fn(model) if is_lazy(model) else None
-            ddp = GeminiDDP(
-                model, self.gemini_config, compute_device=self._device(), init_fn=init_fn
-            )
+            ddp = GeminiDDP(model, self.gemini_config, compute_device=self._device())
             model = GeminiModel(ddp, facts)
             log("%s: %s", _API, self.gemini_config)
         if optimizer is not None and not isinstance(optimizer, GeminiOptimizerWrapper):
@@ -488,10 +596,31 @@ class GeminiPlugin(Plugin):
         return model.module.no_sync()
 
 
+def _init_device(
+    chunk_init_device: torch.device | str | None, device: torch.device | str | int | None
+) -> torch.device | str | None:
+    """``device=`` (ColossalAI's older argument) as chunk_init_device; an int is
+    a CUDA index, as ``torch.cuda.current_device()`` returns."""
+    if device is None:
+        return chunk_init_device
+    if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
+        raise TypeError(
+            f"{_API}: device must be a torch.device, a str or a CUDA index (got "
+            f"{type(device).__name__}); pass e.g. torch.cuda.current_device()"
+        )
+    wanted = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if chunk_init_device is not None and torch.device(chunk_init_device) != wanted:
+        raise ValueError(
+            f"{_API}: device and chunk_init_device name the same thing and disagree (got "
+            f"device={wanted}, chunk_init_device={chunk_init_device!r}); pass one of them"
+        )
+    return wanted
+
+
 def _check_options(
     given: dict[str, Any], precision: str, norm_type: float, max_norm: float
 ) -> None:
-    """Refuse the seed's options that are not built, and bad values."""
+    """Refuse ColossalAI's options that are not built, and bad values."""
     for name, off in _NOT_BUILT.items():
         if given[name] is not off and given[name] != off:
             hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")

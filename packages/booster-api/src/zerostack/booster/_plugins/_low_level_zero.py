@@ -20,7 +20,8 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     compute_device,
 )
-from zerostack.booster._plugins._lazy import is_lazy, transformers_init_fn
+from zerostack.booster._plugins._contract import incompatible, refuse_moves, without_prefix
+from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -54,6 +55,8 @@ class LowLevelZeroModel(ModelWrapper):
     inputs are cast too (``cast_inputs``). Its fp32 weights are the ZeRO
     optimizer's masters, sharded over the ranks."""
 
+    _API = "LowLevelZeroModel"
+
     def __init__(self, module: nn.Module, dtype: torch.dtype, cast_inputs: bool) -> None:
         facts = ModelFacts.of(module)
         super().__init__(module)
@@ -72,6 +75,22 @@ class LowLevelZeroModel(ModelWrapper):
 
     def unwrap(self) -> nn.Module:
         return self.module
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LowLevelZeroModel:
+        # See [Note: boosted model methods]
+        refuse_moves(self._API, _API, fn, [*self.module.parameters(), *self.module.buffers()])
+        return self
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """torch's ``load_state_dict`` with ``state_dict()``'s keys: the values
+        go into the parameters and into this rank's piece of their fp32
+        masters, so the next step starts from them (see [Note: boosted model
+        methods]). A collective-free call."""
+        own, stray = without_prefix(self._API, state_dict, strict, assign)
+        self.load_full_state_dict(own, strict=strict)
+        return incompatible(self._facts.dtypes, own, stray)
 
     @torch.no_grad()
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
@@ -188,15 +207,22 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled for fp16."""
-        self.optim.backward(loss)
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled for fp16."""
+        self.optim.backward(loss, retain_graph=retain_graph)
 
-    def _step(self, *args: Any, **kwargs: Any) -> bool:
-        return self.optim.step()
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        return self._step_closure(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none)
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """ZeroOptimizer.clip_grad_by_norm: the norm over every rank's reduced
+        pieces; the step applies the clip (see BoostedOptimizer.clip_grad_by_norm)."""
+        return self.optim.clip_grad_by_norm(max_norm, norm_type, error_if_nonfinite)
 
     def _names(self) -> list[str]:
         names = param_names(self._model.unwrap())
@@ -426,15 +452,21 @@ class LowLevelZeroPlugin(Plugin):
             master_weights=master_weights,
             max_norm=max_norm,
         )
+        self.deepspeed: Any = None  # a DeepSpeedTraining under from_deepspeed_config
 
     @classmethod
     def from_deepspeed_config(
         cls, config: Mapping[str, Any] | str | os.PathLike, **kwargs: Any
     ) -> LowLevelZeroPlugin:
-        """A plugin that trains as a DeepSpeed ZeRO-1/2 config says.
-
-        See zerostack.booster's ``deepspeed_to_kwargs`` for the mapping, what
-        is refused and which keys are accepted at their default.
+        """A plugin that trains as a DeepSpeed ZeRO-1/2 ``ds_config.json`` says:
+        its batch keys set ``prepare_dataloader``'s batch size,
+        gradient_accumulation_steps makes ``optimizer.step()`` step every N
+        micro-steps as DeepSpeed's engine does, its optimizer and scheduler
+        sections are built at ``boost`` when it gets none, and
+        ``activation_checkpointing.cpu_checkpointing`` keeps checkpoint
+        inputs in pinned host memory. docs/migration/deepspeed.md has every
+        key; see [Note: DeepSpeed keys] and [Note: DeepSpeed gradient
+        accumulation]. Warns once listing every key that has no effect here.
 
         Args:
             config: the DeepSpeed config, a dict or the path of a JSON file.
@@ -442,12 +474,37 @@ class LowLevelZeroPlugin(Plugin):
                 override the mapped ones.
 
         Raises:
-            NotImplementedError: a key that is set and has no equivalent.
-            ValueError: a value out of range (stage, fp16 and bf16 both on).
+            TypeError: ``config`` is neither a dict nor a JSON file's path.
+            DeepSpeedConfigError: every key that cannot be honoured and every
+                bad value, together in one error (a ValueError and a
+                NotImplementedError).
         """
-        from zerostack.booster._plugins._deepspeed import deepspeed_to_kwargs
+        from zerostack.booster._plugins._deepspeed import read_deepspeed_config
+        from zerostack.booster._plugins._deepspeed_train import DeepSpeedTraining
 
-        return cls(**{**deepspeed_to_kwargs(config), **kwargs})
+        # torchrun's WORLD_SIZE when the process group is not up yet
+        world = rank_and_world()[1] if torch.distributed.is_initialized() else None
+        mapped, settings = read_deepspeed_config(
+            config, world_size=world or int(os.environ.get("WORLD_SIZE", "1"))
+        )
+        plugin = cls(**{**mapped, **kwargs})
+        plugin.deepspeed = DeepSpeedTraining(settings, "reduce_bucket_size_in_m" in kwargs)
+        return plugin
+
+    def prepare_dataloader(
+        self, dataset: Any, batch_size: int | None = None, *args: Any, **kwargs: Any
+    ):
+        """Plugin.prepare_dataloader; under a DeepSpeed config ``batch_size``
+        defaults to its micro batch size per rank (a different one is a
+        ValueError).
+
+        Raises:
+            ValueError: ``batch_size`` disagrees with the DeepSpeed config, or
+                neither gives one.
+        """
+        if self.deepspeed is not None:
+            batch_size = self.deepspeed.loader_batch_size(batch_size)
+        return super().prepare_dataloader(dataset, batch_size, *args, **kwargs)
 
     def supported_precisions(self) -> list[str]:
         return list(_DTYPES)
@@ -469,20 +526,30 @@ class LowLevelZeroPlugin(Plugin):
         """Cast the model to ``precision`` on the current device and wrap the
         optimizer in ZeroOptimizer."""
         log = logger.warning if self.verbose else logger.debug
+        if self.deepspeed is not None:
+            self.deepspeed.check_boost(optimizer)
         if not isinstance(model, LowLevelZeroModel):
             if is_lazy(model):
-                LazyInitContext.materialize(model, "cpu", init_fn=transformers_init_fn(model))
+                LazyInitContext.materialize(model)  # on its default_device, then moved
             model = model.to(device=compute_device(), dtype=self.dtype)
             model = LowLevelZeroModel(model, self.dtype, self.cast_inputs)
+        ds, zero_kwargs, wrap = self.deepspeed, self.zero_kwargs, LowLevelZeroOptimizer
+        if ds is not None:  # the config's optimizer, scheduler, "auto" buckets
+            optimizer, lr_scheduler, zero_kwargs = ds.before_zero(
+                model, optimizer, lr_scheduler, zero_kwargs
+            )
+            wrap = ds.wrap_optimizer
         if optimizer is not None and not isinstance(optimizer, LowLevelZeroOptimizer):
             user = optimizer
             zero = ZeroOptimizer(
-                optimizer, module=model.unwrap(), **self.zero_kwargs, **self._scaler_kwargs()
+                optimizer, module=model.unwrap(), **zero_kwargs, **self._scaler_kwargs()
             )
             model.zero = zero
-            optimizer = LowLevelZeroOptimizer(zero, model)
+            optimizer = wrap(zero, model)
             attach_scheduler(lr_scheduler, optimizer, user)
-        log("%s: stage %d, %s, %s", _API, self.stage, self.precision, self.zero_kwargs)
+        if ds is not None:
+            lr_scheduler = ds.after_zero(model, optimizer, lr_scheduler)
+        log("%s: stage %d, %s, %s", _API, self.stage, self.precision, zero_kwargs)
         return model, optimizer, criterion, dataloader, lr_scheduler
 
     def _scaler_kwargs(self) -> dict[str, Any]:

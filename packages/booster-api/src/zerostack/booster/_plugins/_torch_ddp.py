@@ -4,6 +4,7 @@ plain path the Booster takes without a plugin."""
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from zerostack.booster._plugins._base import (
     compute_device,
     nothing,
 )
+from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
     buffer_ranges,
     buffer_state,
@@ -35,7 +37,8 @@ from zerostack.booster._plugins._state import (
     positional_to_full,
     scaler_state,
 )
-from zerostack.chunk import rank_and_world
+from zerostack.chunk import LazyInitContext, rank_and_world
+from zerostack.shard import check_clip_args, clip_grads_
 
 _DDP_DEFAULTS = dict(
     broadcast_buffers=True, bucket_cap_mb=25, find_unused_parameters=False,
@@ -58,12 +61,54 @@ class TorchDDPModel(ModelWrapper):
         self._facts = facts
         self.device_type = next(module.parameters(), torch.empty(0)).device.type
         self.autocast_dtype: torch.dtype | None = None
+        # See [Note: a backward that raised under DDP]. Built once: no closure per step.
+        self._backward_open = False
+        self._on_backward = _BackwardWatch(self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = isinstance(self.module, DDP)
+        if ddp and self._backward_open:
+            raise RuntimeError(
+                "TorchDDPModel.forward: the last backward raised before it finished (DDP's "
+                "gradient reduction is left half done); call optimizer.zero_grad() to drop that "
+                "batch, then forward again"
+            )
         if self.autocast_dtype is None:
-            return self.module(*args, **kwargs)
-        with torch.autocast(self.device_type, dtype=self.autocast_dtype):
-            return self.module(*args, **kwargs)
+            out = self.module(*args, **kwargs)
+        else:
+            with torch.autocast(self.device_type, dtype=self.autocast_dtype):
+                out = self.module(*args, **kwargs)
+        if ddp and torch.is_grad_enabled():
+            self._on_backward.watch(out)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, after resetting DDP when the last
+        backward raised (see [Note: a backward that raised under DDP])."""
+        self.drop_backward()
+        super().zero_grad(set_to_none)
+
+    def drop_backward(self) -> None:
+        """After a backward that raised: reset DDP's reducer, whose
+        reduction of that backward never finished (optimizer.zero_grad()
+        calls this, then drops the gradients)."""
+        if not self._backward_open:
+            return
+        self._backward_open = False
+        # [Note: a backward that raised under DDP] torch's DDP counts the
+        # gradients of a backward as its hooks see them; one that raises
+        # leaves that count unfinished, and every later forward raises
+        # "Expected to have finished reduction in the prior iteration" (which
+        # blames unused parameters), even after zero_grad() or loading a
+        # checkpoint. The reducer's _reset_state() (what DDP's own
+        # _update_process_group calls) lets forward run again; with the
+        # gradients dropped, the steps that follow equal bitwise those of a
+        # run without the batch (tested at world sizes 1 and 2 on gloo). A
+        # backward "raised" when its autograd pass started through the model's
+        # outputs and never reached its end (an engine callback queued from a
+        # hook on the outputs): a backward that ended with parameters DDP saw
+        # no gradient for is DDP's own error and is left to it.
+        self.module.reducer._reset_state()
 
     def unwrap(self) -> nn.Module:
         return self.module.module if isinstance(self.module, DDP) else self.module
@@ -77,8 +122,14 @@ class TorchDDPModel(ModelWrapper):
     def load_full_state_dict(
         self, state_dict: dict[str, torch.Tensor], strict: bool = True
     ) -> None:
-        """Load the whole model on this rank (every rank passes the same dict)."""
+        """Load the whole model on this rank (every rank passes the same dict);
+        after a backward that raised, its batch is dropped first."""
+        self._drop_for_load()
         self.unwrap().load_state_dict(state_dict, strict=strict)
+
+    def _drop_for_load(self) -> None:
+        if self._backward_open:  # See [Note: a backward that raised under DDP]
+            self.zero_grad()
 
     def local_ranges(self) -> dict[str, tuple[int, int, int]]:
         """Everything whole: every rank holds the whole model."""
@@ -98,7 +149,9 @@ class TorchDDPModel(ModelWrapper):
 
     @torch.no_grad()
     def load_sharded_state_dict(self, values: dict[str, torch.Tensor]) -> None:
-        """Whole flat tensors into the parameters and buffers they name."""
+        """Whole flat tensors into the parameters and buffers they name
+        (after a backward that raised, its batch is dropped first)."""
+        self._drop_for_load()
         module = self.unwrap()
         for n, p in module.named_parameters():
             if n in values:
@@ -123,21 +176,67 @@ class TorchDDPOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
         self.scaler: torch.amp.GradScaler | None = None
+        self._unscaled = False  # the GradScaler unscaled this step's gradients already
         # An optimizer over another model's parameters fails here, not at saving.
         names = param_names(model.unwrap())
         for p in self._params():
             param_name(self._API, names, p)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled when a GradScaler is on."""
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled when a GradScaler is on."""
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(
+            retain_graph=retain_graph
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``add_param_group`` on the user's optimizer; the parameters
+        must be the model's (DDP reduces only those).
+
+        Raises:
+            ValueError: a parameter that is not the model's.
+        """
+        names = param_names(self._model.unwrap())
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        for p in [params] if isinstance(params, torch.Tensor) else list(params or ()):
+            param_name(self._API, names, p)
+        self.optim.add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``; after a backward that raised (caught
+        on every rank) it also resets DDP, so that the batch is dropped and
+        training goes on (see [Note: a backward that raised under DDP])."""
+        # A step dropped after a clip: the GradScaler refuses a second
+        # unscale_ before its update(), as it does in a torch loop.
+        self._unscaled = False
+        self._model.drop_backward()
+        self.optim.zero_grad(set_to_none=set_to_none)
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         if self.scaler is None:
             return self.optim.step(*args, **kwargs)
+        self._unscaled = False
         out = self.scaler.step(self.optim, *args, **kwargs)
         self.scaler.update()
         return out
+
+    @torch.no_grad()
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the model's parameters (DDP's
+        all-reduced gradients), the norm accumulated in fp32; with the fp16
+        GradScaler the gradients are unscaled first (``scaler.unscale_``, as
+        torch's recipe does; ``step`` does not unscale them again). See
+        BoostedOptimizer.clip_grad_by_norm."""
+        api = f"{self._API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
+        params = list(self._model.unwrap().parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else next(iter(params), torch.empty(0)).device
+        return clip_grads_(api, grads, max_norm, norm_type, device, error_if_nonfinite)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
@@ -215,7 +314,7 @@ class TorchDDPPlugin(Plugin):
             gradient_as_bucket_view=gradient_as_bucket_view,
             static_graph=static_graph,
         )
-        # Only what differs from DDP's defaults (the same as the seed's):
+        # Only what differs from DDP's defaults (the same as ColossalAI's):
         # torch 2.13 warns whenever broadcast_buffers is passed at all.
         self.ddp_kwargs = {k: v for k, v in given.items() if v != _DDP_DEFAULTS[k]}
 
@@ -245,8 +344,11 @@ class TorchDDPPlugin(Plugin):
         dataloader: Any = None,
         lr_scheduler: Any = None,
     ) -> tuple:
-        """Move the model to the current device and wrap it in DDP; wrap the optimizer."""
+        """Move the model to the current device (a lazily built model is
+        materialized first) and wrap it in DDP; wrap the optimizer."""
         if not isinstance(model, TorchDDPModel):
+            if is_lazy(model):
+                LazyInitContext.materialize(model)  # on its default_device, then moved
             kwargs = self._wrap_kwargs()
             model = TorchDDPModel(model.to(self._device()), kwargs)
         if optimizer is not None and not isinstance(optimizer, TorchDDPOptimizer):
@@ -288,3 +390,43 @@ class DefaultPlugin(TorchDDPPlugin):
 
     def _device(self) -> torch.device:
         return self.device
+
+
+class _BackwardWatch:
+    """Marks a TorchDDPModel's backward open when autograd reaches the
+    outputs of its forward, and closed when that backward ends (a callback
+    of the autograd engine, which does not run when backward raises). Holds
+    the model weakly; built once."""
+
+    __slots__ = ("__weakref__", "_ref")
+
+    def __init__(self, model: TorchDDPModel) -> None:
+        self._ref = weakref.ref(model)
+
+    def watch(self, out: Any) -> None:
+        tensors = [t for t in _tensors(out) if t.requires_grad]
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._opened)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._opened, mode="any")
+
+    def _opened(self, _grad: Any) -> None:
+        model = self._ref()
+        if model is not None:
+            model._backward_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._closed)
+
+    def _closed(self) -> None:
+        model = self._ref()
+        if model is not None:
+            model._backward_open = False
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []

@@ -1,0 +1,109 @@
+"""What ``param.grad`` holds once a wrapper took the gradient into its shards.
+
+[Note: sharded param.grad] ZeroOptimizer and GeminiDDP move each
+parameter's gradient into their reduced pieces as soon as backward
+produces it, and left ``param.grad`` None. torch's
+``clip_grad_norm_(model.parameters(), max_norm)`` then found no gradient
+and returned 0.0 without clipping anything, and any code reading
+``param.grad`` (a per-parameter norm, ``clip_grad_value_``) saw none, with
+no warning. So ``param.grad`` holds a :class:`ShardedGradient` instead
+from the moment the wrapper takes a gradient until the step (or
+``zero_grad``) clears it: a tensor of the parameter's shape, dtype and
+device without storage, on which every operation raises an error that
+names ``booster.clip_grad_norm_(model, optimizer, max_norm)`` and the
+optimizer's ``clip_grad_by_norm``. torch is not patched: its functions
+meet a tensor that refuses to be read.
+
+What still works on it, so that the wrappers' own paths and torch's
+bookkeeping go on as before: ``nn.Module.zero_grad`` / ``Optimizer.zero_grad``
+(``set_to_none`` either way: ``zero_()`` drops what it holds), and
+autograd's accumulation into it (a backward after the wrapper took the
+gradient and before the step: ``param.grad += new`` stores ``new`` in
+:attr:`ShardedGradient.local`, which the wrapper reads back through
+:func:`local_grad`). One instance per parameter is made when the wrapper
+is built and reused every step (nothing allocated in the hot path); it
+holds no reference to the parameter or the wrapper.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ZERO_OPS = frozenset({torch.ops.aten.zero_.default})
+_ACCUMULATE_OPS = frozenset({torch.ops.aten.add_.Tensor})
+
+
+class ShardedGradient(torch.Tensor):
+    """``param.grad`` of a parameter whose gradient lives in a wrapper's
+    shards (see [Note: sharded param.grad]). Every operation on it raises
+    a RuntimeError saying how to clip or read the gradient instead.
+
+    Args:
+        shape, dtype, device: the parameter's (as when it holds its values).
+        owner: the wrapper, named in the error.
+
+    Attributes:
+        local: a gradient autograd accumulated into ``param.grad`` after
+            the wrapper took the last one (None when there is none).
+    """
+
+    __slots__ = ("local", "owner")
+
+    @staticmethod
+    def __new__(
+        cls, shape: torch.Size, dtype: torch.dtype, device: torch.device, owner: str
+    ) -> ShardedGradient:
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=device, requires_grad=False
+        )
+        self.local = None
+        self.owner = owner
+        return self
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        me = args[0] if args and type(args[0]) is cls else None
+        if me is not None and func in _ZERO_OPS:
+            me.local = None
+            return me
+        if (
+            me is not None
+            and func in _ACCUMULATE_OPS
+            and kwargs.get("alpha", 1) == 1
+            and type(args[1]) is torch.Tensor
+        ):
+            # autograd's ``param.grad += new`` (a second backward before the step)
+            new = args[1]
+            me.local = new.detach().clone() if me.local is None else me.local.add_(new)
+            return me
+        owner = next((a.owner for a in args if type(a) is cls), "the optimizer")
+        raise RuntimeError(
+            f"{owner}: this parameter's gradient is reduced and sharded over the ranks, so "
+            f"param.grad holds no values (got {func} on it, e.g. from "
+            "torch.nn.utils.clip_grad_norm_); clip with booster.clip_grad_norm_(model, "
+            "optimizer, max_norm) or optimizer.clip_grad_by_norm(max_norm), which clip the whole "
+            "gradient over every rank (and the plugin's max_norm= clips at every step)"
+        )
+
+    def __repr__(self, *, tensor_contents=None) -> str:  # torch's signature
+        return (
+            f"ShardedGradient(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, owner={self.owner}: the gradient lives in its shards)"
+        )
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient autograd left in ``param.grad`` for the wrapper to take:
+    a plain tensor, or what a :class:`ShardedGradient` accumulated."""
+    g = param.grad
+    if type(g) is ShardedGradient:
+        return g.local
+    return g
+
+
+def is_sharded(grad: object) -> bool:
+    """True for a :class:`ShardedGradient`."""
+    return type(grad) is ShardedGradient

@@ -1,0 +1,68 @@
+"""The hyperparameters users set, and the ones an offloaded step reads.
+
+[Note: the user's hyperparameters] Users change hyperparameters on the
+optimizer they built (``opt.param_groups[0]["lr"] = ...``), through an lr
+scheduler built on it (whether or not it was handed to the wrapper), or on
+the wrapper's ``param_groups``: all three are the same dicts, the user
+optimizer's own groups, and every step reads them. A step whose CPU
+updates run on a worker thread must not read those dicts while it runs:
+users change them meanwhile (``scheduler.step()`` right after
+``optimizer.step()``), and an update would take the next step's values. So
+the wrapper steps a *twin* of the user's optimizer (``stepping_twin``): an
+object of the same class sharing everything but its ``param_groups``, which
+hold the masters and, copied in when no update reads them, the
+hyperparameters of the step being run (GeminiOptimizer keeps one snapshot
+with each CPU update; ZeroOptimizer copies them in before it queues the
+step's updates). A wrapper that replaces the user's optimizer by its own
+(ZeroOptimizer's CPUAdam for torch Adam/AdamW) copies in the same way every
+key but those only one of the two optimizers' defaults have
+(``foreign_keys``). Loading a checkpoint writes the loaded values back into
+the user's groups.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class that shares its state, defaults,
+    hooks and kernel buffers but has groups of its own (copies, to be given
+    the masters). See [Note: the user's hyperparameters].
+
+    Args:
+        optimizer: the user's optimizer, already checked by the wrapper.
+
+    Returns:
+        The twin the wrapper steps.
+    """
+    twin = object.__new__(type(optimizer))
+    twin.__dict__.update(optimizer.__dict__)
+    # An lr scheduler built on the user's optimizer wraps its step() in an
+    # instance attribute that steps the user's object (their groups): the
+    # twin steps through its class.
+    twin.__dict__.pop("step", None)
+    twin.param_groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+    return twin
+
+
+def foreign_keys(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> frozenset[str]:
+    """Group keys that one optimizer's defaults have and the other's lack
+    (e.g. torch AdamW's ``amsgrad`` and CPUAdam's ``adamw_mode``): never
+    copied between their groups. Empty for a twin."""
+    return frozenset(set(a.defaults) ^ set(b.defaults))
+
+
+def hyperparameters(group: dict[str, Any], skip: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``group``'s hyperparameters: every key but ``params`` and ``skip``."""
+    return {k: v for k, v in group.items() if k != "params" and k not in skip}
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """What torch's lr schedulers look for on the optimizer they were built
+    on (``_opt_called``, set by their wrapper of its ``step``, which the
+    twin does not call): without it a scheduler built on the user's
+    optimizer warns that it stepped before the optimizer did."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
