@@ -21,7 +21,8 @@ SCRIPT = ROOT / "examples" / "train_booster.py"
 pytest.importorskip("zerostack.nvme")
 
 
-def _job_module():
+def _job_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules, as when run
     spec = importlib.util.spec_from_file_location("train_booster", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -33,9 +34,9 @@ def _job_module():
     [(0.5, None, 1.0), (1.0, None, 1.0), (0.0, None, 0.5), (0.5, 0.25, 0.25), (0.0, 1.0, 1.0)],
 )
 def test_the_placement_offloads_optimizer_states_when_states_go_to_disk(
-    nvme_fraction, asked, expected
+    nvme_fraction, asked, expected, monkeypatch
 ):
-    frac, why = _job_module().offload_optim_frac(nvme_fraction, asked)
+    frac, why = _job_module(monkeypatch).offload_optim_frac(nvme_fraction, asked)
     assert frac == expected
     assert ("ColossalAI's NVMe guide" in why) == (nvme_fraction > 0 and asked is None)
 
