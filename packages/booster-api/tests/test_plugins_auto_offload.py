@@ -130,3 +130,45 @@ def test_bad_settings_and_several_processes_are_refused(monkeypatch):
     ):
         Booster(plugin=AutoOffloadPlugin(example_inputs=_inputs(0), device="cpu")).boost(model)
     assert TorchDDPPlugin  # the plain path used above is the default plugin's
+
+
+def test_clipping_the_way_users_write_it():
+    """booster.clip_grad_norm_ clips this step only, as torch's clip_grad_norm_
+    on the same gradients (the package used directly with clipping_norm for
+    that step is the reference); torch's own clip on the model's parameters
+    raises instead of returning 0.0 and clipping nothing."""
+    budget = _budget()
+    profile = HardwareProfile.from_dict(PROFILE)
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    reference = copy.deepcopy(model)
+    plugin = AutoOffloadPlugin(
+        memory_budget=budget / GB, solver_name="asyn", precision="bf16",
+        example_inputs=_inputs(0), profile=profile, device="cpu",
+    )  # fmt: skip
+    booster = Booster(plugin=plugin)
+    boosted, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    om = memory_optimize(reference, _inputs(0), budget, "asyn", precision="bf16",
+                         profile=profile, device="cpu")  # fmt: skip
+    amp = AMPOptimizer(torch.optim.SGD(reference.parameters(), lr=0.5), om)
+    norms = []
+    for step in range(3):
+        batch = _inputs(step)
+        booster.backward(_loss(boosted(**batch), batch["idx"]), opt)
+        if step == 0:
+            with pytest.raises(RuntimeError, match=r"booster.clip_grad_norm_.*max_norm"):
+                torch.nn.utils.clip_grad_norm_(boosted.unwrap().parameters(), 0.01)
+        clip = 0.01 if step < 2 else None  # the third step is not clipped
+        if clip is not None:
+            norms.append(float(booster.clip_grad_norm_(boosted, opt, clip)))
+        opt.step()
+        amp.max_norm = clip or 0.0
+        amp.backward(_loss(om(**batch), batch["idx"]))
+        amp.step()
+        assert norms[-1] == pytest.approx(amp.last_grad_norm) if clip else True
+    masters = {n: om.master_of(p) for n, p in om.model.named_parameters()}
+    got = boosted.full_state_dict()
+    assert set(masters) <= set(got)
+    for name, master in masters.items():
+        assert torch.equal(got[name], master), name
+    assert len(norms) == 2

@@ -98,6 +98,7 @@ class AMPOptimizer:
         )
         self._bind_masters()
         self.last_grad_norm = 0.0
+        self._clip_once: float | None = None  # clip_grad_norm's bound for the coming step
 
     def _bind_masters(self) -> None:
         masters = {id(m): m for m in self.module.master_parameters()}
@@ -147,6 +148,7 @@ class AMPOptimizer:
 
     def zero_grad(self, *args, **kwargs) -> None:
         """Forget the last gradients (they live in the regions' host buffers)."""
+        self._clip_once = None
         self.module.zero_grad()
         self.optim.zero_grad(set_to_none=True)
 
@@ -162,7 +164,10 @@ class AMPOptimizer:
             raise NotImplementedError(
                 f"AMPOptimizer.clip_grad_norm: norm_type must be 2.0 (got {norm_type})"
             )
-        self.max_norm = float(max_norm)
+        # This step only, as torch's clip_grad_norm_ on this backward's
+        # gradients; clipping_norm, if any, then clips what is left: together
+        # the smaller of the two bounds.
+        self._clip_once = float(max_norm)
         norm_sq = float(self.module.grad_norm_sq())
         return math.sqrt(norm_sq) / self.loss_scale if math.isfinite(norm_sq) else norm_sq
 
@@ -179,7 +184,10 @@ class AMPOptimizer:
                 "AMPOptimizer.backward(loss) first"
             )
         norm_sq = float(self.module.grad_norm_sq())  # the step's one host read
-        plan = plan_step("AMPOptimizer", norm_sq, self.grad_scaler, self.max_norm)
+        max_norm = self.max_norm
+        if self._clip_once is not None:
+            max_norm = self._clip_once if not max_norm else min(max_norm, self._clip_once)
+        plan = plan_step("AMPOptimizer", norm_sq, self.grad_scaler, max_norm)
         self.last_grad_norm = plan.grad_norm
         if plan.skip:
             self.zero_grad()

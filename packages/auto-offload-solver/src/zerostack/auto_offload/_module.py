@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_unflatten
 from zerostack.auto_offload._region import Region
 from zerostack.auto_offload._region_manager import RegionManager
 from zerostack.auto_offload._runtime import RUNTIME_NAME, OffloadRuntime
+from zerostack.shard import ShardedGradient
 
 
 def _grad_ready(module_ref, param: torch.nn.Parameter) -> None:
@@ -61,11 +62,16 @@ class BaseOffloadModule:
         self.grads_ready = False
         """A backward's gradients wait in the host buffers for the optimizer."""
         self._param_region: dict[torch.nn.Parameter, Region] = {}
+        # From a backward to the step, each trained parameter's .grad is a
+        # guard that raises on use (torch's clip_grad_norm_ would otherwise
+        # read None and clip nothing): the gradient lives in the region buffer.
+        self._guards: dict[torch.nn.Parameter, ShardedGradient] = {}
         self._hooks = []
         ref = weakref.ref(self)
         for region in self.regions:
             for p in region.grad_params:
                 self._param_region[p] = region
+                self._guards[p] = ShardedGradient(p.shape, p.dtype, p.device, "AMPOptimizer")
                 # Built once; holds the module weakly (no cycle through the hook).
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, ref=ref: _grad_ready(ref, p)
@@ -170,7 +176,7 @@ class BaseOffloadModule:
         region = self._param_region[param]
         with torch.profiler.record_function("zerostack::grad_to_region"):
             region.copy_grad_to_region_slice(param, param.grad)
-            param.grad = None
+            param.grad = self._guards[param]
             if region.can_release:
                 self._norm_sq += region.grad_norm_sq()
                 self.runtime.offload_grads(region)
@@ -185,6 +191,8 @@ class BaseOffloadModule:
         """Forget the last backward's gradients (and their norm)."""
         self._norm_sq.zero_()
         self.grads_ready = False
+        for p in self._guards:
+            p.grad = None
 
     # -- nn.Module-like ------------------------------------------------------
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +25,7 @@ from zerostack.booster._plugins._state import (
     scaler_state,
 )
 from zerostack.chunk import rank_and_world
+from zerostack.shard import check_clip_args
 
 _API = "AutoOffloadPlugin"
 _SOLVERS = ("asyn", "syn")
@@ -145,6 +147,32 @@ class AutoOffloadOptimizer(BoostedOptimizer):
 
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._step_closure(closure)
+
+    def clip_grad_by_norm(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """AMPOptimizer.clip_grad_norm: the coming step's gradients clipped to
+        ``max_norm`` (with the plugin's max_norm, the smaller bound), the norm
+        of the unscaled gradients returned (see BoostedOptimizer.clip_grad_by_norm).
+
+        Raises:
+            NotImplementedError: ``norm_type`` other than 2.
+            RuntimeError: the norm is not finite and ``error_if_nonfinite``.
+        """
+        api = f"{self._API}.clip_grad_by_norm"
+        max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
+        if norm_type != 2.0:
+            raise NotImplementedError(
+                f"{api}: only the 2-norm is implemented here (got norm_type={norm_type}); "
+                "pass norm_type=2.0"
+            )
+        norm = self.optim.clip_grad_norm(max_norm, 2.0)
+        if error_if_nonfinite and not math.isfinite(norm):
+            raise RuntimeError(
+                f"{api}: the total norm of the gradients is not finite (got {norm}); "
+                "pass error_if_nonfinite=False to skip this check"
+            )
+        return torch.tensor(norm, dtype=torch.float32)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
