@@ -46,7 +46,6 @@ SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     atexit.register(gloo_workers_at_exit)
     launch_from_torch(seed=0)
-    started = gloo_workers()
     rank = dist.get_rank()
     config = GPTConfig(vocab_size=64, max_seq_len=16, num_layers=2, dim=32, num_heads=2)
     adam = {}
@@ -68,6 +67,7 @@ SCRIPT = textwrap.dedent(
         booster.backward(loss, optimizer)
         optimizer.step()
         optimizer.zero_grad()
+    started = gloo_workers()  # each names itself once running: counted after training
     # The figures for the log, summed over the ranks: the job's last collectives.
     figures = [loss.detach().clone(), torch.tensor([float(step + 1)]), torch.ones(1000)]
     works = [dist.all_reduce(t, async_op=True) for t in figures]
