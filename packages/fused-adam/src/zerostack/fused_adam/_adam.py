@@ -145,7 +145,6 @@ class _Adam(torch.optim.Optimizer):
         ):
             _kernels.require_cuda(self._api)
         self._nvme = None
-        self._step_waiter: Callable[[], Any] | None = None  # see set_step_waiter
         # Slices of on-disk states the next step leaves alone, by parameter.
         self._keep_on_disk: dict[torch.Tensor, list[slice]] = {}
         if nvme_offload_fraction > 0.0:
@@ -239,19 +238,17 @@ class _Adam(torch.optim.Optimizer):
         call that waits for those steps (no write-back, no collective);
         ``nvme_bytes_on_disk`` and ``nvme_host_buffers`` call it first, so a
         figure read right after the wrapper's ``step()`` describes the states
-        after that step. A bound method is held weakly. None removes it."""
+        after that step. It is kept with the NVMe states, so an optimizer that
+        shares them (a wrapper's stepping twin) waits too. A bound method is
+        held weakly. None removes it; a no-op without NVMe."""
         if wait is not None and not callable(wait):
             raise TypeError(
                 f"{self._api}.set_step_waiter: wait must be callable or None (got {wait!r})"
             )
-        self._step_waiter = (
-            weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda w=wait: w)
-        ) if wait is not None else None  # fmt: skip
-
-    def _wait_steps(self) -> None:
-        waiter = self._step_waiter() if self._step_waiter is not None else None
-        if waiter is not None:
-            waiter()
+        if self._nvme is not None:
+            self._nvme.step_waiter = (
+                weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda w=wait: w)
+            ) if wait is not None else None  # fmt: skip
 
     @property
     def nvme_wait_s(self) -> float:
@@ -265,7 +262,7 @@ class _Adam(torch.optim.Optimizer):
         flight (see ``set_step_waiter``)."""
         if self._nvme is None:
             return []
-        self._wait_steps()
+        self._nvme.wait_steps()
         return self._nvme.host_buffers()
 
     def nvme_bytes_on_disk(self) -> int:
@@ -275,7 +272,7 @@ class _Adam(torch.optim.Optimizer):
         only for their update."""
         if self._nvme is None:
             return 0
-        self._wait_steps()
+        self._nvme.wait_steps()
         return self._nvme.on_disk_bytes()
 
     # -- validation --------------------------------------------------------

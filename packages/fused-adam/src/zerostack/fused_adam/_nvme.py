@@ -78,6 +78,15 @@ class NVMeStates:
         self._host: set[int] | None = None  # ids of the tensors a wrapper keeps on the host
         self._host_hint = ""
         self._bound_host: set[int] | None = None
+        # Returns the wrapper's wait for its worker's steps (or None): see
+        # the optimizers' set_step_waiter.
+        self.step_waiter: Callable[[], Callable[[], Any] | None] | None = None
+
+    def wait_steps(self) -> None:
+        """Wait for the steps a wrapper's worker runs (see set_step_waiter)."""
+        wait = self.step_waiter() if self.step_waiter is not None else None
+        if wait is not None:
+            wait()
 
     def set_host(self, params: list[torch.Tensor] | None, hint: str) -> None:
         """Restrict the states that may go to disk to those of ``params``
