@@ -784,6 +784,8 @@ class GeminiDDP(nn.Module):
         self._accumulated = False
         self.placement.abandon_iteration()
         self._transition(T.IDLE)
+        for p in self._guarded:  # no gradient is left in the shards either
+            p.grad = None
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, only_rank_0: bool = False, **kwargs: Any
