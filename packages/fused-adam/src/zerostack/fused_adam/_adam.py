@@ -246,9 +246,10 @@ class _Adam(torch.optim.Optimizer):
                 f"{self._api}.set_step_waiter: wait must be callable or None (got {wait!r})"
             )
         if self._nvme is not None:
-            self._nvme.step_waiter = (
-                weakref.WeakMethod(wait) if hasattr(wait, "__self__") else (lambda w=wait: w)
-            ) if wait is not None else None  # fmt: skip
+            waiter: Callable[[], Callable[[], None] | None] | None = None
+            if wait is not None:
+                waiter = weakref.WeakMethod(wait) if hasattr(wait, "__self__") else lambda: wait
+            self._nvme.step_waiter = waiter
 
     @property
     def nvme_wait_s(self) -> float:
