@@ -37,7 +37,7 @@ def launch_from_torch(
 
     Idempotent: when a process group exists already (a second call, or a
     group made by other code) it is kept as it is, the environment is not
-    read, and only the device and the seeds are set.
+    read, and only the device and the random number generators are set.
 
     Args:
         seed: the seed of every RNG. Default 1024.
@@ -112,8 +112,7 @@ def launch(
         host: the address of rank 0.
         port: a free port on ``host``.
         backend: the process-group backend. Default None: "nccl" when CUDA is
-            available, else "gloo". (ColossalAI's default is "nccl", and it
-            replaces the argument with its accelerator's backend.)
+            available, else "gloo" (ColossalAI's default is "nccl").
         local_rank: the CUDA device of this process. Default None:
             ``rank % torch.cuda.device_count()``.
         seed: the seed of every RNG. Default 1024.

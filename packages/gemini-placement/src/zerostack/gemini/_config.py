@@ -270,35 +270,11 @@ class GeminiConfig:
             gpu_capacity_bytes=gpu_capacity_bytes,
             max_prefetch=max_prefetch,
         )
-        if placement_policy == "auto":
-            if static != StaticPlacementConfig():
-                raise ValueError(
-                    f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
-                    "placement_policy='static'; 'auto' decides placement itself"
-                )
-        else:
-            _warn_unused(
-                auto, AutoPlacementConfig(), "under placement_policy='static'; it is an option "
-                "of placement_policy='auto'",
-            )  # fmt: skip
-            if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:
-                _warn(
-                    "pin_memory=True has no effect: placement_policy='static' without "
-                    "offload_optim_frac or offload_param_frac keeps no chunk on the CPU; set one "
-                    "of them, or leave pin_memory=False"
-                )
+        placement = _choose_placement(placement_policy, static, auto, pin_memory)
         if chunk_config_dict is not None:
-            search = ChunkConfig(
-                search_range_m=search_range_m,
-                hidden_dim=hidden_dim,
-                min_chunk_size_m=min_chunk_size_m,
-            )
-            _warn_unused(
-                search, ChunkConfig(), "with chunk_config_dict (the chunk size is given, there "
-                "is no search); remove it, or chunk_config_dict to search",
-            )  # fmt: skip
+            _warn_search_unused(search_range_m, hidden_dim, min_chunk_size_m)
         return cls(
-            placement=auto if placement_policy == "auto" else static,
+            placement=placement,
             chunk=ChunkConfig(
                 chunk_config_dict=chunk_config_dict,
                 search_range_m=search_range_m,
@@ -313,6 +289,44 @@ class GeminiConfig:
             enable_async_reduce=enable_async_reduce,
             scatter_after_inference=scatter_after_inference,
         )
+
+
+def _choose_placement(
+    policy: str, static: StaticPlacementConfig, auto: AutoPlacementConfig, pin_memory: bool
+) -> StaticPlacementConfig | AutoPlacementConfig:
+    """The placement ``policy`` names; options of the other policy are refused
+    ("auto" with static shares) or warned about (static with auto's ratios)."""
+    if policy == "auto":
+        if static != StaticPlacementConfig():
+            raise ValueError(
+                f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
+                "placement_policy='static'; 'auto' decides placement itself"
+            )
+    else:
+        _warn_unused(
+            auto, AutoPlacementConfig(), "under placement_policy='static'; it is an option "
+            "of placement_policy='auto'",
+        )  # fmt: skip
+        if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:
+            _warn(
+                "pin_memory=True has no effect: placement_policy='static' without "
+                "offload_optim_frac or offload_param_frac keeps no chunk on the CPU; set one "
+                "of them, or leave pin_memory=False"
+            )
+    return auto if policy == "auto" else static
+
+
+def _warn_search_unused(
+    search_range_m: int, hidden_dim: int | None, min_chunk_size_m: float
+) -> None:
+    """Warn about chunk-search options given beside chunk_config_dict."""
+    search = ChunkConfig(
+        search_range_m=search_range_m, hidden_dim=hidden_dim, min_chunk_size_m=min_chunk_size_m
+    )
+    _warn_unused(
+        search, ChunkConfig(), "with chunk_config_dict (the chunk size is given, there "
+        "is no search); remove it, or chunk_config_dict to search",
+    )  # fmt: skip
 
 
 # ColossalAI's placement policies before "static"/"auto" (its Gemini docs give
