@@ -49,6 +49,7 @@ class Case:
     norm_type: float = 2.0
     second: float = 0.0  # a second explicit clip in the same step, to this
     plugin_max_norm: float = 0.0  # the plugin's clipping at step, after the explicit one
+    clip_from: int = 0  # the first step that clips (a script that starts clipping later)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,6 +60,9 @@ CASES = [
     Case(name="zero2", plugin="zero", kwargs=dict(stage=2)),
     Case(name="zero2-no-overlap", plugin="zero", kwargs=dict(stage=2, overlap_communication=False)),
     Case(name="zero2-offload", plugin="zero", kwargs=dict(stage=2, cpu_offload=True)),
+    # Unclipped steps first: no CPU update may have begun before the clip.
+    Case(name="zero2-offload-late-clip", plugin="zero", clip_from=2,
+         kwargs=dict(stage=2, cpu_offload=True)),
     # CPUAdam takes the clip as div_scale; Adam barely moves with a gradient's
     # scale, so SGD carries the parity and this the kernel's path.
     Case(name="zero1-offload-adamw", plugin="zero", kind="adamw",
@@ -72,6 +76,8 @@ CASES = [
     Case(name="gemini", plugin="gemini"),
     Case(name="gemini-kept-gathered", plugin="gemini", kwargs=dict(shard_param_frac=0.0)),
     Case(name="gemini-cpu-step", plugin="gemini", kwargs=dict(offload_optim_frac=1.0)),
+    Case(name="gemini-cpu-step-late-clip", plugin="gemini", clip_from=2,
+         kwargs=dict(offload_optim_frac=1.0)),
     Case(name="gemini-params-on-cpu", plugin="gemini",
          kwargs=dict(offload_optim_frac=1.0, offload_param_frac=1.0)),
     Case(name="gemini-nvme", plugin="gemini", kind="hybrid-nvme",
@@ -140,8 +146,10 @@ def _run_case(rank, world, case, tmp):
         idx, tgt = make_batch(CONFIG, 4, 16, seed=1000 * step + rank)
         ref_loss = lm_loss(ref(idx), tgt)
         ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_norm, p)
-        assert ref_norm > case.max_norm, f"{where}: nothing to clip, the test proves nothing"
+        clips = step >= case.clip_from
+        if clips:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.max_norm, p)
+            assert ref_norm > case.max_norm, f"{where}: nothing to clip, the test proves nothing"
         if case.second:
             ref_second = torch.nn.utils.clip_grad_norm_(ref.parameters(), case.second, p)
         if case.plugin_max_norm:
@@ -154,9 +162,10 @@ def _run_case(rank, world, case, tmp):
         booster.backward(loss, opt)
         if case.plugin in ("zero", "gemini") and step == 0:
             _torch_clip_raises(model)
-        norm = booster.clip_grad_norm_(model, opt, case.max_norm, norm_type=p)
-        assert norm.dtype == torch.float32 and norm.dim() == 0, where
-        torch.testing.assert_close(norm, ref_norm, rtol=NORM_RTOL, atol=0, msg=where)
+        if clips:
+            norm = booster.clip_grad_norm_(model, opt, case.max_norm, norm_type=p)
+            assert norm.dtype == torch.float32 and norm.dim() == 0, where
+            torch.testing.assert_close(norm, ref_norm, rtol=NORM_RTOL, atol=0, msg=where)
         if case.second:
             second = opt.clip_grad_by_norm(case.second, p)  # ColossalAI's name
             torch.testing.assert_close(second, ref_second, rtol=NORM_RTOL, atol=0, msg=where)
@@ -380,39 +389,6 @@ def test_clip_refuses_what_it_cannot_do_exactly():
         with pytest.raises(
             RuntimeError, match=r"the model is in state IDLE; clip after a backward"
         ):
-            booster.clip_grad_norm_(model, opt, 1.0)
-
-
-@pytest.mark.parametrize("plugin", ["zero", "gemini"])
-def test_cpu_updates_started_in_backward_wait_for_a_clip_and_refuse_a_late_one(plugin):
-    # overlap_cpu_step starts CPU updates during backward from the second step
-    # on when the first did not clip: an optimizer that clips from the first
-    # step never starts them; one that starts clipping later is refused
-    # (those updates used unclipped gradients), not silently half-clipped.
-    def make():
-        if plugin == "zero":
-            return _boosted(LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True))
-        return _boosted(
-            GeminiPlugin(precision="fp32", offload_optim_frac=1.0, chunk_config_dict={1: CHUNKS})
-        )
-
-    def early(opt):
-        return bool(opt.optim._early)
-
-    with _one_thread():
-        booster, model, opt = make()
-        for step in range(3):
-            _backward(booster, model, opt, seed=step)
-            assert not early(opt)
-            booster.clip_grad_norm_(model, opt, 1.0)
-            opt.step()
-        booster, model, opt = make()
-        for step in range(2):
-            _backward(booster, model, opt, seed=step)
-            assert early(opt) == (step > 0)
-            if step == 0:
-                opt.step()
-        with pytest.raises(RuntimeError, match=r"started during this backward .*overlap_cpu_step"):
             booster.clip_grad_norm_(model, opt, 1.0)
 
 

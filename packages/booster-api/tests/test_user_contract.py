@@ -536,8 +536,7 @@ ROWS = [
     Row("add-param-group-after-boost", SHARDED + AUTO, _add_group, error=NotImplementedError, match=r"add_param_group: adding a parameter group after boost is not supported \(got a group of 1 tensors\); .*build the optimizer with every group before booster\.boost"),
     Row("backward-retain-graph", TORCH + ("zero1", "zero2"), functools.partial(_two_backwards, retain=True), _as_one_backward(True), options=dict(optimizer="sgd")),
     Row("backward-retain-graph-refused", GEMINI + AUTO, lambda env: env.opt.backward(env.loss(0), retain_graph=True), error=NotImplementedError, match=r"backward: retain_graph=True is not supported \(got True\).*add the losses and call backward once"),
-    Row("accumulate-without-no-sync", TORCH + ("zero1", "zero2", "zero2-offload-clip"), functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd")),
-    Row("accumulate-after-cpu-updates-started", ("zero2-offload",), functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"ZeroOptimizer\.backward: a second backward before step\(\) \(got 1 buckets whose CPU updates started.*no_sync\(\)"),
+    Row("accumulate-without-no-sync", TORCH + ("zero1", "zero2", "zero2-offload", "zero2-offload-clip"), functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd")),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

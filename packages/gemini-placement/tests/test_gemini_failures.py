@@ -113,12 +113,12 @@ def _train(ddp, opt, fault=None):
 CASES = [
     # (overlap, max_norm, offload_optim_frac): where the update runs
     (False, 0.0, 1.0),  # inline, in step
-    (True, 0.0, 1.0),  # on the worker, started during backward
+    (True, 0.0, 1.0),  # on the worker, started by step
     (True, 1.0, 1.0),  # on the worker, started by step (clipping)
     (False, 0.0, 0.5),  # half the masters stepped as device-held
     (True, 1.0, 1.0),  # on the worker, failing while the next forward gathers
 ]
-IDS = ["inline", "early", "worker-clip", "half-inline", "worker-mid-forward"]
+IDS = ["inline", "worker", "worker-clip", "half-inline", "worker-mid-forward"]
 
 
 @pytest.mark.parametrize(("case", "where"), list(zip(CASES, IDS, strict=True)), ids=IDS)

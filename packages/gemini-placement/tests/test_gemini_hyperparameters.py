@@ -36,7 +36,7 @@ def _factor(step: int) -> float:
 # puts half of HybridAdam's states on disk.
 CASES = [
     ("no-offload-adamw", "adamw", 0.0, True, {}),
-    ("cpu-states-adam-l2-early", "adam", 0.0, True, dict(offload_optim_frac=1.0)),
+    ("cpu-states-adam-l2-worker", "adam", 0.0, True, dict(offload_optim_frac=1.0)),
     ("cpu-states-sgd-clip", "sgd", 0.05, True, dict(offload_optim_frac=1.0)),
     ("cpu-states-inline", "adamw", 0.0, False, dict(offload_optim_frac=0.5)),
     ("nvme-adamw", "nvme", 0.0, True, dict(offload_optim_frac=1.0)),

@@ -1,14 +1,12 @@
 """An exception in forward or backward that the user catches: after
 ``optimizer.zero_grad()`` the steps that follow equal, bitwise, those of a run
-that never saw the batch, in every placement, at world sizes 1 and 2. CPU
-updates that backward had begun cannot be taken back: zero_grad() says so,
-and a reloaded checkpoint goes on as the run without the batch (see
+that never saw the batch, in every placement, at world sizes 1 and 2; no CPU
+update starts before step(), so there is none to take back (see
 zerostack.shard's [Note: dropping a batch])."""
 
 from __future__ import annotations
 
 import importlib.util
-import threading
 import time
 
 import pytest
@@ -66,9 +64,11 @@ class _Fault:
 
 
 # (id, GeminiDDP arguments, optimizer, mixed precision, max_norm, overlap_cpu_step,
-# micro-batches). No case starts CPU updates in backward (see the tests below).
+# micro-batches).
 CASES = [
     ("no-offload", {}, "adamw", torch.float32, 0.0, True, 1),
+    # The worker, no clipping: updates once started during backward here.
+    ("cpu-states-worker", dict(offload_optim_frac=1.0), "adamw", torch.float32, 0.0, True, 1),
     ("kept-gathered-sgd", dict(shard_param_frac=0.0), "sgd", torch.float32, 0.0, True, 1),
     ("cpu-states-worker-clip", dict(offload_optim_frac=1.0), "adam", torch.float32, 0.5, True, 1),
     ("cpu-states-inline", dict(offload_optim_frac=1.0), "adamw", torch.float32, 0.0, False, 1),
@@ -175,87 +175,36 @@ def test_zero_grad_after_an_exception_drops_the_batch_bitwise(world_size, tmp_pa
     spawn(_all, world_size, args=(str(tmp_path),), backend="gloo", timeout_s=600)
 
 
-def _early():
-    """CPU-held chunks updated during backward (overlap, no clipping)."""
-    case = ("early", dict(offload_optim_frac=1.0), "adamw", torch.float32, 0.0, True, 1)
-    return _build(1, case, None)
-
-
-def test_updates_started_in_backward_that_have_not_begun_are_cancelled():
-    ref = _train(*_early(), 1, 0, skip=True)
-    model, ddp, opt = _early()
+def test_no_cpu_update_starts_during_backward():
+    # With the worker idle and no clipping, a backward that raises late
+    # (after most chunks were reduced and given time) has queued nothing.
+    case = ("worker", dict(offload_optim_frac=1.0), "adamw", torch.float32, 0.0, True, 1)
+    model, ddp, opt = _build(1, case, None)
     fault = _Fault(model, ddp, "backward")
     queued = []
-    _Fault.before_raising = staticmethod(lambda ddp: queued.extend(ddp.cpu_step.pending()))
-    busy = threading.Event()
-    losses = []
+
+    def look(ddp):
+        time.sleep(0.2)
+        queued.extend(ddp.cpu_step.pending())
+
+    _Fault.before_raising = staticmethod(look)
     try:
-        for step in range(STEPS):
+        for step in range(AT + 1):
             idx, tgt = _batches(step, 1, 0)[0]
             fault.armed = step == AT
             loss = ddp(idx, tgt)
-            if step != AT:
+            if step < AT:
                 opt.backward(loss)
                 assert opt.step()
-                losses.append(loss.item())
-                continue
-            # The worker is kept busy: the updates backward starts wait behind.
-            ddp.cpu_step._executor.submit(busy.wait, 30)
-            with pytest.raises(Injected):
-                opt.backward(loss)
-            fault.armed = False
-            opt.zero_grad()  # none had begun: all are taken back, no error
-            busy.set()
-    finally:
-        _Fault.before_raising = staticmethod(lambda ddp: None)
-        busy.set()
-    assert queued, "no CPU update was started during backward"
-    ddp.wait_updates()
-    _same("cancelled", (losses, ddp.state_dict()), ref)
-
-
-def test_updates_begun_in_backward_are_refused_and_a_reloaded_state_goes_on():
-    ref = _train(*_early(), 1, 0, skip=True)
-    model, ddp, opt = _early()
-
-    def wait_for_the_worker(ddp):  # the early updates have run when backward raises
-        futures = list(ddp.cpu_step._pending.values())
-        assert futures, "no CPU update was started during backward"
-        deadline = time.monotonic() + 30
-        while not all(f.done() for f in futures) and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    fault = _Fault(model, ddp, "backward")
-    _Fault.before_raising = staticmethod(wait_for_the_worker)
-    losses = []
-    try:
-        for step in range(STEPS):
-            if step == AT:
-                saved = (ddp.state_dict(), opt.full_state_dict())
-            idx, tgt = _batches(step, 1, 0)[0]
-            fault.armed = step == AT
-            loss = ddp(idx, tgt)
-            if step != AT:
-                opt.backward(loss)
-                assert opt.step()
-                losses.append(loss.item())
+                ddp.wait_updates()
                 continue
             with pytest.raises(Injected):
                 opt.backward(loss)
-            fault.armed = False
-            with pytest.raises(
-                RuntimeError,
-                match=r"CPU updates of chunks \[.*\] began during "
-                r"the backward .* Reload the last checkpoint",
-            ):
-                opt.zero_grad()
-            assert ddp.training_state is TrainingState.IDLE
-            ddp.load_state_dict(saved[0])
-            opt.load_full_state_dict(saved[1])
     finally:
         _Fault.before_raising = staticmethod(lambda ddp: None)
-    ddp.wait_updates()
-    _same("reloaded", (losses, ddp.state_dict()), ref)
+    assert queued == []
+    opt.zero_grad()
+    assert ddp.training_state is TrainingState.IDLE
 
 
 def test_forward_and_step_after_a_backward_that_raised_say_to_call_zero_grad():

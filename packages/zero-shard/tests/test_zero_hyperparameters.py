@@ -43,7 +43,7 @@ CASES = [
 ]
 if HAVE_FUSED_ADAM:  # torch Adam/AdamW with cpu_offload step through CPUAdam
     CASES += [
-        ("s2-offload-adamw-early", 2, "adamw", True, True, 0.0),
+        ("s2-offload-adamw-worker", 2, "adamw", True, True, 0.0),
         ("s1-offload-adam-l2-inline", 1, "adam", True, False, 0.0),
     ]
 

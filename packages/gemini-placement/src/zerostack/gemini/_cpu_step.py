@@ -40,9 +40,9 @@ class CpuStepError(RuntimeError):
 # write that chunk back: its parameter shard keeps the reduced gradient and
 # the update is remembered with its arguments (the gradient, div_scale, the
 # hyperparameters of its step). The error is raised as CpuStepError where it
-# surfaces: at the end of step() (inline, or started during backward on the
-# worker: after every other chunk of the step was updated), or on the
-# worker's next wait: the next forward, or a gather in the middle of one. Every later forward and step (and
+# surfaces: at the end of step() (inline: after every other chunk of the
+# step was updated), or on the worker's next wait: the next forward, or a
+# gather in the middle of one. Every later forward and step (and
 # GeminiOptimizer.retry_failed_updates) first runs the failed updates again,
 # in chunk order; once they succeed, the failed step is complete and training
 # goes on exactly as without the fault; while they fail, CpuStepError again.
@@ -264,25 +264,6 @@ class CpuStepPipeline:
         pending, or failed and kept to run again."""
         return chunk in self._pending or chunk in self._failed
 
-    def cancel(self, chunk: Chunk) -> bool:
-        """Take back ``chunk``'s update of a batch being dropped (see
-        zerostack.shard's [Note: dropping a batch]): one that has not begun,
-        or that failed (it changed nothing, see [Note: a failed CPU
-        update]), is forgotten with its buffers: True. One that ran is
-        written back (if it was not already): False."""
-        if self._failed.pop(chunk, None) is not None:
-            self._release(chunk)
-            return True
-        future = self._pending.pop(chunk, None)
-        if future is None:
-            return False
-        self._calls.pop(chunk, None)
-        if future.cancel() or future.exception() is not None:
-            self._release(chunk)
-            return True
-        self._finish(chunk)
-        return False
-
     def drop_staged(self, chunk: Chunk) -> None:
         """Give back the staging buffers of ``chunk``'s gradient of a
         dropped batch (none while an update of it is pending or kept)."""
@@ -332,9 +313,8 @@ class CpuStepPipeline:
         [Note: write-back order] Writing back a kept-gathered chunk is an
         all-gather, so every rank must issue those write-backs in the same
         order at the same point of the program: GeminiDDP calls this at the
-        start of every forward, updates of kept-gathered chunks are never
-        started during backward (GeminiOptimizer._on_chunk_reduced), and
-        step() finishes the previous step's updates in chunk order. Sharded
+        start of every forward, no update starts before step(), and step()
+        finishes the previous step's updates in chunk order. Sharded
         chunks write back locally (no collective), so they may finish in any
         hook, whenever their chunk is next needed.
         """

@@ -170,18 +170,14 @@ class GeminiDDP(nn.Module):
         self._no_sync = False  # the no_sync() mode (the state records its effect)
         self._reduce_order = list(reversed(self.grad_chunks))  # the order backward produces them
         self._next_reduce = 0
-        self._pending: list[Any] = []
+        self._pending: list[tuple[Chunk, Any]] = []  # reductions in flight, with their handle
         self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
         # Called at the end of every reducing backward (GeminiOptimizer stages
         # gradients of CPU-stepped chunks to the host there).
         self.backward_end_callbacks: list[Callable[[], None]] = []
-        # Called with (chunk, complete) as each chunk's reduced gradient is
-        # ready (complete: every tensor got a gradient in this backward).
-        self.chunk_reduced_callbacks: list[Callable[[Chunk, bool], None]] = []
-        # Called first by zero_grad() when it drops a batch; each returns the
-        # error to raise once the model is clean, or None (GeminiOptimizer:
-        # CPU updates of the batch that began).
-        self.zero_grad_callbacks: list[Callable[[], Exception | None]] = []
+        # Called first by zero_grad() when it drops a batch (GeminiOptimizer
+        # gives back the staged gradients of CPU-stepped chunks).
+        self.zero_grad_callbacks: list[Callable[[], None]] = []
         self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
         self._register_hooks()
         _WRAPPED.add(module)
@@ -576,8 +572,7 @@ class GeminiDDP(nn.Module):
         forward and backward through the same modules.)"""
         while self._next_reduce < len(self._reduce_order):
             chunk = self._reduce_order[self._next_reduce]
-            complete = chunk.can_reduce
-            if not complete:
+            if not chunk.can_reduce:
                 if not flush:
                     return
                 self._zero_fill_unused(chunk)
@@ -586,18 +581,12 @@ class GeminiDDP(nn.Module):
                 handle = self.chunk_manager.reduce_chunk(
                     chunk, async_op=self.config.enable_async_reduce
                 )
-            self._pending.append((chunk, handle, complete))
+            self._pending.append((chunk, handle))
             self._next_reduce += 1
             # Finish all but the last two reductions: finishing frees the
             # gathered gradient buffer, so backward holds a few chunks, not all.
             while len(self._pending) > 2:
-                self._finish_reduce(*self._pending.pop(0))
-
-    def _finish_reduce(self, chunk: Chunk, handle: Any, complete: bool) -> None:
-        if handle is not None:
-            handle.wait()
-        for callback in self.chunk_reduced_callbacks:
-            callback(chunk, complete)
+                _finish_reduce(*self._pending.pop(0))
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated
@@ -628,7 +617,7 @@ class GeminiDDP(nn.Module):
         self._accumulated = False
         self._reduce_ready(flush=True)
         for entry in self._pending:
-            self._finish_reduce(*entry)
+            _finish_reduce(*entry)
         self._pending.clear()
         self._next_reduce = 0
         self._transition(T.REDUCED)
@@ -716,11 +705,6 @@ class GeminiDDP(nn.Module):
         Args:
             set_to_none: accepted for torch's interface (gradients live in
                 the chunks either way).
-
-        Raises:
-            RuntimeError: from GeminiOptimizer, when CPU updates of the batch
-                had begun during backward (they cannot be taken back); the
-                rest of the batch is dropped first.
         """
         state = self._state
         if state is T.IDLE:
@@ -729,16 +713,14 @@ class GeminiDDP(nn.Module):
             if self._accumulated:
                 self._drop_accumulated()
             return
-        errors = [e for callback in self.zero_grad_callbacks if (e := callback()) is not None]
+        for callback in self.zero_grad_callbacks:
+            callback()
         self._drop_batch()
-        if errors:
-            raise errors[0]
 
     def drop_batch_for_load(self) -> None:
         """What every load calls first: a batch a backward left behind (one
         that raised, or gradients not stepped) is dropped, as by
-        ``zero_grad()``; the loaded values replace whatever CPU updates of
-        it had begun, so that is no error here."""
+        ``zero_grad()``."""
         if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
             for callback in self.zero_grad_callbacks:
                 callback()
@@ -762,7 +744,7 @@ class GeminiDDP(nn.Module):
         """From ACCUMULATED, BACKWARD or REDUCED: every chunk as before the
         batch, IDLE. Reductions are collectives every rank issued in the same
         order: they are waited for, never left behind."""
-        for _chunk, handle, _complete in self._pending:
+        for _chunk, handle in self._pending:
             if handle is not None:
                 handle.wait()
         self._pending.clear()
@@ -986,3 +968,9 @@ def _flatten(out: Any) -> list[Any]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in _flatten(o)]
     return []
+
+
+def _finish_reduce(chunk: Chunk, handle: Any) -> None:
+    """Wait for ``chunk``'s reduction in flight (None: it ran synchronously)."""
+    if handle is not None:
+        handle.wait()

@@ -67,11 +67,10 @@ class GeminiOptimizer:
         module: the GeminiDDP model.
         max_norm: clip the global gradient norm (0: off). Default 0.0.
         overlap_cpu_step: run the CPU part of the step on a worker thread,
-            overlapped with the next forward; without clipping and without an
-            fp16 loss scale, a CPU-held chunk's update starts during backward
-            (from the second step on, and never once ``clip_grad_by_norm``
-            was called), with the hyperparameters ``param_groups`` hold then
-            (step lr schedulers after ``step()``, as usual). Default True.
+            overlapped with the next forward. Updates start at ``step()``,
+            never during backward (a batch dropped after an exception leaves
+            no trace, see zerostack.shard's [Note: dropping a batch]).
+            Default True.
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -137,27 +136,16 @@ class GeminiOptimizer:
         self._bind_masters()
         if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
             self.optimizer.nvme_plan([])
-        self._early: set[int] = set()  # CPU-held chunks whose update started in this backward
-        # Their gradients' norms, taken before the update wrote over them.
-        self._early_norms: dict[int, torch.Tensor] = {}
-        self._step_hyper: dict[str, Any] | None = None  # read when backward started an update
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = False
         self._warned_idle = False
         self.last_grad_norm = 0.0
         # clip_grad_by_norm: the coefficient recorded for the coming step (see
-        # zerostack.shard's [Note: gradient clipping]), whether it was ever
-        # called, and whether a step ran (see _on_chunk_reduced).
+        # zerostack.shard's [Note: gradient clipping]).
         self._clip = 1.0
-        self._clip_requested = False
-        self._stepped = False
-        self._callbacks = (
-            _WeakCall(self, "_stage_grads"), _WeakCall(self, "_on_chunk_reduced"),
-            _WeakCall(self, "_drop_updates"),
-        )  # fmt: skip
+        self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_drop_batch"))
         module.backward_end_callbacks.append(self._callbacks[0])
-        module.chunk_reduced_callbacks.append(self._callbacks[1])
-        module.zero_grad_callbacks.append(self._callbacks[2])
+        module.zero_grad_callbacks.append(self._callbacks[1])
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
         _WRAPPED.add(self.optimizer)
@@ -209,9 +197,8 @@ class GeminiOptimizer:
             return
         self._closed = True
         module = self.module
-        lists: tuple[list[Any], list[Any], list[Any]] = (
-            module.backward_end_callbacks, module.chunk_reduced_callbacks,
-            module.zero_grad_callbacks,
+        lists: tuple[list[Any], list[Any]] = (
+            module.backward_end_callbacks, module.zero_grad_callbacks,
         )  # fmt: skip
         for callbacks, callback in zip(lists, self._callbacks, strict=True):
             if callback in callbacks:
@@ -250,42 +237,16 @@ class GeminiOptimizer:
 
         Args:
             set_to_none: accepted for torch's interface.
-
-        Raises:
-            RuntimeError: CPU updates that backward started (with
-                ``overlap_cpu_step``, no clipping, no fp16 loss scale) had
-                begun: they cannot be taken back, their chunks took the
-                batch's step. The rest is dropped; reload the last checkpoint
-                to go on as if the batch had never run.
         """
         self.module.zero_grad(set_to_none)
 
-    def _drop_updates(self) -> Exception | None:
-        """GeminiDDP.zero_grad's first call: the CPU updates this backward
-        started are cancelled (written back where they ran), staged
-        gradients given back; the error for those that ran."""
-        early, self._early = self._early, set()
-        self._early_norms = {}
-        self._step_hyper = None
+    def _drop_batch(self) -> None:
+        """GeminiDDP.zero_grad's first call when it drops a batch: the
+        staged gradients of CPU-held chunks are given back (no update of the
+        batch began: they start at ``step()``)."""
         self._scaled_backward = False
-        begun = [
-            self.pairs[i][0].index
-            for i in sorted(early)
-            if not self.pipeline.cancel(self.pairs[i][0])
-        ]
         for i in self._host:
             self.pipeline.drop_staged(self.pairs[i][0])
-        if not begun:
-            return None
-        return RuntimeError(
-            f"{_API}.zero_grad: the CPU updates of chunks {begun} began during the backward of "
-            "the batch being dropped (overlap_cpu_step updates a CPU-held chunk as soon as its "
-            "gradient is reduced, when there is no clipping and no fp16 loss scale) and cannot "
-            "be taken back: those chunks took the batch's step, the others did not. Reload the "
-            "last checkpoint (booster.load_model and load_optimizer, or load_state) to go on as "
-            "if the batch had never run; with overlap_cpu_step=False or max_norm > 0 a batch "
-            "can always be dropped"
-        )
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
@@ -293,41 +254,8 @@ class GeminiOptimizer:
         """End of backward: start copying the reduced gradients of CPU-held
         chunks into pinned host buffers (the CPU step waits for them)."""
         for i in self._host:
-            if i not in self._early:
-                chunk = self.pairs[i][0]
-                self.pipeline.stage_grad(chunk, _grad_share(chunk))
-
-    def _on_chunk_reduced(self, chunk: Chunk, complete: bool) -> None:
-        """Start a CPU-held chunk's update during backward, as soon as its
-        gradient is reduced, when nothing global can change it: no clipping,
-        no fp16 loss scale, every tensor of the chunk had a gradient."""
-        i = self._index.get(chunk)
-        module = self.module
-        if (
-            i is None
-            or not complete
-            or i not in self._host_set
-            or self.max_norm > 0
-            or self.scaler is not None
-            or not self.pipeline.overlapping
-            or module._no_sync
-            or chunk.keep_gathered  # See [Note: write-back order]
-            or not module.placement.planned
-            # The first step learns whether clip_grad_by_norm is called (an
-            # update started before it could not be clipped).
-            or not self._stepped
-            or self._clip_requested
-        ):
-            return
-        if not self._early:  # the first of this backward: this step's hyperparameters
-            self._step_hyper = self._hyper()
-        grad = _grad_share(chunk)
-        # The update writes the new shard over a host-held gradient (see
-        # [Note: CPU-step buffers]): the step's norm takes this one now.
-        self._early_norms[i] = norm_part([grad], 2.0, grad.device)
-        self.pipeline.stage_grad(chunk, grad)
-        self.pipeline.submit(chunk, self._cpu_update, i, grad, -1.0, None, self._step_hyper)
-        self._early.add(i)
+            chunk = self.pairs[i][0]
+            self.pipeline.stage_grad(chunk, _grad_share(chunk))
 
     def _hyper(self) -> dict[str, Any]:
         """The user's hyperparameters now (lr, betas, ...): a step's, kept
@@ -355,25 +283,22 @@ class GeminiOptimizer:
         except CpuStepError as error:
             if self.module.training_state is not TrainingState.REDUCED:
                 raise  # no step to do: the error alone
-            # An update started by this backward failed twice: the rest of
-            # the step goes on, that chunk keeps its gradient, and the error
-            # is raised at the end (as for an inline update).
+            # An update of the last step failed twice: the rest of this step
+            # goes on, that chunk keeps its gradient, and the error is raised
+            # at the end (as for an inline update).
             self.pipeline.defer(error)
         if not self._ready_to_step():
             self.pipeline.raise_new_errors()
             return False
-        self._stepped = True
         with phase("zerostack::step"):
-            early, self._early = self._early, set()
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
-                if self._index.get(chunk) not in early:
-                    try:
-                        self.pipeline.await_chunk(chunk)
-                    except CpuStepError as error:  # kept to run again; raised at the end
-                        self.pipeline.defer(error)
+                try:
+                    self.pipeline.await_chunk(chunk)
+                except CpuStepError as error:  # kept to run again; raised at the end
+                    self.pipeline.defer(error)
             self._plan_placement()
             self._bind_disk()
-            stepped = self._step(early)
+            stepped = self._step()
         self.module.finish_step()
         self.collector.tick()
         self.pipeline.raise_new_errors()
@@ -414,10 +339,8 @@ class GeminiOptimizer:
         Raises:
             TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
             RuntimeError: no reducing backward since the last step (or
-                inside ``no_sync``); CPU updates of this step started in
-                backward already (``overlap_cpu_step`` from the second step on
-                when the first did not clip); fp16 gradients not scaled
-                through ``backward``; a non-finite norm with ``error_if_nonfinite``.
+                inside ``no_sync``); fp16 gradients not scaled through
+                ``backward``; a non-finite norm with ``error_if_nonfinite``.
         """
         api = f"{_API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
@@ -429,15 +352,7 @@ class GeminiOptimizer:
                 "backward outside no_sync() and before step() (forward, optimizer.backward(loss), "
                 "clip, step)"
             )
-        if self._early:
-            raise RuntimeError(
-                f"{api}: the CPU updates of {len(self._early)} chunks started during this backward "
-                "(overlap_cpu_step does so from the second step on when the first did not clip); "
-                "call clip_grad_by_norm at every step from the first, pass max_norm to the plugin "
-                "(clipping at step), or overlap_cpu_step=False"
-            )
         self._check_scaled("clip_grad_by_norm")
-        self._clip_requested = True
         grads = [_grad_share(c) for c, _ in self.pairs]
         with phase("zerostack::reduce"):
             total, self._clip = record_clip(
@@ -521,14 +436,14 @@ class GeminiOptimizer:
                 }
         self._stage_grads()  # the plan moved shards: stage from where the gradients are now
 
-    def _step(self, early: set[int]) -> bool:
+    def _step(self) -> bool:
         module = self.module
         grads = [_grad_share(c) for c, _ in self.pairs]
         trainable = self._trainable_params
         used = torch.tensor(
             [float(p in module.used) for p in trainable], device=module.compute_device
         )
-        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads, early))
+        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads))
         module.used.clear()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self._clip = 1.0
@@ -537,17 +452,15 @@ class GeminiOptimizer:
                 self.pipeline.write_back(chunk, None)
             return False
         self.last_grad_norm = plan.grad_norm
-        # Read when backward started the CPU updates, else now.
-        hyper = self._step_hyper if early else self._hyper()
-        self._step_hyper = None
+        hyper = self._hyper()
         # A parameter with no gradient on any rank is left alone, as DDP leaves
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
         saved = self._save_slices(unused)
         # Device-held masters: one launch, asynchronous on the device. (The
-        # lock: a CPU update started during backward may be running; each
-        # call steps exactly the masters that have a grad.)
+        # lock: a failed CPU update's retry may run on the worker; each call
+        # steps exactly the masters that have a grad.)
         with self._lock:
             self.optimizer.param_groups[0].update(hyper)
             for i in self._device:
@@ -560,13 +473,10 @@ class GeminiOptimizer:
         for i in self._device:
             _restore(saved.get(i))
             self.pipeline.write_back(self.pairs[i][0], None)
-        # CPU-held masters, chunk by chunk in compute order (those started
-        # during backward are running already). With Adam states on disk the
-        # reads run ahead across chunks, in the same order.
+        # CPU-held masters, chunk by chunk in compute order. With Adam states
+        # on disk the reads run ahead across chunks, in the same order.
         failed = set(self.pipeline.failed)  # kept with their gradients, to run again
-        order = [
-            i for i in self._cpu_order() if i not in early and self.pairs[i][0].index not in failed
-        ]
+        order = [i for i in self._cpu_order() if self.pairs[i][0].index not in failed]
         if order and hasattr(self.optimizer, "nvme_plan"):
             with self._lock:
                 self.optimizer.nvme_plan([self.masters[i] for i in order])
@@ -576,18 +486,10 @@ class GeminiOptimizer:
             self.pipeline.submit(chunk, self._cpu_update, *args)
         return True
 
-    def _norm_sq(self, grads: list[torch.Tensor], early: set[int]) -> torch.Tensor:
+    def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's squared gradient norm, as zerostack.shard's grad_stats
-        takes it: accumulated in fp32 on the compute device, that of chunks
-        updated during backward from before their update."""
-        device = self.module.compute_device
-        taken, self._early_norms = self._early_norms, {}
-        parts = [norm_part([g for i, g in enumerate(grads) if i not in early], 2.0, device)]
-        parts += [
-            (taken[i] if i in taken else norm_part([grads[i]], 2.0, device)).to(device)
-            for i in sorted(early)
-        ]
-        return torch.stack(parts).sum()
+        takes it: accumulated in fp32 on the compute device."""
+        return norm_part(grads, 2.0, self.module.compute_device)
 
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the

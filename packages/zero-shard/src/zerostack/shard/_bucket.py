@@ -41,7 +41,6 @@ class _Bucket:
 
     __slots__ = (
         "copied",
-        "grad_copied",
         "host_grads",
         "host_params",
         "launched",
@@ -83,9 +82,6 @@ class _Bucket:
         # parameters were written (a forward waits for it).
         self.copied: torch.cuda.Event | None = None
         self.written: torch.cuda.Event | None = None
-        # Recorded on the reduce stream after host_grads was queued: an
-        # update started during backward waits for it on the worker.
-        self.grad_copied: torch.cuda.Event | None = None
 
     def wait(self) -> None:
         """Wait for the collective in flight, then drop the reduce-scatter input."""

@@ -23,22 +23,14 @@ PyTorch's 0.285 s). Now the update of bucket i+1 runs on the worker while
 bucket i crosses PCIe and is all-gathered, and with ``module`` given
 ``step()`` returns once the updates are queued: a module's forward pre-hook
 waits only for the buckets that hold its parameters, so the next forward
-(~1/3 of forward + backward) runs beside the updates. With clipping (the
-global norm must come first) that leaves about forward + backward + CPU Adam
-- forward + the last bucket's copy: ~0.6 s. Without clipping and without an
-fp16 loss scale (nothing global can change an update: the rule
-GeminiOptimizer follows) a bucket's update is queued as soon as its gradient
-is reduced and copied to the host during backward (every parameter in it had
-a gradient on this rank, so it is used on every rank; div_scale -1): CPU
-Adam then runs under backward, and the floor is about forward + max(backward,
-CPU Adam) + the last bucket's copy: ~0.5 s, 0.55-0.6x of plain. CPU Adam
-stays the bound either way; what is left is its bandwidth. Updates start
-in backward from the second step on, and never once ``clip_grad_by_norm``
-was called or a step had two backwards (an update started before either
-would miss it; see [Note: gradient clipping]). Such a backward commits to
-the step: a ``zero_grad()`` without ``step()`` after it (a batch dropped
-after an exception) cancels the updates that have not begun and raises for
-those that have (see [Note: dropping a batch]).
+(~1/3 of forward + backward) runs beside the updates. That leaves about
+forward + backward + CPU Adam - forward + the last bucket's copy: ~0.6 s.
+No update starts before ``step()``, with or without clipping: an update
+started during backward (as this pipeline once did without clipping, for
+about forward + max(backward, CPU Adam) + the last copy) could not be taken
+back when the batch is dropped after an exception (see [Note: dropping a
+batch]), nor clipped by a ``clip_grad_by_norm`` that comes after it. CPU
+Adam stays the bound; what is left is its bandwidth.
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -59,9 +51,8 @@ updates are queued (the last backward is done with the parameters); a
 forward waits for the ``written`` event of each bucket it needs, and the
 next backward (or any reader through the optimizer) for the whole stream.
 The worker overwrites a bucket's pinned ``host_params`` only after the
-``copied`` event of its last H2D copy, and an update queued in backward
-reads its gradients only after the ``grad_copied`` event recorded on the
-reduce stream behind their D2H copy.
+``copied`` event of its last H2D copy; the gradients' D2H copies are
+finished (a host sync) before ``step()`` queues any update.
 
 [Note: a failed CPU update in ZeRO] An update that raises (a failed NVMe
 read, a kernel call that raises) is kept with its arguments: its masters and
@@ -124,7 +115,6 @@ class OffloadPipeline:
             )  # fmt: skip
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: deque[tuple[int, Future | None]] = deque()  # (position, update)
-        self.early: list[tuple[int, Future | None]] = []  # queued in backward, not yet a round
         self._calls: dict[int, tuple[Callable[..., None], tuple]] = {}  # position -> its update
         self.failed: set[int] = set()  # positions whose update failed, to run again
         self.round_open = False  # written pieces the compute stream has not waited for all of
@@ -142,17 +132,16 @@ class OffloadPipeline:
         of the optimizer's figures between steps."""
         if threading.current_thread().name.startswith(_THREAD_PREFIX):
             return  # the worker itself: its own update is the one running
-        for _, future in [*self.pending, *self.early]:
+        for _, future in self.pending:
             if future is not None:
                 future.exception()
 
     def close(self) -> None:
         """Finish what is pending (errors kept, not raised) and stop the worker."""
-        for _, future in [*self.pending, *self.early]:
+        for _, future in self.pending:
             if future is not None:
                 future.exception()
         self.pending.clear()
-        self.early.clear()
         if self._executor is not None:
             # The owner may be freed by the worker itself (its last task held
             # it): a thread cannot join itself.
@@ -160,12 +149,9 @@ class OffloadPipeline:
             self._executor.shutdown(wait=not on_worker)
             self._executor = None
 
-    def submit(
-        self, position: int, update: Callable[..., None], *args: Any, early: bool = False
-    ) -> None:
-        """Queue ``update(*args)``, written back at ``position`` in the order;
-        ``early``: queued during backward, joins the round at ``adopt_early``."""
-        queue = self.early if early else self.pending
+    def submit(self, position: int, update: Callable[..., None], *args: Any) -> None:
+        """Queue ``update(*args)``, written back at ``position`` in the order."""
+        queue = self.pending
         self._calls[position] = (update, args)
         if self._executor is None:
             try:
@@ -177,38 +163,6 @@ class OffloadPipeline:
             queue.append((position, None))
         else:
             queue.append((position, self._executor.submit(self._run, update, *args)))
-
-    def adopt_early(self) -> None:
-        """The updates queued during backward join the step's, in write-back order."""
-        if self.early:
-            self.pending = deque(sorted([*self.pending, *self.early], key=lambda e: e[0]))
-            self.early.clear()
-
-    def cancel_early(self) -> list[int]:
-        """Cancel the updates queued during backward that have not begun;
-        the positions of those that had (they stay queued). See [Note:
-        dropping a batch]."""
-        begun = []
-        for position, future in self.early:
-            if future is not None and future.cancel():
-                self._calls.pop(position, None)
-            else:
-                begun.append((position, future))
-        self.early = begun
-        return [position for position, _ in begun]
-
-    def wait_early(self) -> None:
-        """Wait for the updates queued during backward (they stay queued);
-        a failed one runs again here.
-
-        Raises:
-            RuntimeError: one failed twice (see [Note: a failed CPU update in ZeRO]).
-        """
-        for i, (position, future) in enumerate(self.early):
-            self._settle(position, future)
-            self.early[i] = (position, None)
-            if position in self.failed:
-                self._retry(position)
 
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()

@@ -242,10 +242,8 @@ class ZeroOptimizer:
             forward waits for the buckets holding its parameters. Read the
             parameters in forward, through ``model.state_dict()``, or after
             ``wait_updates()``; step lr schedulers on this object's
-            ``param_groups``. Without clipping and without an fp16 loss
-            scale a bucket's update starts during backward, as soon as its
-            gradient is reduced, with the hyperparameters ``param_groups``
-            hold then (step lr schedulers after ``step()``). Default True.
+            ``param_groups``. Updates start at ``step()``, never during
+            backward (see [Note: dropping a batch]). Default True.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -382,10 +380,8 @@ class ZeroOptimizer:
                     # The host waits for these two (blocking: no spinning
                     # next to CPU Adam's threads); streams wait for `written`.
                     bucket.copied = torch.cuda.Event(blocking=True)
-                    bucket.grad_copied = torch.cuda.Event(blocking=True)
                     bucket.written = torch.cuda.Event()
         self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
-        self._early: set[_Bucket] = set()  # buckets whose update started in this backward
         self._next_bucket = 0
         self._in_flight: _Bucket | None = None  # stage 2: the bucket whose input is still sent
         self._no_sync = False
@@ -398,10 +394,6 @@ class ZeroOptimizer:
         self._clip = 1.0
         self._clipped = False
         self._clip_norm_sq: torch.Tensor | None = None
-        # See _can_start_early: a step has run; updates must never start in
-        # backward (clip_grad_by_norm was called, or two backwards fed one step).
-        self._stepped = False
-        self._early_veto = False
         self._unfinished = False  # a synchronous step whose CPU update failed; see step()
         self._update_lock = threading.Lock()  # see _cpu_update
         self._stream = (
@@ -502,21 +494,10 @@ class ZeroOptimizer:
             )
         self._refuse_after_clip("backward")
         self.wait_updates()
-        self._refuse_after_early_updates()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
         loss.backward(retain_graph=retain_graph)
-
-    def _refuse_after_early_updates(self) -> None:
-        if self._early:
-            raise RuntimeError(
-                f"{_API}.backward: a second backward before step() (got {len(self._early)} "
-                "buckets whose CPU updates started in the first one: cpu_offload with "
-                "overlap_cpu_step, no clipping, no fp16 loss scale); its gradients cannot be "
-                "added to them: accumulate inside no_sync() (booster.no_sync(model, optimizer)) "
-                "for all but the last backward, or step() between (zero_grad() drops this one)"
-            )
 
     def _refuse_after_clip(self, api: str) -> None:
         if self._clipped:
@@ -557,51 +538,8 @@ class ZeroOptimizer:
             if not flush and not all(s.ready for s in bucket.shards):
                 return
             set_collective_label(f"gradient reduction of bucket {self._next_bucket}")
-            if bucket in self._early:  # a second reduction in one step (no step between)
-                self._pipe.wait_early()  # its update must be done reading host_grads
             self._launch(bucket)
-            if not flush and self._can_start_early():
-                self._start_early(bucket)
             self._next_bucket += 1
-
-    def _can_start_early(self) -> bool:
-        """A bucket's CPU update may start in backward: nothing global can
-        change it (no clipping, no fp16 loss scale). See [Note: offloaded
-        step pipeline]."""
-        return (
-            self._pipe is not None
-            and self._pipe.overlapping
-            and self.max_norm == 0
-            and self.scaler is None
-            and not self._no_sync
-            # The first step learns whether clip_grad_by_norm is called or a
-            # second backward comes (an update started before either would
-            # miss it).
-            and self._stepped
-            and not self._early_veto
-        )
-
-    def _start_early(self, bucket: _Bucket) -> None:
-        """Queue ``bucket``'s CPU update now: every parameter in it had a
-        gradient on this rank, so every rank uses it, and the update is the
-        one ``step()`` would queue (div_scale -1: nothing to divide)."""
-        if self.device.type != "cuda":  # on CUDA _launch queued the copy to the host
-            bucket.wait()
-            mine = bucket.reduced if self.stage == 2 else bucket.reduced[self.rank]
-            bucket.norm_sq = mine.float().pow(2).sum()
-            bucket.host_grads.copy_(mine)
-            bucket.on_host = True
-        if not self._early:  # the first of this backward: this step's hyperparameters
-            self._push_hyper()
-        self._adopt_writes(bucket.shards)
-        pairs = [
-            (s.master, bucket.host_grads[off : off + s.piece])
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True)
-        ]
-        position = self._order.index(bucket)
-        self._pipe.submit(position, self._cpu_update, bucket, pairs, -1.0, bucket.grad_copied,
-                          early=True)  # fmt: skip
-        self._early.add(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.comm_dtype or bucket.shards[0].param.dtype
@@ -645,7 +583,6 @@ class ZeroOptimizer:
                 bucket.wait()
                 bucket.norm_sq = mine.float().pow(2).sum()
                 bucket.host_grads.copy_(mine, non_blocking=True)
-                bucket.grad_copied.record(stream)  # an update started in backward waits for it
                 bucket.on_host = True
             if self.stage == 2:
                 if self._in_flight is not None:
@@ -680,13 +617,7 @@ class ZeroOptimizer:
         ``no_sync``). Their reductions go into the shards' gradients, out of
         the buffers the next reductions reuse, and the buckets are reduced
         again from the first: ``step()`` then sums both.
-
-        Raises:
-            RuntimeError: CPU updates started during the first backward
-                (they used its gradients alone).
         """
-        self._refuse_after_early_updates()
-        self._early_veto = True
         self._finish_reduction(flush=False)
         for s in self.shards:
             if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
@@ -756,7 +687,6 @@ class ZeroOptimizer:
                 CPU update in ZeRO]).
         """
         mark_stepped(self._user)  # See [Note: the user's hyperparameters]
-        self._stepped = True
         if self._unfinished:  # the last step's update failed: finishing it is this step
             self.wait_updates()
             self._unfinished = False
@@ -765,8 +695,8 @@ class ZeroOptimizer:
             return True
         self._check_scaled("step")
         self.wait_updates()  # the last step's, when no forward ran since
-        for bucket in self.buckets:  # updates started in backward read the masters already
-            self._adopt_writes(bucket.shards, dropping_update=bucket in self._early)
+        for bucket in self.buckets:
+            self._adopt_writes(bucket.shards)
         self._scaled_backward = False
         with phase("zerostack::reduce"):
             # clip_grad_by_norm reduced everything already (no backward since).
@@ -825,11 +755,9 @@ class ZeroOptimizer:
 
         Raises:
             TypeError, ValueError: a bad argument (``max_norm`` must be > 0).
-            RuntimeError: inside ``no_sync()``; CPU updates of this step
-                started in backward already (``overlap_cpu_step`` from the
-                second step on when the first step did not clip); fp16
-                gradients not scaled through ``backward``; a non-finite norm
-                with ``error_if_nonfinite``.
+            RuntimeError: inside ``no_sync()``; fp16 gradients not scaled
+                through ``backward``; a non-finite norm with
+                ``error_if_nonfinite``.
         """
         api = f"{_API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
@@ -843,15 +771,7 @@ class ZeroOptimizer:
                 f"{api}: called inside no_sync(), where gradients are not reduced yet; clip "
                 "after the backward outside no_sync(), before step()"
             )
-        if self._early:
-            raise RuntimeError(
-                f"{api}: the CPU updates of {len(self._early)} buckets started during this "
-                "backward (overlap_cpu_step does so from the second step on when the first did "
-                "not clip); call clip_grad_by_norm at every step from the first, pass max_norm "
-                "to the plugin (clipping at step), or overlap_cpu_step=False"
-            )
         self._check_scaled("clip_grad_by_norm")
-        self._early_veto = True
         self.wait_updates()  # the last step's write-backs come before any reduction
         with phase("zerostack::reduce"):
             if not self._clipped:
@@ -897,30 +817,22 @@ class ZeroOptimizer:
         """Queue the CPU update of every bucket with a used parameter, in
         write-back order. See [Note: offloaded step pipeline]."""
         pipe = self._pipe
-        if not self._early:  # else read when backward queued the first update
-            self._push_hyper()
+        self._push_hyper()
         if pipe.stream is not None:
             # The write-backs may overwrite parameters only after the work
             # queued so far (the last backward) is done with them.
             pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
         pipe.round_open = True
         for k, bucket in enumerate(self._order):
-            if bucket in self._early:
-                continue  # queued in backward already
             pairs = [(s.master, s.grad) for s in bucket.shards if used[s.index] > 0]
             if pairs:  # else nothing changes: every rank skips it (used is global)
                 pipe.submit(k, self._cpu_update, bucket, pairs, div_scale)
-        pipe.adopt_early()
-        self._early.clear()
 
-    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float, grads_ready=None) -> None:
+    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float) -> None:
         """Step one bucket's masters on the CPU (on the worker when
-        overlapping); their fp16/bf16 values land in ``bucket.host_params``.
-        ``grads_ready``: the CUDA event after the gradients' copy to the host."""
+        overlapping); their fp16/bf16 values land in ``bucket.host_params``."""
         if bucket.copied is not None:
             bucket.copied.synchronize()  # the last H2D copy out of host_params is done
-        if grads_ready is not None:
-            grads_ready.synchronize()
         # One update at a time: the inner optimizer steps every master with a
         # .grad, and a failed update's retry runs on the main thread while
         # the worker may be running another bucket's.
@@ -988,10 +900,9 @@ class ZeroOptimizer:
         kept after this optimizer's own writes (the write-back,
         ``masters_written``) and a parameter whose counter moved has this
         rank's piece copied into its master (and its pinned copy) before its
-        next update: at ``step()``, or when its CPU update starts in backward.
-        A write that comes after the update of that step started (between
-        ``step()`` and the write-back of a deferred CPU update, or after an
-        update started in backward) replaces the update's result for that
+        next update, at ``step()``. A write that comes after the update of
+        that step started (between ``step()`` and the write-back of a
+        deferred CPU update) replaces the update's result for that
         parameter, with a warning."""
         dropped = []
         for s in shards:
@@ -1091,13 +1002,10 @@ class ZeroOptimizer:
     # changes nothing but activations and gathered copies; a backward leaves
     # gradients (in the parameters, the buckets, GeminiDDP's chunks, where a
     # reduced gradient sits in place of the parameter shard until the step)
-    # and reductions in flight, which zero_grad() waits for and drops. What
-    # cannot be dropped is an optimizer update that began: with cpu_offload
-    # and overlap_cpu_step, and neither clipping nor an fp16 loss scale, a
-    # CPU-held bucket (chunk) is updated as soon as its gradient is reduced,
-    # during backward. zero_grad() cancels those that have not begun and
-    # raises for those that have (keeping their result, so the model stays
-    # consistent), saying to reload the last checkpoint. Collectives: every
+    # and reductions in flight, which zero_grad() waits for and drops. No
+    # optimizer update begins before step() (CPU updates included: see
+    # [Note: offloaded step pipeline]), so nothing of the batch reaches the
+    # masters or the optimizer states, in any placement. Collectives: every
     # rank must catch the exception at the same point (as with torch's DDP);
     # a rank alone leaves the others in a collective until the timeout.
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -1109,13 +1017,6 @@ class ZeroOptimizer:
         After an exception in forward or backward that the caller caught
         (on every rank), this drops the batch: the steps that follow are
         those of a run that never saw it. See [Note: dropping a batch].
-
-        Raises:
-            RuntimeError: CPU updates that backward started (``cpu_offload``
-                with ``overlap_cpu_step``, no clipping, no fp16 loss scale)
-                had begun: they cannot be taken back, their buckets took the
-                batch's step. Everything else is dropped; reload the last
-                checkpoint to go on as if the batch had never run.
         """
         if self._unfinished:
             dropped = self._pipe.drop_failed()
@@ -1125,17 +1026,6 @@ class ZeroOptimizer:
             )  # fmt: skip
             self._unfinished = False
             self.wait_updates()
-        begun: list[int] = []
-        if self._early:
-            # See [Note: dropping a batch]: the updates that have not begun
-            # are cancelled; those that have are written back as they are.
-            begun = self._pipe.cancel_early()
-            if begun:
-                if self._pipe.stream is not None:
-                    self._pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
-                self._pipe.round_open = True
-                self._pipe.adopt_early()
-            self._early.clear()
         for bucket in self.buckets:
             bucket.clear()
         for s in self.shards:
@@ -1148,17 +1038,6 @@ class ZeroOptimizer:
         self._accumulated = False
         self._clip, self._clipped, self._clip_norm_sq = 1.0, False, None
         self._scaled_backward = self._unscaled = False
-        if begun:
-            raise RuntimeError(
-                f"{_API}.zero_grad: the CPU updates of buckets {begun} (in write-back order) "
-                "began during the backward of the batch being dropped (cpu_offload with "
-                "overlap_cpu_step updates a bucket as soon as its gradient is reduced, when "
-                "there is no clipping and no fp16 loss scale) and cannot be taken back: those "
-                "buckets took the batch's step, the others did not. Reload the last checkpoint "
-                "(booster.load_model and load_optimizer, or load_state) to go on as if the batch "
-                "had never run; with overlap_cpu_step=False or max_norm > 0 a batch can always "
-                "be dropped"
-            )
 
     # -- state ---------------------------------------------------------------------
 
@@ -1178,11 +1057,8 @@ class ZeroOptimizer:
         }
 
     def _quiesce(self) -> None:
-        """No CPU update running: the last step's written back, those
-        started in this backward done (they are written back after step())."""
+        """No CPU update running: the last step's written back."""
         self.wait_updates()
-        if self._pipe is not None:
-            self._pipe.wait_early()
 
     def _settle(self) -> None:
         """Before reading the inner optimizer: no update running, and the
