@@ -354,10 +354,13 @@ class PrefetchPipeline:
 
     def cancel(self) -> None:
         """Stop before every key was updated: reads in flight are waited for
-        and dropped (their keys stay on disk, unchanged), writes drained as
-        in ``post_step``."""
-        for i in list(self._reads):
+        and their keys stay on disk, unchanged; writes drained as in
+        ``post_step``."""
+        for i in sorted(self._reads):
             self.s._io.wait(self._reads.pop(i))
+            # See [Note: one write, one read]: the read took the key off disk
+            # (tensornvme freed it); its bytes, unchanged, go back.
+            self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
         self.post_step()
 
     def post_step(self) -> None:
