@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import gc
 import os
 import sys
@@ -268,5 +269,53 @@ def test_a_parameter_without_gradient_in_a_plan_keeps_its_states_on_disk(backend
             torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6, msg=f"step {step} p{i}")
     states = opt.state_dict()["state"]
     for i, q in enumerate(ref):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(states[i][key], torch_opt.state[q][key], **STATE_TOL)
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["plan", "no-plan"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_update_retried_keeps_its_states_on_disk(backend, planned, monkeypatch, tmp_path):
+    # GeminiOptimizer steps one chunk per call and runs a failed update again
+    # with the same gradient. The failed call read its states off disk (and
+    # those read ahead of it): they go back unchanged, its step is not
+    # counted, and the retry matches torch's AdamW, which stepped once.
+    from zerostack.fused_adam import _kernels
+
+    real, calls = _kernels.launch, {"n": 0, "fail": -1}
+
+    def launch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == calls["fail"]:
+            raise OSError(errno.EIO, "injected kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", launch)
+    params = make_params([300, 200, 100, 50], torch.float32)
+    ref = [p.detach().clone() for p in params]
+    opt = CPUAdam(
+        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
+        adamw_mode=True, **HYPER,
+    )  # fmt: skip
+    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    for step in range(4):
+        grads = make_grads(params, torch.float32, step)
+        if planned:
+            opt.nvme_plan(params)
+        for i in range(len(params)):
+            params[i].grad, ref[i].grad = grads[i], grads[i].clone()
+            if step in (1, 2) and i == step:  # the first kernel call of this parameter fails
+                calls["fail"] = calls["n"] + 1
+                with pytest.raises(OSError, match="injected kernel failure"):
+                    opt.step()
+            opt.step()
+            torch_opt.step()
+            params[i].grad = ref[i].grad = None
+        assert opt.nvme_bytes_on_disk() == 8 * 650, f"step {step}"
+        for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6, msg=f"step {step} p{i}")
+    states = opt.state_dict()["state"]
+    for i, q in enumerate(ref):
+        assert float(states[i]["step"]) == 4
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(states[i][key], torch_opt.state[q][key], **STATE_TOL)

@@ -223,19 +223,22 @@ def test_failed_write_keeps_the_state_in_memory(tmp_path, monkeypatch):
 
 def test_a_cancelled_pass_leaves_every_key_on_disk_with_its_value(backend, tmp_path):
     # A pass stopped after its first key (fused-adam cancels a planned pass
-    # when a parameter of it has no gradient): the reads already in flight
-    # took the later keys off disk on tensornvme, which frees a key's disk
-    # copy when it is read back. They must be back, unchanged, as on threads.
+    # when a parameter of it has no gradient, or when an update fails): the
+    # reads already in flight took the later keys off disk on tensornvme,
+    # which frees a key's disk copy when it is read back. They must be back,
+    # unchanged, as on threads; so must a key whose update failed.
     swapper = StateSwapper(tmp_path, backend=backend, prefetch_depth=2)
     truth = _run_steps(swapper, [100, 200, 300, 400], steps=1)
     keys = list(truth)
     pipe = swapper.pipeline(keys)
     pipe.pre_step()
-    buf = pipe.pre_update(0)  # reads of k1 and k2 are in flight behind it
+    buf = pipe.pre_update(0)
     buf.add_(1.0)
     truth["k0"].add_(1.0)
     pipe.post_update(0)
-    pipe.cancel()
+    assert torch.equal(pipe.pre_update(1), truth["k1"])  # its update fails: no post_update
+    assert not swapper.is_on_disk("k1")
+    pipe.cancel()  # reads of k2 and k3 are in flight
     assert all(swapper.is_on_disk(k) for k in keys)
     assert os.path.getsize(swapper.path) >= 4 * 1000
     for step in range(2):  # the next passes read every key, the cancelled ones included

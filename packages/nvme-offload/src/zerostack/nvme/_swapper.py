@@ -354,13 +354,16 @@ class PrefetchPipeline:
 
     def cancel(self) -> None:
         """Stop before every key was updated: reads in flight are waited for
-        and their keys stay on disk, unchanged; writes drained as in
-        ``post_step``."""
+        and their keys stay on disk, unchanged; a key given by ``pre_update``
+        and not handed back by ``post_update`` (its update failed) goes back
+        as its buffer holds it; writes drained as in ``post_step``."""
         for i in sorted(self._reads):
             self.s._io.wait(self._reads.pop(i))
-            # See [Note: one write, one read]: the read took the key off disk
-            # (tensornvme freed it); its bytes, unchanged, go back.
-            self._writes[self._slot(i)] = (i, self.s._io.write(self.keys[i], self._buf(i)))
+            self._computing.add(i)
+        # See [Note: one write, one read]: a read took its key off disk
+        # (tensornvme freed it); the bytes go back.
+        for i in sorted(self._computing):
+            self.post_update(i)
         self.post_step()
 
     def post_step(self) -> None:
