@@ -211,12 +211,9 @@ def _unused(rank, world, directory):
         model, mixed_precision=torch.float32, compute_device="cpu", offload_optim_frac=1.0,
         chunk_config_dict={world: {"chunk_size": 20_000}},
     )  # fmt: skip
-    # The thread backend: with tensornvme's (uring/aio) this case reads "tensor
-    # not found" for the side head's moments on this machine, at 69a5780 too
-    # (2026-12-01; it passed there in CI on 2026-11-30): not found yet.
     adam = HybridAdam(
         list(model.parameters()), lr=1e-3, weight_decay=0.1, nvme_offload_fraction=1.0,
-        nvme_offload_dir=directory, nvme_backend="threads",
+        nvme_offload_dir=directory,
     )  # fmt: skip
     opt = GeminiOptimizer(adam, ddp)
     for step in range(4):

@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import copy
+import errno
 import gc
 import os
 import sys
 
 import pytest
 import torch
-from conftest import HYPER, make_grads, make_params, run_parity, set_grad, small_model, train_steps
+from conftest import (
+    HYPER,
+    STATE_TOL,
+    make_grads,
+    make_params,
+    run_parity,
+    set_grad,
+    small_model,
+    train_steps,
+)
 
 from zerostack.fused_adam import CPUAdam, HybridAdam
 from zerostack.fused_adam import _nvme as nvme_bridge
@@ -228,3 +238,84 @@ def test_a_plan_reads_the_next_parameters_while_one_updates(tmp_path):
     for p, q in zip(params, ref, strict=True):
         assert torch.equal(p, q)
     assert opt.nvme_bytes_on_disk() == 8 * 600 and opt.nvme_wait_s >= 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_without_gradient_in_a_plan_keeps_its_states_on_disk(backend, tmp_path):
+    # GeminiOptimizer plans the chunks it will step; one without a gradient
+    # is not stepped, and a parameter stepped outside the plan (a chunk
+    # updated during backward) ends it early. The reads already issued for
+    # the rest took their states off disk on tensornvme: they must be there
+    # at the next step, as torch's AdamW (which skips a None grad) has them.
+    params = make_params([300, 200, 100, 50], torch.float32)
+    ref = [p.detach().clone() for p in params]
+    opt = CPUAdam(
+        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
+        adamw_mode=True, **HYPER,
+    )  # fmt: skip
+    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    # Which parameters step, one opt.step() each, after planning all of them.
+    schedule = [[0, 1, 2, 3], [0, 2, 3], [3, 0], [1, 2, 3], [0, 1, 2, 3]]
+    for step, order in enumerate(schedule):
+        grads = make_grads(params, torch.float32, step)
+        opt.nvme_plan(params)
+        for i in order:
+            params[i].grad, ref[i].grad = grads[i], grads[i].clone()
+            opt.step()
+            torch_opt.step()
+            params[i].grad = ref[i].grad = None
+        assert opt.nvme_bytes_on_disk() == 8 * 650, f"step {step}"
+        for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6, msg=f"step {step} p{i}")
+    states = opt.state_dict()["state"]
+    for i, q in enumerate(ref):
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(states[i][key], torch_opt.state[q][key], **STATE_TOL)
+
+
+@pytest.mark.parametrize("planned", [True, False], ids=["plan", "no-plan"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_update_retried_keeps_its_states_on_disk(backend, planned, monkeypatch, tmp_path):
+    # GeminiOptimizer steps one chunk per call and runs a failed update again
+    # with the same gradient. The failed call read its states off disk (and
+    # those read ahead of it): they go back unchanged, its step is not
+    # counted, and the retry matches torch's AdamW, which stepped once.
+    from zerostack.fused_adam import _kernels
+
+    real, calls = _kernels.launch, {"n": 0, "fail": -1}
+
+    def launch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == calls["fail"]:
+            raise OSError(errno.EIO, "injected kernel failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_kernels, "launch", launch)
+    params = make_params([300, 200, 100, 50], torch.float32)
+    ref = [p.detach().clone() for p in params]
+    opt = CPUAdam(
+        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
+        adamw_mode=True, **HYPER,
+    )  # fmt: skip
+    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    for step in range(4):
+        grads = make_grads(params, torch.float32, step)
+        if planned:
+            opt.nvme_plan(params)
+        for i in range(len(params)):
+            params[i].grad, ref[i].grad = grads[i], grads[i].clone()
+            if step in (1, 2) and i == step:  # the first kernel call of this parameter fails
+                calls["fail"] = calls["n"] + 1
+                with pytest.raises(OSError, match="injected kernel failure"):
+                    opt.step()
+            opt.step()
+            torch_opt.step()
+            params[i].grad = ref[i].grad = None
+        assert opt.nvme_bytes_on_disk() == 8 * 650, f"step {step}"
+        for i, (p, q) in enumerate(zip(params, ref, strict=True)):
+            torch.testing.assert_close(p, q, rtol=2e-6, atol=2e-6, msg=f"step {step} p{i}")
+    states = opt.state_dict()["state"]
+    for i, q in enumerate(ref):
+        assert float(states[i]["step"]) == 4
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(states[i][key], torch_opt.state[q][key], **STATE_TOL)

@@ -219,3 +219,54 @@ def test_failed_write_keeps_the_state_in_memory(tmp_path, monkeypatch):
         pipe.post_update(i)
     pipe.post_step()
     assert swapper.is_on_disk("k1")
+
+
+def test_a_cancelled_pass_leaves_every_key_on_disk_with_its_value(backend, tmp_path):
+    # A pass stopped after its first key (fused-adam cancels a planned pass
+    # when a parameter of it has no gradient, or when an update fails): the
+    # reads already in flight took the later keys off disk on tensornvme,
+    # which frees a key's disk copy when it is read back. They must be back,
+    # unchanged, as on threads; so must a key whose update failed.
+    swapper = StateSwapper(tmp_path, backend=backend, prefetch_depth=2)
+    truth = _run_steps(swapper, [100, 200, 300, 400], steps=1)
+    keys = list(truth)
+    pipe = swapper.pipeline(keys)
+    pipe.pre_step()
+    buf = pipe.pre_update(0)
+    buf.add_(1.0)
+    truth["k0"].add_(1.0)
+    pipe.post_update(0)
+    assert torch.equal(pipe.pre_update(1), truth["k1"])  # its update fails: no post_update
+    assert not swapper.is_on_disk("k1")
+    pipe.cancel()  # reads of k2 and k3 are in flight
+    assert all(swapper.is_on_disk(k) for k in keys)
+    assert os.path.getsize(swapper.path) >= 4 * 1000
+    for step in range(2):  # the next passes read every key, the cancelled ones included
+        pipe = swapper.pipeline(keys)
+        pipe.pre_step()
+        for i, k in enumerate(keys):
+            assert torch.equal(pipe.pre_update(i), truth[k]), f"pass {step} key {k}"
+            pipe.post_update(i)
+        pipe.post_step()
+    for k in keys:
+        assert torch.equal(swapper.read(k, torch.empty_like(truth[k])), truth[k])
+    swapper.close()
+
+
+def test_every_backend_reads_a_key_once_per_write(backend, tmp_path):
+    # See [Note: one write, one read]: tensornvme forgets a key once it is
+    # read back; the thread backend does the same, so that a caller reading a
+    # key twice fails on every machine, not only on those with tensornvme.
+    io = _backends.open_backend(backend, str(tmp_path / "states.bin"))
+    data, out = torch.arange(64.0), torch.empty(64)
+    io.wait(io.write("a", data))
+    io.wait(io.read("a", out))
+    assert torch.equal(out, data)
+    for key in ("a", "never-written"):
+        with pytest.raises(AssertionError, match=rf"read of key '{key}', which is not on disk"):
+            io.read(key, out)
+    doubled = data * 2  # alive until the wait, as the backends require
+    io.wait(io.write("a", doubled))  # written again: readable again
+    io.wait(io.read("a", out))
+    assert torch.equal(out, doubled)
+    io.close()

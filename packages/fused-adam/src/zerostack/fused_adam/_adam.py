@@ -466,8 +466,8 @@ class _Adam(torch.optim.Optimizer):
                 v,
                 None if out is None else out.view(-1)[start:end],
             )
-            launched.add(id(p))
             launch([piece], float(self.state[p]["step"]))
+            launched.add(id(p))  # after: a first piece that failed leaves the step uncounted
             for sl, old_m, old_v in kept:  # before the piece goes back to disk
                 m[sl].copy_(old_m)
                 v[sl].copy_(old_v)

@@ -239,14 +239,26 @@ class NVMeStates:
             self.wait_s += time.perf_counter() - t0
 
     def _run(self, pipe, pieces, indices, update: Callable) -> None:
-        for i in indices:
-            p, _, start, end = pieces[i]
-            t0 = time.perf_counter()
-            buf = pipe.pre_update(i)
-            self.wait_s += time.perf_counter() - t0
-            n = end - start
-            update(p, start, end, buf[:n], buf[n:])
-            pipe.post_update(i)
+        try:
+            for i in indices:
+                p, _, start, end = pieces[i]
+                t0 = time.perf_counter()
+                buf = pipe.pre_update(i)
+                self.wait_s += time.perf_counter() - t0
+                n = end - start
+                update(p, start, end, buf[:n], buf[n:])
+                pipe.post_update(i)
+        except BaseException:
+            # A failed update (a kernel call, a disk read): the pass stops and
+            # the states it read go back to disk as they were, for the step
+            # the caller runs again (the optimizers put its count back).
+            if self._open is not None and self._open[0] is pipe:
+                self._open = None
+            try:
+                pipe.cancel()
+            except OSError as error:  # a write that failed: that state stays in RAM
+                logger.error("%s: %s", self.api, error)
+            raise
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The swapper's pipeline slots and states kept in RAM (failed writes)."""

@@ -4,8 +4,12 @@ Every backend does the same thing: asynchronous whole-tensor writes and reads
 of named regions of one file, and a wait that returns when they are done.
 [Note: one write, one read] The caller alternates strictly per key (write,
 read, write, ...) and keeps each tensor alive and untouched until the wait:
-tensornvme frees a key's disk space when it is read back and reads the
-tensor's memory at execution time, not at submission.
+tensornvme frees a key's disk space when it is read back (a second read
+fails with "Read error, tensor not found") and reads the tensor's memory at
+execution time, not at submission. Every backend forgets a key once it is
+read, so that a caller reading a key twice fails on the thread backend too,
+not only on machines with tensornvme; a caller that reads a key and wants it
+kept on disk writes it back (StateSwapper.read, PrefetchPipeline.cancel).
 """
 
 from __future__ import annotations
@@ -45,13 +49,35 @@ class Backend(ABC):
 
     name: str
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._readable: set[str] = set()  # keys written and not read back since
+
     def write(self, key: str, tensor: torch.Tensor) -> object:
         """Start writing ``tensor`` (contiguous, CPU) as ``key``; return a handle."""
+        handle = self._write(key, tensor)
+        self._readable.add(key)
+        return handle
+
+    def read(self, key: str, tensor: torch.Tensor) -> object:
+        """Start reading ``key`` into ``tensor`` (same byte size); return a
+        handle. The key is then off disk until written again (see [Note: one
+        write, one read])."""
+        if key not in self._readable:
+            raise AssertionError(
+                f"nvme: read of key {key!r}, which is not on disk (never written, or read back "
+                "since its last write); see [Note: one write, one read]"
+            )
+        handle = self._read(key, tensor)
+        self._readable.discard(key)
+        return handle
 
     @abstractmethod
-    def read(self, key: str, tensor: torch.Tensor) -> object:
-        """Start reading ``key`` into ``tensor`` (same byte size); return a handle."""
+    def _write(self, key: str, tensor: torch.Tensor) -> object:
+        """Submit the write of ``write``."""
+
+    @abstractmethod
+    def _read(self, key: str, tensor: torch.Tensor) -> object:
+        """Submit the read of ``read``."""
 
     @abstractmethod
     def wait(self, handle: object) -> None:
@@ -77,6 +103,7 @@ class ThreadBackend(Backend):
     name = "threads"
 
     def __init__(self, path: str, num_threads: int = 4) -> None:
+        super().__init__()
         self.path = path
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self._num_threads = num_threads
@@ -120,10 +147,10 @@ class ThreadBackend(Backend):
         self._pending.append(future)
         return future
 
-    def write(self, key: str, tensor: torch.Tensor) -> Future:
+    def _write(self, key: str, tensor: torch.Tensor) -> Future:
         return self._submit(self._pwrite, key, tensor)
 
-    def read(self, key: str, tensor: torch.Tensor) -> Future:
+    def _read(self, key: str, tensor: torch.Tensor) -> Future:
         return self._submit(self._pread, key, tensor)
 
     def wait(self, handle: object) -> None:
@@ -149,6 +176,7 @@ class TensorNVMeBackend(Backend):
     def __init__(self, path: str, backend: str, n_entries: int = 16) -> None:
         from tensornvme._C import Offloader
 
+        super().__init__()
         self.name = backend
         self.path = path
         self._off = Offloader(path, n_entries, backend)
@@ -166,10 +194,10 @@ class TensorNVMeBackend(Backend):
         (self._off.async_write if kind == "w" else self._off.async_read)(exact, key, None)
         return kind
 
-    def write(self, key: str, tensor: torch.Tensor) -> str:
+    def _write(self, key: str, tensor: torch.Tensor) -> str:
         return self._submit("w", key, tensor)
 
-    def read(self, key: str, tensor: torch.Tensor) -> str:
+    def _read(self, key: str, tensor: torch.Tensor) -> str:
         return self._submit("r", key, tensor)
 
     def wait(self, handle: object) -> None:

@@ -354,10 +354,16 @@ class PrefetchPipeline:
 
     def cancel(self) -> None:
         """Stop before every key was updated: reads in flight are waited for
-        and dropped (their keys stay on disk, unchanged), writes drained as
-        in ``post_step``."""
-        for i in list(self._reads):
+        and their keys stay on disk, unchanged; a key given by ``pre_update``
+        and not handed back by ``post_update`` (its update failed) goes back
+        as its buffer holds it; writes drained as in ``post_step``."""
+        for i in sorted(self._reads):
             self.s._io.wait(self._reads.pop(i))
+            self._computing.add(i)
+        # See [Note: one write, one read]: a read took its key off disk
+        # (tensornvme freed it); the bytes go back.
+        for i in sorted(self._computing):
+            self.post_update(i)
         self.post_step()
 
     def post_step(self) -> None:
