@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zerostack.shard import ZeroOptimizer
+from zerostack.shard import CpuStepError, ZeroOptimizer
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 pytestmark = pytest.mark.skipif(
@@ -218,13 +218,13 @@ def _train_through_a_fault(overlap, max_norm, fault=None, steps=5, at=2):
         idx, tgt = make_batch(CONFIG, 2, 16, seed=step)
         try:
             loss = model(idx, tgt).float()
-        except RuntimeError as error:  # a worker's failure, met by this forward
+        except CpuStepError as error:  # a worker's failure, met by this forward
             surfaced(error)
             loss = model(idx, tgt).float()  # again: the failed update runs first
         zero.backward(loss)
         try:
             zero.step()
-        except RuntimeError as error:  # a synchronous step: it stays unfinished
+        except CpuStepError as error:  # a synchronous step: it stays unfinished
             with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
                 zero.backward(model(idx, tgt).float())
             surfaced(error)
@@ -240,7 +240,7 @@ def _train_through_a_fault(overlap, max_norm, fault=None, steps=5, at=2):
     ids=["synchronous", "worker", "started-in-backward"],
 )
 def test_a_failed_update_runs_again_once_the_cause_is_removed(overlap, max_norm, monkeypatch):
-    """See [Note: a failed CPU update in ZeRO]: the losses and parameters of
+    """See [Note: a failed CPU update]: the losses and parameters of
     a run through the fault equal those of a run without it, bitwise."""
     ref_losses, ref_params, _ = _train_through_a_fault(overlap, max_norm)
     fault = _KernelFault(monkeypatch)
@@ -263,8 +263,9 @@ def test_a_failed_update_that_stays_changes_nothing_and_zero_grad_drops_it(monke
     zero.backward(model(idx, tgt).float())
     fault.active = True
     for _ in range(2):  # the cause stays: each step() raises, nothing changes
-        with pytest.raises(RuntimeError, match=r"bucket 0 .* failed \(OSError"):
+        with pytest.raises(CpuStepError, match=r"bucket 0 .* failed \(OSError") as raised:
             zero.step()
+        assert raised.value.index == 0 and zero._pipe.failed[0] == 0
     fault.active = False
     with caplog.at_level("WARNING"):
         zero.zero_grad()  # drops the failed updates

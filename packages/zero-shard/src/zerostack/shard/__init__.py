@@ -9,6 +9,7 @@ from zerostack.shard._clip import (
     norm_part,
     record_clip,
 )
+from zerostack.shard._cpu_pipeline import CpuStepError, CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
 from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
@@ -25,6 +26,8 @@ from zerostack.shard._partition import shard_bounds, shard_numel
 
 __all__ = [
     "CollectorSchedule",
+    "CpuStepError",
+    "CpuUpdatePipeline",
     "DynamicLossScaler",
     "ShardedGradient",
     "StepPlan",
@@ -46,4 +49,5 @@ __all__ = [
     "step_with_div_scale",
     "stepping_twin",
     "takes_div_scale",
+    "write_failed",
 ]

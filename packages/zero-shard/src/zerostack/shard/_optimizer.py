@@ -34,6 +34,7 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
+from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
@@ -44,7 +45,6 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
-from zerostack.shard._offload import OffloadPipeline
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
@@ -200,12 +200,6 @@ def _state_dict_hook(me: weakref.ref[ZeroOptimizer]) -> None:
     zero = me()
     if zero is not None:
         zero.wait_updates()
-
-
-def _write_failed(error: OSError) -> bool:
-    """zerostack.nvme's NVMeWriteError: the update completed and the states
-    that could not be written stay in RAM."""
-    return type(error).__name__ == "NVMeWriteError"
 
 
 class ZeroOptimizer:
@@ -369,9 +363,12 @@ class ZeroOptimizer:
         self._rings: dict[tuple[str, torch.dtype], BufferRing] = {}
         self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
         self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
-        self._pipe: OffloadPipeline | None = None
+        self._pipe: CpuUpdatePipeline | None = None
         if cpu_offload:
-            self._pipe = OffloadPipeline(_API, overlap_cpu_step, self.device)
+            self._pipe = CpuUpdatePipeline(
+                _API, "bucket {} (in write-back order)", overlap_cpu_step, self.device,
+                retry_at="forward, backward or step", write_back_stream=True,
+            )  # fmt: skip
             weakref.finalize(self, self._pipe.close)
             if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
                 self.optimizer.set_step_waiter(self._pipe.settle)
@@ -809,7 +806,7 @@ class ZeroOptimizer:
         try:
             step_with_div_scale(self.optimizer, div_scale)
         except OSError as error:
-            if not _write_failed(error):
+            if not write_failed(error):
                 raise
             logger.error("%s: %s", _API, error)
 
@@ -859,15 +856,15 @@ class ZeroOptimizer:
         ``step``, the state-dict methods and ``module.state_dict()`` call it.
 
         Raises:
-            RuntimeError: a CPU update failed twice; it runs again at the next
-                call (see [Note: a failed CPU update in ZeRO]).
+            CpuStepError: a CPU update failed twice; it runs again at the next
+                call (see [Note: a failed CPU update]).
         """
         pipe = self._pipe
         if pipe is None:
             return
         if not pipe.round_open:
             return
-        while pipe.pending:
+        while pipe.held:
             self._write_back(self._order[pipe.pop()])
         if pipe.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(pipe.stream)
@@ -940,7 +937,7 @@ class ZeroOptimizer:
         pipe = self._pipe
         last = positions[-1]
         eager = self.world == 1
-        while pipe.pending and (pipe.pending[0][0] <= last or (eager and pipe.next_done())):
+        while pipe.held and (pipe.held[0] <= last or (eager and pipe.next_done())):
             self._write_back(self._order[pipe.pop()])
         if pipe.stream is not None:
             stream = torch.cuda.current_stream(self.device)
