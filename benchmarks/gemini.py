@@ -61,7 +61,7 @@ def gemini(
         opt.step()
         done[0] += 1
         if done[0] == warmup:  # count the timed steps only
-            model.cpu_step.wait_s = model.cpu_step.update_s = 0.0
+            opt.pipeline.updates.wait_s = opt.pipeline.updates.update_s = 0.0
             disk_wait0[0] = opt.nvme_wait_s
 
     if max_norm > 0:

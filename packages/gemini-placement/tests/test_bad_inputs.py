@@ -98,7 +98,7 @@ def _snapshot(env: dict[str, Any]) -> Any:
             "model": ddp.state_dict(),
             "opt": opt.state_dict(),
             "training_state": ddp.training_state,
-            "callbacks": (len(ddp.backward_end_callbacks), len(ddp.zero_grad_callbacks)),
+            "step": id(ddp.step_pipeline),
             "mem": dict(ddp.chunk_manager.total_mem),
             "plain": [p.detach().clone() for p in env["plain"].parameters()],
         }

@@ -129,14 +129,14 @@ def test_a_failed_cpu_update_runs_again_once_the_cause_is_removed(case, where, m
     # The second CPU chunk of the step fails.
     fault = _KernelFault(monkeypatch, after=1, hold=hold)
     if hold is not None:
-        real_await = ddp.cpu_step.await_chunk
+        real_await = opt.pipeline.await_chunk
 
         def await_chunk(chunk):
             if ddp.training_state is TrainingState.FORWARD and fault.raised:
                 hold.set()  # a failing update waits: let it fail while forward waits for it
             real_await(chunk)
 
-        monkeypatch.setattr(ddp.cpu_step, "await_chunk", await_chunk)
+        monkeypatch.setattr(opt.pipeline, "await_chunk", await_chunk)
     losses, caught = _train(ddp, opt, fault)
     assert fault.raised >= 2 and len(caught) == 1, (fault.raised, caught)
     assert isinstance(caught[0].__cause__, OSError)

@@ -105,7 +105,7 @@ def test_staging_of_gathered_chunks_is_reused_not_grown():
     # At most one buffer per pending chunk (how many overlap depends on
     # timing), never a new set per step.
     assert 0 < first <= shards and 0 < hb.owners["cpu_step_values"] <= shards
-    assert ddp.cpu_step.pending() == [] and not ddp.cpu_step._host_values  # all handed back
+    assert opt.pipeline.pending() == [] and not opt.pipeline._host_values  # all handed back
 
 
 def test_grad_norm_is_taken_before_an_update_writes_over_the_gradient():

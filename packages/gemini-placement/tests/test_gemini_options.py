@@ -193,7 +193,7 @@ def _sync_reduce(rank, world):
 
 def _cpu_step_without_overlap(rank, world):
     def workers():
-        return {t for t in threading.enumerate() if t.name.startswith("gemini-cpu-step")}
+        return {t for t in threading.enumerate() if t.name.startswith("zerostack-cpu-step")}
 
     before = set()  # earlier cases' workers may live on
 
@@ -201,7 +201,7 @@ def _cpu_step_without_overlap(rank, world):
         # No update left pending for the next forward: each CPU-held chunk's
         # parameter shard holds its updated master already (with overlap it
         # would still hold the reduced gradient).
-        assert not ddp.cpu_step.pending(), f"rank {rank}: {ddp.cpu_step.pending()}"
+        assert not opt.pipeline.pending(), f"rank {rank}: {opt.pipeline.pending()}"
         held = [c for c in ddp.grad_chunks if c.paired_chunk in ddp.offloaded_masters]
         assert held and len(held) < len(ddp.grad_chunks)
         for c in held:

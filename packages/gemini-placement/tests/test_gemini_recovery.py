@@ -185,7 +185,7 @@ def test_no_cpu_update_starts_during_backward():
 
     def look(ddp):
         time.sleep(0.2)
-        queued.extend(ddp.cpu_step.pending())
+        queued.extend(ddp.step_pipeline.pending())
 
     _Fault.before_raising = staticmethod(look)
     try:

@@ -1,64 +1,24 @@
-"""The CPU part of GeminiOptimizer's step, and the write-backs of every
-chunk: one owner for the worker thread, the updates still pending, the
-pinned host buffers, the staging events and the error of a failed update.
-
-GeminiDDP only asks it to finish a chunk's update before the chunk is used
-(``await_chunk``); AutoPlacement only asks whether a chunk is busy
-(``chunk in pipeline``); GeminiOptimizer submits updates and writes back.
+"""Gemini's chunk layer over zerostack.shard's CpuUpdatePipeline (which
+owns the worker thread, the pending and failed updates and their retry, see
+its [Note: a failed CPU update]): the pinned host buffers, the staging
+events and the write-back of every chunk. GeminiOptimizer builds one and
+owns its life; GeminiDDP only waits for a chunk before it uses it
+(``GeminiDDP.await_update``); AutoPlacement only asks whether a chunk is
+busy (``chunk in pipeline``).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from zerostack.chunk import Chunk, ChunkManager, phase
+from zerostack.shard import CpuStepError, CpuUpdatePipeline
 
-logger = logging.getLogger(__name__)
-
-
-class CpuStepError(RuntimeError):
-    """A CPU optimizer update failed; see [Note: a failed CPU update].
-
-    Attributes:
-        chunk_index: the index of the chunk whose update failed.
-    """
-
-    def __init__(self, message: str, chunk_index: int) -> None:
-        super().__init__(message)
-        self.chunk_index = chunk_index
-
-
-# [Note: a failed CPU update] An exception from the optimizer in a CPU-held
-# chunk's update (a failed NVMe read, a kernel call that raises) does not
-# write that chunk back: its parameter shard keeps the reduced gradient and
-# the update is remembered with its arguments (the gradient, div_scale, the
-# hyperparameters of its step). The error is raised as CpuStepError where it
-# surfaces: at the end of step() (inline: after every other chunk of the
-# step was updated), or on the worker's next wait: the next forward, or a
-# gather in the middle of one. Every later forward and step (and
-# GeminiOptimizer.retry_failed_updates) first runs the failed updates again,
-# in chunk order; once they succeed, the failed step is complete and training
-# goes on exactly as without the fault; while they fail, CpuStepError again.
-#
-# What is restored: an optimizer that raises before it changes anything
-# (HybridAdam/CPUAdam check every argument first, and put back the step
-# counts of the parameters whose kernel never ran) leaves the chunk's master
-# and states as before the failed step, so the retry gives the uninterrupted
-# run's values. What is not: a fault after the kernel began on the chunk (a
-# failed NVMe read of a later piece of its states under nvme_offload_fraction,
-# after earlier pieces were updated and written) leaves those pieces updated
-# and the step count advanced (and where the new shard is written in place
-# over the gradient, see [Note: CPU-step buffers], their gradient is gone); the retry steps them again, and the result
-# differs from the uninterrupted run (not detected). A forward interrupted
-# by the error in a gather is abandoned: its activations are dropped, call
-# forward again.
+__all__ = ["CpuStepError", "CpuStepPipeline", "write_back"]
 
 
 class CpuStepPipeline:
@@ -68,13 +28,16 @@ class CpuStepPipeline:
     Args:
         manager: the chunk manager of the model.
         compute_device: where gathered chunks live (pins host buffers on CUDA).
+        overlap: run updates on a worker thread (else inline, at ``submit``).
     """
 
-    def __init__(self, manager: ChunkManager, compute_device: torch.device) -> None:
+    def __init__(self, manager: ChunkManager, compute_device: torch.device, overlap: bool) -> None:
         self.manager = manager
         self._pin = compute_device.type == "cuda"
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: dict[Chunk, Future] = {}  # param chunk -> its running update
+        self.updates = CpuUpdatePipeline(
+            "GeminiOptimizer", "chunk {}", overlap, compute_device, retry_at="forward or step"
+        )
+        self._chunks: dict[int, Chunk] = {}  # chunk index -> chunk, of the held updates
         # See [Note: CPU-step buffers]. Staging buffers of pending chunks, and
         # the free ones, reused by any chunk of the same size and dtype.
         self._host_values: dict[Chunk, torch.Tensor] = {}  # fp16/bf16 results on their way
@@ -83,43 +46,31 @@ class CpuStepPipeline:
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
-        self._calls: dict[Chunk, tuple[Callable[..., None], tuple]] = {}  # pending updates' calls
-        self._failed: dict[Chunk, tuple[Callable[..., None], tuple]] = {}  # to run again
-        self._new_errors: list[CpuStepError] = []  # failed inline, raised at the end of the step
-        self.wait_s = 0.0  # time callers spent waiting for updates (exposed CPU time)
-        self.update_s = 0.0  # time spent in CPU updates (hidden unless waited for)
 
     # -- lifetime ------------------------------------------------------------------
 
-    def start(self, overlap: bool) -> None:
-        """Run updates on a worker thread (``overlap``) or inline."""
-        self.close()
-        if overlap:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gemini-cpu-step")
-
     def close(self) -> None:
-        """Finish what is pending (errors are kept, not raised) and stop the worker."""
-        for future in self._pending.values():
-            future.exception()  # waits; the error stays in the future
-        if self._executor is not None:
-            # The optimizer may be freed by the worker itself (its last task
-            # held it): a thread cannot join itself.
-            on_worker = threading.current_thread().name.startswith("gemini-cpu-step")
-            self._executor.shutdown(wait=not on_worker)
-            self._executor = None
+        """Let running updates end (errors kept, not raised) and stop the worker."""
+        self.updates.close()
 
     @property
     def overlapping(self) -> bool:
-        return self._executor is not None
+        return self.updates.overlapping
 
     def settle(self) -> None:
-        """Wait until no update is running on the worker (errors stay in
-        their futures, nothing is written back: no collective), for readers
-        of the optimizer's figures between steps."""
-        if threading.current_thread().name.startswith("gemini-cpu-step"):
-            return  # the worker itself: its own update is the one running
-        for future in list(self._pending.values()):
-            future.exception()
+        """Wait until no update is running on the worker (nothing is written
+        back: no collective), for readers of the optimizer's figures."""
+        self.updates.settle()
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds callers waited for updates (the exposed CPU step)."""
+        return self.updates.wait_s
+
+    @property
+    def update_s(self) -> float:
+        """Seconds spent in CPU updates (hidden unless waited for)."""
+        return self.updates.update_s
 
     # -- host buffers ----------------------------------------------------------------
 
@@ -196,10 +147,6 @@ class CpuStepPipeline:
             event.synchronize()
         return self._host_grads[chunk]
 
-    def _written_back(self, chunk: Chunk) -> torch.Tensor | None:
-        """``chunk``'s staged values for its write-back (None: written in place)."""
-        return self._host_values.get(chunk)
-
     def _release(self, chunk: Chunk) -> None:
         """The write-back is issued: ``chunk``'s staging buffers go back to the
         free list; a pinned values buffer with the event of its (asynchronous)
@@ -216,95 +163,60 @@ class CpuStepPipeline:
 
     # -- updates -------------------------------------------------------------------
 
-    def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> None:
+    def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> bool:
         """Run ``update(*args)`` for ``chunk``: on the worker, its write-back
-        following in ``await_chunk``; or now, written back at once. An inline
-        update that fails is remembered (see [Note: a failed CPU update]) and
-        its error raised by ``raise_new_errors``."""
-        if self._executor is None:
-            try:
-                self._run(update, *args)
-            except Exception as error:  # the same error as from the worker
-                self._new_errors.append(self._remember(chunk, (update, args), error))
-                return
-            self._finish(chunk)  # a synchronous step
-        else:
-            self._calls[chunk] = (update, args)
-            self._pending[chunk] = self._executor.submit(self._run, update, *args)
-
-    def defer(self, error: CpuStepError) -> None:
-        """Raise ``error`` at the next ``raise_new_errors`` (the end of the step)."""
-        self._new_errors.append(error)
-
-    def raise_new_errors(self) -> None:
-        """Raise the first error of the inline updates that failed since the last call.
-
-        Raises:
-            CpuStepError: an inline update failed.
-        """
-        errors, self._new_errors = self._new_errors, []
-        if errors:
-            raise errors[0]
-
-    def _run(self, update: Callable[..., None], *args: Any) -> None:
-        t0 = time.perf_counter()
-        with phase("zerostack::cpu_update"):
-            update(*args)
-        self.update_s += time.perf_counter() - t0
+        following in ``await_chunk``; or now, written back at once. False
+        when it failed inline (kept: ``await_chunk`` runs it once more, see
+        zerostack.shard's [Note: a failed CPU update])."""
+        self._chunks[chunk.index] = chunk
+        if not self.updates.submit(chunk.index, _in_phase, update, *args):
+            return False
+        if not self.updates.overlapping:
+            self.await_chunk(chunk)  # a synchronous step: written back at once
+        return True
 
     def __contains__(self, chunk: object) -> bool:
-        """True while ``chunk`` has an update that is not written back."""
-        return chunk in self._pending
-
-    def pending(self) -> list[Chunk]:
-        return list(self._pending)
-
-    def holds(self, chunk: Chunk) -> bool:
         """True while ``chunk`` has an update that is not written back:
         pending, or failed and kept to run again."""
-        return chunk in self._pending or chunk in self._failed
+        return isinstance(chunk, Chunk) and chunk.index in self.updates
+
+    def pending(self) -> list[Chunk]:
+        """The chunks whose update is queued or running (not failed), in chunk order."""
+        return [self._chunks[k] for k in self.updates.pending]
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the chunks whose update failed and is still to run."""
+        return self.updates.failed
 
     def drop_staged(self, chunk: Chunk) -> None:
         """Give back the staging buffers of ``chunk``'s gradient of a
         dropped batch (none while an update of it is pending or kept)."""
-        if not self.holds(chunk):
+        if chunk not in self:
             self._release(chunk)
 
     def await_chunk(self, chunk: Chunk) -> None:
-        """Finish ``chunk``'s pending update and write its new shard back; a
+        """Finish ``chunk``'s update, if any, and write its new shard back; a
         failed one is run once more here, inline.
 
         Raises:
-            CpuStepError: the update failed twice (see [Note: a failed CPU update]).
+            CpuStepError: the update failed twice (see zerostack.shard's
+                [Note: a failed CPU update]).
         """
-        if chunk in self._failed:
-            self._retry(chunk)
+        if chunk not in self:
             return
-        if chunk not in self._pending:
-            return
-        future = self._pending.pop(chunk)
-        call = self._calls.pop(chunk)
-        t0 = time.perf_counter()
-        error = future.exception()
-        self.wait_s += time.perf_counter() - t0
-        if error is not None:
-            logger.warning(
-                "GeminiOptimizer: the CPU update of chunk %d failed (%s: %s); running it again",
-                chunk.index, type(error).__name__, error,
-            )  # fmt: skip
-            self._failed[chunk] = call
-            self._retry(chunk)
-            return
+        self.updates.wait(chunk.index)
+        del self._chunks[chunk.index]
         self._finish(chunk)
 
     def _finish(self, chunk: Chunk) -> None:
         """Write ``chunk``'s update back (from its staging buffer, or in place)."""
-        self.write_back(chunk, self._written_back(chunk), staged=True)
+        write_back(self.manager, chunk, self._host_values.get(chunk), staged=True)
         self._release(chunk)
 
     def await_all(self) -> None:
-        """Finish every pending update, in chunk order."""
-        for chunk in sorted(self._pending, key=_index):
+        """Finish every pending update (not the failed ones), in chunk order."""
+        for chunk in self.pending():
             self.await_chunk(chunk)
 
     def await_kept_gathered(self) -> None:
@@ -318,7 +230,7 @@ class CpuStepPipeline:
         chunks write back locally (no collective), so they may finish in any
         hook, whenever their chunk is next needed.
         """
-        for chunk in sorted(self._pending, key=_index):
+        for chunk in self.pending():
             if chunk.keep_gathered:
                 self.await_chunk(chunk)
 
@@ -330,64 +242,33 @@ class CpuStepPipeline:
         Raises:
             CpuStepError: an update failed again; nothing else changed.
         """
-        for chunk, future in list(self._pending.items()):
-            if future.done() and future.exception() is not None:
-                del self._pending[chunk]
-                self._failed[chunk] = self._calls.pop(chunk)
-        for chunk in sorted(self._failed, key=_index):
-            self._retry(chunk)
-
-    @property
-    def failed(self) -> list[int]:
-        """Indices of the chunks whose update failed and is still to run."""
-        return sorted(c.index for c in self._failed)
-
-    def _retry(self, chunk: Chunk) -> None:
-        update, args = self._failed[chunk]
-        try:
-            self._run(update, *args)
-        except Exception as error:
-            raise self._remember(chunk, (update, args), error) from error
-        del self._failed[chunk]
-        logger.info(
-            "GeminiOptimizer: the CPU update of chunk %d ran again and succeeded", chunk.index
-        )
-        self._finish(chunk)
-
-    def _remember(self, chunk: Chunk, call: tuple, error: BaseException) -> CpuStepError:
-        self._failed[chunk] = call
-        failed = CpuStepError(
-            f"GeminiOptimizer: the CPU update of chunk {chunk.index} failed "
-            f"({type(error).__name__}: {error}); it is kept with its gradient: remove the cause "
-            "and go on (the next forward or step runs it again), or reload a checkpoint",
-            chunk.index,
-        )
-        failed.__cause__ = error
-        logger.error("%s", failed)
-        return failed
-
-    # -- write-back ------------------------------------------------------------------
-
-    @torch.no_grad()
-    def write_back(
-        self, chunk: Chunk, host_values: torch.Tensor | None, staged: bool = False
-    ) -> None:
-        """The updated master becomes ``chunk``'s parameter shard (cast) again:
-        from ``host_values`` (the CPU step's fp16/bf16 output), from the
-        paired master chunk (``host_values`` None), or, with ``staged`` and no
-        ``host_values``, as the CPU step already wrote it into the share
-        (see [Note: CPU-step buffers]). See [Note: write-back order]."""
-        with phase("zerostack::write_back"):
-            if chunk.is_gathered and chunk.can_release:
-                self.manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
-            if host_values is not None:
-                chunk.write_share(host_values, non_blocking=True)
-            elif not staged:
-                chunk.copy_from_paired()
-            self.manager.consume_grad(chunk)
-            if chunk.keep_gathered:
-                chunk.sync_gathered()
+        self.updates.harvest()
+        for index in self.updates.failed:
+            self.await_chunk(self._chunks[index])
 
 
-def _index(chunk: Chunk) -> int:
-    return chunk.index
+@torch.no_grad()
+def write_back(
+    manager: ChunkManager, chunk: Chunk, host_values: torch.Tensor | None = None,
+    staged: bool = False,
+) -> None:  # fmt: skip
+    """The updated master becomes ``chunk``'s parameter shard (cast) again:
+    from ``host_values`` (the CPU step's fp16/bf16 output), from the paired
+    master chunk (``host_values`` None), or, with ``staged`` and no
+    ``host_values``, as the CPU step already wrote it into the share (see
+    [Note: CPU-step buffers]). See [Note: write-back order]."""
+    with phase("zerostack::write_back"):
+        if chunk.is_gathered and chunk.can_release:
+            manager.release_chunk(chunk)  # a stale gathered copy (gradient accumulation)
+        if host_values is not None:
+            chunk.write_share(host_values, non_blocking=True)
+        elif not staged:
+            chunk.copy_from_paired()
+        manager.consume_grad(chunk)
+        if chunk.keep_gathered:
+            chunk.sync_gathered()
+
+
+def _in_phase(update: Callable[..., None], *args: Any) -> None:
+    with phase("zerostack::cpu_update"):
+        update(*args)

@@ -29,7 +29,7 @@ from zerostack.chunk import (
     set_collective_label,
 )
 from zerostack.gemini._config import AutoPlacementConfig, GeminiConfig
-from zerostack.gemini._cpu_step import CpuStepPipeline
+from zerostack.gemini._cpu_step import CpuStepPipeline, write_back
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
 from zerostack.shard import ShardedGradient, local_grad
 
@@ -171,13 +171,12 @@ class GeminiDDP(nn.Module):
         self._reduce_order = list(reversed(self.grad_chunks))  # the order backward produces them
         self._next_reduce = 0
         self._pending: list[tuple[Chunk, Any]] = []  # reductions in flight, with their handle
-        self.used: set[torch.Tensor] = set()  # params that got a gradient since the last step
-        # Called at the end of every reducing backward (GeminiOptimizer stages
-        # gradients of CPU-stepped chunks to the host there).
-        self.backward_end_callbacks: list[Callable[[], None]] = []
-        # Called first by zero_grad() when it drops a batch (GeminiOptimizer
-        # gives back the staged gradients of CPU-stepped chunks).
-        self.zero_grad_callbacks: list[Callable[[], None]] = []
+        self._used: set[torch.Tensor] = set()  # params that got a gradient since the last step
+        # The optimizer's link, see attach_step: its CPU-step pipeline, and
+        # what to call at the end of a reducing backward and when a batch is dropped.
+        self._updates: CpuStepPipeline | None = None
+        self._on_reduced: Callable[[], None] | None = None
+        self._on_drop: Callable[[], None] | None = None
         self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
         self._register_hooks()
         _WRAPPED.add(module)
@@ -295,7 +294,7 @@ class GeminiDDP(nn.Module):
             cpu_offload=where.master_on_cpu, pin_memory=pin,
         )  # fmt: skip
         if where.master_on_cpu and mchunk.num_tensors == 1:  # a chunk is placed when created
-            self.placement.offloaded_masters.add(mchunk)
+            self.placement.offload_master(mchunk)
         self.masters[p] = master
 
     def _pair_and_place_buffers(self, module: nn.Module) -> None:
@@ -312,9 +311,7 @@ class GeminiDDP(nn.Module):
         self.param_chunks = sorted(
             self.grad_chunks + self.chunk_manager.chunks("frozen_param"), key=lambda c: c.index
         )
-        self.cpu_step = CpuStepPipeline(self.chunk_manager, self.compute_device)
-        weakref.finalize(self, self.cpu_step.close)  # the model's teardown stops the worker too
-        self.placement.attach(self.chunk_manager, self.param_chunks, busy=self.cpu_step)
+        self.placement.attach(self.chunk_manager, self.param_chunks)
 
     def _log_layout(self) -> None:
         chunks = self.param_chunks
@@ -338,9 +335,9 @@ class GeminiDDP(nn.Module):
         return self.placement if isinstance(self.placement, AutoPlacement) else None
 
     @property
-    def offloaded_masters(self) -> set[Chunk]:
-        """The fp32 master chunks stepped on the CPU."""
-        return self.placement.offloaded_masters
+    def offloaded_masters(self) -> frozenset[Chunk]:
+        """The fp32 master chunks stepped on the CPU (the placement decides them)."""
+        return frozenset(self.placement.offloaded_masters)
 
     @property
     def training_state(self) -> TrainingState:
@@ -349,7 +346,49 @@ class GeminiDDP(nn.Module):
     @property
     def update_wait_s(self) -> float:
         """Seconds spent waiting for CPU updates (the exposed CPU step)."""
-        return self.cpu_step.wait_s
+        return self._updates.wait_s if self._updates is not None else 0.0
+
+    @property
+    def step_pipeline(self) -> CpuStepPipeline | None:
+        """The CPU-step pipeline of the model's GeminiOptimizer (None before one)."""
+        return self._updates
+
+    # -- the optimizer's interface -------------------------------------------------
+    # [Note: who owns the Gemini step] GeminiDDP owns the chunks' states and
+    # gathers; the placement decides where chunks live (the only writer of
+    # its offloaded masters); GeminiOptimizer owns the step and its CPU-step
+    # pipeline (it builds it, closes it, and submits every update). They meet
+    # here: the optimizer attaches its pipeline (whose updates every use of a
+    # chunk waits for) and two callbacks; it asks which parameters got
+    # gradients (take_used), lets the placement plan (plan_placement) and
+    # ends the step (finish_step).
+
+    def attach_step(
+        self, pipeline: CpuStepPipeline, on_reduced: Callable[[], None] | None = None,
+        on_drop: Callable[[], None] | None = None,
+    ) -> None:  # fmt: skip
+        """GeminiOptimizer's link (see [Note: who owns the Gemini step]): the
+        model waits for ``pipeline``'s update of a chunk before it uses that
+        chunk, calls ``on_reduced`` at the end of every reducing backward and
+        ``on_drop`` first when ``zero_grad`` drops a batch. A new pipeline
+        first finishes what the one before left pending (every rank builds
+        its optimizer at the same point: write-backs may be collectives)."""
+        old = self._updates
+        if old is not None and old is not pipeline:
+            old.await_all()
+        self._updates, self._on_reduced, self._on_drop = pipeline, on_reduced, on_drop
+        self.placement.busy = pipeline
+
+    def take_used(self, params: Sequence[torch.Tensor]) -> list[float]:
+        """1.0 for each of ``params`` that got a gradient since the last step,
+        else 0.0; forgets them (the step consumes them)."""
+        used = [float(p in self._used) for p in params]
+        self._used.clear()
+        return used
+
+    def plan_placement(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
+        """The placement's plan at the first step (auto); True when masters moved."""
+        return self.placement.plan(masters, optim_bytes_per_element)
 
     def _transition(self, new: TrainingState) -> None:
         """The only place the training state changes. See [Note: training state table]."""
@@ -362,6 +401,7 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
+        self._used.clear()
         for p in self._guarded:  # the next backward accumulates into None again
             p.grad = None
 
@@ -381,12 +421,28 @@ class GeminiDDP(nn.Module):
             self._no_sync = before
 
     def await_update(self, chunk: Chunk) -> None:
-        """Finish ``chunk``'s pending optimizer update (a CPU step) if any."""
-        self.cpu_step.await_chunk(chunk)
+        """Finish ``chunk``'s pending optimizer update (a CPU step) if any.
+
+        Raises:
+            CpuStepError: the update failed twice (see zerostack.shard's
+                [Note: a failed CPU update]).
+        """
+        if self._updates is not None:
+            self._updates.await_chunk(chunk)
 
     def wait_updates(self) -> None:
-        """Finish every pending optimizer update."""
-        self.cpu_step.await_all()
+        """Finish every pending optimizer update (failed ones stay kept)."""
+        if self._updates is not None:
+            self._updates.await_all()
+
+    def retry_failed_updates(self) -> None:
+        """Run the failed CPU updates again, in chunk order.
+
+        Raises:
+            CpuStepError: an update failed again; nothing else changed.
+        """
+        if self._updates is not None:
+            self._updates.check()
 
     def chunk_placement(self, *, table: bool = False) -> Any:
         """Where every chunk lives now (this rank): a list of
@@ -461,13 +517,13 @@ class GeminiDDP(nn.Module):
         """Gather ``chunks`` (those holding the tensors of ``slots``) and mark
         the tensors in use. The hot path: it runs for every module with
         parameters, three times a step."""
-        pipeline, manager = self.cpu_step, self.chunk_manager
+        pipeline, manager = self._updates, self.chunk_manager
         set_collective_label(label)
         with phase("zerostack::gather"):
             training = self._state is T.FORWARD or self._state is T.BACKWARD
             self.placement.before_access(chunks, training)
             for chunk in chunks:
-                if chunk in pipeline:
+                if pipeline is not None and chunk in pipeline:
                     pipeline.await_chunk(chunk)
                 manager.access_chunk(chunk)
             self.placement.after_access(chunks, training)
@@ -536,7 +592,7 @@ class GeminiDDP(nn.Module):
 
     def _on_grad(self, index: int, p: torch.Tensor) -> None:
         chunk, info = self._slots[index]
-        self.used.add(p)
+        self._used.add(p)
         grad = local_grad(p)  # a guard holds what autograd added into it, if anything
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
@@ -594,7 +650,7 @@ class GeminiDDP(nn.Module):
         # No gather (a collective this rank may reach at another time than
         # the others): a chunk no tensor of which got a gradient here needs
         # only a zero buffer.
-        self.cpu_step.await_chunk(chunk)
+        self.await_update(chunk)
         if self.accumulate:
             if chunk.grad_chunk is None or chunk.grad_chunk.buffer is None:
                 self.chunk_manager.init_grad_chunk(chunk)
@@ -625,8 +681,8 @@ class GeminiDDP(nn.Module):
         frozen = [p for p in self.params if not p.requires_grad]
         if frozen:
             self._release(frozen, S.HOLD)
-        for callback in self.backward_end_callbacks:
-            callback()
+        if self._on_reduced is not None:
+            self._on_reduced()
 
     # -- forward ------------------------------------------------------------------
 
@@ -641,7 +697,7 @@ class GeminiDDP(nn.Module):
         return obj
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self.cpu_step.check()  # a failed CPU update: the model cannot go on
+        self.retry_failed_updates()  # a failed CPU update: the model cannot go on
         if self._state is T.REDUCED:
             raise RuntimeError(
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
@@ -656,7 +712,8 @@ class GeminiDDP(nn.Module):
             )
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         training = torch.is_grad_enabled()
-        self.cpu_step.await_kept_gathered()  # See [Note: write-back order]
+        if self._updates is not None:
+            self._updates.await_kept_gathered()  # See [Note: write-back order]
         before = self._state
         if training:
             self._transition(T.FORWARD)
@@ -713,8 +770,6 @@ class GeminiDDP(nn.Module):
             if self._accumulated:
                 self._drop_accumulated()
             return
-        for callback in self.zero_grad_callbacks:
-            callback()
         self._drop_batch()
 
     def drop_batch_for_load(self) -> None:
@@ -722,8 +777,6 @@ class GeminiDDP(nn.Module):
         that raised, or gradients not stepped) is dropped, as by
         ``zero_grad()``."""
         if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
-            for callback in self.zero_grad_callbacks:
-                callback()
             self._drop_batch()
 
     def _drop_accumulated(self) -> None:
@@ -736,14 +789,17 @@ class GeminiDDP(nn.Module):
                 if info.state is S.HOLD_AFTER_BWD:
                     for s in path_between(info.state, S.HOLD):
                         chunk.trans_info_state(info, s)
-        self.used.clear()
+        self._used.clear()
         self._accumulated = False
 
     @torch.no_grad()
     def _drop_batch(self) -> None:
         """From ACCUMULATED, BACKWARD or REDUCED: every chunk as before the
         batch, IDLE. Reductions are collectives every rank issued in the same
-        order: they are waited for, never left behind."""
+        order: they are waited for, never left behind. The optimizer's
+        ``on_drop`` first (see attach_step)."""
+        if self._on_drop is not None:
+            self._on_drop()
         for _chunk, handle in self._pending:
             if handle is not None:
                 handle.wait()
@@ -759,10 +815,10 @@ class GeminiDDP(nn.Module):
         # the parameters (a chunk with an update of an earlier step still
         # pending, or kept after a failure, is that step's and stays).
         for chunk in self.grad_chunks:
-            if not self.cpu_step.holds(chunk):
-                self.cpu_step.write_back(chunk, None)
+            if self._updates is None or chunk not in self._updates:
+                write_back(self.chunk_manager, chunk)
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
-        self.used.clear()
+        self._used.clear()
         self._accumulated = False
         self.placement.abandon_iteration()
         self._transition(T.IDLE)
@@ -775,7 +831,7 @@ class GeminiDDP(nn.Module):
         """The whole model's parameters (fp32, from the masters) and buffers,
         on the CPU: on every rank, or with ``only_rank_0`` on rank 0 (the
         others still take part in the gathers and get an empty dict)."""
-        self.cpu_step.check()
+        self.retry_failed_updates()
         self.wait_updates()
         keep = not only_rank_0 or self.rank == 0
         by_chunk: dict[Chunk, list[nn.Parameter]] = {}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from zerostack.chunk import Chunk
+from zerostack.gemini._cpu_step import write_back
 from zerostack.gemini._ddp import GeminiDDP
 
 _API = "GeminiDDP.load_local_state"
@@ -90,7 +91,7 @@ def load_local_model_state(ddp: GeminiDDP, values: dict[str, torch.Tensor]) -> N
         touched.add(ddp.chunk_manager.get_chunk(p))
     for chunk in ddp.param_chunks:  # the same order on every rank: collectives inside
         if chunk.paired_chunk is not None:
-            ddp.cpu_step.write_back(chunk, None)  # the masters become the parameters
+            write_back(ddp.chunk_manager, chunk)  # the masters become the parameters
         elif chunk.keep_gathered:
             chunk.sync_gathered()
         elif chunk in touched and chunk.is_gathered and chunk.can_release:

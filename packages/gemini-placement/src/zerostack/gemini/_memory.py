@@ -403,11 +403,12 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
             for v in state.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     add("optim_states", v)
-    pipeline = ddp.cpu_step
-    for buf in pipeline.host_buffers("values"):
-        add("cpu_step_values", buf)
-    for buf in pipeline.host_buffers("grads"):
-        add("cpu_step_grads", buf)
+    pipeline = ddp.step_pipeline
+    if pipeline is not None:
+        for buf in pipeline.host_buffers("values"):
+            add("cpu_step_values", buf)
+        for buf in pipeline.host_buffers("grads"):
+            add("cpu_step_grads", buf)
     if inner is not None:
         for buf in getattr(inner, "_copy_out", {}).values():
             add("copy_out", buf)

@@ -13,7 +13,7 @@ import torch
 
 from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
 from zerostack.fused_adam import HybridAdam
-from zerostack.gemini._cpu_step import CpuStepError
+from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
@@ -30,6 +30,7 @@ from zerostack.shard import (
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
+    write_failed,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class GeminiOptimizer:
     thread, chunk by chunk in compute order, while the next forward starts:
     each chunk's forward waits only for that chunk's update, and its new
     fp16/bf16 values go to the device then (see zerostack.gemini's
-    CpuStepPipeline). The math is the same as a synchronous step, never a
+    CpuStepPipeline, which this optimizer builds and closes: see [Note: who
+    owns the Gemini step]). The math is the same as a synchronous step, never a
     step late. Only the fp16 loss scaler skips steps (see zerostack.shard's
     [Note: overflow policy]); bf16 and fp32 gradients are applied as torch's
     optimizers would, inf/nan included, with a warning.
@@ -115,7 +117,7 @@ class GeminiOptimizer:
         self._closed = False
         self.module = module
         self.manager = module.chunk_manager
-        self.pipeline = module.cpu_step
+        self.pipeline = CpuStepPipeline(self.manager, module.compute_device, overlap_cpu_step)
         self.max_norm = max_norm
         self._user = optimizer
         # What steps the masters: the user's optimizer's twin, whose group
@@ -124,13 +126,13 @@ class GeminiOptimizer:
         self.optimizer = stepping_twin(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
+        self._chunk_of = {c.index: c for c, _ in self.pairs}
         self._trainable_params = [p for p in module.params if p.requires_grad]
         self.scaler = scaler
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
         self.collector = collector
-        self.pipeline.start(overlap_cpu_step)
-        weakref.finalize(self, _close, self.pipeline, self.collector)
+        weakref.finalize(self, _close, self.pipeline, self.collector)  # the one finalizer
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
         self._bind_masters()
@@ -143,9 +145,9 @@ class GeminiOptimizer:
         # clip_grad_by_norm: the coefficient recorded for the coming step (see
         # zerostack.shard's [Note: gradient clipping]).
         self._clip = 1.0
-        self._callbacks = (_WeakCall(self, "_stage_grads"), _WeakCall(self, "_drop_batch"))
-        module.backward_end_callbacks.append(self._callbacks[0])
-        module.zero_grad_callbacks.append(self._callbacks[1])
+        module.attach_step(
+            self.pipeline, _WeakCall(self, "_stage_grads"), _WeakCall(self, "_drop_batch")
+        )
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
         _WRAPPED.add(self.optimizer)
@@ -163,7 +165,7 @@ class GeminiOptimizer:
             if hasattr(m, "grad_dtype"):
                 m.grad_dtype = None  # torch >= 2.10: fp16/bf16 grads stepped as they are
         self.optimizer.param_groups[0]["params"] = self.masters
-        offloaded = self.module.offloaded_masters
+        offloaded = self.module.offloaded_masters  # the placement's decision
         self._host = [i for i, (_, m) in enumerate(self.pairs) if m in offloaded]
         self._host_set = set(self._host)
         self._device = [i for i, (_, m) in enumerate(self.pairs) if m not in offloaded]
@@ -189,20 +191,17 @@ class GeminiOptimizer:
         return self.pipeline.update_s
 
     def close(self) -> None:
-        """Finish pending CPU updates and stop the worker thread (also done
-        when the optimizer is garbage-collected). The optimizer cannot step
-        any more; the model may get a new GeminiOptimizer."""
+        """Let running CPU updates end and stop the worker thread (also done
+        when the optimizer is garbage-collected); the model still writes
+        their results back before it uses the chunks. The optimizer cannot
+        step any more; the model may get a new GeminiOptimizer."""
         _close(self.pipeline, self.collector)
         if self._closed:
             return
         self._closed = True
         module = self.module
-        lists: tuple[list[Any], list[Any]] = (
-            module.backward_end_callbacks, module.zero_grad_callbacks,
-        )  # fmt: skip
-        for callbacks, callback in zip(lists, self._callbacks, strict=True):
-            if callback in callbacks:
-                callbacks.remove(callback)
+        if module.step_pipeline is self.pipeline:
+            module.attach_step(self.pipeline)  # no callbacks: this optimizer steps no more
         ref = _OPTIMIZERS.get(module)
         if ref is not None and ref() is self:
             del _OPTIMIZERS[module]
@@ -272,41 +271,48 @@ class GeminiOptimizer:
         Raises:
             RuntimeError: no backward finished since the last step, fp16
                 gradients not scaled through ``backward``.
-            CpuStepError: a CPU update of this step failed, or one of an
-                earlier step failed again (see [Note: a failed CPU update]
-                in zerostack.gemini._cpu_step).
+            CpuStepError: a CPU update of this step failed twice, or one of
+                an earlier step failed again (see zerostack.shard's [Note: a
+                failed CPU update]).
         """
         self._check_open("step")
         mark_stepped(self._user)  # See zerostack.shard's [Note: the user's hyperparameters]
+        errors: list[CpuStepError] = []  # raised at the end: the rest of the step goes on
         try:
             self.pipeline.check()
         except CpuStepError as error:
             if self.module.training_state is not TrainingState.REDUCED:
                 raise  # no step to do: the error alone
             # An update of the last step failed twice: the rest of this step
-            # goes on, that chunk keeps its gradient, and the error is raised
-            # at the end (as for an inline update).
-            self.pipeline.defer(error)
+            # goes on, that chunk keeps its gradient.
+            errors.append(error)
         if not self._ready_to_step():
-            self.pipeline.raise_new_errors()
+            _raise_first(errors)
             return False
         with phase("zerostack::step"):
             for chunk in self.pipeline.pending():  # the previous step's CPU updates
                 try:
                     self.pipeline.await_chunk(chunk)
-                except CpuStepError as error:  # kept to run again; raised at the end
-                    self.pipeline.defer(error)
+                except CpuStepError as error:  # kept to run again
+                    errors.append(error)
             self._plan_placement()
             self._bind_disk()
+            kept = set(self.pipeline.failed)
             stepped = self._step()
         self.module.finish_step()
         self.collector.tick()
-        self.pipeline.raise_new_errors()
+        for index in self.pipeline.failed:  # this step's inline failures: once more now
+            if index not in kept:
+                try:
+                    self.pipeline.await_chunk(self._chunk_of[index])
+                except CpuStepError as error:
+                    errors.append(error)
+        _raise_first(errors)
         return stepped
 
     def retry_failed_updates(self) -> None:
         """Run the CPU updates that failed again, now (the next forward or
-        step would). See [Note: a failed CPU update] in zerostack.gemini._cpu_step.
+        step would). See zerostack.shard's [Note: a failed CPU update].
 
         Raises:
             CpuStepError: an update failed again; nothing else changed.
@@ -398,9 +404,8 @@ class GeminiOptimizer:
 
     def _drop_grads(self) -> None:
         self._clip = 1.0
-        self.module.used.clear()
         for chunk, _ in self.pairs:
-            self.pipeline.write_back(chunk, None)
+            write_back(self.manager, chunk)
         self.module.finish_step()
 
     def _bind_disk(self) -> None:
@@ -413,7 +418,7 @@ class GeminiOptimizer:
             with self._lock:
                 self.optimizer.nvme_plan([])
         except OSError as error:
-            if _write_failed(error):  # the last step's writes: states kept in RAM
+            if write_failed(error):  # the last step's writes: states kept in RAM
                 logger.error("%s: %s", _API, error)
                 return
             self._drop_grads()
@@ -423,7 +428,7 @@ class GeminiOptimizer:
         """At the first step under auto placement: the plan, and the masters
         (with any state loaded before it) where it put them."""
         before = list(self.masters)
-        if not self.module.placement.plan(
+        if not self.module.plan_placement(
             dict(self.pairs), _state_bytes_per_element(self.optimizer)
         ):
             return
@@ -440,16 +445,13 @@ class GeminiOptimizer:
         module = self.module
         grads = [_grad_share(c) for c, _ in self.pairs]
         trainable = self._trainable_params
-        used = torch.tensor(
-            [float(p in module.used) for p in trainable], device=module.compute_device
-        )
+        used = torch.tensor(module.take_used(trainable), device=module.compute_device)
         stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads))
-        module.used.clear()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self._clip = 1.0
         if plan.skip:
             for chunk, _ in self.pairs:
-                self.pipeline.write_back(chunk, None)
+                write_back(self.manager, chunk)
             return False
         self.last_grad_norm = plan.grad_norm
         hyper = self._hyper()
@@ -472,7 +474,7 @@ class GeminiOptimizer:
                 self.masters[i].grad = None
         for i in self._device:
             _restore(saved.get(i))
-            self.pipeline.write_back(self.pairs[i][0], None)
+            write_back(self.manager, self.pairs[i][0])
         # CPU-held masters, chunk by chunk in compute order. With Adam states
         # on disk the reads run ahead across chunks, in the same order.
         failed = set(self.pipeline.failed)  # kept with their gradients, to run again
@@ -529,7 +531,7 @@ class GeminiOptimizer:
                 # A failed state write (zerostack.nvme's NVMeWriteError): the
                 # update completed and the state stays in RAM, written again
                 # at the next step; anything else fails the update.
-                if not _write_failed(error):
+                if not write_failed(error):
                     raise
                 logger.error("%s: chunk %d: %s", _API, self.pairs[i][0].index, error)
             finally:  # a failed update must not leave its gradient (or its buffer) behind
@@ -710,8 +712,8 @@ class GeminiOptimizer:
         self.optimizer.load_state_dict({"state": state, "param_groups": [inner]})
         if self.scaler is not None and full["scaler"] is not None:
             self.scaler.load_state_dict(full["scaler"])
-        for i in range(len(self.pairs)):
-            self.pipeline.write_back(self.pairs[i][0], None)
+        for chunk, _ in self.pairs:
+            write_back(self.manager, chunk)
 
 
 # [Note: NVMe on the host tier] HybridAdam's nvme_offload_fraction puts on
@@ -741,13 +743,12 @@ def _host_hint(module: GeminiDDP) -> str:
     )
 
 
-def _write_failed(error: OSError) -> bool:
-    """zerostack.nvme's NVMeWriteError (not imported: nvme is fused-adam's
-    optional extra): the update completed, its state was kept in RAM."""
-    return type(error).__name__ == "NVMeWriteError"
+def _raise_first(errors: list[CpuStepError]) -> None:
+    if errors:
+        raise errors[0]
 
 
-def _close(pipeline, collector: CollectorSchedule) -> None:
+def _close(pipeline: CpuStepPipeline, collector: CollectorSchedule) -> None:
     pipeline.close()
     collector.close()
 

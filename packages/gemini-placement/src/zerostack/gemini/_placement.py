@@ -35,8 +35,11 @@ class Placement:
     ``start_iteration``, ``before_access``/``after_access`` around every
     gather, ``end_warmup`` at the end of backward, and ``plan`` at the first
     optimizer step; ``abandon_iteration`` when a forward or backward raised.
-    ``offloaded_masters`` are the master chunks stepped on the CPU;
-    ``keeps_cache`` says whether idle gathered chunks stay gathered.
+    ``offloaded_masters`` are the master chunks stepped on the CPU, written
+    only here (``offload_master`` at registration, ``plan``);
+    ``keeps_cache`` says whether idle gathered chunks stay gathered; ``busy``
+    holds the chunks with an optimizer update not written back (GeminiDDP
+    sets it to its optimizer's CPU-step pipeline), which are not prefetched.
     """
 
     warming_up = False
@@ -48,13 +51,18 @@ class Placement:
         self.offloaded_masters: set[Chunk] = set()
         self.manager: ChunkManager | None = None
         self.param_chunks: list[Chunk] = []
+        self.busy: Container = ()
 
     def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
         """Place a parameter of ``numel`` elements after ``seen`` of ``total``."""
         raise NotImplementedError
 
-    def attach(self, manager: ChunkManager, param_chunks: list[Chunk], busy: Container) -> None:
-        self.manager, self.param_chunks, self.busy = manager, param_chunks, busy
+    def attach(self, manager: ChunkManager, param_chunks: list[Chunk]) -> None:
+        self.manager, self.param_chunks = manager, param_chunks
+
+    def offload_master(self, chunk: Chunk) -> None:
+        """A master chunk ``decide`` put on the CPU was created: it is stepped there."""
+        self.offloaded_masters.add(chunk)
 
     def start_iteration(self) -> None:
         pass
@@ -225,8 +233,8 @@ class AutoPlacement(Placement):
             sharded=not self.keep_gathered, param_on_cpu=on_cpu, master_on_cpu=True
         )
 
-    def attach(self, manager: ChunkManager, param_chunks: list[Chunk], busy: Container) -> None:
-        super().attach(manager, param_chunks, busy)
+    def attach(self, manager: ChunkManager, param_chunks: list[Chunk]) -> None:
+        super().attach(manager, param_chunks)
         self._by_index = {c.index: c for c in param_chunks}
         self.initial_placement()
 
