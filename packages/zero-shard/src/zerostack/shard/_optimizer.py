@@ -679,9 +679,10 @@ class ZeroOptimizer:
 
         Raises:
             RuntimeError: fp16 gradients that were not scaled through
-                ``backward``; a CPU update that failed twice (the step stays
+                ``backward``.
+            CpuStepError: a CPU update that failed twice (the step stays
                 unfinished: ``step()`` again finishes it, see [Note: a failed
-                CPU update in ZeRO]).
+                CPU update]).
         """
         mark_stepped(self._user)  # See [Note: the user's hyperparameters]
         if self._unfinished:  # the last step's update failed: finishing it is this step
