@@ -360,7 +360,8 @@ class GeminiDDP(nn.Module):
     # pipeline (it builds it, closes it, and submits every update). They meet
     # here: the optimizer attaches its pipeline (whose updates every use of a
     # chunk waits for) and two callbacks; it asks which parameters got
-    # gradients (take_used), lets the placement plan (plan_placement) and
+    # gradients (take_used) and in which order chunks are used
+    # (chunk_compute_order), lets the placement plan (plan_placement) and
     # ends the step (finish_step).
 
     def attach_step(
@@ -389,6 +390,12 @@ class GeminiDDP(nn.Module):
     def plan_placement(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
         """The placement's plan at the first step (auto); True when masters moved."""
         return self.placement.plan(masters, optim_bytes_per_element)
+
+    def chunk_compute_order(self) -> list[int]:
+        """Chunk indices in the order a training iteration first uses them,
+        as auto placement recorded it (empty under static placement)."""
+        auto = self.auto
+        return auto.stats.chunk_order() if auto is not None else []
 
     def _transition(self, new: TrainingState) -> None:
         """The only place the training state changes. See [Note: training state table]."""

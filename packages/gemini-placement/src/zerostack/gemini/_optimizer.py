@@ -502,10 +502,10 @@ class GeminiOptimizer:
         return grad.to(device=master.device, dtype=dtype)
 
     def _cpu_order(self) -> list[int]:
-        auto = self.module.auto
-        if auto is None or not auto.stats.order:
+        order = self.module.chunk_compute_order()
+        if not order:
             return list(self._host)
-        first = {idx: k for k, idx in enumerate(auto.stats.chunk_order())}
+        first = {idx: k for k, idx in enumerate(order)}
         return sorted(self._host, key=lambda i: first.get(self.pairs[i][0].index, 1 << 30))
 
     def _cpu_update(self, i: int, grad: torch.Tensor, div_scale: float, saved, hyper) -> None:
