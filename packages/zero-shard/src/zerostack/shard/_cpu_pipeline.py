@@ -142,6 +142,13 @@ def write_failed(error: OSError) -> bool:
     return type(error).__name__ == "NVMeWriteError"
 
 
+def _cuda_index(device: torch.device) -> int | None:
+    """The CUDA device the worker makes current (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _init_worker(cuda_index: int | None) -> None:
     # On CUDA the worker syncs on events and copies: with the rank's device
     # made current first, or the runtime would set up a context on GPU 0.
@@ -171,14 +178,10 @@ class CpuUpdatePipeline:
         cuda = device.type == "cuda"
         self._executor: ThreadPoolExecutor | None = None
         if overlap:
-            index = (
-                (device.index if device.index is not None else torch.cuda.current_device())
-                if cuda
-                else None
-            )
             self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix=_THREAD_PREFIX, initializer=_init_worker, initargs=(index,)
-            )
+                1, thread_name_prefix=_THREAD_PREFIX, initializer=_init_worker,
+                initargs=(_cuda_index(device),),
+            )  # fmt: skip
         self.stream = torch.cuda.Stream(device) if cuda and write_back_stream else None
         self.round_open = False  # the owner's: a step's write-backs not all waited for yet
         self._calls: dict[int, tuple[Callable[..., None], tuple]] = {}  # held: not finished
