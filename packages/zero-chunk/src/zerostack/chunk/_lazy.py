@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
-from zerostack.chunk._chunk import _default_device, check_device
+from zerostack.chunk._chunk import check_device, default_compute_device
 from zerostack.chunk._lazy_record import Disguise, Recorder, Recording, Ref, recording_rng, ref_of
 from zerostack.chunk._lazy_replay import Replay
 from zerostack.chunk._manager import ChunkManager
@@ -218,7 +218,7 @@ class LazyInitContext:
         # Checked before any module is materialized: a bad argument leaves
         # the model on meta, ready for a corrected call.
         _check_distribute_args(api, model, chunk_manager, config_key, dtype, register_fn)
-        buffer_device = chunk_manager.compute_device or _default_device()
+        buffer_device = chunk_manager.compute_device or default_compute_device()
         chunks_before = len(chunk_manager.chunks())
         num_params = num_bytes = 0
 

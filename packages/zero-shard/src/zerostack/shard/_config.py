@@ -64,10 +64,8 @@ class ZeroConfig:
 
 def changed_fields(given: Any, default: Any) -> list[str]:
     """The names of the fields in which the config ``given`` differs from
-    ``default`` (sorted): the options a user set to something else."""
-    return sorted(
-        f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)
-    )
+    ``default``, in field order: the options a user set to something else."""
+    return [f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)]
 
 
 def as_kwargs(config: Any) -> dict[str, Any]:
