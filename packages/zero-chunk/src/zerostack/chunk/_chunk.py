@@ -144,7 +144,9 @@ class Chunk:
         self.shard_size = -(-chunk_size // self.world_size)
         self.chunk_size = self.shard_size * self.world_size
         self.dtype = dtype
-        self.compute_device = torch.device(compute_device) if compute_device else default_compute_device()
+        self.compute_device = (
+            torch.device(compute_device) if compute_device else default_compute_device()
+        )
         self.shard_device = torch.device(shard_device) if shard_device else self.compute_device
         self.keep_gathered = keep_gathered
         self.pin_memory = pin_memory
