@@ -57,10 +57,10 @@ _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 def _check_args(
     optimizer: torch.optim.Optimizer,
-    stage: object,
+    stage: int,
     reduce_bucket_size: int,
     max_norm: float,
-    communication_dtype: object,
+    communication_dtype: torch.dtype | None,
     module: object,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
