@@ -9,6 +9,7 @@ import torch
 
 from zerostack.auto_offload._module import BaseOffloadModule
 from zerostack.shard import (
+    SCALER_KEYS,
     DynamicLossScaler,
     LossScalerConfig,
     check_max_norm,
@@ -87,11 +88,8 @@ class AMPOptimizer:
         self.optim = optimizer
         self.module = module
         self.max_norm = float(clipping_norm)
-        given = dict(
-            initial_scale=initial_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-        )  # fmt: skip
+        arguments = locals()
+        given = {name: arguments[name] for name in SCALER_KEYS}
         fp16 = module.dtype == torch.float16
         kwargs = given if fp16 else {k: v for k, v in given.items() if v != getattr(_SCALER, k)}
         self.grad_scaler: DynamicLossScaler | None = make_loss_scaler(

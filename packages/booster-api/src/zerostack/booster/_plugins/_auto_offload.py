@@ -25,7 +25,7 @@ from zerostack.booster._plugins._state import (
     scaler_state,
 )
 from zerostack.chunk import rank_and_world
-from zerostack.shard import LossScalerConfig, check_clip_args, check_max_norm
+from zerostack.shard import SCALER_KEYS, LossScalerConfig, check_clip_args, check_max_norm
 
 _API = "AutoOffloadPlugin"
 _SOLVERS = ("asyn", "syn")
@@ -271,11 +271,8 @@ class AutoOffloadPlugin(Plugin):
         self.max_norm = max_norm
         self.profile = profile
         self.device = device
-        self.scaler_kwargs: dict[str, Any] = dict(
-            initial_scale=initial_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-        )  # fmt: skip
+        arguments = locals()
+        self.scaler_kwargs: dict[str, Any] = {name: arguments[name] for name in SCALER_KEYS}
 
     def supported_precisions(self) -> list[str]:
         return list(_PRECISIONS)

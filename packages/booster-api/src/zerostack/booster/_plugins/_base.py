@@ -20,7 +20,7 @@ from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
-from zerostack.shard import LossScalerConfig, as_kwargs, changed_fields, check_max_norm
+from zerostack.shard import SCALER_KEYS, LossScalerConfig, as_kwargs, changed_fields, check_max_norm
 
 logger = logging.getLogger(__name__)
 # The plugins' precision names.
@@ -48,6 +48,12 @@ def check_zero_options(api: str, precision: object, norm_type: object, max_norm:
             f"{api}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
         )
     check_max_norm(api, max_norm)
+
+
+def scaler_config(arguments: dict[str, Any]) -> LossScalerConfig:
+    """The LossScalerConfig of a plugin's arguments (its ``locals()``), which
+    take the loss scaler's keywords under their names (SCALER_KEYS)."""
+    return LossScalerConfig(**{name: arguments[name] for name in SCALER_KEYS})
 
 
 def scaler_kwargs(

@@ -22,6 +22,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     check_zero_options,
     precision_name,
+    scaler_config,
     scaler_kwargs,
 )
 from zerostack.booster._plugins._contract import (
@@ -493,11 +494,7 @@ class GeminiPlugin(Plugin):
             mixed_precision=_DTYPES[precision], enable_async_reduce=enable_async_reduce,
             scatter_after_inference=scatter_after_inference, master_weights=master_weights,
         )  # fmt: skip
-        self.scaler_config = LossScalerConfig(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, max_scale=max_scale,
-        )  # fmt: skip
+        self.scaler_config = scaler_config(locals())
         self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
         )

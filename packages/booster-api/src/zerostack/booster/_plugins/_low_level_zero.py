@@ -18,6 +18,7 @@ from zerostack.booster._plugins._base import (
     Plugin,
     attach_scheduler,
     check_zero_options,
+    scaler_config,
     scaler_kwargs,
 )
 from zerostack.booster._plugins._contract import incompatible, refuse_moves, without_prefix
@@ -432,11 +433,7 @@ class LowLevelZeroPlugin(Plugin):
             overlap_communication=overlap_communication, communication_dtype=communication_dtype,
             cpu_offload=cpu_offload, master_weights=master_weights, max_norm=max_norm, api=_API,
         )  # fmt: skip
-        self.scaler_config = LossScalerConfig(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, max_scale=max_scale,
-        )  # fmt: skip
+        self.scaler_config = scaler_config(locals())
         self.stage = stage
         self.precision = precision
         self.dtype = _DTYPES[precision]
