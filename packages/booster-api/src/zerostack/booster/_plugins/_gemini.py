@@ -372,7 +372,11 @@ class GeminiPlugin(Plugin):
     """ZeRO-3 over chunks: parameters, gradients, fp32 masters and optimizer
     states sharded over the ranks in chunks that live on the GPU or the CPU
     as the placement says. The arguments build one zerostack.gemini
-    GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
+    GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP
+    (``plugin.gemini_config``), and the fp16 loss scaler's
+    zerostack.shard LossScalerConfig (``plugin.scaler_config``); their
+    defaults are those configs' (and GeminiOptimizer's for max_norm,
+    overlap_cpu_step and gc_every_n_steps).
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
     straight into chunks, one module at a time, with the values an eager
@@ -425,7 +429,8 @@ class GeminiPlugin(Plugin):
             fp8_communication: anything but their default raises.
 
     Raises:
-        ValueError: a bad precision, share, policy or max_norm.
+        ValueError: a bad precision, share, policy, max_norm or loss scaler
+            setting (the configs' checks).
         NotImplementedError: one of the options above that are not built,
             norm_type other than 2, master_weights=False.
     """

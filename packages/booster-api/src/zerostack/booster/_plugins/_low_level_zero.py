@@ -362,6 +362,10 @@ class LowLevelZeroPlugin(Plugin):
     """ZeRO stage 1 or 2: fp32 master weights and optimizer states sharded
     over the ranks (and gradients, stage 2), parameters whole on every rank
     in ``precision``. Wraps the optimizer in zerostack.shard.ZeroOptimizer.
+    The arguments build a zerostack.shard ZeroConfig (``plugin.zero_config``)
+    and LossScalerConfig (``plugin.scaler_config``), whose defaults they
+    take but for ColossalAI's own stage 1, 12M-element buckets and first
+    loss scale 2**32.
 
     Args:
         stage: 1 or 2. Default 1.
@@ -386,7 +390,9 @@ class LowLevelZeroPlugin(Plugin):
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
 
     Raises:
-        ValueError: a bad stage, precision, bucket size or max_norm.
+        ValueError: a bad stage, precision, bucket size, max_norm or loss
+            scaler setting (ZeroConfig's and LossScalerConfig's checks).
+        TypeError: a setting of the wrong type (e.g. cpu_offload not a bool).
         NotImplementedError: stage 3 (GeminiPlugin), norm_type other than 2,
             overlap_allgather=True.
     """
