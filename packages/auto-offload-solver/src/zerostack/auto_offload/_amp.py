@@ -192,6 +192,10 @@ class AMPOptimizer:
             self.zero_grad()
             return None
         for master, grad, _ in self._views:
+            # fused-adam's kernels read the half-precision gradient as it is;
+            # torch's Adam refuses a gradient of another dtype than its param.
+            if grad is not None and not self._copy_out and grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
             master.grad = grad
         with torch.profiler.record_function("zerostack::cpu_update"):
             ret = step_with_div_scale(self.optim, plan.div_scale)
