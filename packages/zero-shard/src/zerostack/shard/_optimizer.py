@@ -34,6 +34,7 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
+from zerostack.shard._config import ZeroConfig
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
@@ -56,10 +57,10 @@ _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 def _check_args(
     optimizer: torch.optim.Optimizer,
-    stage: object,
+    stage: int,
     reduce_bucket_size: int,
     max_norm: float,
-    communication_dtype: object,
+    communication_dtype: torch.dtype | None,
     module: object,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
@@ -77,26 +78,8 @@ def _check_args(
             f"{_API}: this optimizer is wrapped by a ZeroOptimizer already (its groups hold that "
             "wrapper's master shards); build a new torch optimizer to wrap again"
         )
-    if stage not in (1, 2):
-        raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3")
-    if isinstance(reduce_bucket_size, bool) or not isinstance(reduce_bucket_size, int):
-        raise TypeError(f"{_API}: reduce_bucket_size must be an int (got {reduce_bucket_size!r})")
-    if reduce_bucket_size < 1:
-        raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-        raise TypeError(
-            f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
-        )
-    if not max_norm >= 0:
-        raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
-    if communication_dtype is not None and (
-        not isinstance(communication_dtype, torch.dtype)
-        or not communication_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"{_API}: communication_dtype must be a floating-point torch.dtype or None "
-            f"(got {communication_dtype!r})"
-        )
+    ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, max_norm=max_norm,
+               communication_dtype=communication_dtype)  # fmt: skip
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"
@@ -194,6 +177,15 @@ def _forward_hook(me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...]) ->
     zero = me()
     if zero is not None and zero._pipe is not None and zero._pipe.round_open:
         zero._await_positions(positions)
+
+
+def _offload_pipeline(overlap: bool, device: torch.device) -> CpuUpdatePipeline:
+    """cpu_offload's updates, one per bucket by its position in write-back
+    order. See [Note: offloaded step pipeline]."""
+    return CpuUpdatePipeline(
+        _API, "bucket {} (in write-back order)", overlap, device,
+        retry_at="forward, backward or step", write_back_stream=True,
+    )  # fmt: skip
 
 
 def _state_dict_hook(me: weakref.ref[ZeroOptimizer]) -> None:
@@ -365,10 +357,7 @@ class ZeroOptimizer:
         self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
         self._pipe: CpuUpdatePipeline | None = None
         if cpu_offload:
-            self._pipe = CpuUpdatePipeline(
-                _API, "bucket {} (in write-back order)", overlap_cpu_step, self.device,
-                retry_at="forward, backward or step", write_back_stream=True,
-            )  # fmt: skip
+            self._pipe = _offload_pipeline(overlap_cpu_step, self.device)
             weakref.finalize(self, self._pipe.close)
             if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
                 self.optimizer.set_step_waiter(self._pipe.settle)
