@@ -20,7 +20,7 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
-from zerostack.shard._optimizer import ZeroOptimizer
+from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "DynamicLossScaler",
     "ShardedGradient",
     "StepPlan",
+    "TrainingState",
     "ZeroOptimizer",
     "__version__",
     "check_clip_args",

@@ -370,8 +370,9 @@ class ZeroOptimizer:
 
     def _take_optimizer(self, optimizer: torch.optim.Optimizer, cpu_offload: bool) -> None:
         """Take over ``optimizer`` (its groups hold the masters now) and pick
-        the one that steps the masters: the same, or with ``cpu_offload`` the
-        CPU kernel (or a twin of it) whose groups follow the user's."""
+        the one that steps the masters: the same, or with ``cpu_offload``
+        fused-adam's CPUAdam for Adam/AdamW, else a twin of the user's
+        optimizer, whose groups follow the user's."""
         _WRAPPED.add(optimizer)
         self.optimizer = optimizer
         # What users see and change (see [Note: the user's hyperparameters]):
