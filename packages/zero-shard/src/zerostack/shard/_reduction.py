@@ -5,6 +5,7 @@ for at the step, and the device buffers they reuse every step."""
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -186,7 +187,8 @@ class GradientReduction:
             if not bucket.launched:
                 continue
             bucket.wait()
-            reduced, bucket.reduced, bucket.launched = bucket.reduced, None, False
+            reduced = cast(torch.Tensor, bucket.reduced)  # set by every launch
+            bucket.reduced, bucket.launched = None, False
             if self.stream is not None and not synced:
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
             mine = reduced if self.stage == 2 else reduced[self.rank]
