@@ -377,6 +377,7 @@ def _check_not_importable(session: nox.Session, module: str) -> None:
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole repository,
     tools/check_words.py (no internal vocabulary in code, docs and errors),
+    tools/check_function_length.py (no function over 80 lines in packages/),
     tools/release.py check (a package changed since its last release has a
     new version and a changelog heading for it), and mypy ([tool.mypy] in
     pyproject.toml) over every package's sources and over
@@ -386,6 +387,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("python", "tools/check_words.py")
+    session.run("python", "tools/check_function_length.py")
     _install_torch(session)
     sources = [str(ROOT / "packages" / f / "src") for f in PACKAGES]
     session.run(

@@ -340,7 +340,7 @@ def print_table(
               f"{r['step_s']:.3f} | {r['spread']:.3f} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
               f"{r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | {r['rss_gb']:.1f} | "
               f"{r['alloc_retries']} |")  # fmt: skip
-    print("\nper-step (forward, backward, optimizer) seconds:")
+    print("\nper-step (forward, backward, optimizer) seconds, and the last step's loss:")
     for r in ok:
         steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}" for f, b, o in r["steps_s"])
-        print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}")
+        print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")

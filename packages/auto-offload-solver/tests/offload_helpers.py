@@ -126,8 +126,10 @@ def reference_losses(model, inputs, *, steps, dtype, device, clip, lr, weight_de
 
 
 def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_decay, solver,
-                   budget, profile, check=None, sgd=False, on_model_params=False):  # fmt: skip
-    """The same training through memory_optimize + AMPOptimizer + HybridAdam."""
+                   budget, profile, check=None, sgd=False, on_model_params=False,
+                   torch_adam=False):  # fmt: skip
+    """The same training through memory_optimize + AMPOptimizer + HybridAdam
+    (torch's SGD with `sgd`, torch's Adam with `torch_adam`)."""
     from zerostack.auto_offload import AMPOptimizer, memory_optimize
     from zerostack.fused_adam import HybridAdam
 
@@ -138,6 +140,7 @@ def offload_losses(model, inputs, *, steps, precision, device, clip, lr, weight_
     targets = list(om.parameters()) if on_model_params else om.master_parameters()
     inner = (
         torch.optim.SGD(targets, lr=lr, weight_decay=weight_decay) if sgd
+        else torch.optim.Adam(targets, lr=lr, weight_decay=weight_decay) if torch_adam
         else HybridAdam(targets, lr=lr, weight_decay=weight_decay, adamw_mode=False)
     )  # fmt: skip
     opt = AMPOptimizer(inner, om, clipping_norm=clip)

@@ -10,24 +10,13 @@ Every row also checks that the failed call changed nothing (parameters and
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from zerostack.fused_adam import CPUAdam, FusedAdam, HybridAdam, cuda_kernel_available
-from zerostack.testing import check_bad_input, check_unique_ids, one_torch_thread
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    call: Callable[[dict[str, Any]], object]
-    error: type[BaseException]
-    match: str
-    fixed: bool = False
+from zerostack.testing import BadInput, check_bad_input, check_unique_ids, one_torch_thread
 
 
 def _env() -> dict[str, Any]:
@@ -85,6 +74,18 @@ def _bad_grad(grad_of_p):
     return call
 
 
+def _grad_of_another_shape(env):
+    """q (2, 3) given a (3, 2) gradient: torch checks a gradient's shape only
+    against the data it is assigned beside."""
+    env["p"].grad = torch.ones(4)
+    q, data = env["q"], env["q"].data
+    q.data = torch.zeros(3, 2)
+    q.grad = None
+    q.grad = torch.ones(3, 2)
+    q.data = data
+    env["opt"].step()
+
+
 def _sd(edit):
     def call(env):
         sd = copy.deepcopy(env["opt"].state_dict())
@@ -117,72 +118,73 @@ _FUSED = (
 
 CASES = [
     # -- constructor: wrong types ---------------------------------------------------
-    Case("lr-str", _build(lr="0.1"), TypeError, r"CPUAdam: lr must be a number \(got '0\.1'\)", True),
-    Case("lr-none", _build(lr=None), TypeError, r"lr must be a number \(got None\)", True),
-    Case("eps-str", _build(eps="1e-8"), TypeError, r"eps must be a number \(got '1e-8'\)", True),
-    Case("wd-none", _build(weight_decay=None), TypeError, r"weight_decay must be a number \(got None\)", True),
-    Case("betas-float", _build(betas=0.9), TypeError, r"betas must be a pair of numbers \(got 0\.9\)", True),
-    Case("betas-str", _build(betas=("a", "b")), TypeError, r"betas must be a pair of numbers \(got \('a', 'b'\)\)", True),
-    Case("adamw_mode-str", _build(adamw_mode="false"), TypeError, r"adamw_mode must be a bool \(got 'false'\)", True),
-    Case("bias_correction-int", _build(bias_correction=1), TypeError, r"bias_correction must be a bool \(got 1\)", True),
-    Case("nvme-fraction-str", _build(nvme_offload_fraction="0.5"), TypeError, r"nvme_offload_fraction must be a number \(got '0\.5'\)", True),
-    Case("nvme-dir-int", _build(nvme_offload_dir=3), TypeError, r"nvme_offload_dir must be a path or None \(got 3\)"),
-    Case("nvme-backend-int", _build(nvme_backend=3), TypeError, r"nvme_backend must be .* \(got 3\)", True),
-    Case("nvme-depth-0", _build(nvme_prefetch_depth=0), ValueError, r"nvme_prefetch_depth must be an int >= 1 \(got 0\)", True),
-    Case("nvme-depth-float", _build(nvme_prefetch_depth=1.5), ValueError, r"nvme_prefetch_depth must be an int >= 1 \(got 1\.5\)", True),
-    Case("params-tensor", lambda env: CPUAdam(env["new"]), TypeError, r"params argument given to the optimizer should be an iterable"),
-    Case("params-empty", lambda env: CPUAdam([]), ValueError, r"optimizer got an empty parameter list"),
-    Case("params-float", lambda env: CPUAdam([1.0]), TypeError, r"optimizer can only optimize Tensors, but one of the params is float"),
+    BadInput("lr-str", _build(lr="0.1"), TypeError, r"CPUAdam: lr must be a number \(got '0\.1'\)", True),
+    BadInput("lr-none", _build(lr=None), TypeError, r"lr must be a number \(got None\)", True),
+    BadInput("eps-str", _build(eps="1e-8"), TypeError, r"eps must be a number \(got '1e-8'\)", True),
+    BadInput("wd-none", _build(weight_decay=None), TypeError, r"weight_decay must be a number \(got None\)", True),
+    BadInput("betas-float", _build(betas=0.9), TypeError, r"betas must be a pair of numbers \(got 0\.9\)", True),
+    BadInput("betas-str", _build(betas=("a", "b")), TypeError, r"betas must be a pair of numbers \(got \('a', 'b'\)\)", True),
+    BadInput("adamw_mode-str", _build(adamw_mode="false"), TypeError, r"adamw_mode must be a bool \(got 'false'\)", True),
+    BadInput("bias_correction-int", _build(bias_correction=1), TypeError, r"bias_correction must be a bool \(got 1\)", True),
+    BadInput("nvme-fraction-str", _build(nvme_offload_fraction="0.5"), TypeError, r"nvme_offload_fraction must be a number \(got '0\.5'\)", True),
+    BadInput("nvme-dir-int", _build(nvme_offload_dir=3), TypeError, r"nvme_offload_dir must be a path or None \(got 3\)"),
+    BadInput("nvme-backend-int", _build(nvme_backend=3), TypeError, r"nvme_backend must be .* \(got 3\)", True),
+    BadInput("nvme-depth-0", _build(nvme_prefetch_depth=0), ValueError, r"nvme_prefetch_depth must be an int >= 1 \(got 0\)", True),
+    BadInput("nvme-depth-float", _build(nvme_prefetch_depth=1.5), ValueError, r"nvme_prefetch_depth must be an int >= 1 \(got 1\.5\)", True),
+    BadInput("params-tensor", lambda env: CPUAdam(env["new"]), TypeError, r"params argument given to the optimizer should be an iterable"),
+    BadInput("params-empty", lambda env: CPUAdam([]), ValueError, r"optimizer got an empty parameter list"),
+    BadInput("params-float", lambda env: CPUAdam([1.0]), TypeError, r"optimizer can only optimize Tensors, but one of the params is float"),
     # -- constructor: out of range --------------------------------------------------
-    Case("lr-negative", _build(lr=-1e-3), ValueError, r"lr must be >= 0 \(got -0\.001\)"),
-    Case("lr-inf", _build(lr=float("inf")), ValueError, r"lr must be finite \(got inf\)", True),
-    Case("lr-nan", _build(lr=float("nan")), ValueError, r"lr must be >= 0 \(got nan\)"),
-    Case("eps-negative", _build(eps=-1.0), ValueError, r"eps must be >= 0 \(got -1\.0\)"),
-    Case("wd-negative", _build(weight_decay=-0.1), ValueError, r"weight_decay must be >= 0 \(got -0\.1\)"),
-    Case("wd-inf", _build(weight_decay=float("inf")), ValueError, r"weight_decay must be finite \(got inf\)", True),
-    Case("beta1-one", _build(betas=(1.0, 0.999)), ValueError, r"betas must be two values in \[0, 1\) \(got \(1\.0, 0\.999\)\)"),
-    Case("beta2-negative", _build(betas=(0.9, -0.1)), ValueError, r"betas must be two values in \[0, 1\) \(got \(0\.9, -0\.1\)\)"),
-    Case("betas-three", _build(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be two values in \[0, 1\) \(got \(0\.9, 0\.99, 0\.999\)\)"),
-    Case("nvme-fraction-1.5", _build(nvme_offload_fraction=1.5), ValueError, r"nvme_offload_fraction must be in \[0, 1\] \(got 1\.5\)"),
-    Case("nvme-fraction-negative", _build(nvme_offload_fraction=-0.1), ValueError, r"nvme_offload_fraction must be in \[0, 1\] \(got -0\.1\)"),
-    Case("group-lr-negative", lambda env: CPUAdam([{"params": [env["new"]], "lr": -1}]), ValueError, r"lr must be >= 0 \(got -1\)"),
+    BadInput("lr-negative", _build(lr=-1e-3), ValueError, r"lr must be >= 0 \(got -0\.001\)"),
+    BadInput("lr-inf", _build(lr=float("inf")), ValueError, r"lr must be finite \(got inf\)", True),
+    BadInput("lr-nan", _build(lr=float("nan")), ValueError, r"lr must be >= 0 \(got nan\)"),
+    BadInput("eps-negative", _build(eps=-1.0), ValueError, r"eps must be >= 0 \(got -1\.0\)"),
+    BadInput("wd-negative", _build(weight_decay=-0.1), ValueError, r"weight_decay must be >= 0 \(got -0\.1\)"),
+    BadInput("wd-inf", _build(weight_decay=float("inf")), ValueError, r"weight_decay must be finite \(got inf\)", True),
+    BadInput("beta1-one", _build(betas=(1.0, 0.999)), ValueError, r"betas must be two values in \[0, 1\) \(got \(1\.0, 0\.999\)\)"),
+    BadInput("beta2-negative", _build(betas=(0.9, -0.1)), ValueError, r"betas must be two values in \[0, 1\) \(got \(0\.9, -0\.1\)\)"),
+    BadInput("betas-three", _build(betas=(0.9, 0.99, 0.999)), ValueError, r"betas must be two values in \[0, 1\) \(got \(0\.9, 0\.99, 0\.999\)\)"),
+    BadInput("nvme-fraction-1.5", _build(nvme_offload_fraction=1.5), ValueError, r"nvme_offload_fraction must be in \[0, 1\] \(got 1\.5\)"),
+    BadInput("nvme-fraction-negative", _build(nvme_offload_fraction=-0.1), ValueError, r"nvme_offload_fraction must be in \[0, 1\] \(got -0\.1\)"),
+    BadInput("group-lr-negative", lambda env: CPUAdam([{"params": [env["new"]], "lr": -1}]), ValueError, r"lr must be >= 0 \(got -1\)"),
     # -- devices and dtypes -----------------------------------------------------------
-    Case("param-float64", lambda env: CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]), TypeError, r"param 0\.0 \(shape \(3,\), torch\.float64, cpu\) has unsupported dtype \(got torch\.float64\)"),
-    Case("param-int64", lambda env: CPUAdam([torch.zeros(3, dtype=torch.int64)]), TypeError, r"param 0\.0 .* has unsupported dtype \(got torch\.int64\)"),
-    Case("param-meta-cpuadam", lambda env: CPUAdam([_meta()]), ValueError, r"CPUAdam: param 0\.0 .* is on meta"),
-    Case("param-meta-hybrid", lambda env: HybridAdam([_meta()]), ValueError, r"HybridAdam: param 0\.0 .* is on meta; move it to the CPU or a CUDA device"),
-    Case("param-noncontiguous", lambda env: CPUAdam([_noncontiguous()]), ValueError, r"param 0\.0 \(shape \(4, 4\).*dense contiguous"),
-    Case("fused-on-cpu", _fused, *_FUSED),
+    BadInput("param-float64", lambda env: CPUAdam([torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]), TypeError, r"param 0\.0 \(shape \(3,\), torch\.float64, cpu\) has unsupported dtype \(got torch\.float64\)"),
+    BadInput("param-int64", lambda env: CPUAdam([torch.zeros(3, dtype=torch.int64)]), TypeError, r"param 0\.0 .* has unsupported dtype \(got torch\.int64\)"),
+    BadInput("param-meta-cpuadam", lambda env: CPUAdam([_meta()]), ValueError, r"CPUAdam: param 0\.0 .* is on meta"),
+    BadInput("param-meta-hybrid", lambda env: HybridAdam([_meta()]), ValueError, r"HybridAdam: param 0\.0 .* is on meta; move it to the CPU or a CUDA device"),
+    BadInput("param-noncontiguous", lambda env: CPUAdam([_noncontiguous()]), ValueError, r"param 0\.0 \(shape \(4, 4\).*dense contiguous"),
+    BadInput("fused-on-cpu", _fused, *_FUSED),
     # -- add_param_group: the same checks as the constructor --------------------------
-    Case("add-group-lr-negative", lambda env: env["opt"].add_param_group({"params": [env["new"]], "lr": -1.0}), ValueError, r"lr must be >= 0 \(got -1\.0\)", True),
-    Case("add-group-float64", lambda env: env["opt"].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]}), TypeError, r"param 1\.0 .* has unsupported dtype \(got torch\.float64\)", True),
-    Case("add-group-meta", lambda env: env["opt"].add_param_group({"params": [_meta()]}), ValueError, r"param 1\.0 .* is on meta", True),
+    BadInput("add-group-lr-negative", lambda env: env["opt"].add_param_group({"params": [env["new"]], "lr": -1.0}), ValueError, r"lr must be >= 0 \(got -1\.0\)", True),
+    BadInput("add-group-float64", lambda env: env["opt"].add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))]}), TypeError, r"param 1\.0 .* has unsupported dtype \(got torch\.float64\)", True),
+    BadInput("add-group-meta", lambda env: env["opt"].add_param_group({"params": [_meta()]}), ValueError, r"param 1\.0 .* is on meta", True),
     # -- torch.optim.AdamW's options in a group: the kernels would ignore them -----------
-    Case("group-amsgrad", lambda env: CPUAdam([{"params": [env["new"]], "amsgrad": True}]), NotImplementedError, r"CPUAdam: amsgrad=True is an option of torch\.optim\.AdamW that is not implemented here .*use torch\.optim\.AdamW for it", True),
-    Case("add-group-maximize", lambda env: env["opt"].add_param_group({"params": [env["new"]], "maximize": True}), NotImplementedError, r"maximize=True is an option of torch\.optim\.AdamW", True),
-    Case("add-group-differentiable", lambda env: env["opt"].add_param_group({"params": [env["new"]], "differentiable": True}), NotImplementedError, r"differentiable=True is an option of torch\.optim\.AdamW", True),
-    Case("group-decoupled-vs-adamw_mode", lambda env: CPUAdam([{"params": [env["new"]], "decoupled_weight_decay": False}]), ValueError, r"CPUAdam: decoupled_weight_decay=False contradicts adamw_mode=True; set adamw_mode", True),
-    Case("load-amsgrad-state", _sd(lambda sd: sd["param_groups"][0].update(amsgrad=True)), NotImplementedError, r"load_state_dict: amsgrad=True is an option of torch\.optim\.AdamW", True),
-    Case("add-group-adamw_mode-str", lambda env: env["opt"].add_param_group({"params": [env["new"]], "adamw_mode": "no"}), TypeError, r"adamw_mode must be a bool \(got 'no'\)", True),
+    BadInput("group-amsgrad", lambda env: CPUAdam([{"params": [env["new"]], "amsgrad": True}]), NotImplementedError, r"CPUAdam: amsgrad=True is an option of torch\.optim\.AdamW that is not implemented here .*use torch\.optim\.AdamW for it", True),
+    BadInput("add-group-maximize", lambda env: env["opt"].add_param_group({"params": [env["new"]], "maximize": True}), NotImplementedError, r"maximize=True is an option of torch\.optim\.AdamW", True),
+    BadInput("add-group-differentiable", lambda env: env["opt"].add_param_group({"params": [env["new"]], "differentiable": True}), NotImplementedError, r"differentiable=True is an option of torch\.optim\.AdamW", True),
+    BadInput("group-decoupled-vs-adamw_mode", lambda env: CPUAdam([{"params": [env["new"]], "decoupled_weight_decay": False}]), ValueError, r"CPUAdam: decoupled_weight_decay=False contradicts adamw_mode=True; set adamw_mode", True),
+    BadInput("load-amsgrad-state", _sd(lambda sd: sd["param_groups"][0].update(amsgrad=True)), NotImplementedError, r"load_state_dict: amsgrad=True is an option of torch\.optim\.AdamW", True),
+    BadInput("add-group-adamw_mode-str", lambda env: env["opt"].add_param_group({"params": [env["new"]], "adamw_mode": "no"}), TypeError, r"adamw_mode must be a bool \(got 'no'\)", True),
     # -- step: gradients and arguments ------------------------------------------------
-    Case("grad-float64", _bad_grad(lambda: torch.ones(2, 3, dtype=torch.float64)), TypeError, r"param 0\.1 .* gradient of unsupported dtype \(got torch\.float64\)", True),
-    Case("grad-sparse", _bad_grad(lambda: torch.ones(2, 3).to_sparse()), ValueError, r"param 0\.1 .* sparse gradient", True),
-    Case("grad-noncontiguous", _bad_grad(lambda: torch.ones(3, 2).t()), ValueError, r"param 0\.1 .* non-contiguous gradient", True),
-    Case("div_scale-str", lambda env: (_grads(env), env["opt"].step(div_scale="2")), TypeError, r"step: div_scale must be a number, .* \(got '2'\)", True),
-    Case("div_scale-nan", lambda env: (_grads(env), env["opt"].step(div_scale=float("nan"))), ValueError, r"step: div_scale must be a number, .* \(got nan\)", True),
-    Case("closure-not-callable", lambda env: (_grads(env), env["opt"].step(closure=3)), TypeError, r"step: closure must be callable or None \(got int\)", True),
+    BadInput("grad-float64", _bad_grad(lambda: torch.ones(2, 3, dtype=torch.float64)), TypeError, r"param 0\.1 .* gradient of unsupported dtype \(got torch\.float64\)", True),
+    BadInput("grad-sparse", _bad_grad(lambda: torch.ones(2, 3).to_sparse()), ValueError, r"param 0\.1 .* sparse gradient", True),
+    BadInput("grad-shape", _grad_of_another_shape, ValueError, r"param 0\.1 .* gradient of another shape \(got \(3, 2\)\)"),
+    BadInput("grad-noncontiguous", _bad_grad(lambda: torch.ones(3, 2).t()), ValueError, r"param 0\.1 .* non-contiguous gradient", True),
+    BadInput("div_scale-str", lambda env: (_grads(env), env["opt"].step(div_scale="2")), TypeError, r"step: div_scale must be a number, .* \(got '2'\)", True),
+    BadInput("div_scale-nan", lambda env: (_grads(env), env["opt"].step(div_scale=float("nan"))), ValueError, r"step: div_scale must be a number, .* \(got nan\)", True),
+    BadInput("closure-not-callable", lambda env: (_grads(env), env["opt"].step(closure=3)), TypeError, r"step: closure must be callable or None \(got int\)", True),
     # -- set_copy_out -------------------------------------------------------------------
-    Case("copy-out-list", lambda env: env["opt"].set_copy_out(env["p"], [0.0] * 4), TypeError, r"set_copy_out: out must be a tensor or None \(got list\)", True),
-    Case("copy-out-size", lambda env: env["opt"].set_copy_out(env["p"], torch.zeros(3)), ValueError, r"set_copy_out: out must be .* of 4 elements on cpu \(got 3 elements"),
-    Case("copy-out-float64", lambda env: env["opt"].set_copy_out(env["p"], torch.zeros(4, dtype=torch.float64)), ValueError, r"set_copy_out: out must be .* \(got 4 elements, torch\.float64, cpu\)"),
-    Case("copy-out-foreign-param", lambda env: env["opt"].set_copy_out(env["new"], torch.zeros(3)), ValueError, r"set_copy_out: the tensor is not a parameter of this optimizer"),
+    BadInput("copy-out-list", lambda env: env["opt"].set_copy_out(env["p"], [0.0] * 4), TypeError, r"set_copy_out: out must be a tensor or None \(got list\)", True),
+    BadInput("copy-out-size", lambda env: env["opt"].set_copy_out(env["p"], torch.zeros(3)), ValueError, r"set_copy_out: out must be .* of 4 elements on cpu \(got 3 elements"),
+    BadInput("copy-out-float64", lambda env: env["opt"].set_copy_out(env["p"], torch.zeros(4, dtype=torch.float64)), ValueError, r"set_copy_out: out must be .* \(got 4 elements, torch\.float64, cpu\)"),
+    BadInput("copy-out-foreign-param", lambda env: env["opt"].set_copy_out(env["new"], torch.zeros(3)), ValueError, r"set_copy_out: the tensor is not a parameter of this optimizer"),
     # -- load_state_dict ----------------------------------------------------------------
-    Case("load-list", lambda env: env["opt"].load_state_dict([]), TypeError, r"load_state_dict: state_dict must be a dict with 'state' and 'param_groups' \(got list\)", True),
-    Case("load-no-groups", lambda env: env["opt"].load_state_dict({"state": {}}), TypeError, r"load_state_dict: state_dict must be a dict .* \(got \['state'\]\)", True),
-    Case("load-exp_avg-shape", _sd(lambda sd: sd["state"][1].update(exp_avg=torch.zeros(6))), ValueError, r"load_state_dict: exp_avg of shape \(6,\) does not match its parameter's shape \(2, 3\)", True),
-    Case("load-sgd-state", _sgd_state, ValueError, r"load_state_dict: state of a parameter of shape \(4,\) lacks \['exp_avg', 'exp_avg_sq', 'step'\]", True),
-    Case("load-lr-negative", _sd(lambda sd: sd["param_groups"][0].update(lr=-1.0)), ValueError, r"load_state_dict: lr must be >= 0 \(got -1\.0\)", True),
-    Case("load-group-size", _sd(lambda sd: sd["param_groups"][0]["params"].pop()), ValueError, r"load_state_dict: the state dict has groups of \[1\] parameters, this optimizer \[2\]", True),
+    BadInput("load-list", lambda env: env["opt"].load_state_dict([]), TypeError, r"load_state_dict: state_dict must be a dict with 'state' and 'param_groups' \(got list\)", True),
+    BadInput("load-no-groups", lambda env: env["opt"].load_state_dict({"state": {}}), TypeError, r"load_state_dict: state_dict must be a dict .* \(got \['state'\]\)", True),
+    BadInput("load-exp_avg-shape", _sd(lambda sd: sd["state"][1].update(exp_avg=torch.zeros(6))), ValueError, r"load_state_dict: exp_avg of shape \(6,\) does not match its parameter's shape \(2, 3\)", True),
+    BadInput("load-sgd-state", _sgd_state, ValueError, r"load_state_dict: state of a parameter of shape \(4,\) lacks \['exp_avg', 'exp_avg_sq', 'step'\]", True),
+    BadInput("load-lr-negative", _sd(lambda sd: sd["param_groups"][0].update(lr=-1.0)), ValueError, r"load_state_dict: lr must be >= 0 \(got -1\.0\)", True),
+    BadInput("load-group-size", _sd(lambda sd: sd["param_groups"][0]["params"].pop()), ValueError, r"load_state_dict: the state dict has groups of \[1\] parameters, this optimizer \[2\]", True),
 ]  # fmt: skip
 
 
@@ -193,7 +195,7 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case: Case) -> None:
+def test_bad_input(case: BadInput) -> None:
     check_bad_input(case, _env(), _snapshot, _still_works)
 
 
@@ -208,3 +210,13 @@ def _still_works(env: dict[str, Any]) -> None:
 
 def test_the_table_names_every_case_once() -> None:
     check_unique_ids(CASES)
+
+
+def test_nvme_fraction_without_the_package_names_the_pip_command():
+    try:
+        import zerostack.nvme  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install 'zerostack-fused-adam\[nvme\]'"):
+            CPUAdam([torch.nn.Parameter(torch.zeros(3))], nvme_offload_fraction=0.5)
+    else:
+        pytest.skip("zerostack-nvme is installed")

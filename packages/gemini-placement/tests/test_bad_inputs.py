@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -34,6 +32,7 @@ from zerostack.gemini import (
     StaticPlacementConfig,
 )
 from zerostack.testing import (
+    BadInput,
     GPTConfig,
     TinyGPT,
     check_bad_input,
@@ -46,18 +45,6 @@ from zerostack.testing import (
 CONFIG = GPTConfig(num_layers=1, dim=16, num_heads=2)
 TABLE = {1: {"chunk_size": 4096}}
 BASE = dict(mixed_precision=torch.float32, chunk_config_dict=TABLE, compute_device="cpu")
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    call: Callable[[dict[str, Any]], object]
-    error: type[BaseException]
-    match: str
-    fixed: bool = False
-    dtype: torch.dtype = torch.float32  # of the wrapped model
-    prepare: Callable[[dict[str, Any]], object] | None = None  # before the snapshot
-    after: Callable[[dict[str, Any]], None] | None = None  # what a user does next
 
 
 def _build(dtype: torch.dtype) -> tuple[GeminiDDP, GeminiOptimizer]:
@@ -186,95 +173,95 @@ def _meta_model(env):
 
 CASES = [
     # -- configs -------------------------------------------------------------------------
-    Case("static-frac-str", lambda env: StaticPlacementConfig(shard_param_frac="1"), TypeError, r"GeminiDDP: shard_param_frac must be a number \(got '1'\)", True),
-    Case("static-frac-1.5", lambda env: StaticPlacementConfig(offload_optim_frac=1.5), ValueError, r"offload_optim_frac must be in \[0, 1\] \(got 1\.5\)"),
-    Case("static-frac-negative", lambda env: StaticPlacementConfig(offload_param_frac=-0.1), ValueError, r"offload_param_frac must be in \[0, 1\] \(got -0\.1\)"),
-    Case("static-frac-nan", lambda env: StaticPlacementConfig(shard_param_frac=math.nan), ValueError, r"shard_param_frac must be in \[0, 1\] \(got nan\)"),
-    Case("auto-prefetch-negative", lambda env: AutoPlacementConfig(max_prefetch=-1), ValueError, r"max_prefetch must be >= 0 \(got -1\)"),
-    Case("auto-prefetch-float", lambda env: AutoPlacementConfig(max_prefetch=1.5), TypeError, r"max_prefetch must be an int \(got 1\.5\)", True),
-    Case("auto-capacity-0", lambda env: AutoPlacementConfig(gpu_capacity_bytes=0), ValueError, r"gpu_capacity_bytes must be > 0 \(got 0\)"),
-    Case("auto-capacity-str", lambda env: AutoPlacementConfig(gpu_capacity_bytes="1GB"), TypeError, r"gpu_capacity_bytes must be an int \(got '1GB'\)", True),
-    Case("auto-ratio-2", lambda env: AutoPlacementConfig(warmup_non_model_data_ratio=2), ValueError, r"warmup_non_model_data_ratio must be in \[0, 1\] \(got 2\)"),
-    Case("auto-ratio-str", lambda env: AutoPlacementConfig(steady_cuda_cap_ratio="0.9"), TypeError, r"steady_cuda_cap_ratio must be a number \(got '0\.9'\)", True),
-    Case("chunk-range-negative", lambda env: ChunkConfig(search_range_m=-1), ValueError, r"search_range_m and min_chunk_size_m must be >= 0 \(got -1, 32\)"),
-    Case("chunk-range-str", lambda env: ChunkConfig(search_range_m="32"), TypeError, r"search_range_m must be a number \(got '32'\)", True),
-    Case("chunk-hidden-dim-0", lambda env: ChunkConfig(hidden_dim=0), ValueError, r"hidden_dim must be >= 1 or None \(got 0\)", True),
-    Case("chunk-hidden-dim-float", lambda env: ChunkConfig(hidden_dim=64.0), TypeError, r"hidden_dim must be an int \(got 64\.0\)", True),
-    Case("chunk-dict-list", lambda env: ChunkConfig(chunk_config_dict=[4096]), TypeError, r"chunk_config_dict must be a dict .* or None \(got \[4096\]\)", True),
-    Case("chunk-dict-entry-int", lambda env: ChunkConfig(chunk_config_dict={1: 4096}), TypeError, r"chunk_config_dict\[1\] must be a dict with chunk_size \(got 4096\)", True),
-    Case("chunk-dict-unknown-key", lambda env: ChunkConfig(chunk_config_dict={1: {"size": 3}}), ValueError, r"chunk_config_dict\[1\] must hold chunk_size .* \(got keys \['size'\]\)"),
-    Case("chunk-dict-size-0", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": 0}}), ValueError, r"chunk_config_dict\[1\]\['chunk_size'\] must be an int >= 1 \(got 0\)", True),
-    Case("chunk-dict-size-str", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": "4096"}}), ValueError, r"chunk_config_dict\[1\]\['chunk_size'\] must be an int >= 1 \(got '4096'\)", True),
-    Case("chunk-dict-keep-str", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": 8, "keep_gathered": "no"}}), TypeError, r"chunk_config_dict\[1\]\['keep_gathered'\] must be a bool \(got 'no'\)", True),
-    Case("chunk-pin-str", lambda env: ChunkConfig(pin_memory="yes"), TypeError, r"pin_memory must be a bool \(got 'yes'\)", True),
-    Case("precision-float64", lambda env: MixedPrecision(param_dtype=torch.float64), ValueError, r"mixed_precision must be float16, bfloat16 or float32 \(got torch\.float64\)"),
-    Case("precision-str", lambda env: MixedPrecision(param_dtype="float16"), TypeError, r"mixed_precision must be float16, bfloat16 or float32, a torch\.dtype \(got 'float16'\)", True),
-    Case("precision-cast-int", lambda env: MixedPrecision(cast_forward_inputs=1), TypeError, r"cast_forward_inputs must be a bool \(got 1\)", True),
-    Case("config-placement-str", lambda env: GeminiConfig(placement="static"), TypeError, r"placement must be a StaticPlacementConfig or AutoPlacementConfig \(got str\)"),
-    Case("config-chunk-dict", lambda env: GeminiConfig(chunk={"search_range_m": 1}), TypeError, r"GeminiDDP: chunk must be a ChunkConfig \(got dict\)", True),
-    Case("config-precision-dtype", lambda env: GeminiConfig(precision=torch.float16), TypeError, r"GeminiDDP: precision must be a MixedPrecision \(got dtype\)", True),
-    Case("config-async-str", lambda env: GeminiConfig(enable_async_reduce="yes"), TypeError, r"enable_async_reduce must be a bool \(got 'yes'\)", True),
-    Case("kwargs-policy", lambda env: GeminiConfig.from_kwargs(placement_policy="const"), ValueError, r"placement_policy must be 'static' or 'auto'.* \(got 'const'\)"),
-    Case("kwargs-master-weights", lambda env: GeminiConfig.from_kwargs(master_weights=False), NotImplementedError, r"master_weights=False .* is not implemented"),
-    Case("kwargs-auto-static-frac", lambda env: GeminiConfig.from_kwargs(placement_policy="auto", offload_optim_frac=0.5), ValueError, r"shard_param_frac, offload_optim_frac and offload_param_frac are for placement_policy='static'"),
+    BadInput("static-frac-str", lambda env: StaticPlacementConfig(shard_param_frac="1"), TypeError, r"GeminiDDP: shard_param_frac must be a number \(got '1'\)", True),
+    BadInput("static-frac-1.5", lambda env: StaticPlacementConfig(offload_optim_frac=1.5), ValueError, r"offload_optim_frac must be in \[0, 1\] \(got 1\.5\)"),
+    BadInput("static-frac-negative", lambda env: StaticPlacementConfig(offload_param_frac=-0.1), ValueError, r"offload_param_frac must be in \[0, 1\] \(got -0\.1\)"),
+    BadInput("static-frac-nan", lambda env: StaticPlacementConfig(shard_param_frac=math.nan), ValueError, r"shard_param_frac must be in \[0, 1\] \(got nan\)"),
+    BadInput("auto-prefetch-negative", lambda env: AutoPlacementConfig(max_prefetch=-1), ValueError, r"max_prefetch must be >= 0 \(got -1\)"),
+    BadInput("auto-prefetch-float", lambda env: AutoPlacementConfig(max_prefetch=1.5), TypeError, r"max_prefetch must be an int \(got 1\.5\)", True),
+    BadInput("auto-capacity-0", lambda env: AutoPlacementConfig(gpu_capacity_bytes=0), ValueError, r"gpu_capacity_bytes must be > 0 \(got 0\)"),
+    BadInput("auto-capacity-str", lambda env: AutoPlacementConfig(gpu_capacity_bytes="1GB"), TypeError, r"gpu_capacity_bytes must be an int \(got '1GB'\)", True),
+    BadInput("auto-ratio-2", lambda env: AutoPlacementConfig(warmup_non_model_data_ratio=2), ValueError, r"warmup_non_model_data_ratio must be in \[0, 1\] \(got 2\)"),
+    BadInput("auto-ratio-str", lambda env: AutoPlacementConfig(steady_cuda_cap_ratio="0.9"), TypeError, r"steady_cuda_cap_ratio must be a number \(got '0\.9'\)", True),
+    BadInput("chunk-range-negative", lambda env: ChunkConfig(search_range_m=-1), ValueError, r"search_range_m and min_chunk_size_m must be >= 0 \(got -1, 32\)"),
+    BadInput("chunk-range-str", lambda env: ChunkConfig(search_range_m="32"), TypeError, r"search_range_m must be a number \(got '32'\)", True),
+    BadInput("chunk-hidden-dim-0", lambda env: ChunkConfig(hidden_dim=0), ValueError, r"hidden_dim must be >= 1 or None \(got 0\)", True),
+    BadInput("chunk-hidden-dim-float", lambda env: ChunkConfig(hidden_dim=64.0), TypeError, r"hidden_dim must be an int \(got 64\.0\)", True),
+    BadInput("chunk-dict-list", lambda env: ChunkConfig(chunk_config_dict=[4096]), TypeError, r"chunk_config_dict must be a dict .* or None \(got \[4096\]\)", True),
+    BadInput("chunk-dict-entry-int", lambda env: ChunkConfig(chunk_config_dict={1: 4096}), TypeError, r"chunk_config_dict\[1\] must be a dict with chunk_size \(got 4096\)", True),
+    BadInput("chunk-dict-unknown-key", lambda env: ChunkConfig(chunk_config_dict={1: {"size": 3}}), ValueError, r"chunk_config_dict\[1\] must hold chunk_size .* \(got keys \['size'\]\)"),
+    BadInput("chunk-dict-size-0", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": 0}}), ValueError, r"chunk_config_dict\[1\]\['chunk_size'\] must be an int >= 1 \(got 0\)", True),
+    BadInput("chunk-dict-size-str", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": "4096"}}), ValueError, r"chunk_config_dict\[1\]\['chunk_size'\] must be an int >= 1 \(got '4096'\)", True),
+    BadInput("chunk-dict-keep-str", lambda env: ChunkConfig(chunk_config_dict={1: {"chunk_size": 8, "keep_gathered": "no"}}), TypeError, r"chunk_config_dict\[1\]\['keep_gathered'\] must be a bool \(got 'no'\)", True),
+    BadInput("chunk-pin-str", lambda env: ChunkConfig(pin_memory="yes"), TypeError, r"pin_memory must be a bool \(got 'yes'\)", True),
+    BadInput("precision-float64", lambda env: MixedPrecision(param_dtype=torch.float64), ValueError, r"mixed_precision must be float16, bfloat16 or float32 \(got torch\.float64\)"),
+    BadInput("precision-str", lambda env: MixedPrecision(param_dtype="float16"), TypeError, r"mixed_precision must be float16, bfloat16 or float32, a torch\.dtype \(got 'float16'\)", True),
+    BadInput("precision-cast-int", lambda env: MixedPrecision(cast_forward_inputs=1), TypeError, r"cast_forward_inputs must be a bool \(got 1\)", True),
+    BadInput("config-placement-str", lambda env: GeminiConfig(placement="static"), TypeError, r"placement must be a StaticPlacementConfig or AutoPlacementConfig \(got str\)"),
+    BadInput("config-chunk-dict", lambda env: GeminiConfig(chunk={"search_range_m": 1}), TypeError, r"GeminiDDP: chunk must be a ChunkConfig \(got dict\)", True),
+    BadInput("config-precision-dtype", lambda env: GeminiConfig(precision=torch.float16), TypeError, r"GeminiDDP: precision must be a MixedPrecision \(got dtype\)", True),
+    BadInput("config-async-str", lambda env: GeminiConfig(enable_async_reduce="yes"), TypeError, r"enable_async_reduce must be a bool \(got 'yes'\)", True),
+    BadInput("kwargs-policy", lambda env: GeminiConfig.from_kwargs(placement_policy="const"), ValueError, r"placement_policy must be 'static' or 'auto'.* \(got 'const'\)"),
+    BadInput("kwargs-master-weights", lambda env: GeminiConfig.from_kwargs(master_weights=False), NotImplementedError, r"master_weights=False .* is not implemented"),
+    BadInput("kwargs-auto-static-frac", lambda env: GeminiConfig.from_kwargs(placement_policy="auto", offload_optim_frac=0.5), ValueError, r"shard_param_frac, offload_optim_frac and offload_param_frac are for placement_policy='static'"),
     # -- GeminiDDP(...) ---------------------------------------------------------------------
-    Case("ddp-config-str", lambda env: GeminiDDP(env["plain"], "static"), TypeError, r"GeminiDDP: config must be a GeminiConfig or None \(got str\)", True),
-    Case("ddp-config-and-keywords", lambda env: GeminiDDP(env["plain"], GeminiConfig(), max_prefetch=1), TypeError, r"pass either config or keyword settings \(got both: \['max_prefetch'\]\)"),
-    Case("ddp-unknown-keyword", _ddp(offload_fraction=0.5), TypeError, r"unexpected keyword argument 'offload_fraction'"),
-    Case("ddp-module-list", lambda env: GeminiDDP([env["plain"]], **BASE), TypeError, r"GeminiDDP: module must be an nn\.Module \(got list\)", True),
-    Case("ddp-wrap-a-wrapper", lambda env: GeminiDDP(env["ddp"], **BASE), TypeError, r"GeminiDDP: the module is a GeminiDDP already", True),
-    Case("ddp-wrap-twice", lambda env: GeminiDDP(env["ddp"].module, **BASE), RuntimeError, r"GeminiDDP: the module is wrapped by another GeminiDDP already \(got TinyGPT\)", True),
-    Case("ddp-device-bogus", _ddp(compute_device="gpu"), ValueError, r"GeminiDDP: compute_device is not a device \(got 'gpu'\)", True),
-    Case("ddp-device-meta", _ddp(compute_device="meta"), ValueError, r"GeminiDDP: compute_device cannot be meta \(got 'meta'\)", True),
-    Case("ddp-device-int", _ddp(compute_device=0), TypeError, r"GeminiDDP: compute_device must be a torch\.device, str or None \(got 0\)", True),
-    Case("ddp-dtype-float64", _ddp(mixed_precision=torch.float64), ValueError, r"mixed_precision must be float16, bfloat16 or float32 \(got torch\.float64\)"),
-    Case("ddp-frac-1.5", _ddp(offload_optim_frac=1.5), ValueError, r"offload_optim_frac must be in \[0, 1\] \(got 1\.5\)"),
-    Case("ddp-no-entry-for-world", _ddp(chunk_config_dict={2: {"chunk_size": 4096}}), ValueError, r"chunk_config_dict has no entry for the data-parallel size 1 \(got keys \[2\]\)"),
-    Case("ddp-auto-without-capacity", _ddp(placement_policy="auto"), ValueError, r"placement_policy='auto' on a cpu compute device needs gpu_capacity_bytes"),
-    Case("ddp-meta-not-lazy", _meta_model, ValueError, r"the model was not built under LazyInitContext \(got Linear\)"),
-    Case("ddp-debug-str", _ddp(debug_collectives="on"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'on'\)"),
+    BadInput("ddp-config-str", lambda env: GeminiDDP(env["plain"], "static"), TypeError, r"GeminiDDP: config must be a GeminiConfig or None \(got str\)", True),
+    BadInput("ddp-config-and-keywords", lambda env: GeminiDDP(env["plain"], GeminiConfig(), max_prefetch=1), TypeError, r"pass either config or keyword settings \(got both: \['max_prefetch'\]\)"),
+    BadInput("ddp-unknown-keyword", _ddp(offload_fraction=0.5), TypeError, r"unexpected keyword argument 'offload_fraction'"),
+    BadInput("ddp-module-list", lambda env: GeminiDDP([env["plain"]], **BASE), TypeError, r"GeminiDDP: module must be an nn\.Module \(got list\)", True),
+    BadInput("ddp-wrap-a-wrapper", lambda env: GeminiDDP(env["ddp"], **BASE), TypeError, r"GeminiDDP: the module is a GeminiDDP already", True),
+    BadInput("ddp-wrap-twice", lambda env: GeminiDDP(env["ddp"].module, **BASE), RuntimeError, r"GeminiDDP: the module is wrapped by another GeminiDDP already \(got TinyGPT\)", True),
+    BadInput("ddp-device-bogus", _ddp(compute_device="gpu"), ValueError, r"GeminiDDP: compute_device is not a device \(got 'gpu'\)", True),
+    BadInput("ddp-device-meta", _ddp(compute_device="meta"), ValueError, r"GeminiDDP: compute_device cannot be meta \(got 'meta'\)", True),
+    BadInput("ddp-device-int", _ddp(compute_device=0), TypeError, r"GeminiDDP: compute_device must be a torch\.device, str or None \(got 0\)", True),
+    BadInput("ddp-dtype-float64", _ddp(mixed_precision=torch.float64), ValueError, r"mixed_precision must be float16, bfloat16 or float32 \(got torch\.float64\)"),
+    BadInput("ddp-frac-1.5", _ddp(offload_optim_frac=1.5), ValueError, r"offload_optim_frac must be in \[0, 1\] \(got 1\.5\)"),
+    BadInput("ddp-no-entry-for-world", _ddp(chunk_config_dict={2: {"chunk_size": 4096}}), ValueError, r"chunk_config_dict has no entry for the data-parallel size 1 \(got keys \[2\]\)"),
+    BadInput("ddp-auto-without-capacity", _ddp(placement_policy="auto"), ValueError, r"placement_policy='auto' on a cpu compute device needs gpu_capacity_bytes"),
+    BadInput("ddp-meta-not-lazy", _meta_model, ValueError, r"the model was not built under LazyInitContext \(got Linear\)"),
+    BadInput("ddp-debug-str", _ddp(debug_collectives="on"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'on'\)"),
     # -- GeminiDDP misuse -----------------------------------------------------------------------
-    Case("ddp-forward-before-step", _forward, RuntimeError, r"GeminiDDP\.forward: the reduced gradients .*; call optimizer\.step\(\) before the next forward", prepare=_forward_backward, after=_finish_pending_step),
-    Case("ddp-no-sync-off", _no_sync, RuntimeError, r"GeminiDDP\.no_sync: build GeminiDDP with enable_gradient_accumulation=True"),
-    Case("ddp-load-list", lambda env: env["ddp"].load_state_dict([]), TypeError, r"GeminiDDP\.load_state_dict: state_dict must be a dict of tensors \(got list\)", True),
-    Case("ddp-load-missing", _model_sd(lambda sd: sd.pop(_last_param(sd))), KeyError, r"load_state_dict: missing \['tok_emb\.weight'\], unexpected \[\]"),
-    Case("ddp-load-shape", _model_sd(lambda sd: sd.__setitem__(_last_loaded(sd), torch.zeros(3))), ValueError, r"load_state_dict: lm_head\.weight has shape \(3,\), the model's is \(256, 16\)", True),
-    Case("ddp-load-not-tensor", _model_sd(lambda sd: sd.__setitem__(_last_loaded(sd), [0.0])), TypeError, r"load_state_dict: lm_head\.weight must be a tensor \(got list\)", True),
+    BadInput("ddp-forward-before-step", _forward, RuntimeError, r"GeminiDDP\.forward: the reduced gradients .*; call optimizer\.step\(\) before the next forward", options={"prepare": _forward_backward, "after": _finish_pending_step}),
+    BadInput("ddp-no-sync-off", _no_sync, RuntimeError, r"GeminiDDP\.no_sync: build GeminiDDP with enable_gradient_accumulation=True"),
+    BadInput("ddp-load-list", lambda env: env["ddp"].load_state_dict([]), TypeError, r"GeminiDDP\.load_state_dict: state_dict must be a dict of tensors \(got list\)", True),
+    BadInput("ddp-load-missing", _model_sd(lambda sd: sd.pop(_last_param(sd))), KeyError, r"load_state_dict: missing \['tok_emb\.weight'\], unexpected \[\]"),
+    BadInput("ddp-load-shape", _model_sd(lambda sd: sd.__setitem__(_last_loaded(sd), torch.zeros(3))), ValueError, r"load_state_dict: lm_head\.weight has shape \(3,\), the model's is \(256, 16\)", True),
+    BadInput("ddp-load-not-tensor", _model_sd(lambda sd: sd.__setitem__(_last_loaded(sd), [0.0])), TypeError, r"load_state_dict: lm_head\.weight must be a tensor \(got list\)", True),
     # -- GeminiOptimizer(...) --------------------------------------------------------------------
-    Case("opt-inner-list", _opt(inner=lambda env: _params(env["ddp"])), TypeError, r"GeminiOptimizer: optimizer must be a torch\.optim\.Optimizer \(got list\)", True),
-    Case("opt-wrap-a-wrapper", _opt(inner=lambda env: env["opt"]), TypeError, r"GeminiOptimizer: the optimizer is a GeminiOptimizer already", True),
-    Case("opt-inner-twice", _opt(inner=lambda env: env["opt"].optimizer), RuntimeError, r"GeminiOptimizer: this optimizer is wrapped by a GeminiOptimizer already", True),
-    Case("opt-module-plain", _opt(module=lambda env: env["plain"]), TypeError, r"GeminiOptimizer: module must be the GeminiDDP model \(got TinyGPT\)", True),
-    Case("opt-second-on-model", _opt(), RuntimeError, r"GeminiOptimizer: the model has a GeminiOptimizer already; one optimizer per GeminiDDP", True),
-    Case("opt-missing-params", _opt(inner=lambda env: HybridAdam(_params(env["ddp"])[:2])), ValueError, r"the optimizer lacks parameters of the module \(got none for \[", prepare=_close, after=_reopen),
-    Case("opt-two-groups", _opt(inner=lambda env: HybridAdam([{"params": _params(env["ddp"])[:2]}, {"params": _params(env["ddp"])[2:]}])), NotImplementedError, r"GeminiOptimizer: 2 parameter groups", prepare=_close, after=_reopen),
-    Case("opt-max-norm-negative", _opt(max_norm=-1.0), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got -1\.0\)", prepare=_close, after=_reopen),
-    Case("opt-max-norm-str", _opt(max_norm="1"), TypeError, r"GeminiOptimizer: max_norm must be a number \(got '1'\)", True, prepare=_close, after=_reopen),
-    Case("opt-max-norm-nan", _opt(max_norm=math.nan), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got nan\)", True, prepare=_close, after=_reopen),
-    Case("opt-overlap-str", _opt(overlap_cpu_step="no"), TypeError, r"GeminiOptimizer: overlap_cpu_step must be a bool \(got 'no'\)", True, prepare=_close, after=_reopen),
-    Case("opt-loss-scaler-float", _opt(loss_scaler=1024.0), TypeError, r"GeminiOptimizer: loss_scaler must be a DynamicLossScaler or None \(got float\)", True, prepare=_close, after=_reopen),
-    Case("opt-scaler-unknown-keyword", _opt(initial_scael=2.0), TypeError, r"GeminiOptimizer: unknown keyword arguments \['initial_scael'\]", prepare=_close, after=_reopen),
-    Case("opt-gc-negative", _opt(gc_every_n_steps=-1), ValueError, r"GeminiOptimizer: gc_every_n_steps must be an int >= 0 \(got -1\)", prepare=_close, after=_reopen),
+    BadInput("opt-inner-list", _opt(inner=lambda env: _params(env["ddp"])), TypeError, r"GeminiOptimizer: optimizer must be a torch\.optim\.Optimizer \(got list\)", True),
+    BadInput("opt-wrap-a-wrapper", _opt(inner=lambda env: env["opt"]), TypeError, r"GeminiOptimizer: the optimizer is a GeminiOptimizer already", True),
+    BadInput("opt-inner-twice", _opt(inner=lambda env: env["opt"].optimizer), RuntimeError, r"GeminiOptimizer: this optimizer is wrapped by a GeminiOptimizer already", True),
+    BadInput("opt-module-plain", _opt(module=lambda env: env["plain"]), TypeError, r"GeminiOptimizer: module must be the GeminiDDP model \(got TinyGPT\)", True),
+    BadInput("opt-second-on-model", _opt(), RuntimeError, r"GeminiOptimizer: the model has a GeminiOptimizer already; one optimizer per GeminiDDP", True),
+    BadInput("opt-missing-params", _opt(inner=lambda env: HybridAdam(_params(env["ddp"])[:2])), ValueError, r"the optimizer lacks parameters of the module \(got none for \[", options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-two-groups", _opt(inner=lambda env: HybridAdam([{"params": _params(env["ddp"])[:2]}, {"params": _params(env["ddp"])[2:]}])), NotImplementedError, r"GeminiOptimizer: 2 parameter groups", options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-max-norm-negative", _opt(max_norm=-1.0), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got -1\.0\)", options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-max-norm-str", _opt(max_norm="1"), TypeError, r"GeminiOptimizer: max_norm must be a number \(got '1'\)", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-max-norm-nan", _opt(max_norm=math.nan), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got nan\)", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-overlap-str", _opt(overlap_cpu_step="no"), TypeError, r"GeminiOptimizer: overlap_cpu_step must be a bool \(got 'no'\)", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-loss-scaler-float", _opt(loss_scaler=1024.0), TypeError, r"GeminiOptimizer: loss_scaler must be a DynamicLossScaler or None \(got float\)", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-scaler-unknown-keyword", _opt(initial_scael=2.0), TypeError, r"GeminiOptimizer: unknown keyword arguments \['initial_scael'\]", options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-gc-negative", _opt(gc_every_n_steps=-1), ValueError, r"GeminiOptimizer: gc_every_n_steps must be an int >= 0 \(got -1\)", options={"prepare": _close, "after": _reopen}),
     # -- GeminiOptimizer misuse -------------------------------------------------------------------
-    Case("opt-step-before-backward", lambda env: env["opt"].step(), RuntimeError, r"GeminiOptimizer\.step: the model is in state AWAIT_BACKWARD; step after a backward", prepare=_forward),
-    Case("opt-fp16-plain-backward", _unscaled_backward, RuntimeError, r"GeminiOptimizer\.step: fp16 gradients were not scaled; call optimizer\.backward\(loss\)", dtype=torch.float16),
-    Case("opt-backward-float", lambda env: env["opt"].backward(2.0), TypeError, r"GeminiOptimizer\.backward: loss must be a tensor \(got float\)", True),
-    Case("opt-clip-max-norm-zero", lambda env: env["opt"].clip_grad_by_norm(0.0), ValueError, r"GeminiOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),
-    Case("opt-clip-norm-type-str", lambda env: env["opt"].clip_grad_by_norm(1.0, "l2"), TypeError, r"GeminiOptimizer\.clip_grad_by_norm: norm_type must be a number or 'inf' \(got 'l2'\)"),
-    Case("opt-clip-before-backward", lambda env: env["opt"].clip_grad_by_norm(1.0), RuntimeError, r"GeminiOptimizer\.clip_grad_by_norm: the model is in state IDLE; clip after a backward"),
-    Case("opt-closed-step", lambda env: env["opt"].step(), RuntimeError, r"GeminiOptimizer\.step: the optimizer is closed", True, prepare=_close, after=_reopen),
-    Case("opt-closed-backward", lambda env: env["opt"].backward(torch.zeros((), requires_grad=True)), RuntimeError, r"GeminiOptimizer\.backward: the optimizer is closed", True, prepare=_close, after=_reopen),
-    Case("opt-closed-load", lambda env: env["opt"].load_state_dict(env["opt"].state_dict()), RuntimeError, r"GeminiOptimizer\.load_state_dict: the optimizer is closed", True, prepare=_close, after=_reopen),
-    Case("opt-load-empty", lambda env: env["opt"].load_state_dict({}), TypeError, r"GeminiOptimizer\.load_state_dict: the state must be a dict with \['optimizer', 'scaler'\] \(got \[\]\)", True),
-    Case("opt-load-inner-lr", lambda env: env["opt"].load_state_dict({"optimizer": _edited_inner(env), "scaler": None}), ValueError, r"HybridAdam\.load_state_dict: lr must be >= 0 \(got -1\.0\)", True),
-    Case("opt-load-full-list", lambda env: env["opt"].load_full_state_dict([]), TypeError, r"GeminiOptimizer\.load_full_state_dict: the state must be a dict with \['params', 'param_group', 'scaler'\] \(got list\)", True),
-    Case("opt-load-full-missing", _full_sd(lambda full: full["params"].pop("lm_head.weight")), KeyError, r"load_full_state_dict: no state for \['lm_head\.weight'\]"),
-    Case("opt-load-full-numel", _full_sd(lambda full: full["params"]["lm_head.weight"].update(exp_avg=torch.zeros(5))), ValueError, r"load_full_state_dict: lm_head\.weight has 5 elements in the state.*, 4096 in the model", True),
+    BadInput("opt-step-before-backward", lambda env: env["opt"].step(), RuntimeError, r"GeminiOptimizer\.step: the model is in state AWAIT_BACKWARD; step after a backward", options={"prepare": _forward}),
+    BadInput("opt-fp16-plain-backward", _unscaled_backward, RuntimeError, r"GeminiOptimizer\.step: fp16 gradients were not scaled; call optimizer\.backward\(loss\)", options={"dtype": torch.float16}),
+    BadInput("opt-backward-float", lambda env: env["opt"].backward(2.0), TypeError, r"GeminiOptimizer\.backward: loss must be a tensor \(got float\)", True),
+    BadInput("opt-clip-max-norm-zero", lambda env: env["opt"].clip_grad_by_norm(0.0), ValueError, r"GeminiOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),
+    BadInput("opt-clip-norm-type-str", lambda env: env["opt"].clip_grad_by_norm(1.0, "l2"), TypeError, r"GeminiOptimizer\.clip_grad_by_norm: norm_type must be a number or 'inf' \(got 'l2'\)"),
+    BadInput("opt-clip-before-backward", lambda env: env["opt"].clip_grad_by_norm(1.0), RuntimeError, r"GeminiOptimizer\.clip_grad_by_norm: the model is in state IDLE; clip after a backward"),
+    BadInput("opt-closed-step", lambda env: env["opt"].step(), RuntimeError, r"GeminiOptimizer\.step: the optimizer is closed", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-closed-backward", lambda env: env["opt"].backward(torch.zeros((), requires_grad=True)), RuntimeError, r"GeminiOptimizer\.backward: the optimizer is closed", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-closed-load", lambda env: env["opt"].load_state_dict(env["opt"].state_dict()), RuntimeError, r"GeminiOptimizer\.load_state_dict: the optimizer is closed", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-load-empty", lambda env: env["opt"].load_state_dict({}), TypeError, r"GeminiOptimizer\.load_state_dict: the state must be a dict with \['optimizer', 'scaler'\] \(got \[\]\)", True),
+    BadInput("opt-load-inner-lr", lambda env: env["opt"].load_state_dict({"optimizer": _edited_inner(env), "scaler": None}), ValueError, r"HybridAdam\.load_state_dict: lr must be >= 0 \(got -1\.0\)", True),
+    BadInput("opt-load-full-list", lambda env: env["opt"].load_full_state_dict([]), TypeError, r"GeminiOptimizer\.load_full_state_dict: the state must be a dict with \['params', 'param_group', 'scaler'\] \(got list\)", True),
+    BadInput("opt-load-full-missing", _full_sd(lambda full: full["params"].pop("lm_head.weight")), KeyError, r"load_full_state_dict: no state for \['lm_head\.weight'\]"),
+    BadInput("opt-load-full-numel", _full_sd(lambda full: full["params"]["lm_head.weight"].update(exp_avg=torch.zeros(5))), ValueError, r"load_full_state_dict: lm_head\.weight has 5 elements in the state.*, 4096 in the model", True),
     # -- GeminiAdamOptimizer --------------------------------------------------------------------------
-    Case("adam-module-plain", lambda env: GeminiAdamOptimizer(env["plain"]), TypeError, r"GeminiAdamOptimizer: module must be the GeminiDDP model \(got TinyGPT\)", True),
-    Case("adam-lr-negative", lambda env: GeminiAdamOptimizer(env["ddp"], lr=-1.0), ValueError, r"HybridAdam: lr must be >= 0 \(got -1\.0\)"),
-    Case("adam-betas-float", lambda env: GeminiAdamOptimizer(env["ddp"], betas=0.9), TypeError, r"HybridAdam: betas must be a pair of numbers \(got 0\.9\)", True),
-    Case("adam-second-on-model", lambda env: GeminiAdamOptimizer(env["ddp"]), RuntimeError, r"GeminiOptimizer: the model has a GeminiOptimizer already", True),
+    BadInput("adam-module-plain", lambda env: GeminiAdamOptimizer(env["plain"]), TypeError, r"GeminiAdamOptimizer: module must be the GeminiDDP model \(got TinyGPT\)", True),
+    BadInput("adam-lr-negative", lambda env: GeminiAdamOptimizer(env["ddp"], lr=-1.0), ValueError, r"HybridAdam: lr must be >= 0 \(got -1\.0\)"),
+    BadInput("adam-betas-float", lambda env: GeminiAdamOptimizer(env["ddp"], betas=0.9), TypeError, r"HybridAdam: betas must be a pair of numbers \(got 0\.9\)", True),
+    BadInput("adam-second-on-model", lambda env: GeminiAdamOptimizer(env["ddp"]), RuntimeError, r"GeminiOptimizer: the model has a GeminiOptimizer already", True),
 ]  # fmt: skip
 
 
@@ -291,14 +278,17 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case: Case) -> None:
-    env = _env(case.dtype)
-    if case.prepare is not None:
-        case.prepare(env)
+def test_bad_input(case: BadInput) -> None:
+    # options: "dtype" of the wrapped model (default float32), "prepare" runs
+    # before the snapshot, "after" is what a user does next.
+    env = _env(case.options.get("dtype", torch.float32))
+    prepare, after = case.options.get("prepare"), case.options.get("after")
+    if prepare is not None:
+        prepare(env)
 
     def still_works(env: dict[str, Any]) -> None:  # after the case's own clean-up
-        if case.after is not None:
-            case.after(env)
+        if after is not None:
+            after(env)
         before = env["ddp"].state_dict()
         _train_step(env, seed=2)
         assert not same_state(before, env["ddp"].state_dict())

@@ -11,26 +11,15 @@ works: a pipeline pass over every key round-trips.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
 
 from zerostack.nvme import StateSwapper, tensornvme_backends
-from zerostack.testing import check_bad_input, check_unique_ids, one_torch_thread
+from zerostack.testing import BadInput, check_bad_input, check_unique_ids, one_torch_thread
 
 VALUES = {"a": torch.arange(8.0), "b": torch.ones(4)}
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    call: Callable[[dict[str, Any]], object]
-    error: type[BaseException]
-    match: str
-    fixed: bool = False
 
 
 @pytest.fixture
@@ -91,46 +80,46 @@ _UNAVAILABLE = next((b for b in ("uring", "aio") if b not in tensornvme_backends
 
 CASES = [
     # -- StateSwapper(...) ---------------------------------------------------------
-    Case("directory-int", _swapper(3), TypeError, r"nvme: the offload directory must be a path or None \(got 3\)", True),
-    Case("directory-is-a-file", _a_file, ValueError, r"nvme: cannot create or write the offload directory '.*a-file'"),
-    Case("backend-unknown", _swapper(None, backend="nvme"), ValueError, r"nvme: unknown backend \(got 'nvme'\); use one of uring, aio, threads"),
-    Case("backend-int", _swapper(None, backend=3), ValueError, r"nvme: unknown backend \(got 3\)"),
-    Case("depth-0", _swapper(None, prefetch_depth=0), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got 0\)"),
-    Case("depth-str", _swapper(None, prefetch_depth="2"), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got '2'\)"),
-    Case("depth-bool", _swapper(None, prefetch_depth=True), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got True\)"),
+    BadInput("directory-int", _swapper(3), TypeError, r"nvme: the offload directory must be a path or None \(got 3\)", True),
+    BadInput("directory-is-a-file", _a_file, ValueError, r"nvme: cannot create or write the offload directory '.*a-file'"),
+    BadInput("backend-unknown", _swapper(None, backend="nvme"), ValueError, r"nvme: unknown backend \(got 'nvme'\); use one of uring, aio, threads"),
+    BadInput("backend-int", _swapper(None, backend=3), ValueError, r"nvme: unknown backend \(got 3\)"),
+    BadInput("depth-0", _swapper(None, prefetch_depth=0), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got 0\)"),
+    BadInput("depth-str", _swapper(None, prefetch_depth="2"), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got '2'\)"),
+    BadInput("depth-bool", _swapper(None, prefetch_depth=True), ValueError, r"nvme: prefetch_depth must be an int >= 1 \(got True\)"),
     # -- register --------------------------------------------------------------------
-    Case("register-key-int", lambda env: env["s"].register(3, 4), TypeError, r"nvme: register: key must be a str \(got 3\)", True),
-    Case("register-numel-0", lambda env: env["s"].register("c", 0), ValueError, r"nvme: register: numel must be an int >= 1 \(got 0\)", True),
-    Case("register-numel-negative", lambda env: env["s"].register("c", -4), ValueError, r"numel must be an int >= 1 \(got -4\)", True),
-    Case("register-numel-float", lambda env: env["s"].register("c", 2.5), ValueError, r"numel must be an int >= 1 \(got 2\.5\)", True),
-    Case("register-other-size", lambda env: env["s"].register("a", 9), ValueError, r"nvme: key 'a' registered again with another size \(got numel 9, registered with 8\)", True),
+    BadInput("register-key-int", lambda env: env["s"].register(3, 4), TypeError, r"nvme: register: key must be a str \(got 3\)", True),
+    BadInput("register-numel-0", lambda env: env["s"].register("c", 0), ValueError, r"nvme: register: numel must be an int >= 1 \(got 0\)", True),
+    BadInput("register-numel-negative", lambda env: env["s"].register("c", -4), ValueError, r"numel must be an int >= 1 \(got -4\)", True),
+    BadInput("register-numel-float", lambda env: env["s"].register("c", 2.5), ValueError, r"numel must be an int >= 1 \(got 2\.5\)", True),
+    BadInput("register-other-size", lambda env: env["s"].register("a", 9), ValueError, r"nvme: key 'a' registered again with another size \(got numel 9, registered with 8\)", True),
     # -- write / read ------------------------------------------------------------------
-    Case("write-unregistered", lambda env: env["s"].write("zz", torch.zeros(2)), RuntimeError, r"nvme: key 'zz' was not registered"),
-    Case("write-list", lambda env: env["s"].write("b", [1.0] * 4), TypeError, r"nvme: write: the buffer must be a tensor \(got list\)", True),
-    Case("write-float64", lambda env: env["s"].write("b", torch.zeros(4, dtype=torch.float64)), TypeError, r"nvme: write: the buffer for 'b' must be float32 \(got torch\.float64\)", True),
-    Case("write-int32", lambda env: env["s"].write("b", torch.zeros(4, dtype=torch.int32)), TypeError, r"must be float32 \(got torch\.int32\)", True),
-    Case("write-wrong-numel", lambda env: env["s"].write("b", torch.zeros(5)), ValueError, r"nvme: write: the buffer for 'b' must be a contiguous CPU tensor of 4 elements \(got 5 elements on cpu", True),
-    Case("write-meta", lambda env: env["s"].write("b", torch.zeros(4, device="meta")), ValueError, r"must be a contiguous CPU tensor of 4 elements \(got 4 elements on meta", True),
-    Case("write-noncontiguous", lambda env: env["s"].write("a", torch.zeros(4, 2).t()), ValueError, r"\(got 8 elements on cpu, contiguous=False\)", True),
-    Case("read-never-written", lambda env: env["s"].read("c", torch.zeros(2)), RuntimeError, r"nvme: key 'c' was never written"),
-    Case("read-wrong-numel", lambda env: env["s"].read("a", torch.zeros(3)), ValueError, r"nvme: read: the buffer for 'a' must be .* of 8 elements \(got 3 elements", True),
-    Case("read-float16", lambda env: env["s"].read("a", torch.zeros(8, dtype=torch.float16)), TypeError, r"nvme: read: the buffer for 'a' must be float32 \(got torch\.float16\)", True),
+    BadInput("write-unregistered", lambda env: env["s"].write("zz", torch.zeros(2)), RuntimeError, r"nvme: key 'zz' was not registered"),
+    BadInput("write-list", lambda env: env["s"].write("b", [1.0] * 4), TypeError, r"nvme: write: the buffer must be a tensor \(got list\)", True),
+    BadInput("write-float64", lambda env: env["s"].write("b", torch.zeros(4, dtype=torch.float64)), TypeError, r"nvme: write: the buffer for 'b' must be float32 \(got torch\.float64\)", True),
+    BadInput("write-int32", lambda env: env["s"].write("b", torch.zeros(4, dtype=torch.int32)), TypeError, r"must be float32 \(got torch\.int32\)", True),
+    BadInput("write-wrong-numel", lambda env: env["s"].write("b", torch.zeros(5)), ValueError, r"nvme: write: the buffer for 'b' must be a contiguous CPU tensor of 4 elements \(got 5 elements on cpu", True),
+    BadInput("write-meta", lambda env: env["s"].write("b", torch.zeros(4, device="meta")), ValueError, r"must be a contiguous CPU tensor of 4 elements \(got 4 elements on meta", True),
+    BadInput("write-noncontiguous", lambda env: env["s"].write("a", torch.zeros(4, 2).t()), ValueError, r"\(got 8 elements on cpu, contiguous=False\)", True),
+    BadInput("read-never-written", lambda env: env["s"].read("c", torch.zeros(2)), RuntimeError, r"nvme: key 'c' was never written"),
+    BadInput("read-wrong-numel", lambda env: env["s"].read("a", torch.zeros(3)), ValueError, r"nvme: read: the buffer for 'a' must be .* of 8 elements \(got 3 elements", True),
+    BadInput("read-float16", lambda env: env["s"].read("a", torch.zeros(8, dtype=torch.float16)), TypeError, r"nvme: read: the buffer for 'a' must be float32 \(got torch\.float16\)", True),
     # -- pipeline ------------------------------------------------------------------------
-    Case("pipeline-unregistered", lambda env: env["s"].pipeline(["a", "zz"]), ValueError, r"nvme: pipeline: keys not registered \(got \['zz'\]\)", True),
-    Case("pipeline-str", lambda env: env["s"].pipeline("ab"), TypeError, r"nvme: pipeline: keys must be a sequence of keys \(got 'ab'\)", True),
-    Case("pre_update-out-of-range", lambda env: _pipe(env).pre_update(2), ValueError, r"PrefetchPipeline\.pre_update: i must be an int in \[0, 2\) \(got 2\)", True),
-    Case("pre_update-negative", lambda env: _pipe(env).pre_update(-1), ValueError, r"pre_update: i must be an int in \[0, 2\) \(got -1\)", True),
-    Case("post_update-before-pre_update", lambda env: _pipe(env).post_update(0), RuntimeError, r"PrefetchPipeline\.post_update\(0\) without pre_update\(0\)", True),
-    Case("post_update-twice", lambda env: (p := _pipe(env), p.pre_update(0), p.post_update(0), p.post_update(0)), RuntimeError, r"post_update\(0\) without pre_update\(0\)", True),
+    BadInput("pipeline-unregistered", lambda env: env["s"].pipeline(["a", "zz"]), ValueError, r"nvme: pipeline: keys not registered \(got \['zz'\]\)", True),
+    BadInput("pipeline-str", lambda env: env["s"].pipeline("ab"), TypeError, r"nvme: pipeline: keys must be a sequence of keys \(got 'ab'\)", True),
+    BadInput("pre_update-out-of-range", lambda env: _pipe(env).pre_update(2), ValueError, r"PrefetchPipeline\.pre_update: i must be an int in \[0, 2\) \(got 2\)", True),
+    BadInput("pre_update-negative", lambda env: _pipe(env).pre_update(-1), ValueError, r"pre_update: i must be an int in \[0, 2\) \(got -1\)", True),
+    BadInput("post_update-before-pre_update", lambda env: _pipe(env).post_update(0), RuntimeError, r"PrefetchPipeline\.post_update\(0\) without pre_update\(0\)", True),
+    BadInput("post_update-twice", lambda env: (p := _pipe(env), p.pre_update(0), p.post_update(0), p.post_update(0)), RuntimeError, r"post_update\(0\) without pre_update\(0\)", True),
     # -- a closed swapper ------------------------------------------------------------------
-    Case("closed-write", _closed_then(lambda s: s.write("x", torch.zeros(2))), RuntimeError, r"nvme: write: the swapper is closed", True),
-    Case("closed-read", _closed_then(lambda s: s.read("x", torch.zeros(2))), RuntimeError, r"nvme: read: the swapper is closed", True),
-    Case("closed-register", _closed_then(lambda s: s.register("y", 2)), RuntimeError, r"nvme: register: the swapper is closed", True),
-    Case("closed-pipeline", _closed_then(lambda s: s.pipeline(["x"])), RuntimeError, r"nvme: pipeline: the swapper is closed", True),
+    BadInput("closed-write", _closed_then(lambda s: s.write("x", torch.zeros(2))), RuntimeError, r"nvme: write: the swapper is closed", True),
+    BadInput("closed-read", _closed_then(lambda s: s.read("x", torch.zeros(2))), RuntimeError, r"nvme: read: the swapper is closed", True),
+    BadInput("closed-register", _closed_then(lambda s: s.register("y", 2)), RuntimeError, r"nvme: register: the swapper is closed", True),
+    BadInput("closed-pipeline", _closed_then(lambda s: s.pipeline(["x"])), RuntimeError, r"nvme: pipeline: the swapper is closed", True),
 ]  # fmt: skip
 if _UNAVAILABLE is not None:
     CASES.append(
-        Case(
+        BadInput(
             f"backend-{_UNAVAILABLE}-unavailable",
             _swapper(None, backend=_UNAVAILABLE),
             ValueError,
@@ -146,7 +135,7 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case: Case, env: dict[str, Any]) -> None:
+def test_bad_input(case: BadInput, env: dict[str, Any]) -> None:
     check_bad_input(case, env, _snapshot, _still_works, cleanup=_cancel_pipe)
 
 

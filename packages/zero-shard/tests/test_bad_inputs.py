@@ -15,8 +15,6 @@ from __future__ import annotations
 import copy
 import math
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
@@ -34,6 +32,7 @@ from zerostack.shard import (
     shard_numel,
 )
 from zerostack.testing import (
+    BadInput,
     GPTConfig,
     TinyGPT,
     check_bad_input,
@@ -44,16 +43,6 @@ from zerostack.testing import (
 )
 
 CONFIG = GPTConfig(num_layers=1, dim=16, num_heads=2)
-
-
-@dataclass(frozen=True)
-class Case:
-    id: str
-    call: Callable[[dict[str, Any]], object]
-    error: type[BaseException]
-    match: str
-    fixed: bool = False
-    dtype: torch.dtype = torch.float32  # of the model the wrapper trains
 
 
 def _train_step(env: dict[str, Any], seed: int = 0) -> None:
@@ -127,77 +116,77 @@ def _without_fused_adam(env):
 
 CASES = [
     # -- ZeroOptimizer(...): the optimizer ------------------------------------------------
-    Case("optimizer-module", _wrap(lambda env: env["model"]), TypeError, r"ZeroOptimizer: optimizer must be a torch\.optim\.Optimizer .* \(got TinyGPT\)", True),
-    Case("optimizer-params", _wrap(_params), TypeError, r"ZeroOptimizer: optimizer must be a torch\.optim\.Optimizer .* \(got list\)", True),
-    Case("wrap-a-wrapper", _wrap(lambda env: env["z"]), TypeError, r"ZeroOptimizer: the optimizer is a ZeroOptimizer already", True),
-    Case("wrap-inner-twice", _wrap(lambda env: env["z"].optimizer), RuntimeError, r"ZeroOptimizer: this optimizer is wrapped by a ZeroOptimizer already", True),
-    Case("optimizer-stepped", _wrap(lambda env: _stepped(env)), ValueError, r"wrap the optimizer before its first step \(it already has state\)"),
-    Case("module-param-missing", lambda env: ZeroOptimizer(torch.optim.AdamW(_params(env)[1:]), module=env["model"]), ValueError, r"parameter 'tok_emb\.weight' of the module is missing from the wrapped optimizer"),
-    Case("module-str", _wrap(module="model"), TypeError, r"ZeroOptimizer: module must be an nn\.Module or None \(got str\)", True),
-    Case("param-meta", _wrap(lambda env: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))])), ValueError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) is on the meta device", True),
-    Case("param-int64", _wrap(lambda env: torch.optim.SGD([torch.zeros(3, dtype=torch.int64)], lr=0.1)), TypeError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) must be floating point \(got torch\.int64\)", True),
-    Case("cpu-offload-amsgrad", _wrap(cpu_offload=True), NotImplementedError, r"cpu_offload does not support amsgrad or maximize \(got amsgrad=True, maximize=False\)", True),
-    Case("cpu-offload-no-fused-adam", _without_fused_adam, ImportError, r"ZeroOptimizer: cpu_offload with AdamW .* pip install zerostack-fused-adam", True),
+    BadInput("optimizer-module", _wrap(lambda env: env["model"]), TypeError, r"ZeroOptimizer: optimizer must be a torch\.optim\.Optimizer .* \(got TinyGPT\)", True),
+    BadInput("optimizer-params", _wrap(_params), TypeError, r"ZeroOptimizer: optimizer must be a torch\.optim\.Optimizer .* \(got list\)", True),
+    BadInput("wrap-a-wrapper", _wrap(lambda env: env["z"]), TypeError, r"ZeroOptimizer: the optimizer is a ZeroOptimizer already", True),
+    BadInput("wrap-inner-twice", _wrap(lambda env: env["z"].optimizer), RuntimeError, r"ZeroOptimizer: this optimizer is wrapped by a ZeroOptimizer already", True),
+    BadInput("optimizer-stepped", _wrap(lambda env: _stepped(env)), ValueError, r"wrap the optimizer before its first step \(it already has state\)"),
+    BadInput("module-param-missing", lambda env: ZeroOptimizer(torch.optim.AdamW(_params(env)[1:]), module=env["model"]), ValueError, r"parameter 'tok_emb\.weight' of the module is missing from the wrapped optimizer"),
+    BadInput("module-str", _wrap(module="model"), TypeError, r"ZeroOptimizer: module must be an nn\.Module or None \(got str\)", True),
+    BadInput("param-meta", _wrap(lambda env: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))])), ValueError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) is on the meta device", True),
+    BadInput("param-int64", _wrap(lambda env: torch.optim.SGD([torch.zeros(3, dtype=torch.int64)], lr=0.1)), TypeError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) must be floating point \(got torch\.int64\)", True),
+    BadInput("cpu-offload-amsgrad", _wrap(cpu_offload=True), NotImplementedError, r"cpu_offload does not support amsgrad or maximize \(got amsgrad=True, maximize=False\)", True),
+    BadInput("cpu-offload-no-fused-adam", _without_fused_adam, ImportError, r"ZeroOptimizer: cpu_offload with AdamW .* pip install zerostack-fused-adam", True),
     # -- ZeroOptimizer(...): settings -----------------------------------------------------
-    Case("stage-0", _wrap(stage=0), ValueError, r"stage must be 1 or 2 \(got 0\); use gemini for stage 3"),
-    Case("stage-3", _wrap(stage=3), ValueError, r"stage must be 1 or 2 \(got 3\)"),
-    Case("stage-str", _wrap(stage="2"), ValueError, r"stage must be 1 or 2 \(got '2'\)"),
-    Case("bucket-0", _wrap(reduce_bucket_size=0), ValueError, r"reduce_bucket_size must be >= 1 \(got 0\)"),
-    Case("bucket-str", _wrap(reduce_bucket_size="1024"), TypeError, r"reduce_bucket_size must be an int \(got '1024'\)", True),
-    Case("bucket-float", _wrap(reduce_bucket_size=1e6), TypeError, r"reduce_bucket_size must be an int \(got 1000000\.0\)", True),
-    Case("max-norm-negative", _wrap(max_norm=-1), ValueError, r"max_norm must be >= 0 \(got -1\)"),
-    Case("max-norm-str", _wrap(max_norm="1.0"), TypeError, r"max_norm must be a number \(got '1\.0'\)", True),
-    Case("max-norm-nan", _wrap(max_norm=math.nan), ValueError, r"max_norm must be >= 0 \(got nan\)", True),
-    Case("comm-dtype-str", _wrap(communication_dtype="fp16"), TypeError, r"communication_dtype must be a floating-point torch\.dtype or None \(got 'fp16'\)", True),
-    Case("comm-dtype-int", _wrap(communication_dtype=torch.int32), TypeError, r"communication_dtype must be .* \(got torch\.int32\)", True),
-    Case("gc-negative", _wrap(gc_every_n_steps=-1), ValueError, r"gc_every_n_steps must be an int >= 0 \(got -1\)"),
-    Case("gc-str", _wrap(gc_every_n_steps="50"), ValueError, r"gc_every_n_steps must be an int >= 0 \(got '50'\)"),
-    Case("loss-scaler-float", _wrap(loss_scaler=1024.0), TypeError, r"ZeroOptimizer: loss_scaler must be a DynamicLossScaler or None \(got float\)", True),
-    Case("scaler-unknown-keyword", _wrap(initial_scael=1024), TypeError, r"unknown keyword arguments \['initial_scael'\]"),
-    Case("scaler-and-keywords", _wrap(loss_scaler=DynamicLossScaler(), hysteresis=1), TypeError, r"pass either loss_scaler or its keyword arguments \(got both: \['hysteresis'\]\)"),
-    Case("scaler-scale-keyword", _wrap(scale=2.0), TypeError, r"unknown keyword arguments \['scale'\]"),
-    Case("debug-collectives-str", _wrap(debug_collectives="yes"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'yes'\)"),
+    BadInput("stage-0", _wrap(stage=0), ValueError, r"stage must be 1 or 2 \(got 0\); use gemini for stage 3"),
+    BadInput("stage-3", _wrap(stage=3), ValueError, r"stage must be 1 or 2 \(got 3\)"),
+    BadInput("stage-str", _wrap(stage="2"), ValueError, r"stage must be 1 or 2 \(got '2'\)"),
+    BadInput("bucket-0", _wrap(reduce_bucket_size=0), ValueError, r"reduce_bucket_size must be >= 1 \(got 0\)"),
+    BadInput("bucket-str", _wrap(reduce_bucket_size="1024"), TypeError, r"reduce_bucket_size must be an int \(got '1024'\)", True),
+    BadInput("bucket-float", _wrap(reduce_bucket_size=1e6), TypeError, r"reduce_bucket_size must be an int \(got 1000000\.0\)", True),
+    BadInput("max-norm-negative", _wrap(max_norm=-1), ValueError, r"max_norm must be >= 0 \(got -1\)"),
+    BadInput("max-norm-str", _wrap(max_norm="1.0"), TypeError, r"max_norm must be a number \(got '1\.0'\)", True),
+    BadInput("max-norm-nan", _wrap(max_norm=math.nan), ValueError, r"max_norm must be >= 0 \(got nan\)", True),
+    BadInput("comm-dtype-str", _wrap(communication_dtype="fp16"), TypeError, r"communication_dtype must be a floating-point torch\.dtype or None \(got 'fp16'\)", True),
+    BadInput("comm-dtype-int", _wrap(communication_dtype=torch.int32), TypeError, r"communication_dtype must be .* \(got torch\.int32\)", True),
+    BadInput("gc-negative", _wrap(gc_every_n_steps=-1), ValueError, r"gc_every_n_steps must be an int >= 0 \(got -1\)"),
+    BadInput("gc-str", _wrap(gc_every_n_steps="50"), ValueError, r"gc_every_n_steps must be an int >= 0 \(got '50'\)"),
+    BadInput("loss-scaler-float", _wrap(loss_scaler=1024.0), TypeError, r"ZeroOptimizer: loss_scaler must be a DynamicLossScaler or None \(got float\)", True),
+    BadInput("scaler-unknown-keyword", _wrap(initial_scael=1024), TypeError, r"unknown keyword arguments \['initial_scael'\]"),
+    BadInput("scaler-and-keywords", _wrap(loss_scaler=DynamicLossScaler(), hysteresis=1), TypeError, r"pass either loss_scaler or its keyword arguments \(got both: \['hysteresis'\]\)"),
+    BadInput("scaler-scale-keyword", _wrap(scale=2.0), TypeError, r"unknown keyword arguments \['scale'\]"),
+    BadInput("debug-collectives-str", _wrap(debug_collectives="yes"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'yes'\)"),
     # -- misuse ----------------------------------------------------------------------------
-    Case("backward-float", lambda env: env["z"].backward(2.0), TypeError, r"ZeroOptimizer\.backward: loss must be a tensor \(got float\)", True),
-    Case("clip-max-norm-zero", lambda env: env["z"].clip_grad_by_norm(0.0), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),
-    Case("clip-norm-type-negative", lambda env: env["z"].clip_grad_by_norm(1.0, -1), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: norm_type must be > 0 or inf \(got -1\)"),
-    Case("clip-in-no-sync", _clip_in_no_sync, RuntimeError, r"ZeroOptimizer\.clip_grad_by_norm: called inside no_sync\(\)"),
-    Case("fp16-plain-backward", _unscaled_backward, RuntimeError, r"ZeroOptimizer\.step: fp16 gradients were not scaled; call optimizer\.backward\(loss\)", dtype=torch.float16),
+    BadInput("backward-float", lambda env: env["z"].backward(2.0), TypeError, r"ZeroOptimizer\.backward: loss must be a tensor \(got float\)", True),
+    BadInput("clip-max-norm-zero", lambda env: env["z"].clip_grad_by_norm(0.0), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),
+    BadInput("clip-norm-type-negative", lambda env: env["z"].clip_grad_by_norm(1.0, -1), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: norm_type must be > 0 or inf \(got -1\)"),
+    BadInput("clip-in-no-sync", _clip_in_no_sync, RuntimeError, r"ZeroOptimizer\.clip_grad_by_norm: called inside no_sync\(\)"),
+    BadInput("fp16-plain-backward", _unscaled_backward, RuntimeError, r"ZeroOptimizer\.step: fp16 gradients were not scaled; call optimizer\.backward\(loss\)", options={"dtype": torch.float16}),
     # -- load_state_dict / load_full_state_dict --------------------------------------------------
-    Case("load-list", lambda env: env["z"].load_state_dict([]), TypeError, r"load_state_dict: the state must be a dict with \['optimizer', 'masters', 'scaler', 'layout'\] \(got list\)", True),
-    Case("load-no-layout", _sd(lambda sd: sd.pop("layout")), TypeError, r"load_state_dict: the state must be a dict with .* \(got \['masters', 'optimizer', 'scaler'\]\)", True),
-    Case("load-other-model", _sd(lambda sd: sd["layout"]["numels"].pop()), ValueError, r"load_state_dict: the state is for another model"),
-    Case("load-other-world", _sd(lambda sd: sd["layout"].update(world=2)), ValueError, r"load_state_dict: saved by rank 0 of 2, this is rank 0 of 1"),
-    Case("load-masters-count", _sd(lambda sd: sd["masters"].pop()), ValueError, r"load_state_dict: masters must be \d+ tensors .* \(got \d+, first mismatch at \[\]\)", True),
-    Case("load-master-shape", _sd(lambda sd: sd["masters"].__setitem__(3, torch.zeros(5))), ValueError, r"load_state_dict: masters must be .* first mismatch at \[3\]\)", True),
-    Case("load-full-empty", lambda env: env["z"].load_full_state_dict({}), TypeError, r"load_full_state_dict: the state must be a dict with \['params', 'param_groups', 'scaler', 'numels'\] \(got \[\]\)", True),
-    Case("load-full-other-model", _sd(lambda sd: sd["numels"].pop(), full=True), ValueError, r"ZeroOptimizer\.load_full_state_dict: the state is for another model \(16 params", True),
-    Case("load-full-master-numel", _sd(lambda sd: sd["params"][2].update(master=torch.zeros(5)), full=True), ValueError, r"load_full_state_dict: params must hold \d+ entries, .* first mismatch at \[2\]\)", True),
+    BadInput("load-list", lambda env: env["z"].load_state_dict([]), TypeError, r"load_state_dict: the state must be a dict with \['optimizer', 'masters', 'scaler', 'layout'\] \(got list\)", True),
+    BadInput("load-no-layout", _sd(lambda sd: sd.pop("layout")), TypeError, r"load_state_dict: the state must be a dict with .* \(got \['masters', 'optimizer', 'scaler'\]\)", True),
+    BadInput("load-other-model", _sd(lambda sd: sd["layout"]["numels"].pop()), ValueError, r"load_state_dict: the state is for another model"),
+    BadInput("load-other-world", _sd(lambda sd: sd["layout"].update(world=2)), ValueError, r"load_state_dict: saved by rank 0 of 2, this is rank 0 of 1"),
+    BadInput("load-masters-count", _sd(lambda sd: sd["masters"].pop()), ValueError, r"load_state_dict: masters must be \d+ tensors .* \(got \d+, first mismatch at \[\]\)", True),
+    BadInput("load-master-shape", _sd(lambda sd: sd["masters"].__setitem__(3, torch.zeros(5))), ValueError, r"load_state_dict: masters must be .* first mismatch at \[3\]\)", True),
+    BadInput("load-full-empty", lambda env: env["z"].load_full_state_dict({}), TypeError, r"load_full_state_dict: the state must be a dict with \['params', 'param_groups', 'scaler', 'numels'\] \(got \[\]\)", True),
+    BadInput("load-full-other-model", _sd(lambda sd: sd["numels"].pop(), full=True), ValueError, r"ZeroOptimizer\.load_full_state_dict: the state is for another model \(16 params", True),
+    BadInput("load-full-master-numel", _sd(lambda sd: sd["params"][2].update(master=torch.zeros(5)), full=True), ValueError, r"load_full_state_dict: params must hold \d+ entries, .* first mismatch at \[2\]\)", True),
     # -- DynamicLossScaler ---------------------------------------------------------------------
-    Case("scaler-initial-str", lambda env: DynamicLossScaler(initial_scale="1024"), TypeError, r"DynamicLossScaler: initial_scale must be a number \(got '1024'\)", True),
-    Case("scaler-interval-float", lambda env: DynamicLossScaler(growth_interval=1.5), TypeError, r"DynamicLossScaler: growth_interval must be an int \(got 1\.5\)", True),
-    Case("scaler-hysteresis-0", lambda env: DynamicLossScaler(hysteresis=0), ValueError, r"DynamicLossScaler: hysteresis must be >= 1 \(got 0\)"),
-    Case("scaler-min-0", lambda env: DynamicLossScaler(min_scale=0), ValueError, r"min_scale must be > 0 \(got 0\)"),
-    Case("scaler-backoff-1", lambda env: DynamicLossScaler(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0, 1\) \(got 1\.0\)"),
-    Case("scaler-growth-1", lambda env: DynamicLossScaler(growth_factor=1), ValueError, r"growth_factor must be > 1 \(got 1\)"),
-    Case("scaler-initial-above-max", lambda env: DynamicLossScaler(initial_scale=2.0**40), ValueError, r"initial_scale must lie in \[min_scale, max_scale\] \(got 1099511627776\.0\)"),
-    Case("scaler-positional", lambda env: DynamicLossScaler(1024.0), TypeError, r"DynamicLossScaler\.__init__\(\) takes 1 positional argument"),
-    Case("scaler-load-empty", lambda env: env["scaler"].load_state_dict({}), ValueError, r"DynamicLossScaler\.load_state_dict: state must hold \['clean_steps', 'hysteresis_left', 'scale'\] \(got \[\]\)", True),
-    Case("scaler-load-negative", lambda env: env["scaler"].load_state_dict({**env["scaler"].state_dict(), "scale": -1.0}), ValueError, r"load_state_dict: scale must be a finite number > 0 \(got -1\.0\)", True),
+    BadInput("scaler-initial-str", lambda env: DynamicLossScaler(initial_scale="1024"), TypeError, r"DynamicLossScaler: initial_scale must be a number \(got '1024'\)", True),
+    BadInput("scaler-interval-float", lambda env: DynamicLossScaler(growth_interval=1.5), TypeError, r"DynamicLossScaler: growth_interval must be an int \(got 1\.5\)", True),
+    BadInput("scaler-hysteresis-0", lambda env: DynamicLossScaler(hysteresis=0), ValueError, r"DynamicLossScaler: hysteresis must be >= 1 \(got 0\)"),
+    BadInput("scaler-min-0", lambda env: DynamicLossScaler(min_scale=0), ValueError, r"min_scale must be > 0 \(got 0\)"),
+    BadInput("scaler-backoff-1", lambda env: DynamicLossScaler(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0, 1\) \(got 1\.0\)"),
+    BadInput("scaler-growth-1", lambda env: DynamicLossScaler(growth_factor=1), ValueError, r"growth_factor must be > 1 \(got 1\)"),
+    BadInput("scaler-initial-above-max", lambda env: DynamicLossScaler(initial_scale=2.0**40), ValueError, r"initial_scale must lie in \[min_scale, max_scale\] \(got 1099511627776\.0\)"),
+    BadInput("scaler-positional", lambda env: DynamicLossScaler(1024.0), TypeError, r"DynamicLossScaler\.__init__\(\) takes 1 positional argument"),
+    BadInput("scaler-load-empty", lambda env: env["scaler"].load_state_dict({}), ValueError, r"DynamicLossScaler\.load_state_dict: state must hold \['clean_steps', 'hysteresis_left', 'scale'\] \(got \[\]\)", True),
+    BadInput("scaler-load-negative", lambda env: env["scaler"].load_state_dict({**env["scaler"].state_dict(), "scale": -1.0}), ValueError, r"load_state_dict: scale must be a finite number > 0 \(got -1\.0\)", True),
     # -- CollectorSchedule ----------------------------------------------------------------------
-    Case("collector-negative", lambda env: CollectorSchedule("Api", -1), ValueError, r"Api: gc_every_n_steps must be an int >= 0 \(got -1\)"),
-    Case("collector-float", lambda env: CollectorSchedule("Api", 2.5), ValueError, r"gc_every_n_steps must be an int >= 0 \(got 2\.5\)"),
+    BadInput("collector-negative", lambda env: CollectorSchedule("Api", -1), ValueError, r"Api: gc_every_n_steps must be an int >= 0 \(got -1\)"),
+    BadInput("collector-float", lambda env: CollectorSchedule("Api", 2.5), ValueError, r"gc_every_n_steps must be an int >= 0 \(got 2\.5\)"),
     # -- clipping and partition helpers -----------------------------------------------------------
-    Case("clip-norm-str", lambda env: clip_coefficient("1.0", 1.0), TypeError, r"clip_coefficient: total_norm must be a number \(got '1\.0'\)", True),
-    Case("clip-max-negative", lambda env: clip_coefficient(2.0, -1.0), ValueError, r"clip_coefficient: max_norm must be >= 0 \(got -1\.0\)", True),
-    Case("clip-max-nan", lambda env: clip_coefficient(2.0, math.nan), ValueError, r"clip_coefficient: max_norm must be >= 0 \(got nan\)", True),
-    Case("clip-norm-negative", lambda env: clip_coefficient(-2.0, 1.0), ValueError, r"clip_coefficient: total_norm is a norm, >= 0 \(got -2\.0\)", True),
-    Case("grad-stats-extra-list", lambda env: grad_stats([torch.ones(3)], [1.0], None), TypeError, r"grad_stats: extra must be a tensor \(got list\)", True),
-    Case("grad-stats-shard-float", lambda env: grad_stats([1.0], torch.ones(1), None), TypeError, r"grad_stats: shards must be tensors \(got \['float'\]\)", True),
-    Case("shard-numel-world-0", lambda env: shard_numel(10, 0), ValueError, r"shard_numel: world must be >= 1 \(got 0\)", True),
-    Case("shard-numel-negative", lambda env: shard_numel(-1, 2), ValueError, r"shard_numel: numel must be >= 0 \(got -1\)", True),
-    Case("shard-numel-float", lambda env: shard_numel(10.0, 2), TypeError, r"shard_numel: numel must be an int \(got 10\.0\)", True),
-    Case("shard-bounds-rank", lambda env: shard_bounds(10, 2, 2), ValueError, r"shard_bounds: rank must be < world \(2\) \(got 2\)", True),
+    BadInput("clip-norm-str", lambda env: clip_coefficient("1.0", 1.0), TypeError, r"clip_coefficient: total_norm must be a number \(got '1\.0'\)", True),
+    BadInput("clip-max-negative", lambda env: clip_coefficient(2.0, -1.0), ValueError, r"clip_coefficient: max_norm must be >= 0 \(got -1\.0\)", True),
+    BadInput("clip-max-nan", lambda env: clip_coefficient(2.0, math.nan), ValueError, r"clip_coefficient: max_norm must be >= 0 \(got nan\)", True),
+    BadInput("clip-norm-negative", lambda env: clip_coefficient(-2.0, 1.0), ValueError, r"clip_coefficient: total_norm is a norm, >= 0 \(got -2\.0\)", True),
+    BadInput("grad-stats-extra-list", lambda env: grad_stats([torch.ones(3)], [1.0], None), TypeError, r"grad_stats: extra must be a tensor \(got list\)", True),
+    BadInput("grad-stats-shard-float", lambda env: grad_stats([1.0], torch.ones(1), None), TypeError, r"grad_stats: shards must be tensors \(got \['float'\]\)", True),
+    BadInput("shard-numel-world-0", lambda env: shard_numel(10, 0), ValueError, r"shard_numel: world must be >= 1 \(got 0\)", True),
+    BadInput("shard-numel-negative", lambda env: shard_numel(-1, 2), ValueError, r"shard_numel: numel must be >= 0 \(got -1\)", True),
+    BadInput("shard-numel-float", lambda env: shard_numel(10.0, 2), TypeError, r"shard_numel: numel must be an int \(got 10\.0\)", True),
+    BadInput("shard-bounds-rank", lambda env: shard_bounds(10, 2, 2), ValueError, r"shard_bounds: rank must be < world \(2\) \(got 2\)", True),
 ]  # fmt: skip
 
 
@@ -218,8 +207,9 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_bad_input(case: Case) -> None:
-    check_bad_input(case, _env(case.dtype), _snapshot, _still_works)
+def test_bad_input(case: BadInput) -> None:
+    dtype = case.options.get("dtype", torch.float32)  # of the model the wrapper trains
+    check_bad_input(case, _env(dtype), _snapshot, _still_works)
 
 
 def _still_works(env: dict[str, Any]) -> None:

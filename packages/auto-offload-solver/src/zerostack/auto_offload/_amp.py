@@ -8,14 +8,19 @@ import math
 import torch
 
 from zerostack.auto_offload._module import BaseOffloadModule
-from zerostack.shard import DynamicLossScaler, make_loss_scaler, plan_step, step_with_div_scale
+from zerostack.shard import (
+    SCALER_KEYS,
+    DynamicLossScaler,
+    LossScalerConfig,
+    check_max_norm,
+    make_loss_scaler,
+    plan_step,
+    step_with_div_scale,
+)
 
 logger = logging.getLogger(__name__)
 
-_SCALER_DEFAULTS = dict(
-    initial_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=1000,
-    hysteresis=2, min_scale=1.0, max_scale=2.0**32,
-)  # fmt: skip
+_SCALER = LossScalerConfig()  # the loss scaler's defaults (ColossalAI's, as its AMPOptimizer)
 
 
 class AMPOptimizer:
@@ -57,13 +62,13 @@ class AMPOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         module: BaseOffloadModule,
-        initial_scale: float = 2**16,
-        growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1,
-        max_scale: float = 2**32,
+        initial_scale: float = _SCALER.initial_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        min_scale: float = _SCALER.min_scale,
+        max_scale: float = _SCALER.max_scale,
         clipping_norm: float = 0.0,
         norm_type: float = 2.0,
     ) -> None:
@@ -77,22 +82,16 @@ class AMPOptimizer:
                 f"AMPOptimizer: module must be the BaseOffloadModule memory_optimize returned "
                 f"(got {type(module).__name__})"
             )
-        if isinstance(clipping_norm, bool) or not isinstance(clipping_norm, int | float):
-            raise TypeError(f"AMPOptimizer: clipping_norm must be a number (got {clipping_norm!r})")
+        check_max_norm("AMPOptimizer", clipping_norm, "clipping_norm")
         if norm_type != 2.0:
             raise NotImplementedError(f"AMPOptimizer: norm_type must be 2.0 (got {norm_type})")
-        if not clipping_norm >= 0:
-            raise ValueError(f"AMPOptimizer: clipping_norm must be >= 0 (got {clipping_norm})")
         self.optim = optimizer
         self.module = module
         self.max_norm = float(clipping_norm)
-        given = dict(
-            initial_scale=initial_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-        )  # fmt: skip
+        arguments = locals()
+        given = {name: arguments[name] for name in SCALER_KEYS}
         fp16 = module.dtype == torch.float16
-        kwargs = given if fp16 else {k: v for k, v in given.items() if v != _SCALER_DEFAULTS[k]}
+        kwargs = given if fp16 else {k: v for k, v in given.items() if v != getattr(_SCALER, k)}
         self.grad_scaler: DynamicLossScaler | None = make_loss_scaler(
             "AMPOptimizer", fp16, None, kwargs
         )
@@ -193,6 +192,10 @@ class AMPOptimizer:
             self.zero_grad()
             return None
         for master, grad, _ in self._views:
+            # fused-adam's kernels read the half-precision gradient as it is;
+            # torch's Adam refuses a gradient of another dtype than its param.
+            if grad is not None and not self._copy_out and grad.dtype != master.dtype:
+                grad = grad.to(master.dtype)
             master.grad = grad
         with torch.profiler.record_function("zerostack::cpu_update"):
             ret = step_with_div_scale(self.optim, plan.div_scale)

@@ -258,6 +258,20 @@ class CheckpointIO:
                 api, model, path, extra=lambda tmp: _save_hf_config(model.unwrap(), tmp)
             )
             return
+        self._save_gathered(api, model, path, shard, prefix, size_per_shard, use_safetensors)
+
+    def _save_gathered(
+        self,
+        api: str,
+        model: ModelWrapper,
+        path: str,
+        shard: bool,
+        prefix: str | None,
+        size_per_shard: int,
+        use_safetensors: bool,
+    ) -> None:
+        """Gather the full state to rank 0, which writes it; every rank
+        raises if the write failed."""
         state = model.full_state_dict(only_rank_0=True)
         error, needed = None, files.nbytes(state)
         if _rank() == 0:
@@ -373,32 +387,7 @@ class CheckpointIO:
             parallel_io.check(api, path, verify=verify)
             missing, unexpected = parallel_io.load_model(api, model, path, strict)
             return _incompatible(api, path, missing, unexpected)
-        module = model.unwrap()
-        expected = set(state_names(module))
-        groups = alias_groups(module)
-        vouched = record.check_present(api, path, verify=verify)
-        index_path, single = _find_model_files(api, path)
-        if index_path is not None:
-            index = files.read_index(index_path, api)
-            if not vouched:
-                record.require_for_index(api, path, index, verify=verify)
-            names = set(index["weight_map"])
-            fill, missing, unexpected = _check_names(api, path, names, expected, groups, strict)
-            parts = files.iter_index_files(index_path, api, check_hash=verify and not vouched)
-            whole = len(set(index["weight_map"].values())) <= 1
-        else:
-            state = files.read_state(single, api, check=verify and not vouched)
-            fill, missing, unexpected = _check_names(
-                api, path, set(state), expected, groups, strict
-            )
-            parts, whole = iter([(single, state)]), True
-        for name, part in parts:
-            part.update({m: part[s] for m, s in fill.items() if s in part})
-            part = {k: v for k, v in part.items() if k in expected}
-            logger.debug("%s: loading %d tensors from %s", api, len(part), name)
-            model.load_full_state_dict(part, strict=strict and whole)
-            del part
-        return _incompatible(api, path, missing, unexpected)
+        return _load_gathered(api, model, path, strict, verify)
 
     # --- optimizer ----------------------------------------------------------
 
@@ -731,6 +720,37 @@ def _check_names(
             "or pass strict=False"
         )
     return fill, missing, unexpected
+
+
+def _load_gathered(
+    api: str, model: ModelWrapper, path: str, strict: bool, verify: bool
+) -> _IncompatibleKeys:
+    """load_model from a gathered layout: one file, or a directory with an
+    index read one shard at a time."""
+    module = model.unwrap()
+    expected = set(state_names(module))
+    groups = alias_groups(module)
+    vouched = record.check_present(api, path, verify=verify)
+    index_path, single = _find_model_files(api, path)
+    if index_path is not None:
+        index = files.read_index(index_path, api)
+        if not vouched:
+            record.require_for_index(api, path, index, verify=verify)
+        names = set(index["weight_map"])
+        fill, missing, unexpected = _check_names(api, path, names, expected, groups, strict)
+        parts = files.iter_index_files(index_path, api, check_hash=verify and not vouched)
+        whole = len(set(index["weight_map"].values())) <= 1
+    else:
+        state = files.read_state(single, api, check=verify and not vouched)
+        fill, missing, unexpected = _check_names(api, path, set(state), expected, groups, strict)
+        parts, whole = iter([(single, state)]), True
+    for name, part in parts:
+        part.update({m: part[s] for m, s in fill.items() if s in part})
+        part = {k: v for k, v in part.items() if k in expected}
+        logger.debug("%s: loading %d tensors from %s", api, len(part), name)
+        model.load_full_state_dict(part, strict=strict and whole)
+        del part
+    return _incompatible(api, path, missing, unexpected)
 
 
 def _incompatible(

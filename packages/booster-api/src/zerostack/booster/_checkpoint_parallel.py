@@ -37,6 +37,7 @@ from zerostack.booster import _checkpoint_dcp as engine
 from zerostack.booster import _checkpoint_files as files
 from zerostack.booster import _checkpoint_record as record
 from zerostack.booster._checkpoint_dcp import Piece
+from zerostack.chunk import persistent_buffers
 
 logger = logging.getLogger(__name__)
 FORMAT = "zerostack.dcp/1"
@@ -114,8 +115,6 @@ def _shapes(model: Any) -> dict[str, Any]:
     shapes = dict(facts.shapes) if facts is not None else {}
     for name, (_, _, numel) in model.local_ranges().items():
         shapes.setdefault(name, [numel])
-    from zerostack.booster._plugins._sharded import persistent_buffers
-
     shapes.update({n: b.shape for n, b in persistent_buffers(model.unwrap()).items()})
     return shapes
 

@@ -142,30 +142,45 @@ def consolidate(
             del part
         if buffer or not parts:
             flush()
-        weight_map: dict[str, str] = {}
-        records: dict[str, dict[str, Any]] = {}
-        written = []
-        for i, (temp_name, keys) in enumerate(parts):
-            name = files.shard_file_name(files.SAFE_WEIGHTS_NAME, i, len(parts))
-            os.replace(os.path.join(tmp, temp_name), os.path.join(tmp, name))
-            atomic.fsync_file(os.path.join(tmp, name))
-            records[name] = files.file_record(os.path.join(tmp, name))
-            weight_map.update(dict.fromkeys(keys, name))
-            written.append(name)
+        weight_map, records = _name_shards(tmp, parts)
+        written = list(records)
         index = os.path.join(tmp, files.SAFE_WEIGHTS_INDEX_NAME)
         files.write_index(index, weight_map, records, total, {"total_parameters": numel})
         atomic.fsync_file(index)
         written.append(files.SAFE_WEIGHTS_INDEX_NAME)
-        if os.path.isdir(source):
-            for name in _COPIED:
-                if os.path.isfile(os.path.join(source, name)):
-                    shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
-                    atomic.fsync_file(os.path.join(tmp, name))
-                    written.append(name)
+        written += _copy_side_files(source, tmp)
         record.seal(tmp, save_id=record.allocate_save_id(), kind="model", files=records)
         written.append(record.RECORD_NAME)
     logger.info("%s: wrote %d files (%d bytes of tensors) to %s", _API, len(written), total, target)
     return written
+
+
+def _name_shards(
+    tmp: str, parts: list[tuple[str, list[str]]]
+) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+    """Rename the written parts to Hugging Face's shard names, in order;
+    returns the index's weight map and each file's record."""
+    weight_map: dict[str, str] = {}
+    records: dict[str, dict[str, Any]] = {}
+    for i, (temp_name, keys) in enumerate(parts):
+        name = files.shard_file_name(files.SAFE_WEIGHTS_NAME, i, len(parts))
+        os.replace(os.path.join(tmp, temp_name), os.path.join(tmp, name))
+        atomic.fsync_file(os.path.join(tmp, name))
+        records[name] = files.file_record(os.path.join(tmp, name))
+        weight_map.update(dict.fromkeys(keys, name))
+    return weight_map, records
+
+
+def _copy_side_files(source: str, tmp: str) -> list[str]:
+    """Copy a source directory's _COPIED files (config.json, ...); returns their names."""
+    copied = []
+    if os.path.isdir(source):
+        for name in _COPIED:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(tmp, name))
+                atomic.fsync_file(os.path.join(tmp, name))
+                copied.append(name)
+    return copied
 
 
 def _check_args(source: str, target: str, size_per_shard: int) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from zerostack.shard import changed_fields
+
 _API = "GeminiDDP"
 
 
@@ -178,6 +180,14 @@ class MixedPrecision:
             )
 
 
+# Every field's default, read by GeminiConfig.from_kwargs (and by booster-api's
+# GeminiPlugin through the public classes): the dataclasses are their one source.
+_CHUNK = ChunkConfig()
+_STATIC = StaticPlacementConfig()
+_AUTO = AutoPlacementConfig()
+_MIXED = MixedPrecision()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GeminiConfig:
     """Every setting of GeminiDDP (what booster-api's GeminiPlugin passes down)."""
@@ -218,23 +228,24 @@ class GeminiConfig:
         cls,
         *,
         placement_policy: str = "static",
-        shard_param_frac: float = 1.0,
-        offload_optim_frac: float = 0.0,
-        offload_param_frac: float = 0.0,
-        warmup_non_model_data_ratio: float = 0.8,
-        steady_cuda_cap_ratio: float = 0.9,
-        gpu_capacity_bytes: int | None = None,
-        max_prefetch: int = 0,
-        search_range_m: int = 32,
-        hidden_dim: int | None = None,
-        min_chunk_size_m: float = 32,
-        pin_memory: bool = False,
-        chunk_config_dict: Mapping | None = None,
-        enable_gradient_accumulation: bool = False,
-        mixed_precision: torch.dtype = torch.float16,
-        cast_forward_inputs: bool = True,
-        enable_async_reduce: bool = True,
-        scatter_after_inference: bool = True,
+        shard_param_frac: float = _STATIC.shard_param_frac,
+        offload_optim_frac: float = _STATIC.offload_optim_frac,
+        offload_param_frac: float = _STATIC.offload_param_frac,
+        warmup_non_model_data_ratio: float = _AUTO.warmup_non_model_data_ratio,
+        steady_cuda_cap_ratio: float = _AUTO.steady_cuda_cap_ratio,
+        gpu_capacity_bytes: int | None = _AUTO.gpu_capacity_bytes,
+        max_prefetch: int = _AUTO.max_prefetch,
+        search_range_m: int = _CHUNK.search_range_m,
+        hidden_dim: int | None = _CHUNK.hidden_dim,
+        min_chunk_size_m: float = _CHUNK.min_chunk_size_m,
+        pin_memory: bool = _CHUNK.pin_memory,
+        chunk_config_dict: Mapping | None = _CHUNK.chunk_config_dict,
+        enable_gradient_accumulation: bool = _CHUNK.enable_gradient_accumulation,
+        mixed_precision: torch.dtype = _MIXED.param_dtype,
+        cast_forward_inputs: bool = _MIXED.cast_forward_inputs,
+        # The class body's names: this class's own fields' defaults above.
+        enable_async_reduce: bool = enable_async_reduce,
+        scatter_after_inference: bool = scatter_after_inference,
         master_weights: bool = True,
     ) -> GeminiConfig:
         """The config ColossalAI's keyword arguments describe (see GeminiDDP).
@@ -297,14 +308,14 @@ def _choose_placement(
     """The placement ``policy`` names; options of the other policy are refused
     ("auto" with static shares) or warned about (static with auto's ratios)."""
     if policy == "auto":
-        if static != StaticPlacementConfig():
+        if static != _STATIC:
             raise ValueError(
                 f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
                 "placement_policy='static'; 'auto' decides placement itself"
             )
     else:
         _warn_unused(
-            auto, AutoPlacementConfig(), "under placement_policy='static'; it is an option "
+            auto, _AUTO, "under placement_policy='static'; it is an option "
             "of placement_policy='auto'",
         )  # fmt: skip
         if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:
@@ -324,7 +335,7 @@ def _warn_search_unused(
         search_range_m=search_range_m, hidden_dim=hidden_dim, min_chunk_size_m=min_chunk_size_m
     )
     _warn_unused(
-        search, ChunkConfig(), "with chunk_config_dict (the chunk size is given, there "
+        search, _CHUNK, "with chunk_config_dict (the chunk size is given, there "
         "is no search); remove it, or chunk_config_dict to search",
     )  # fmt: skip
 
@@ -352,9 +363,8 @@ def _legacy_policy(
 
 def _warn_unused(given: Any, default: Any, why: str) -> None:
     """Warn (once per option and place) about options that have no effect."""
-    for name in given.__dataclass_fields__:
-        if getattr(given, name) != getattr(default, name):
-            _warn(f"{name}={getattr(given, name)!r} has no effect {why}", stacklevel=5)
+    for name in changed_fields(given, default):
+        _warn(f"{name}={getattr(given, name)!r} has no effect {why}", stacklevel=5)
 
 
 def _warn(message: str, stacklevel: int = 4) -> None:

@@ -22,7 +22,9 @@ from zerostack.chunk import (
     TensorState,
     check_device,
     debug_collectives,
+    default_compute_device,
     path_between,
+    persistent_buffers,
     phase,
     rank_and_world,
     search_chunk_configuration,
@@ -795,7 +797,7 @@ class GeminiDDP(nn.Module):
         if not keep:
             return {}
         out = {name: values[p] for name, p in self.aliases.items()}  # tied names share a tensor
-        for name, b in _persistent_buffers(self.module).items():
+        for name, b in persistent_buffers(self.module, remove_duplicate=False).items():
             out[name] = b.detach().cpu().clone()
         return out
 
@@ -819,7 +821,7 @@ class GeminiDDP(nn.Module):
         self.drop_batch_for_load()
         self.wait_updates()
         names = self.aliases
-        buffers = _persistent_buffers(self.module)
+        buffers = persistent_buffers(self.module, remove_duplicate=False)
         if strict:
             present = {names[n] for n in state_dict if n in names}
             missing = sorted(
@@ -897,9 +899,7 @@ def _check_module(module: object) -> None:
 def _check_device(value: object) -> torch.device:
     """The compute device: the current CUDA device, else the CPU, when None."""
     if value is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return default_compute_device()
     return check_device(_API, "compute_device", value, optional=True)
 
 
@@ -948,16 +948,6 @@ class _ModuleHooks:
         ddp = self._ddp()
         if ddp is not None:
             ddp._post_forward(self.slots, self._pre_backward, out)
-
-
-def _persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` would hold (not the non-persistent ones)."""
-    out = {}
-    for prefix, m in module.named_modules():
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = b
-    return out
 
 
 def _flatten(out: Any) -> list[Any]:

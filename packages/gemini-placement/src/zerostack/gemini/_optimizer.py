@@ -20,6 +20,7 @@ from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
     check_clip_args,
+    check_max_norm,
     grad_stats,
     hyperparameters,
     make_loss_scaler,
@@ -99,14 +100,7 @@ class GeminiOptimizer:
     ) -> None:
         _check_wrap(optimizer, module)
         _check_covers(optimizer, module)
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-            raise TypeError(
-                f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
-            )
-        if not max_norm >= 0:
-            raise ValueError(
-                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
-            )
+        check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
         fp16 = module.mixed_precision == torch.float16

@@ -130,27 +130,7 @@ def spawn(
         TypeError: ``fn`` is not module-level, or ``fn``/``args`` do not pickle.
         ValueError: ``world_size``, ``timeout_s`` or ``backend`` is invalid.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"spawn: world_size must be a positive int (got {world_size!r}); pass 1 or more"
-        )
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ValueError(
-            f"spawn: timeout_s must be a positive number of seconds (got {timeout_s!r}); "
-            "pass e.g. 120.0"
-        )
-    if not isinstance(args, tuple | list):
-        raise TypeError(
-            f"spawn: args must be a tuple or list (got {type(args).__name__}); "
-            "write args=(x,) for a single argument"
-        )
-    if backend is None:
-        backend = _default_backend(world_size)
-    elif backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise ValueError(
-            f"spawn: backend 'nccl' needs one CUDA device per rank (got world_size={world_size} "
-            f"with {torch.cuda.device_count()} devices); use backend='gloo' or fewer ranks"
-        )
+    backend = _check_args(world_size, args, backend, timeout_s)
     fn_ref, payload = _pack(fn, tuple(args))
     num_threads = max(1, _num_cpus() // world_size)
 
@@ -177,6 +157,32 @@ def spawn(
         shutil.rmtree(tmpdir, ignore_errors=True)
     if error is not None:
         raise error
+
+
+def _check_args(world_size: int, args: object, backend: str | None, timeout_s: float) -> str:
+    """spawn's arguments checked; returns the backend to use."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"spawn: world_size must be a positive int (got {world_size!r}); pass 1 or more"
+        )
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise ValueError(
+            f"spawn: timeout_s must be a positive number of seconds (got {timeout_s!r}); "
+            "pass e.g. 120.0"
+        )
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"spawn: args must be a tuple or list (got {type(args).__name__}); "
+            "write args=(x,) for a single argument"
+        )
+    if backend is None:
+        return _default_backend(world_size)
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise ValueError(
+            f"spawn: backend 'nccl' needs one CUDA device per rank (got world_size={world_size} "
+            f"with {torch.cuda.device_count()} devices); use backend='gloo' or fewer ranks"
+        )
+    return backend
 
 
 def _default_backend(world_size: int) -> str:
@@ -415,13 +421,29 @@ def _supervise(
             break
         multiprocessing.connection.wait([procs[r].sentinel for r in alive], timeout=_POLL_S)
 
+    return _spawn_error(
+        procs, failures, unfinished, reason, first_failure_at is None, running, tmpdir
+    )
+
+
+def _spawn_error(
+    procs: list[multiprocessing.process.BaseProcess],
+    failures: list[tuple[int, str]],
+    unfinished: list[int],
+    reason: str,
+    no_failure: bool,
+    running: bool,
+    tmpdir: str,
+) -> SpawnError | None:
+    """The error for how supervision ended (None: every rank succeeded),
+    with the stacks of the ranks still running."""
     if not failures and not unfinished:
         return None
     parts = [text for _, text in failures]
     if unfinished:
         stacks = _dump_stacks(procs, unfinished, tmpdir)
         summary = f"ranks {unfinished} still running; terminated them"
-        if first_failure_at is None:
+        if no_failure:
             parts.insert(0, f"{reason}; {summary}")
             if running:
                 parts[0] += (

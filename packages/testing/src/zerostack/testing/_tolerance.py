@@ -92,36 +92,18 @@ def training_tolerance(
       Since ``|w0| <= |expected| + M``, with ``M`` the most one element can
       move in ``steps`` steps, this gives ``rtol = eps/2`` and
       ``eps/2 * (M + finfo.tiny)`` of atol.
-    * Adam (AdamW, HybridAdam). One step moves an element by
-      ``lr * |m_hat| / (sqrt(v_hat) + eps_adam) <= lr * B_t``, where by
-      Cauchy-Schwarz over the bias-corrected averages
-      ``B_t = sqrt(sum_i a_i**2 / b_i)``, ``a_i = (1-b1) b1**(t-i) / (1-b1**t)``,
-      ``b_i = (1-b2) b2**(t-i) / (1-b2**t)``: 1 at t=1, 1.028 at t=8 with the
-      default betas (2.2 at t=100). The update is normalised per element, so
-      a gradient that is itself at the rounding level (some always are, e.g.
-      a token seen once) can change sign between the runs, and the two
-      updates then differ by up to ``2 lr B_t``; a correct bf16 Gemini run
-      was seen at 97% of that by step 2. So ``M = lr * sum(B_t)`` and
-      ``atol = 2 M`` plus the rounding term. This bound is strict: no machine or
-      summation order can exceed it. Decoupled weight decay only shrinks
-      differences, and L2 decay is part of the gradient. The flip side: an
-      element-wise comparison of Adam in low precision cannot see a learning
-      rate or gradient scale wrong by less than about 2x; SGD shows them.
-    * SGD with ``momentum`` (no dampening, no Nesterov). A step moves an
-      element by ``lr * |buf_t|``, ``|buf_t| <= G * sum_{j<t} momentum**j``,
-      where ``G = max_grad`` bounds every gradient element so far (the clip
-      ``max_norm`` always does; the largest element the fp32 reference saw
-      is tighter). A gradient computed through ``depth`` roundings in
-      sequence, each of relative size up to ``eps``, independent and so
-      adding in quadrature, is off by ``delta = eps * sqrt(depth)`` of its
-      scale ``G`` -- the error a loss computed in ``dtype`` carries too
-      (:func:`loss_tolerance`). SGD is linear in the gradient, so each step
-      adds at most ``delta`` of its own size: with
-      ``M = lr * G * sum_t sum_{j<t} momentum**j``, ``atol = delta * M`` plus
-      the rounding term.
-      This is a first-order model (differences do not grow through the
-      curvature over a few steps), tight enough that a 2x gradient or a
-      missed step, which differ by whole updates, fail it many times over.
+    * Adam (AdamW, HybridAdam): ``M = lr * sum(B_t)``, ``B_t`` the largest
+      bias-corrected step (1 at t=1, 1.028 at t=8 with the default betas),
+      and ``atol = 2 M`` plus the rounding term, since a gradient at the
+      rounding level can flip an update's sign. Strict: no machine or
+      summation order can exceed it; so an element-wise comparison of Adam
+      in low precision cannot see a learning rate or gradient scale wrong by
+      less than about 2x; SGD shows them.
+    * SGD with ``momentum`` (no dampening, no Nesterov):
+      ``M = lr * max_grad * sum_t sum_{j<t} momentum**j`` and
+      ``atol = eps * sqrt(depth) * M`` plus the rounding term, a first-order
+      model tight enough that a 2x gradient or a missed step fail it many
+      times over.
 
     Args:
         dtype: torch.float16 or torch.bfloat16, the dtype the run computes in.
@@ -162,11 +144,66 @@ def training_tolerance(
             "AdamW and HybridAdam are 'adam'"
         )
     if optimizer == "adam":
-        beta1, beta2 = betas
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-            raise ValueError(f"{api}: betas must each be in [0, 1) (got {betas!r})")
-        movement = lr * sum(_adam_step_bound(t, beta1, beta2) for t in range(1, steps + 1))
-        return eps / 2, 2.0 * movement + eps / 2 * (movement + tiny)
+        return eps / 2, _adam_atol(api, steps, lr, betas, eps, tiny)
+    return eps / 2, _sgd_atol(api, steps, lr, momentum, max_grad, depth, eps, tiny)
+
+
+def _adam_atol(
+    api: str, steps: int, lr: float, betas: tuple[float, float], eps: float, tiny: float
+) -> float:
+    """training_tolerance's atol for Adam.
+
+    Adam (AdamW, HybridAdam). One step moves an element by
+    ``lr * |m_hat| / (sqrt(v_hat) + eps_adam) <= lr * B_t``, where by
+    Cauchy-Schwarz over the bias-corrected averages
+    ``B_t = sqrt(sum_i a_i**2 / b_i)``, ``a_i = (1-b1) b1**(t-i) / (1-b1**t)``,
+    ``b_i = (1-b2) b2**(t-i) / (1-b2**t)``: 1 at t=1, 1.028 at t=8 with the
+    default betas (2.2 at t=100). The update is normalised per element, so
+    a gradient that is itself at the rounding level (some always are, e.g.
+    a token seen once) can change sign between the runs, and the two
+    updates then differ by up to ``2 lr B_t``; a correct bf16 Gemini run
+    was seen at 97% of that by step 2. So ``M = lr * sum(B_t)`` and
+    ``atol = 2 M`` plus the rounding term. This bound is strict: no machine or
+    summation order can exceed it. Decoupled weight decay only shrinks
+    differences, and L2 decay is part of the gradient. The flip side: an
+    element-wise comparison of Adam in low precision cannot see a learning
+    rate or gradient scale wrong by less than about 2x; SGD shows them.
+    """
+    beta1, beta2 = betas
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"{api}: betas must each be in [0, 1) (got {betas!r})")
+    movement = lr * sum(_adam_step_bound(t, beta1, beta2) for t in range(1, steps + 1))
+    return 2.0 * movement + eps / 2 * (movement + tiny)
+
+
+def _sgd_atol(
+    api: str,
+    steps: int,
+    lr: float,
+    momentum: float,
+    max_grad: float | None,
+    depth: int,
+    eps: float,
+    tiny: float,
+) -> float:
+    """training_tolerance's atol for SGD.
+
+    SGD with ``momentum`` (no dampening, no Nesterov). A step moves an
+    element by ``lr * |buf_t|``, ``|buf_t| <= G * sum_{j<t} momentum**j``,
+    where ``G = max_grad`` bounds every gradient element so far (the clip
+    ``max_norm`` always does; the largest element the fp32 reference saw
+    is tighter). A gradient computed through ``depth`` roundings in
+    sequence, each of relative size up to ``eps``, independent and so
+    adding in quadrature, is off by ``delta = eps * sqrt(depth)`` of its
+    scale ``G`` -- the error a loss computed in ``dtype`` carries too
+    (:func:`loss_tolerance`). SGD is linear in the gradient, so each step
+    adds at most ``delta`` of its own size: with
+    ``M = lr * G * sum_t sum_{j<t} momentum**j``, ``atol = delta * M`` plus
+    the rounding term.
+    This is a first-order model (differences do not grow through the
+    curvature over a few steps), tight enough that a 2x gradient or a
+    missed step, which differ by whole updates, fail it many times over.
+    """
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"{api}: momentum must be in [0, 1) (got {momentum!r})")
     if max_grad is None or not max_grad >= 0:
@@ -176,7 +213,7 @@ def training_tolerance(
         )
     velocity = sum(sum(momentum**j for j in range(t)) for t in range(1, steps + 1))
     movement = lr * max_grad * velocity
-    return eps / 2, eps * math.sqrt(depth) * movement + eps / 2 * (movement + tiny)
+    return eps * math.sqrt(depth) * movement + eps / 2 * (movement + tiny)
 
 
 def loss_tolerance(dtype: torch.dtype, *, depth: int = 1) -> tuple[float, float]:

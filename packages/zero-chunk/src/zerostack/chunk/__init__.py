@@ -2,7 +2,14 @@
 gathered, released, reduced and moved as one."""
 
 from zerostack.chunk.__about__ import __version__
-from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, check_device
+from zerostack.chunk._buffers import persistent_buffers
+from zerostack.chunk._chunk import (
+    Chunk,
+    ChunkFullError,
+    Handle,
+    check_device,
+    default_compute_device,
+)
 from zerostack.chunk._colo_init import ColoInitContext
 from zerostack.chunk._comm import (
     CollectiveMismatchError,
@@ -38,7 +45,9 @@ __all__ = [
     "all_reduce_sum",
     "check_device",
     "debug_collectives",
+    "default_compute_device",
     "path_between",
+    "persistent_buffers",
     "phase",
     "rank_and_world",
     "reduce_scatter_sum",

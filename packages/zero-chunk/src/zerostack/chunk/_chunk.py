@@ -40,7 +40,8 @@ class Handle:
         return self._finish is None
 
 
-def _default_device() -> torch.device:
+def default_compute_device() -> torch.device:
+    """The compute device when none is given: the current CUDA device, else the CPU."""
     return (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
@@ -143,7 +144,9 @@ class Chunk:
         self.shard_size = -(-chunk_size // self.world_size)
         self.chunk_size = self.shard_size * self.world_size
         self.dtype = dtype
-        self.compute_device = torch.device(compute_device) if compute_device else _default_device()
+        self.compute_device = (
+            torch.device(compute_device) if compute_device else default_compute_device()
+        )
         self.shard_device = torch.device(shard_device) if shard_device else self.compute_device
         self.keep_gathered = keep_gathered
         self.pin_memory = pin_memory

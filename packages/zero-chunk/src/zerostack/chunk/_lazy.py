@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from zerostack.chunk import _comm
-from zerostack.chunk._chunk import _default_device, check_device
+from zerostack.chunk._chunk import check_device, default_compute_device
 from zerostack.chunk._lazy_record import Disguise, Recorder, Recording, Ref, recording_rng, ref_of
 from zerostack.chunk._lazy_replay import Replay
 from zerostack.chunk._manager import ChunkManager
@@ -218,27 +218,18 @@ class LazyInitContext:
         # Checked before any module is materialized: a bad argument leaves
         # the model on meta, ready for a corrected call.
         _check_distribute_args(api, model, chunk_manager, config_key, dtype, register_fn)
-        buffer_device = chunk_manager.compute_device or _default_device()
         chunks_before = len(chunk_manager.chunks())
-        num_params = num_bytes = 0
-
-        def place(tensors: list[tuple[torch.Tensor, bool]]) -> None:
-            nonlocal num_params, num_bytes
-            for t, is_param in tensors:
-                if not is_param:
-                    t.data = t.data.to(buffer_device)
-                    continue
-                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                    t.data = t.data.to(dtype)
-                num_params += 1
-                num_bytes += t.numel() * t.element_size()
-                if register_fn is not None:
-                    register_fn(t)
-                    continue
-                chunk_manager.register_tensor(
-                    t, group_type, config_key, process_group, cpu_offload, pin_memory
-                )
-
+        register: Callable[[torch.Tensor], object] = register_fn or functools.partial(
+            chunk_manager.register_tensor,
+            group_type=group_type,
+            config_key=config_key,
+            process_group=process_group,
+            cpu_offload=cpu_offload,
+            pin_memory=pin_memory,
+        )
+        place = _IntoChunks(
+            register, chunk_manager.compute_device or default_compute_device(), dtype
+        )
         check_ranks = functools.partial(_check_same_rng, api, process_group)
         _materialize(model, api, init_fn, place, check_ranks)
         chunk_manager.close_all_groups()
@@ -246,11 +237,40 @@ class LazyInitContext:
         logger.info(
             "%s: %d parameters, %.1f MB, %d chunks created",
             api,
-            num_params,
-            num_bytes / 2**20,
+            place.num_params,
+            place.num_bytes / 2**20,
             len(chunk_manager.chunks()) - chunks_before,
         )
         return model
+
+
+class _IntoChunks:
+    """distribute's placement of each materialized tensor: a buffer goes
+    whole to the compute device, a parameter is cast to ``dtype`` and
+    registered into its chunk; counts the parameters and their bytes."""
+
+    def __init__(
+        self,
+        register: Callable[[torch.Tensor], object],
+        buffer_device: torch.device,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.register = register
+        self.buffer_device = buffer_device
+        self.dtype = dtype
+        self.num_params = 0
+        self.num_bytes = 0
+
+    def __call__(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        for t, is_param in tensors:
+            if not is_param:
+                t.data = t.data.to(self.buffer_device)
+                continue
+            if self.dtype is not None and t.is_floating_point() and t.dtype != self.dtype:
+                t.data = t.data.to(self.dtype)
+            self.num_params += 1
+            self.num_bytes += t.numel() * t.element_size()
+            self.register(t)
 
 
 def _trim_host_heap() -> None:

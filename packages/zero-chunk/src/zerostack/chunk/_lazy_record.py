@@ -464,85 +464,61 @@ def _cuda_generator(device: Any = "cuda") -> torch.Generator:
     return torch.cuda.default_generators[_cuda_index(device)]
 
 
-@contextlib.contextmanager
-def recording_rng(rec: Recording) -> Iterator[None]:
-    """Within the block, route torch's RNG state functions through ``rec``
-    (they still act on the real generators too). ``Tensor.tolist`` on a
-    lazily built tensor (and ``numpy``) computes its value."""
-    patched: list[tuple[Any, str, Any, bool]] = []
+# The wrappers recording_rng installs: each `(rec, ...)` returns a
+# `make(orig)` that wraps torch's original function `orig`.
+_Wrap = Callable[[Any], Any]
 
-    def patch(module: Any, name: str, make: Callable[[Any], Any]) -> None:
-        orig = getattr(module, name, None)
-        if orig is not None:
-            patched.append((module, name, orig, name in vars(module)))
-            setattr(module, name, make(orig))
 
-    def getter(gen_of: Callable[..., torch.Generator]) -> Callable[[Any], Any]:
-        def make(orig: Any) -> Any:
-            def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
-                if not rec.here():
-                    return orig(*args, **kwargs)
-                gen = gen_of(*args, **kwargs)
+def _rng_getter(rec: Recording, gen_of: Callable[..., torch.Generator]) -> _Wrap:
+    def make(orig: Any) -> Any:
+        def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if not rec.here():
+                return orig(*args, **kwargs)
+            gen = gen_of(*args, **kwargs)
+            rec.track(gen)
+            state = orig(*args, **kwargs)
+            rec.rng_get(gen, state)
+            return state
+
+        return get_rng_state
+
+    return make
+
+
+def _rng_setter(rec: Recording, gen_of: Callable[..., torch.Generator]) -> _Wrap:
+    def make(orig: Any) -> Any:
+        def set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            if not rec.here():
+                return orig(new_state, *args, **kwargs)
+            gen = gen_of(*args, **kwargs)
+            rec.track(gen)
+            orig(new_state, *args, **kwargs)
+            rec.rng_set(gen, new_state)
+            return None
+
+        return set_rng_state
+
+    return make
+
+
+def _rng_seeder(rec: Recording, gens: Callable[[], list[torch.Generator]]) -> _Wrap:
+    def make(orig: Any) -> Any:
+        def seed(*args: Any, **kwargs: Any) -> Any:
+            if not rec.here():
+                return orig(*args, **kwargs)
+            for gen in gens():
                 rec.track(gen)
-                state = orig(*args, **kwargs)
-                rec.rng_get(gen, state)
-                return state
+            out = orig(*args, **kwargs)
+            rec.rng_reseeded(gens())
+            return out
 
-            return get_rng_state
+        return seed
 
-        return make
+    return make
 
-    def setter(gen_of: Callable[..., torch.Generator]) -> Callable[[Any], Any]:
-        def make(orig: Any) -> Any:
-            def set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-                if not rec.here():
-                    return orig(new_state, *args, **kwargs)
-                gen = gen_of(*args, **kwargs)
-                rec.track(gen)
-                orig(new_state, *args, **kwargs)
-                rec.rng_set(gen, new_state)
-                return None
 
-            return set_rng_state
-
-        return make
-
-    def seeder(gens: Callable[[], list[torch.Generator]]) -> Callable[[Any], Any]:
-        def make(orig: Any) -> Any:
-            def seed(*args: Any, **kwargs: Any) -> Any:
-                if not rec.here():
-                    return orig(*args, **kwargs)
-                for gen in gens():
-                    rec.track(gen)
-                out = orig(*args, **kwargs)
-                rec.rng_reseeded(gens())
-                return out
-
-            return seed
-
-        return make
-
-    def cpu(*_: Any, **__: Any) -> torch.Generator:
-        return torch.default_generator
-
-    def cpu_and_cuda() -> list[torch.Generator]:
-        return [torch.default_generator, *rec.cuda_generators()]
-
-    for module in (torch, torch.random):
-        patch(module, "get_rng_state", getter(cpu))
-        patch(module, "set_rng_state", setter(cpu))
-        patch(module, "manual_seed", seeder(cpu_and_cuda))
-        patch(module, "seed", seeder(cpu_and_cuda))
-    if torch.cuda.is_available():
-        for module in (torch.cuda, torch.cuda.random):
-            patch(module, "get_rng_state", getter(_cuda_generator))
-            patch(module, "set_rng_state", setter(_cuda_generator))
-            for name in ("manual_seed", "seed"):
-                patch(module, name, seeder(lambda: rec.cuda_generators(current=True)))
-            for name in ("manual_seed_all", "seed_all"):
-                patch(module, name, seeder(rec.cuda_generators))
-
-    def reads_values(orig: Any) -> Any:
+def _value_reader(rec: Recording) -> _Wrap:
+    def make(orig: Any) -> Any:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if rec.here():
                 with rec.pause():
@@ -553,8 +529,44 @@ def recording_rng(rec: Recording) -> Iterator[None]:
 
         return read
 
-    patch(torch.Tensor, "tolist", reads_values)
-    patch(torch.Tensor, "numpy", reads_values)
+    return make
+
+
+def _cpu_generator(*_: Any, **__: Any) -> torch.Generator:
+    return torch.default_generator
+
+
+@contextlib.contextmanager
+def recording_rng(rec: Recording) -> Iterator[None]:
+    """Within the block, route torch's RNG state functions through ``rec``
+    (they still act on the real generators too). ``Tensor.tolist`` on a
+    lazily built tensor (and ``numpy``) computes its value."""
+    patched: list[tuple[Any, str, Any, bool]] = []
+
+    def patch(module: Any, name: str, make: _Wrap) -> None:
+        orig = getattr(module, name, None)
+        if orig is not None:
+            patched.append((module, name, orig, name in vars(module)))
+            setattr(module, name, make(orig))
+
+    def cpu_and_cuda() -> list[torch.Generator]:
+        return [torch.default_generator, *rec.cuda_generators()]
+
+    for module in (torch, torch.random):
+        patch(module, "get_rng_state", _rng_getter(rec, _cpu_generator))
+        patch(module, "set_rng_state", _rng_setter(rec, _cpu_generator))
+        patch(module, "manual_seed", _rng_seeder(rec, cpu_and_cuda))
+        patch(module, "seed", _rng_seeder(rec, cpu_and_cuda))
+    if torch.cuda.is_available():
+        for module in (torch.cuda, torch.cuda.random):
+            patch(module, "get_rng_state", _rng_getter(rec, _cuda_generator))
+            patch(module, "set_rng_state", _rng_setter(rec, _cuda_generator))
+            for name in ("manual_seed", "seed"):
+                patch(module, name, _rng_seeder(rec, lambda: rec.cuda_generators(current=True)))
+            for name in ("manual_seed_all", "seed_all"):
+                patch(module, name, _rng_seeder(rec, rec.cuda_generators))
+    patch(torch.Tensor, "tolist", _value_reader(rec))
+    patch(torch.Tensor, "numpy", _value_reader(rec))
     try:
         yield
     finally:

@@ -103,14 +103,7 @@ def search_chunk_configuration(
     start_time = time.perf_counter()
     _check_args(model, search_range_m, search_interval, min_chunk_size_m)
     dp_size, dp_rank = _group_size_and_rank(process_group)
-
-    # parameters() yields a shared (tied) parameter once, by identity, in registration order.
-    sizes = [param.numel() for param in model.parameters()]
-    if not sizes:
-        raise ValueError(
-            f"{_API}: the model has no parameters (got {type(model).__name__}); "
-            "pass a model that has parameters"
-        )
+    sizes = _parameter_sizes(model)
     total_size = sum(sizes)
     min_chunk_size = round(min_chunk_size_m * _MEGA)
 
@@ -121,33 +114,55 @@ def search_chunk_configuration(
         if filter_exlarge_params:
             sizes = _drop_exlarge(sizes)
         search_range = round(search_range_m * _MEGA)
-        start = max(max(sizes), min_chunk_size, 1)
-        start = -(-start // search_interval) * search_interval
-        best = _best_chunk_size(sizes, start, start + search_range, search_interval)
-        chunk_size = best + (-best % dp_size)
-        keep_gathered = False
-        wasted_size = int(_waste(sizes, torch.tensor([chunk_size]))[0].item())
-
-    result = ChunkSearchResult(
-        config={dp_size: {"chunk_size": chunk_size, "keep_gathered": keep_gathered}},
-        total_size=total_size,
-        wasted_size=wasted_size,
-    )
-    if dp_rank == 0:
-        to_mb = _LOG_BYTES_PER_ELEMENT / _MEGA
-        logger.info(
-            "%s: chunk_size=%d keep_gathered=%s dp_size=%d, found in %.3f s; "
-            "used %.1f MB, wasted %.1f MB (%.2f%%) at 2 bytes per element (fp16/bf16)",
-            _API,
-            chunk_size,
-            keep_gathered,
-            dp_size,
-            time.perf_counter() - start_time,
-            total_size * to_mb,
-            wasted_size * to_mb,
-            result.wasted_pct,
+        chunk_size, wasted_size = _sharded_chunk_size(
+            sizes, min_chunk_size, search_range, search_interval, dp_size
         )
+        keep_gathered = False
+    setting: dict[str, int | bool] = {"chunk_size": chunk_size, "keep_gathered": keep_gathered}
+    result = ChunkSearchResult({dp_size: setting}, total_size, wasted_size)
+    if dp_rank == 0:
+        _log_result(result, dp_size, time.perf_counter() - start_time)
     return result
+
+
+def _parameter_sizes(model: nn.Module) -> list[int]:
+    # parameters() yields a shared (tied) parameter once, by identity, in registration order.
+    sizes = [param.numel() for param in model.parameters()]
+    if not sizes:
+        raise ValueError(
+            f"{_API}: the model has no parameters (got {type(model).__name__}); "
+            "pass a model that has parameters"
+        )
+    return sizes
+
+
+def _sharded_chunk_size(
+    sizes: list[int], min_chunk_size: int, search_range: int, step: int, dp_size: int
+) -> tuple[int, int]:
+    """The least-waste chunk size rounded up to a multiple of ``dp_size``, and
+    its waste."""
+    start = max(max(sizes), min_chunk_size, 1)
+    start = -(-start // step) * step
+    best = _best_chunk_size(sizes, start, start + search_range, step)
+    chunk_size = best + (-best % dp_size)
+    return chunk_size, int(_waste(sizes, torch.tensor([chunk_size]))[0].item())
+
+
+def _log_result(result: ChunkSearchResult, dp_size: int, seconds: float) -> None:
+    (setting,) = result.config.values()
+    to_mb = _LOG_BYTES_PER_ELEMENT / _MEGA
+    logger.info(
+        "%s: chunk_size=%d keep_gathered=%s dp_size=%d, found in %.3f s; "
+        "used %.1f MB, wasted %.1f MB (%.2f%%) at 2 bytes per element (fp16/bf16)",
+        _API,
+        setting["chunk_size"],
+        setting["keep_gathered"],
+        dp_size,
+        seconds,
+        result.total_size * to_mb,
+        result.wasted_size * to_mb,
+        result.wasted_pct,
+    )
 
 
 def _check_args(

@@ -3,16 +3,18 @@
 from zerostack.shard.__about__ import __version__
 from zerostack.shard._clip import (
     check_clip_args,
+    check_max_norm,
     clip_coefficient,
     clip_grads_,
     grad_stats,
     norm_part,
     record_clip,
 )
+from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
 from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
-from zerostack.shard._loss_scaler import DynamicLossScaler
+from zerostack.shard._loss_scaler import SCALER_KEYS, DynamicLossScaler, LossScalerConfig
 from zerostack.shard._mixed_precision import (
     StepPlan,
     make_loss_scaler,
@@ -24,14 +26,20 @@ from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
 
 __all__ = [
+    "SCALER_KEYS",
     "CollectorSchedule",
     "DynamicLossScaler",
+    "LossScalerConfig",
     "ShardedGradient",
     "StepPlan",
     "TrainingState",
+    "ZeroConfig",
     "ZeroOptimizer",
     "__version__",
+    "as_kwargs",
+    "changed_fields",
     "check_clip_args",
+    "check_max_norm",
     "clip_coefficient",
     "clip_grads_",
     "grad_stats",

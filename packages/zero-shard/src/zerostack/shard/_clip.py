@@ -98,6 +98,21 @@ def reduce_norm(part: torch.Tensor, norm_type: float, group, *, sharded: bool = 
     return value ** (1.0 / norm_type)
 
 
+def check_max_norm(api: str, max_norm: object, name: str = "max_norm") -> None:
+    """The check of a wrapper's or plugin's ``max_norm`` setting, where 0
+    turns clipping off (``name``: the argument's name there, e.g.
+    AMPOptimizer's ``clipping_norm``).
+
+    Raises:
+        TypeError: not a number.
+        ValueError: negative or nan.
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(f"{api}: {name} must be a number (got {max_norm!r}); 0 turns clipping off")
+    if not max_norm >= 0:
+        raise ValueError(f"{api}: {name} must be >= 0 (got {max_norm}); 0 turns clipping off")
+
+
 def check_clip_args(
     api: str, max_norm: object, norm_type: object, error_if_nonfinite: object = False
 ) -> tuple[float, float]:
@@ -200,13 +215,9 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
         TypeError: an argument is not a number.
         ValueError: ``max_norm`` < 0 or nan, or ``total_norm`` < 0.
     """
-    for name, value in (("total_norm", total_norm), ("max_norm", max_norm)):
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TypeError(f"clip_coefficient: {name} must be a number (got {value!r})")
-    if not max_norm >= 0:
-        raise ValueError(
-            f"clip_coefficient: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
-        )
+    if isinstance(total_norm, bool) or not isinstance(total_norm, int | float):
+        raise TypeError(f"clip_coefficient: total_norm must be a number (got {total_norm!r})")
+    check_max_norm("clip_coefficient", max_norm)
     if total_norm < 0:
         raise ValueError(f"clip_coefficient: total_norm is a norm, >= 0 (got {total_norm})")
     if max_norm <= 0 or not math.isfinite(total_norm):

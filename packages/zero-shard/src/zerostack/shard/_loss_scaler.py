@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
+from typing import Any
+
+_API = "DynamicLossScaler"
 
 
-@dataclass(kw_only=True, slots=True)
-class DynamicLossScaler:
-    """Scale the loss so fp16 gradients do not underflow; back off on overflow.
-
-    The defaults are the project's defaults everywhere.
-    """
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LossScalerConfig:
+    """The settings of the fp16 loss scaler, under ColossalAI's names; the one
+    place their defaults live (wrappers and plugins build it)."""
 
     initial_scale: float = 2.0**16
     """Starting scale. Default 2**16."""
@@ -30,16 +31,16 @@ class DynamicLossScaler:
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"DynamicLossScaler: {field} {rule} (got {value!r})")
+            return ValueError(f"{_API}: {field} {rule} (got {value!r})")
 
         for name in ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "max_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"DynamicLossScaler: {name} must be a number (got {value!r})")
+                raise TypeError(f"{_API}: {name} must be a number (got {value!r})")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"DynamicLossScaler: {name} must be an int (got {value!r})")
+                raise TypeError(f"{_API}: {name} must be an int (got {value!r})")
         if not self.min_scale > 0:
             raise bad("min_scale", self.min_scale, "must be > 0")
         if not self.min_scale <= self.initial_scale <= self.max_scale:
@@ -52,29 +53,62 @@ class DynamicLossScaler:
             raise bad("growth_interval", self.growth_interval, "must be >= 1")
         if self.hysteresis < 1:
             raise bad("hysteresis", self.hysteresis, "must be >= 1")
-        self.scale = float(self.initial_scale)
-        self._clean_steps = 0
-        self._hysteresis_left = self.hysteresis
 
-    scale: float = field(init=False, default=0.0)
-    """The current scale (starts at initial_scale)."""
-    _clean_steps: int = field(init=False, default=0)
-    _hysteresis_left: int = field(init=False, default=0)
+
+# The loss scaler's keyword arguments (ColossalAI's names), in one place.
+SCALER_KEYS: tuple[str, ...] = tuple(f.name for f in fields(LossScalerConfig))
+
+
+class DynamicLossScaler:
+    """Scale the loss so fp16 gradients do not underflow; back off on overflow.
+
+    Args:
+        config: the settings. Default None: built from ``settings``.
+        **settings: LossScalerConfig's fields (``initial_scale``, ...), read
+            back as this object's attributes.
+
+    Raises:
+        TypeError: ``config`` and keywords together, an unknown keyword or a
+            value of the wrong type.
+        ValueError: a value LossScalerConfig refuses.
+    """
+
+    __slots__ = ("_clean_steps", "_hysteresis_left", "config", "scale")
+
+    def __init__(self, *, config: LossScalerConfig | None = None, **settings: Any) -> None:
+        if config is not None and (settings or not isinstance(config, LossScalerConfig)):
+            raise TypeError(
+                f"{_API}: pass a LossScalerConfig or its keyword arguments (got "
+                f"{type(config).__name__} and {sorted(settings)})"
+            )
+        self.config = config if config is not None else LossScalerConfig(**settings)
+        self.scale = float(self.config.initial_scale)  # the current scale
+        self._clean_steps = 0
+        self._hysteresis_left = self.config.hysteresis
+
+    def __getattr__(self, name: str) -> Any:
+        if name in SCALER_KEYS:
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        return f"DynamicLossScaler(scale={self.scale}, {self.config})"
 
     def update(self, found_inf: bool) -> None:
         """After a step: back off on overflow (after hysteresis), grow after
         ``growth_interval`` clean steps."""
+        c = self.config
         if found_inf:
             self._clean_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left <= 0:
-                self.scale = max(self.min_scale, self.scale * self.backoff_factor)
+                self.scale = max(c.min_scale, self.scale * c.backoff_factor)
             return
         self._clean_steps += 1
-        if self._clean_steps >= self.growth_interval:
+        if self._clean_steps >= c.growth_interval:
             self._clean_steps = 0
-            self._hysteresis_left = self.hysteresis
-            self.scale = min(self.max_scale, self.scale * self.growth_factor)
+            self._hysteresis_left = c.hysteresis
+            self.scale = min(c.max_scale, self.scale * c.growth_factor)
 
     def state_dict(self) -> dict:
         return {

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from zerostack.shard._clip import clip_coefficient
-from zerostack.shard._loss_scaler import DynamicLossScaler
+from zerostack.shard._loss_scaler import SCALER_KEYS, DynamicLossScaler
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,11 @@ def make_loss_scaler(
     Raises:
         TypeError: an unknown scaler keyword, or both an instance and keywords.
     """
-    unknown = sorted(set(scaler_kwargs) - set(DynamicLossScaler.__dataclass_fields__) - {"scale"})
-    if unknown or "scale" in scaler_kwargs:
+    unknown = sorted(set(scaler_kwargs) - set(SCALER_KEYS))
+    if unknown:
         raise TypeError(
-            f"{api}: unknown keyword arguments {unknown or ['scale']}; the loss scaler takes "
-            "initial_scale, min_scale, growth_factor, backoff_factor, growth_interval, hysteresis, "
-            "max_scale"
+            f"{api}: unknown keyword arguments {unknown}; the loss scaler takes "
+            f"{', '.join(SCALER_KEYS)}"
         )
     if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
         raise TypeError(

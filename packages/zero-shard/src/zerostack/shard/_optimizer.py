@@ -32,6 +32,7 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
+from zerostack.shard._config import ZeroConfig
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
@@ -56,10 +57,10 @@ _WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 def _check_args(
     optimizer: torch.optim.Optimizer,
-    stage: object,
+    stage: int,
     reduce_bucket_size: int,
     max_norm: float,
-    communication_dtype: object,
+    communication_dtype: torch.dtype | None,
     module: object,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
@@ -77,26 +78,8 @@ def _check_args(
             f"{_API}: this optimizer is wrapped by a ZeroOptimizer already (its groups hold that "
             "wrapper's master shards); build a new torch optimizer to wrap again"
         )
-    if stage not in (1, 2):
-        raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r}); use gemini for stage 3")
-    if isinstance(reduce_bucket_size, bool) or not isinstance(reduce_bucket_size, int):
-        raise TypeError(f"{_API}: reduce_bucket_size must be an int (got {reduce_bucket_size!r})")
-    if reduce_bucket_size < 1:
-        raise ValueError(f"{_API}: reduce_bucket_size must be >= 1 (got {reduce_bucket_size})")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-        raise TypeError(
-            f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
-        )
-    if not max_norm >= 0:
-        raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
-    if communication_dtype is not None and (
-        not isinstance(communication_dtype, torch.dtype)
-        or not communication_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"{_API}: communication_dtype must be a floating-point torch.dtype or None "
-            f"(got {communication_dtype!r})"
-        )
+    ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, max_norm=max_norm,
+               communication_dtype=communication_dtype)  # fmt: skip
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"

@@ -25,10 +25,11 @@ from zerostack.booster._plugins._state import (
     scaler_state,
 )
 from zerostack.chunk import rank_and_world
-from zerostack.shard import check_clip_args
+from zerostack.shard import SCALER_KEYS, LossScalerConfig, check_clip_args, check_max_norm
 
 _API = "AutoOffloadPlugin"
 _SOLVERS = ("asyn", "syn")
+_SCALER = LossScalerConfig()  # the loss scaler's defaults (ColossalAI's, as its AMPOptimizer)
 _PRECISIONS = ("fp16", "bf16")
 
 
@@ -247,13 +248,13 @@ class AutoOffloadPlugin(Plugin):
         solver_name: str = "asyn",
         precision: str = "fp16",
         example_inputs: dict | tuple | None = None,
-        initial_scale: float = 2**16,
-        growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        min_scale: float = 1,
-        max_scale: float = 2**32,
+        initial_scale: float = _SCALER.initial_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        min_scale: float = _SCALER.min_scale,
+        max_scale: float = _SCALER.max_scale,
         max_norm: float = 0.0,
         profile: Any = None,
         device: torch.device | str | None = None,
@@ -262,8 +263,7 @@ class AutoOffloadPlugin(Plugin):
             raise ValueError(f"{_API}: solver_name must be one of {_SOLVERS} (got {solver_name!r})")
         if precision not in _PRECISIONS:
             raise ValueError(f"{_API}: precision must be one of {_PRECISIONS} (got {precision!r})")
-        if not max_norm >= 0:
-            raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm})")
+        check_max_norm(_API, max_norm)
         self.memory_budget = memory_budget
         self.solver_name = solver_name
         self.precision = precision
@@ -271,11 +271,8 @@ class AutoOffloadPlugin(Plugin):
         self.max_norm = max_norm
         self.profile = profile
         self.device = device
-        self.scaler_kwargs: dict[str, Any] = dict(
-            initial_scale=initial_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-        )  # fmt: skip
+        arguments = locals()
+        self.scaler_kwargs: dict[str, Any] = {name: arguments[name] for name in SCALER_KEYS}
 
     def supported_precisions(self) -> list[str]:
         return list(_PRECISIONS)

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import random
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,10 +20,59 @@ from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
+from zerostack.shard import SCALER_KEYS, LossScalerConfig, as_kwargs, changed_fields, check_max_norm
 
 logger = logging.getLogger(__name__)
 # The plugins' precision names.
 PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def precision_name(dtype: torch.dtype) -> str:
+    """The plugins' name of ``dtype`` (a config's default as a precision argument)."""
+    return next(name for name, d in PRECISION_DTYPES.items() if d == dtype)
+
+
+def check_zero_options(api: str, precision: object, norm_type: object, max_norm: object) -> None:
+    """The checks the ZeRO plugins (ColossalAI's GeminiPlugin and
+    LowLevelZeroPlugin arguments) share.
+
+    Raises:
+        ValueError: an unknown precision, a negative max_norm.
+        TypeError: a max_norm that is not a number.
+        NotImplementedError: norm_type other than 2.
+    """
+    if precision not in PRECISION_DTYPES:
+        raise ValueError(f"{api}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})")
+    if norm_type != 2.0:
+        raise NotImplementedError(
+            f"{api}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
+        )
+    check_max_norm(api, max_norm)
+
+
+def scaler_config(arguments: dict[str, Any]) -> LossScalerConfig:
+    """The LossScalerConfig of a plugin's arguments (its ``locals()``), which
+    take the loss scaler's keywords under their names (SCALER_KEYS)."""
+    return LossScalerConfig(**{name: arguments[name] for name in SCALER_KEYS})
+
+
+def scaler_kwargs(
+    api: str, precision: str, config: LossScalerConfig, default: LossScalerConfig
+) -> dict[str, Any]:
+    """The loss scaler's keywords for the wrapper: ``config``'s under fp16;
+    otherwise none, with a warning when ``config`` differs from the plugin's
+    ``default`` (only fp16 scales the loss)."""
+    if precision == "fp16":
+        return as_kwargs(config)
+    changed = sorted(changed_fields(config, default))
+    if changed:
+        warnings.warn(
+            f"{api}: the loss scaler's arguments have no effect with precision={precision!r} "
+            f"(got {changed}); only fp16 scales the loss",
+            UserWarning,
+            stacklevel=4,  # the caller of booster.boost (through configure)
+        )
+    return {}
 
 
 class Plugin(ABC):
@@ -160,13 +210,6 @@ def _seed_worker(seed: int, worker_id: int) -> None:
     except ImportError:
         return
     np.random.seed(seed + worker_id)
-
-
-def compute_device() -> torch.device:
-    """The current CUDA device, else the CPU (where plugins put the model)."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class BoostedOptimizer(OptimizerWrapper):

@@ -4,8 +4,8 @@ with ColossalAI's parameter table turned into one GeminiConfig."""
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,7 +20,10 @@ from zerostack.booster._plugins._base import (
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
-    compute_device,
+    check_zero_options,
+    precision_name,
+    scaler_config,
+    scaler_kwargs,
 )
 from zerostack.booster._plugins._contract import (
     incompatible,
@@ -42,22 +45,28 @@ from zerostack.booster._plugins._state import (
     merge_hyper,
     scaler_state,
 )
+from zerostack.chunk import default_compute_device
 from zerostack.gemini import (
+    AutoPlacementConfig,
     GeminiConfig,
     GeminiDDP,
     GeminiOptimizer,
+    StaticPlacementConfig,
     load_local_model_state,
     local_model_state,
     local_ranges,
 )
+from zerostack.shard import LossScalerConfig
 
 logger = logging.getLogger(__name__)
 _API = "GeminiPlugin"
 _DTYPES = PRECISION_DTYPES
-_SCALER_DEFAULTS = dict(
-    initial_scale=2**16, min_scale=1, growth_factor=2, backoff_factor=0.5,
-    growth_interval=1000, hysteresis=2, max_scale=2**32,
-)  # fmt: skip
+# The defaults of GeminiPlugin's arguments are the configs' (GeminiConfig's
+# sub-configs, LossScalerConfig: ColossalAI's GeminiPlugin has the same) and
+# GeminiOptimizer's; test_plugin_defaults.py holds them to it.
+_GEMINI, _SCALER = GeminiConfig(), LossScalerConfig()
+_STATIC, _AUTO, _CHUNK = StaticPlacementConfig(), AutoPlacementConfig(), _GEMINI.chunk
+_OPTIM = {n: p.default for n, p in inspect.signature(GeminiOptimizer).parameters.items()}
 # ColossalAI's options that are not built here, with the value that means "off".
 _NOT_BUILT = {
     "force_outputs_fp32": False,
@@ -363,7 +372,11 @@ class GeminiPlugin(Plugin):
     """ZeRO-3 over chunks: parameters, gradients, fp32 masters and optimizer
     states sharded over the ranks in chunks that live on the GPU or the CPU
     as the placement says. The arguments build one zerostack.gemini
-    GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP.
+    GeminiConfig (``GeminiConfig.from_kwargs``), handed to GeminiDDP
+    (``plugin.gemini_config``), and the fp16 loss scaler's
+    zerostack.shard LossScalerConfig (``plugin.scaler_config``); their
+    defaults are those configs' (and GeminiOptimizer's for max_norm,
+    overlap_cpu_step and gc_every_n_steps).
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
     straight into chunks, one module at a time, with the values an eager
@@ -416,62 +429,50 @@ class GeminiPlugin(Plugin):
             fp8_communication: anything but their default raises.
 
     Raises:
-        ValueError: a bad precision, share, policy or max_norm.
+        ValueError: a bad precision, share, policy, max_norm or loss scaler
+            setting (the configs' checks).
         NotImplementedError: one of the options above that are not built,
             norm_type other than 2, master_weights=False.
     """
 
     def __init__(
         self,
-        chunk_config_dict: Mapping[int, Mapping[str, Any]] | None = None,
+        chunk_config_dict: Mapping[int, Mapping[str, Any]] | None = _CHUNK.chunk_config_dict,
         chunk_init_device: torch.device | str | None = None,
         placement_policy: str = "static",
-        enable_gradient_accumulation: bool = False,
-        max_prefetch: int = 0,
-        shard_param_frac: float = 1.0,
-        offload_optim_frac: float = 0.0,
-        offload_param_frac: float = 0.0,
-        warmup_non_model_data_ratio: float = 0.8,
-        steady_cuda_cap_ratio: float = 0.9,
-        precision: str = "fp16",
-        master_weights: bool = True,
-        pin_memory: bool = False,
-        force_outputs_fp32: bool = False,
-        strict_ddp_mode: bool = False,
-        search_range_m: int = 32,
-        hidden_dim: int | None = None,
-        min_chunk_size_m: float = 32,
-        memstats: Any = None,
-        gpu_margin_mem_ratio: float = 0.0,
-        initial_scale: float = 2**16,
-        min_scale: float = 1,
-        growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
-        max_norm: float = 0.0,
-        norm_type: float = 2.0,
-        tp_size: int = 1,
-        extra_dp_size: int = 1,
-        enable_all_optimization: bool = False,
-        enable_fused_normalization: bool = False,
-        enable_flash_attention: bool = False,
-        enable_sequence_parallelism: bool = False,
-        enable_jit_fused: bool = False,
+        enable_gradient_accumulation: bool = _CHUNK.enable_gradient_accumulation,
+        max_prefetch: int = _AUTO.max_prefetch,
+        shard_param_frac: float = _STATIC.shard_param_frac,
+        offload_optim_frac: float = _STATIC.offload_optim_frac,
+        offload_param_frac: float = _STATIC.offload_param_frac,
+        warmup_non_model_data_ratio: float = _AUTO.warmup_non_model_data_ratio,
+        steady_cuda_cap_ratio: float = _AUTO.steady_cuda_cap_ratio,
+        precision: str = precision_name(_GEMINI.precision.param_dtype),
+        master_weights: bool = True, pin_memory: bool = _CHUNK.pin_memory,
+        force_outputs_fp32: bool = False, strict_ddp_mode: bool = False,
+        search_range_m: int = _CHUNK.search_range_m, hidden_dim: int | None = _CHUNK.hidden_dim,
+        min_chunk_size_m: float = _CHUNK.min_chunk_size_m,
+        memstats: Any = None, gpu_margin_mem_ratio: float = 0.0,
+        initial_scale: float = _SCALER.initial_scale, min_scale: float = _SCALER.min_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval, hysteresis: int = _SCALER.hysteresis,
+        max_scale: float = _SCALER.max_scale,
+        max_norm: float = _OPTIM["max_norm"], norm_type: float = 2.0,
+        tp_size: int = 1, extra_dp_size: int = 1, enable_all_optimization: bool = False,
+        enable_fused_normalization: bool = False, enable_flash_attention: bool = False,
+        enable_sequence_parallelism: bool = False, enable_jit_fused: bool = False,
         enable_sequence_overlap: bool = False,
-        enable_async_reduce: bool = True,
-        use_fp8: bool = False,
-        verbose: bool = False,
-        fp8_communication: bool = False,
+        enable_async_reduce: bool = _GEMINI.enable_async_reduce,
+        use_fp8: bool = False, verbose: bool = False, fp8_communication: bool = False,
         *,
         device: torch.device | str | int | None = None,
-        gpu_capacity_bytes: int | None = None,
-        scatter_after_inference: bool = True,
-        overlap_cpu_step: bool = True,
-        gc_every_n_steps: int = 50,
-    ) -> None:
-        given = dict(
+        gpu_capacity_bytes: int | None = _AUTO.gpu_capacity_bytes,
+        scatter_after_inference: bool = _GEMINI.scatter_after_inference,
+        overlap_cpu_step: bool = _OPTIM["overlap_cpu_step"],
+        gc_every_n_steps: int = _OPTIM["gc_every_n_steps"],
+    ) -> None:  # fmt: skip
+        _refuse_not_built(dict(
             force_outputs_fp32=force_outputs_fp32, memstats=memstats,
             gpu_margin_mem_ratio=gpu_margin_mem_ratio, tp_size=tp_size,
             extra_dp_size=extra_dp_size, enable_all_optimization=enable_all_optimization,
@@ -480,37 +481,25 @@ class GeminiPlugin(Plugin):
             enable_sequence_parallelism=enable_sequence_parallelism,
             enable_jit_fused=enable_jit_fused, enable_sequence_overlap=enable_sequence_overlap,
             use_fp8=use_fp8, fp8_communication=fp8_communication,
-        )  # fmt: skip
-        _check_options(given, precision, norm_type, max_norm)
+        ))  # fmt: skip
+        check_zero_options(_API, precision, norm_type, max_norm)
         self.precision = precision
         self.chunk_init_device = _init_device(chunk_init_device, device)
         self.enable_gradient_accumulation = enable_gradient_accumulation
         self.verbose = verbose
         self.gemini_config = GeminiConfig.from_kwargs(
-            placement_policy=placement_policy,
-            shard_param_frac=shard_param_frac,
-            offload_optim_frac=offload_optim_frac,
-            offload_param_frac=offload_param_frac,
+            placement_policy=placement_policy, shard_param_frac=shard_param_frac,
+            offload_optim_frac=offload_optim_frac, offload_param_frac=offload_param_frac,
             warmup_non_model_data_ratio=warmup_non_model_data_ratio,
-            steady_cuda_cap_ratio=steady_cuda_cap_ratio,
-            gpu_capacity_bytes=gpu_capacity_bytes,
-            max_prefetch=max_prefetch,
-            search_range_m=search_range_m,
-            hidden_dim=hidden_dim,
-            min_chunk_size_m=min_chunk_size_m,
-            pin_memory=pin_memory,
+            steady_cuda_cap_ratio=steady_cuda_cap_ratio, gpu_capacity_bytes=gpu_capacity_bytes,
+            max_prefetch=max_prefetch, search_range_m=search_range_m, hidden_dim=hidden_dim,
+            min_chunk_size_m=min_chunk_size_m, pin_memory=pin_memory,
             chunk_config_dict=chunk_config_dict,
             enable_gradient_accumulation=enable_gradient_accumulation,
-            mixed_precision=_DTYPES[precision],
-            enable_async_reduce=enable_async_reduce,
-            scatter_after_inference=scatter_after_inference,
-            master_weights=master_weights,
-        )
-        self.scaler_kwargs: dict[str, Any] = dict(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, max_scale=max_scale,
+            mixed_precision=_DTYPES[precision], enable_async_reduce=enable_async_reduce,
+            scatter_after_inference=scatter_after_inference, master_weights=master_weights,
         )  # fmt: skip
+        self.scaler_config = scaler_config(locals())
         self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
         )
@@ -525,7 +514,7 @@ class GeminiPlugin(Plugin):
         return self.enable_gradient_accumulation
 
     def _device(self) -> torch.device:
-        device = compute_device()
+        device = default_compute_device()
         if self.chunk_init_device is not None:
             wanted = torch.device(self.chunk_init_device)
             same = wanted.type == device.type and (
@@ -557,25 +546,11 @@ class GeminiPlugin(Plugin):
             log("%s: %s", _API, self.gemini_config)
         if optimizer is not None and not isinstance(optimizer, GeminiOptimizerWrapper):
             user = optimizer
-            gemini = GeminiOptimizer(
-                optimizer, model.module, **self.optim_kwargs, **self._scaler_kwargs()
-            )
+            scaler = scaler_kwargs(_API, self.precision, self.scaler_config, _SCALER)
+            gemini = GeminiOptimizer(optimizer, model.module, **self.optim_kwargs, **scaler)
             optimizer = GeminiOptimizerWrapper(gemini, model)
             attach_scheduler(lr_scheduler, optimizer, user)
         return model, optimizer, criterion, dataloader, lr_scheduler
-
-    def _scaler_kwargs(self) -> dict[str, Any]:
-        if self.precision == "fp16":
-            return self.scaler_kwargs
-        changed = sorted(k for k, v in self.scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
-        if changed:
-            warnings.warn(
-                f"{_API}: the loss scaler's arguments have no effect with precision="
-                f"{self.precision!r} (got {changed}); only fp16 scales the loss",
-                UserWarning,
-                stacklevel=4,
-            )
-        return {}
 
     def no_sync(self, model: nn.Module | None = None, optimizer: Any = None):
         """GeminiDDP's no_sync (gradients accumulate in their chunks).
@@ -618,25 +593,11 @@ def _init_device(
     return wanted
 
 
-def _check_options(
-    given: dict[str, Any], precision: str, norm_type: float, max_norm: float
-) -> None:
-    """Refuse ColossalAI's options that are not built, and bad values."""
+def _refuse_not_built(given: dict[str, Any]) -> None:
+    """Refuse ColossalAI's options that are not built here, unless off."""
     for name, off in _NOT_BUILT.items():
         if given[name] is not off and given[name] != off:
             hint = _HINTS.get(name, f"leave {name}={off!r} (only data parallelism is built)")
             raise NotImplementedError(
                 f"{_API}: {name} is not implemented (got {given[name]!r}); {hint}"
             )
-    if precision not in _DTYPES:
-        raise ValueError(f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})")
-    if norm_type != 2.0:
-        raise NotImplementedError(
-            f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
-        )
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-        raise TypeError(
-            f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
-        )
-    if not max_norm >= 0:
-        raise ValueError(f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off")

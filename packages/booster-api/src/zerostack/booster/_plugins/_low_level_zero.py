@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +17,9 @@ from zerostack.booster._plugins._base import (
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
-    compute_device,
+    check_zero_options,
+    scaler_config,
+    scaler_kwargs,
 )
 from zerostack.booster._plugins._contract import incompatible, refuse_moves, without_prefix
 from zerostack.booster._plugins._lazy import is_lazy
@@ -38,16 +39,29 @@ from zerostack.booster._plugins._state import (
     saved_group,
     scaler_state,
 )
-from zerostack.chunk import LazyInitContext, all_gather_into, rank_and_world
-from zerostack.shard import ZeroOptimizer, shard_bounds
+from zerostack.chunk import (
+    LazyInitContext,
+    all_gather_into,
+    default_compute_device,
+    rank_and_world,
+)
+from zerostack.shard import (
+    LossScalerConfig,
+    ZeroConfig,
+    ZeroOptimizer,
+    as_kwargs,
+    shard_bounds,
+)
 
 logger = logging.getLogger(__name__)
 _API = "LowLevelZeroPlugin"
 _DTYPES = PRECISION_DTYPES
-_SCALER_DEFAULTS = dict(
-    initial_scale=2**32, min_scale=1, growth_factor=2, backoff_factor=0.5,
-    growth_interval=1000, hysteresis=2, max_scale=2**32,
-)  # fmt: skip
+# The defaults of LowLevelZeroPlugin's arguments: ZeroConfig's and
+# LossScalerConfig's, but for ColossalAI's LowLevelZeroPlugin's own stage 1,
+# 12M-element buckets and first loss scale 2**32 (test_plugin_defaults.py
+# holds them to it).
+_ZERO = ZeroConfig(stage=1, reduce_bucket_size=12 * 2**20)
+_SCALER = LossScalerConfig(initial_scale=2.0**32)
 
 
 class LowLevelZeroModel(ModelWrapper):
@@ -348,6 +362,10 @@ class LowLevelZeroPlugin(Plugin):
     """ZeRO stage 1 or 2: fp32 master weights and optimizer states sharded
     over the ranks (and gradients, stage 2), parameters whole on every rank
     in ``precision``. Wraps the optimizer in zerostack.shard.ZeroOptimizer.
+    The arguments build a zerostack.shard ZeroConfig (``plugin.zero_config``)
+    and LossScalerConfig (``plugin.scaler_config``), whose defaults they
+    take but for ColossalAI's own stage 1, 12M-element buckets and first
+    loss scale 2**32.
 
     Args:
         stage: 1 or 2. Default 1.
@@ -372,30 +390,32 @@ class LowLevelZeroPlugin(Plugin):
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
 
     Raises:
-        ValueError: a bad stage, precision, bucket size or max_norm.
+        ValueError: a bad stage, precision, bucket size, max_norm or loss
+            scaler setting (ZeroConfig's and LossScalerConfig's checks).
+        TypeError: a setting of the wrong type (e.g. cpu_offload not a bool).
         NotImplementedError: stage 3 (GeminiPlugin), norm_type other than 2,
             overlap_allgather=True.
     """
 
     def __init__(
         self,
-        stage: int = 1,
+        stage: int = _ZERO.stage,
         precision: str = "fp16",
-        initial_scale: float = 2**32,
-        min_scale: float = 1,
-        growth_factor: float = 2,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 1000,
-        hysteresis: int = 2,
-        max_scale: float = 2**32,
-        max_norm: float = 0.0,
+        initial_scale: float = _SCALER.initial_scale,
+        min_scale: float = _SCALER.min_scale,
+        growth_factor: float = _SCALER.growth_factor,
+        backoff_factor: float = _SCALER.backoff_factor,
+        growth_interval: int = _SCALER.growth_interval,
+        hysteresis: int = _SCALER.hysteresis,
+        max_scale: float = _SCALER.max_scale,
+        max_norm: float = _ZERO.max_norm,
         norm_type: float = 2.0,
-        reduce_bucket_size_in_m: float = 12,
-        communication_dtype: torch.dtype | None = None,
-        overlap_communication: bool = True,
+        reduce_bucket_size_in_m: float = _ZERO.reduce_bucket_size / 2**20,
+        communication_dtype: torch.dtype | None = _ZERO.communication_dtype,
+        overlap_communication: bool = _ZERO.overlap_communication,
         overlap_allgather: bool = False,
-        cpu_offload: bool = False,
-        master_weights: bool = True,
+        cpu_offload: bool = _ZERO.cpu_offload,
+        master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,
     ) -> None:
@@ -404,16 +424,7 @@ class LowLevelZeroPlugin(Plugin):
                 f"{_API}: stage 3 (parameters sharded too) is GeminiPlugin's (got stage=3); "
                 "use GeminiPlugin() for ZeRO-3"
             )
-        if stage not in (1, 2):
-            raise ValueError(f"{_API}: stage must be 1 or 2 (got {stage!r})")
-        if precision not in _DTYPES:
-            raise ValueError(
-                f"{_API}: precision must be 'fp16', 'bf16' or 'fp32' (got {precision!r})"
-            )
-        if norm_type != 2.0:
-            raise NotImplementedError(
-                f"{_API}: only norm_type=2.0 is implemented (got {norm_type}); clip the 2-norm"
-            )
+        check_zero_options(_API, precision, norm_type, max_norm)
         if overlap_allgather:
             raise NotImplementedError(
                 f"{_API}: overlap_allgather=True is not implemented (parameters are all-gathered "
@@ -423,36 +434,28 @@ class LowLevelZeroPlugin(Plugin):
             raise ValueError(
                 f"{_API}: reduce_bucket_size_in_m must be > 0 (got {reduce_bucket_size_in_m})"
             )
-        if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-            raise TypeError(
-                f"{_API}: max_norm must be a number (got {max_norm!r}); 0 turns clipping off"
-            )
-        if not max_norm >= 0:
-            raise ValueError(
-                f"{_API}: max_norm must be >= 0 (got {max_norm}); 0 turns clipping off"
-            )
-        if not isinstance(cpu_offload, bool):
-            raise TypeError(f"{_API}: cpu_offload must be a bool (got {cpu_offload!r})")
+        self.zero_config = ZeroConfig(
+            stage=stage, reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
+            overlap_communication=overlap_communication, communication_dtype=communication_dtype,
+            cpu_offload=cpu_offload, master_weights=master_weights, max_norm=max_norm, api=_API,
+        )  # fmt: skip
+        self.scaler_config = scaler_config(locals())
         self.stage = stage
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.cast_inputs = cast_inputs
         self.verbose = verbose
-        self.scaler_kwargs: dict[str, Any] = dict(
-            initial_scale=initial_scale, min_scale=min_scale, growth_factor=growth_factor,
-            backoff_factor=backoff_factor, growth_interval=growth_interval,
-            hysteresis=hysteresis, max_scale=max_scale,
-        )  # fmt: skip
-        self.zero_kwargs: dict[str, Any] = dict(
-            stage=stage,
-            reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
-            overlap_communication=overlap_communication,
-            communication_dtype=communication_dtype,
-            cpu_offload=cpu_offload,
-            master_weights=master_weights,
-            max_norm=max_norm,
-        )
         self.deepspeed: Any = None  # a DeepSpeedTraining under from_deepspeed_config
+
+    @property
+    def zero_kwargs(self) -> dict[str, Any]:
+        """ZeroOptimizer's keywords: ``zero_config``'s fields."""
+        return as_kwargs(self.zero_config)
+
+    @property
+    def scaler_kwargs(self) -> dict[str, Any]:
+        """The fp16 loss scaler's keywords: ``scaler_config``'s fields."""
+        return as_kwargs(self.scaler_config)
 
     @classmethod
     def from_deepspeed_config(
@@ -531,7 +534,7 @@ class LowLevelZeroPlugin(Plugin):
         if not isinstance(model, LowLevelZeroModel):
             if is_lazy(model):
                 LazyInitContext.materialize(model)  # on its default_device, then moved
-            model = model.to(device=compute_device(), dtype=self.dtype)
+            model = model.to(device=default_compute_device(), dtype=self.dtype)
             model = LowLevelZeroModel(model, self.dtype, self.cast_inputs)
         ds, zero_kwargs, wrap = self.deepspeed, self.zero_kwargs, LowLevelZeroOptimizer
         if ds is not None:  # the config's optimizer, scheduler, "auto" buckets
@@ -542,8 +545,9 @@ class LowLevelZeroPlugin(Plugin):
         if optimizer is not None and not isinstance(optimizer, LowLevelZeroOptimizer):
             user = optimizer
             zero = ZeroOptimizer(
-                optimizer, module=model.unwrap(), **zero_kwargs, **self._scaler_kwargs()
-            )
+                optimizer, module=model.unwrap(), **zero_kwargs,
+                **scaler_kwargs(_API, self.precision, self.scaler_config, _SCALER),
+            )  # fmt: skip
             model.zero = zero
             optimizer = wrap(zero, model)
             attach_scheduler(lr_scheduler, optimizer, user)
@@ -551,19 +555,6 @@ class LowLevelZeroPlugin(Plugin):
             lr_scheduler = ds.after_zero(model, optimizer, lr_scheduler)
         log("%s: stage %d, %s, %s", _API, self.stage, self.precision, zero_kwargs)
         return model, optimizer, criterion, dataloader, lr_scheduler
-
-    def _scaler_kwargs(self) -> dict[str, Any]:
-        if self.precision == "fp16":
-            return self.scaler_kwargs
-        changed = sorted(k for k, v in self.scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
-        if changed:
-            warnings.warn(
-                f"{_API}: the loss scaler's arguments have no effect with precision="
-                f"{self.precision!r} (got {changed}); only fp16 scales the loss",
-                UserWarning,
-                stacklevel=4,
-            )
-        return {}
 
     def no_sync(self, model: nn.Module | None = None, optimizer: Any = None):
         """ZeroOptimizer's no_sync (stage 1 and 2).

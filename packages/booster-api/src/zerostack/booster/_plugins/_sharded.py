@@ -24,21 +24,9 @@ import torch
 from torch import nn
 
 from zerostack.booster._checkpoint_dcp import Piece
+from zerostack.chunk import persistent_buffers
 
 Ranges = dict[str, tuple[int, int, int]]  # name -> (start, end, numel) of the flattened tensor
-
-
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers ``module.state_dict()`` holds, by their first name."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for prefix, m in module.named_modules():
-        for name, b in m._buffers.items():
-            if b is None or name in m._non_persistent_buffers_set or id(b) in seen:
-                continue
-            seen.add(id(b))
-            out[f"{prefix}.{name}" if prefix else name] = b
-    return out
 
 
 def buffer_state(module: nn.Module, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:

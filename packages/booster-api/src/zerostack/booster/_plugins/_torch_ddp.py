@@ -19,7 +19,6 @@ from zerostack.booster._plugins._base import (
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
-    compute_device,
     nothing,
 )
 from zerostack.booster._plugins._lazy import is_lazy
@@ -37,7 +36,7 @@ from zerostack.booster._plugins._state import (
     positional_to_full,
     scaler_state,
 )
-from zerostack.chunk import LazyInitContext, rank_and_world
+from zerostack.chunk import LazyInitContext, default_compute_device, rank_and_world
 from zerostack.shard import check_clip_args, clip_grads_
 
 _DDP_DEFAULTS = dict(
@@ -334,7 +333,7 @@ class TorchDDPPlugin(Plugin):
         return self.ddp_kwargs
 
     def _device(self) -> torch.device:
-        return compute_device()
+        return default_compute_device()
 
     def configure(
         self,

@@ -1,0 +1,73 @@
+"""ZeroOptimizer's settings as one frozen config: the one place their
+defaults and checks live (booster-api's LowLevelZeroPlugin builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import InitVar, dataclass, fields
+from typing import Any
+
+import torch
+
+from zerostack.shard._clip import check_max_norm
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeroConfig:
+    """Every setting of a ZeRO stage 1/2 optimizer but the process group and
+    the loss scaler (see ZeroOptimizer, which takes them as keywords)."""
+
+    stage: int = 2
+    """1: optimizer states sharded; 2: gradients too. Default 2."""
+    reduce_bucket_size: int = 2**24
+    """Elements per gradient bucket. Default 2**24."""
+    overlap_communication: bool = True
+    """Reduce during backward (side stream on CUDA). Default True."""
+    communication_dtype: torch.dtype | None = None
+    """Dtype gradients travel in. Default None (the parameters')."""
+    cpu_offload: bool = False
+    """Masters and optimizer states on the CPU. Default False."""
+    overlap_cpu_step: bool = True
+    """With cpu_offload, update buckets on a worker thread. Default True."""
+    master_weights: bool = True
+    """Keep fp32 masters for fp16/bf16 parameters. Default True."""
+    max_norm: float = 0.0
+    """Clip the global gradient norm to this (0: off). Default 0.0."""
+    gc_every_n_steps: int = 50
+    """Python's cycle collector runs every this many steps (0: left alone;
+    checked by CollectorSchedule when the optimizer is built). Default 50."""
+    api: InitVar[str] = "ZeroOptimizer"
+    """The entry point named in error messages (not a setting). Default "ZeroOptimizer"."""
+
+    def __post_init__(self, api: str) -> None:
+        if self.stage not in (1, 2):
+            raise ValueError(
+                f"{api}: stage must be 1 or 2 (got {self.stage!r}); use gemini for stage 3"
+            )
+        size = self.reduce_bucket_size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"{api}: reduce_bucket_size must be an int (got {size!r})")
+        if size < 1:
+            raise ValueError(f"{api}: reduce_bucket_size must be >= 1 (got {size})")
+        check_max_norm(api, self.max_norm)
+        dtype = self.communication_dtype
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise TypeError(
+                f"{api}: communication_dtype must be a floating-point torch.dtype or None "
+                f"(got {dtype!r})"
+            )
+        for name in ("overlap_communication", "cpu_offload", "overlap_cpu_step", "master_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{api}: {name} must be a bool (got {getattr(self, name)!r})")
+
+
+def changed_fields(given: Any, default: Any) -> list[str]:
+    """The names of the fields in which the config ``given`` differs from
+    ``default``, in field order: the options a user set to something else."""
+    return [f.name for f in fields(given) if getattr(given, f.name) != getattr(default, f.name)]
+
+
+def as_kwargs(config: Any) -> dict[str, Any]:
+    """A config's fields as keyword arguments (shallow, unlike ``dataclasses.asdict``)."""
+    return {f.name: getattr(config, f.name) for f in fields(config)}
