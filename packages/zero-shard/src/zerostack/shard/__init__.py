@@ -24,6 +24,7 @@ from zerostack.shard._mixed_precision import (
 )
 from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
+from zerostack.shard._state_dict import check_state_keys
 
 __all__ = [
     "SCALER_KEYS",
@@ -40,6 +41,7 @@ __all__ = [
     "changed_fields",
     "check_clip_args",
     "check_max_norm",
+    "check_state_keys",
     "clip_coefficient",
     "clip_grads_",
     "grad_stats",

@@ -41,12 +41,16 @@ def _load_scaler(zero: ZeroOptimizer, state: dict[str, Any] | None) -> None:
         zero.scaler.load_state_dict(state)
 
 
-def _check_keys(state: object, keys: tuple[str, ...], api: str) -> None:
+def check_state_keys(api: str, state: object, keys: tuple[str, ...]) -> None:
+    """Raise TypeError unless ``state`` is a dict with ``keys``; ``api`` is
+    the loader (``"ZeroOptimizer.load_state_dict"``), whose saver the
+    message names."""
     if not isinstance(state, dict) or not set(keys) <= state.keys():
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
+        saver = api.rsplit(".", 1)[-1].replace("load_", "")
         raise TypeError(
-            f"{_API}.{api}: the state must be a dict with {list(keys)} (got {got}); pass "
-            f"what {api.replace('load_', '')}() returned"
+            f"{api}: the state must be a dict with {list(keys)} (got {got}); pass "
+            f"what {saver}() returned"
         )
 
 
@@ -92,7 +96,7 @@ def rank_state_dict(zero: ZeroOptimizer) -> dict[str, Any]:
 
 def load_rank_state_dict(zero: ZeroOptimizer, state: dict[str, Any]) -> None:
     """``ZeroOptimizer.load_state_dict``."""
-    _check_keys(state, _RANK_KEYS, "load_state_dict")
+    check_state_keys(f"{_API}.load_state_dict", state, _RANK_KEYS)
     zero._quiesce()
     layout = state["layout"]
     _check_layout(zero, layout["numels"], "load_state_dict")
@@ -154,7 +158,7 @@ def _gather_piece(zero: ZeroOptimizer, t: torch.Tensor, s: _Shard) -> torch.Tens
 
 def load_full_state_dict(zero: ZeroOptimizer, full: dict[str, Any]) -> None:
     """``ZeroOptimizer.load_full_state_dict``."""
-    _check_keys(full, _FULL_KEYS, "load_full_state_dict")
+    check_state_keys(f"{_API}.load_full_state_dict", full, _FULL_KEYS)
     _check_layout(zero, full["numels"], "load_full_state_dict")
     zero._quiesce()
     params = full["params"]
