@@ -61,7 +61,7 @@ def _not_gradients(model: torch.nn.Module, zero: ZeroOptimizer) -> dict[int, int
     masters = [p.detach() for g in zero.optimizer.param_groups for p in g["params"]]
     states = [t.detach() for s in zero.optimizer.state.values() for t in s.values()
               if isinstance(t, torch.Tensor)]  # fmt: skip
-    return _storages([params, masters, states, zero._rings])
+    return _storages([params, masters, states, zero.buffers.rings])
 
 
 def _held_gradients(rank, world):

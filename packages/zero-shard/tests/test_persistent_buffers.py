@@ -18,9 +18,10 @@ CONFIG = GPTConfig(num_layers=2, dim=32, num_heads=2, bias=False)
 
 def _where(zero):
     """Every persistent buffer's address, and the allocation counters."""
-    rings = {key: ring.data_ptrs() for key, ring in zero._rings.items()}
-    own = {(i, kind): buf.data_ptr() for i, bufs in zero._own.items() for kind, buf in bufs.items()}
-    counts = (zero.buffer_allocations, {k: r.allocations for k, r in zero._rings.items()})
+    buffers = zero.buffers
+    rings = {key: ring.data_ptrs() for key, ring in buffers.rings.items()}
+    own = {(i, kind): b.data_ptr() for i, bufs in buffers.own.items() for kind, b in bufs.items()}
+    counts = (buffers.allocations, {k: r.allocations for k, r in buffers.rings.items()})
     return rings, own, counts
 
 
@@ -38,7 +39,7 @@ def _steps(rank, world, kw):
         zero.backward(model(idx, tgt))
         if kw.get("stage") == 2 and not kw.get("cpu_offload"):
             # The reduced pieces are views of the buckets' own buffers.
-            zero._finish_reduction()
+            zero.reduction.finish()
             seen.append([s.grad.data_ptr() for s in zero.shards])
             zero.zero_grad()
             zero.backward(model(idx, tgt))
@@ -54,7 +55,7 @@ def _steps(rank, world, kw):
         assert per_bucket == len(zero.buckets)
     else:  # stage 2 keeps each bucket's reduced piece; the full inputs share two
         assert per_bucket == len(zero.buckets)
-        assert ("send", torch.float32) in zero._rings
+        assert ("send", torch.float32) in zero.buffers.rings
     if seen:
         assert all(p == seen[0] for p in seen), "the reduced pieces moved"
 

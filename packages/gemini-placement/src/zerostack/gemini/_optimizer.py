@@ -21,6 +21,7 @@ from zerostack.shard import (
     DynamicLossScaler,
     check_clip_args,
     check_max_norm,
+    check_state_keys,
     grad_stats,
     hyperparameters,
     make_loss_scaler,
@@ -575,7 +576,7 @@ class GeminiOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load ``state_dict()`` output of the same rank and world size."""
         self._check_open("load_state_dict")
-        _check_state(state, ("optimizer", "scaler"), "load_state_dict")
+        check_state_keys(f"{_API}.load_state_dict", state, ("optimizer", "scaler"))
         self.module.drop_batch_for_load()
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
@@ -652,7 +653,7 @@ class GeminiOptimizer:
             ValueError: a parameter's size differs.
         """
         self._check_open("load_full_state_dict")
-        _check_state(full, ("params", "param_group", "scaler"), "load_full_state_dict")
+        check_state_keys(f"{_API}.load_full_state_dict", full, ("params", "param_group", "scaler"))
         module = self.module
         module.drop_batch_for_load()
         module.wait_updates()
@@ -818,15 +819,6 @@ def _check_wrap(optimizer: object, module: Any) -> None:
         raise RuntimeError(
             f"{_API}: the model has a GeminiOptimizer already; one optimizer per GeminiDDP (call "
             "close() on the old one first)"
-        )
-
-
-def _check_state(state: object, keys: tuple[str, ...], api: str) -> None:
-    if not isinstance(state, dict) or not set(keys) <= state.keys():
-        got = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise TypeError(
-            f"{_API}.{api}: the state must be a dict with {list(keys)} (got {got}); pass what "
-            f"{api.replace('load_', '')}() returned"
         )
 
 

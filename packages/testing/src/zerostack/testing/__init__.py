@@ -10,6 +10,7 @@ from zerostack.testing._bad_inputs import (
 )
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
 from zerostack.testing._spawn import SpawnError, spawn
+from zerostack.testing._state_table import check_state_table
 from zerostack.testing._tolerance import (
     assert_close,
     loss_tolerance,
@@ -25,6 +26,7 @@ __all__ = [
     "__version__",
     "assert_close",
     "check_bad_input",
+    "check_state_table",
     "check_unique_ids",
     "loss_tolerance",
     "make_batch",

@@ -23,8 +23,9 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
-from zerostack.shard._optimizer import ZeroOptimizer
+from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
+from zerostack.shard._state_dict import check_state_keys
 
 __all__ = [
     "SCALER_KEYS",
@@ -35,6 +36,7 @@ __all__ = [
     "LossScalerConfig",
     "ShardedGradient",
     "StepPlan",
+    "TrainingState",
     "ZeroConfig",
     "ZeroOptimizer",
     "__version__",
@@ -42,6 +44,7 @@ __all__ = [
     "changed_fields",
     "check_clip_args",
     "check_max_norm",
+    "check_state_keys",
     "clip_coefficient",
     "clip_grads_",
     "grad_stats",

@@ -70,7 +70,7 @@ class _Bucket:
         # all-reduced buffer (world, piece_total), of which row `rank` is ours.
         self.reduced: torch.Tensor | None = None
         # Stage 2: the (world, piece_total) input of the reduce-scatter, kept
-        # only until its collective completes (see ZeroOptimizer._launch).
+        # only until its collective completes (see GradientReduction._launch).
         self.send_buf: torch.Tensor | None = None
         self.norm_sq: torch.Tensor | None = None  # squared norm of this rank's reduced piece
         self.on_host = False  # cpu_offload: the reduced piece is already queued to host_grads
@@ -110,7 +110,7 @@ class BufferRing:
     ``wait()`` or a synchronous collective makes the issuing stream wait), and
     waits for take ``k`` to finish before take ``k + len(ring)`` is written:
     the reduce-scatter of bucket ``i`` is waited on when bucket ``i + 1`` is
-    launched (``ZeroOptimizer._launch``), and the all-gathers of the step are
+    launched (``GradientReduction._launch``), and the all-gathers of the step are
     synchronous on their stream. So no ``record_stream`` is needed: the
     buffers are never freed, and reuse is ordered by the stream itself.
     Before this, each bucket allocated its buffers afresh on the side stream

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from enum import Enum
 from typing import Any
 
 import torch
@@ -16,21 +16,19 @@ import torch.distributed as dist
 
 from zerostack.chunk import (
     all_gather_into,
-    all_reduce_sum,
     debug_collectives,
     phase,
     rank_and_world,
-    reduce_scatter_sum,
     set_collective_label,
 )
 from zerostack.shard import _partition as part
+from zerostack.shard import _state_dict as _formats
 from zerostack.shard._bucket import (
     BufferRing,
     _Bucket,
     _Shard,
     make_buckets,
     make_shards,
-    pack_grads,
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
@@ -38,6 +36,7 @@ from zerostack.shard._config import ZeroConfig
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
+from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
@@ -46,6 +45,7 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
+from zerostack.shard._reduction import BucketBuffers, GradientReduction
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
@@ -124,6 +124,15 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
     return {id(p): n for n, p in module.named_parameters()}
 
 
+def _check_offload_args(
+    optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object
+) -> None:
+    if not isinstance(overlap_cpu_step, bool):
+        raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+    if cpu_offload:
+        _check_cpu_kernel(optimizer)
+
+
 def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
     """What ``_cpu_kernel`` would reject, checked before the masters replace
     the optimizer's parameters (a failed wrap leaves the optimizer as it was)."""
@@ -167,18 +176,6 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return CPUAdam(groups, adamw_mode=adamw)
 
 
-def _grad_hook(me: weakref.ref[ZeroOptimizer], index: int) -> None:
-    zero = me()
-    if zero is not None:  # a dropped optimizer leaves inert hooks on the model
-        zero._on_grad(zero.shards[index])
-
-
-def _forward_hook(me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...]) -> None:
-    zero = me()
-    if zero is not None and zero._pipe is not None and zero._pipe.round_open:
-        zero._await_positions(positions)
-
-
 def _offload_pipeline(overlap: bool, device: torch.device) -> CpuUpdatePipeline:
     """cpu_offload's updates, one per bucket by its position in write-back
     order. See [Note: offloaded step pipeline]."""
@@ -188,10 +185,35 @@ def _offload_pipeline(overlap: bool, device: torch.device) -> CpuUpdatePipeline:
     )  # fmt: skip
 
 
-def _state_dict_hook(me: weakref.ref[ZeroOptimizer]) -> None:
-    zero = me()
-    if zero is not None:
-        zero.wait_updates()
+class TrainingState(Enum):
+    """Where a ZeroOptimizer is in a training step (changed only by ``_transition``)."""
+
+    IDLE = 0  # no gradient since the last step: the shards and buckets hold none
+    ACCUMULATED = 1  # a backward under no_sync() ran: its gradients sit unreduced in param.grad
+    REDUCING = 2  # a backward outside no_sync() ran: its buckets reduce (or wait for step())
+    CLIPPED = 3  # clip_grad_by_norm reduced every bucket: the shards hold the reduced pieces
+    UNFINISHED = 4  # a CPU update of step() failed: its buckets wait in the pipeline for a retry
+
+
+T = TrainingState
+# [Note: ZeRO training state table] The first gradient of a backward moves
+# IDLE to ACCUMULATED (inside no_sync()) or REDUCING, and ACCUMULATED to
+# REDUCING (outside no_sync()); other gradients move nothing (a backward
+# under no_sync() after a reduced one stays REDUCING: the reduced pieces are
+# kept, and step() adds the next reduction to them). clip_grad_by_norm moves
+# every state but UNFINISHED to CLIPPED, where a backward is refused. A
+# synchronous CPU step (overlap_cpu_step=False, or no module) is UNFINISHED
+# until every update is written back. step() and zero_grad() end in IDLE
+# from every state (see [Note: dropping a batch]). no_sync() is a scope, not
+# a state: it decides where a backward's gradients go and, as in torch's
+# DDP, outlasts a zero_grad() or step() inside it.
+_MOVES: dict[TrainingState, frozenset[TrainingState]] = {
+    T.IDLE: frozenset({T.ACCUMULATED, T.REDUCING, T.CLIPPED, T.UNFINISHED}),
+    T.ACCUMULATED: frozenset({T.REDUCING, T.CLIPPED, T.UNFINISHED, T.IDLE}),
+    T.REDUCING: frozenset({T.CLIPPED, T.UNFINISHED, T.IDLE}),
+    T.CLIPPED: frozenset({T.UNFINISHED, T.IDLE}),
+    T.UNFINISHED: frozenset({T.IDLE}),
+}
 
 
 class ZeroOptimizer:
@@ -281,10 +303,7 @@ class ZeroOptimizer:
         _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module)
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
-        if not isinstance(overlap_cpu_step, bool):
-            raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
-        if cpu_offload:
-            _check_cpu_kernel(optimizer)
+        _check_offload_args(optimizer, cpu_offload, overlap_cpu_step)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
@@ -304,6 +323,42 @@ class ZeroOptimizer:
             optimizer, world=self.world, rank=self.rank, master_device=master_device,
             master_weights=master_weights, names=names,
         )  # fmt: skip
+        self._take_optimizer(optimizer, cpu_offload)
+        self._lay_out_buckets(reduce_bucket_size)
+        self._pipe: CpuUpdatePipeline | None = None
+        if cpu_offload:
+            self._pipe = _offload_pipeline(overlap_cpu_step, self.device)
+            weakref.finalize(self, self._pipe.close)
+            if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
+                self.optimizer.set_step_waiter(self._pipe.settle)
+            if self._pipe.stream is not None:
+                for bucket in self.buckets:
+                    # The host waits for these two (blocking: no spinning
+                    # next to CPU Adam's threads); streams wait for `written`.
+                    bucket.copied = torch.cuda.Event(blocking=True)
+                    bucket.written = torch.cuda.Event()
+        self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
+        self._state = T.IDLE  # See [Note: ZeRO training state table]
+        self._no_sync = False  # inside no_sync(): a scope, not a state
+        # Whether this step's gradients came through backward(), which scales
+        # the loss: fp16 gradients that did not are refused at step().
+        self._scaled_backward = False
+        self._unscaled = False
+        # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
+        # recorded for the coming step, and this step's squared norm it took.
+        self._clip = 1.0
+        self._clip_norm_sq: torch.Tensor | None = None
+        self._update_lock = threading.Lock()  # see _cpu_update
+        self._hooks = register_grad_hooks(self)
+        if self._defer:
+            self._hooks += register_forward_hooks(self, module)
+        self._log_layout(master_device)
+
+    def _take_optimizer(self, optimizer: torch.optim.Optimizer, cpu_offload: bool) -> None:
+        """Take over ``optimizer`` (its groups hold the masters now) and pick
+        the one that steps the masters: the same, or with ``cpu_offload``
+        fused-adam's CPUAdam for Adam/AdamW, else a twin of the user's
+        optimizer, whose groups follow the user's."""
         _WRAPPED.add(optimizer)
         self.optimizer = optimizer
         # What users see and change (see [Note: the user's hyperparameters]):
@@ -333,17 +388,22 @@ class ZeroOptimizer:
         self._div_scale = takes_div_scale(self.optimizer)
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
+
+    def _lay_out_buckets(self, reduce_bucket_size: int) -> None:
+        """The buckets, their reusable buffers and their reduction; with
+        cpu_offload, each bucket's pinned host buffers."""
         self.buckets: list[_Bucket] = make_buckets(self.shards, self.world, reduce_bucket_size)
-        self._bucket_of = [self.buckets[0]] * len(self.shards)  # shard index -> its bucket
-        self._offset_of = [0] * len(self.shards)  # shard index -> its offset in the bucket
-        for bucket in self.buckets:
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                self._bucket_of[s.index], self._offset_of[s.index] = bucket, off
+        self.buffers = BucketBuffers(self.buckets, self.device)
+        self.reduction = GradientReduction(
+            self.buckets, self.buffers, stage=self.stage, group=self.group, rank=self.rank,
+            world=self.world, comm_dtype=self.comm_dtype, overlap=self.overlap,
+            host_grads_as_sent=self._div_scale,
+        )  # fmt: skip
         # Each parameter's version counter when this optimizer last wrote it;
         # see [Note: parameters written in place].
         self._versions = [s.param._version for s in self.shards]
         self._warned_dropped = False
-        if cpu_offload:
+        if self.cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
                 pin=torch.cuda.is_available(),
@@ -352,84 +412,32 @@ class ZeroOptimizer:
         # Write-back order: the order forward uses the buckets (buckets are
         # in backward order). See [Note: offloaded step pipeline].
         self._order = self.buckets[::-1]
-        self._rings: dict[tuple[str, torch.dtype], BufferRing] = {}
-        self._own: dict[int, dict[str, torch.Tensor]] = {}  # per bucket: its persistent buffers
-        self.buffer_allocations = 0  # of per-bucket buffers (tests: none after the first step)
-        self._pipe: CpuUpdatePipeline | None = None
-        if cpu_offload:
-            self._pipe = _offload_pipeline(overlap_cpu_step, self.device)
-            weakref.finalize(self, self._pipe.close)
-            if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
-                self.optimizer.set_step_waiter(self._pipe.settle)
-            if self._pipe.stream is not None:
-                for bucket in self.buckets:
-                    # The host waits for these two (blocking: no spinning
-                    # next to CPU Adam's threads); streams wait for `written`.
-                    bucket.copied = torch.cuda.Event(blocking=True)
-                    bucket.written = torch.cuda.Event()
-        self._defer = self._pipe is not None and self._pipe.overlapping and module is not None
-        self._next_bucket = 0
-        self._in_flight: _Bucket | None = None  # stage 2: the bucket whose input is still sent
-        self._no_sync = False
-        self._scaled_backward = False
-        self._unscaled = False
-        self._accumulated = False
-        # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
-        # recorded for the coming step, whether it was called since the last
-        # step, and this step's squared norm it took.
-        self._clip = 1.0
-        self._clipped = False
-        self._clip_norm_sq: torch.Tensor | None = None
-        self._unfinished = False  # a synchronous step whose CPU update failed; see step()
-        self._update_lock = threading.Lock()  # see _cpu_update
-        self._stream = (
-            torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
-        )
-        self._hooks = self._register_hooks()
-        if self._defer:
-            self._hooks += self._register_forward_hooks(module)
+
+    def _log_layout(self, master_device: torch.device) -> None:
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
         logger.info(
             "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
-            stage, len(self.shards), len(self.buckets), self.rank, self.world, state_bytes / 2**20,
-            master_device, ", fp16 loss scaling" if self.fp16 else "",
+            self.stage, len(self.shards), len(self.buckets), self.rank, self.world,
+            state_bytes / 2**20, master_device, ", fp16 loss scaling" if self.fp16 else "",
         )  # fmt: skip
 
-    def _register_hooks(self) -> list[torch.utils.hooks.RemovableHandle]:
-        # Tensor hooks live in autograd's C++ graph, out of the garbage
-        # collector's sight: a strong reference would keep this optimizer
-        # (masters, states, buckets) alive as long as the model. Built once:
-        # a hook (or closure over self) made per step would be garbage per step.
-        # Nor may it hold the shard: shard -> param -> hook -> shard is a cycle
-        # the collector cannot see, which kept every parameter and its fp32
-        # master alive after the model and optimizer were dropped.
-        me = weakref.ref(self)
-        return [
-            s.param.register_post_accumulate_grad_hook(lambda p, i=i, me=me: _grad_hook(me, i))
-            for i, s in enumerate(self.shards)
-            if s.param.requires_grad
-        ]
+    @property
+    def training_state(self) -> TrainingState:
+        """Where this optimizer is in the training step. See [Note: ZeRO
+        training state table]."""
+        return self._state
 
-    def _register_forward_hooks(
-        self, module: torch.nn.Module
-    ) -> list[torch.utils.hooks.RemovableHandle]:
-        """Each module with parameters of its own waits, before its forward,
-        for the buckets that hold them; ``module.state_dict()`` for all."""
-        me = weakref.ref(self)
-        where = {id(s.param): k for k, b in enumerate(self._order) for s in b.shards}
-        handles = []
-        for m in module.modules():
-            positions = sorted(
-                {where[id(p)] for p in m.parameters(recurse=False) if id(p) in where}
+    def _transition(self, new: TrainingState) -> None:
+        """The only place the training state changes. See [Note: ZeRO training state table]."""
+        if new not in _MOVES[self._state]:
+            raise RuntimeError(
+                f"{_API} rank {self.rank}: illegal transition {self._state.name} -> {new.name}"
             )
-            if positions:
-                handles.append(
-                    m.register_forward_pre_hook(
-                        lambda _m, _a, pos=tuple(positions), me=me: _forward_hook(me, pos)
-                    )
-                )
-        handles.append(module.register_state_dict_pre_hook(lambda *_a, me=me: _state_dict_hook(me)))
-        return handles
+        self._state = new
+
+    def _ring(self, kind: str, dtype: torch.dtype, rows: int) -> BufferRing:
+        """The two-slot ring of ``kind`` buffers (the write-back's gathers)."""
+        return self.buffers.ring(kind, dtype, rows)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -473,7 +481,7 @@ class ZeroOptimizer:
                 f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
                 "loss before .item()"
             )
-        if self._unfinished:
+        if self._state is T.UNFINISHED:
             raise RuntimeError(
                 f"{_API}.backward: the last step's CPU update failed and is still to run; "
                 "remove its cause and call step() again first (or zero_grad() to drop it)"
@@ -486,7 +494,7 @@ class ZeroOptimizer:
         loss.backward(retain_graph=retain_graph)
 
     def _refuse_after_clip(self, api: str) -> None:
-        if self._clipped:
+        if self._state is T.CLIPPED:
             raise RuntimeError(
                 f"{_API}.{api}: a backward after clip_grad_by_norm() and before step(); the "
                 "recorded clip would scale its gradients too; clip after the last backward of "
@@ -499,8 +507,10 @@ class ZeroOptimizer:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
-        if self._bucket_of[s.index].launched:  # reduced already in this step: a new backward
-            self._restart_reduction()
+        if self._state is T.IDLE or (self._state is T.ACCUMULATED and not self._no_sync):
+            self._transition(T.ACCUMULATED if self._no_sync else T.REDUCING)
+        if self.reduction.bucket_of[s.index].launched:  # reduced in this step: a new backward
+            self.reduction.restart()
         if self._no_sync:
             return  # local gradients in param.grad, as DDP's no_sync leaves them
         if not self.overlap:
@@ -513,149 +523,7 @@ class ZeroOptimizer:
                 s.param.grad = s.guard
             return
         s.ready = True
-        self._launch_ready_buckets()
-
-    def _launch_ready_buckets(self, flush: bool = False) -> None:
-        # Buckets launch strictly in order, so every rank issues the same
-        # collectives in the same order even when ranks differ in which
-        # parameters got gradients; `flush` launches the rest at step time.
-        while self._next_bucket < len(self.buckets):
-            bucket = self.buckets[self._next_bucket]
-            if not flush and not all(s.ready for s in bucket.shards):
-                return
-            set_collective_label(f"gradient reduction of bucket {self._next_bucket}")
-            self._launch(bucket)
-            self._next_bucket += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        dtype = self.comm_dtype or bucket.shards[0].param.dtype
-        stream = self._stream
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with phase("zerostack::reduce"), ctx:
-            if self.stage == 2:
-                # ZeRO-2 keeps 1/N of the gradients: a reduce-scatter's full
-                # input lives only until the next bucket is launched, so its
-                # buffer comes from a ring of two (slot reused by bucket i + 2,
-                # after bucket i was waited for at bucket i + 1's launch).
-                # See [Note: persistent bucket buffers]
-                buf = self._ring("send", dtype, self.world).take(self.world * bucket.piece_total)
-                buf = buf.view(self.world, bucket.piece_total)
-            else:  # stage 1 keeps every bucket's all-reduced buffer until the step
-                buf = self._bucket_buffer(bucket, "reduced_full", dtype, self.world)
-            buf.zero_()
-            pack_grads(bucket, buf, stream)
-            if self.world > 1:
-                buf.div_(self.world)
-            bucket.launched = True
-            if self.stage == 2:
-                bucket.reduced = self._bucket_buffer(bucket, "reduced", dtype, 1).view(-1)
-                bucket.send_buf = buf
-                bucket.work = reduce_scatter_sum(
-                    bucket.reduced, buf.view(-1), self.group, async_op=True
-                )
-                mine = bucket.reduced
-            else:
-                bucket.reduced = buf
-                bucket.work = all_reduce_sum(buf, self.group, async_op=True)
-                mine = buf[self.rank]
-            bucket.norm_sq = None
-            if self.device.type == "cuda" and bucket.host_grads is not None:
-                # cpu_offload: NCCL's wait only orders this stream after the
-                # collective, so the bucket's norm and its copy to the host
-                # queue up here and run while backward goes on (a norm of the
-                # pieces on the host would cost a CPU pass over all of them).
-                bucket.wait()
-                bucket.norm_sq = mine.float().pow(2).sum()
-                bucket.host_grads.copy_(mine, non_blocking=True)
-                bucket.on_host = True
-            if self.stage == 2:
-                if self._in_flight is not None:
-                    self._in_flight.wait()
-                self._in_flight = bucket
-
-    def _ring(self, kind: str, dtype: torch.dtype, rows: int) -> BufferRing:
-        """The two-slot ring of ``kind`` buffers for ``dtype``, sized for the
-        largest bucket times ``rows``. See [Note: persistent bucket buffers]."""
-        ring = self._rings.get((kind, dtype))
-        if ring is None:
-            numel = rows * max(b.piece_total for b in self.buckets)
-            ring = self._rings[(kind, dtype)] = BufferRing(2, numel, dtype, self.device)
-        return ring
-
-    def _bucket_buffer(
-        self, bucket: _Bucket, kind: str, dtype: torch.dtype, rows: int
-    ) -> torch.Tensor:
-        """``bucket``'s own (rows, piece_total) buffer, allocated at its first
-        reduction and reused at every later one (a new dtype reallocates)."""
-        buffers = self._own.setdefault(id(bucket), {})
-        buf = buffers.get(kind)
-        if buf is None or buf.dtype != dtype:
-            buf = torch.empty(rows, bucket.piece_total, dtype=dtype, device=self.device)
-            buffers[kind] = buf
-            self.buffer_allocations += 1
-        return buf
-
-    def _restart_reduction(self) -> None:
-        """A backward began after buckets of this step were reduced (two
-        backwards before ``step()``: torch's accumulation, without
-        ``no_sync``). Their reductions go into the shards' gradients, out of
-        the buffers the next reductions reuse, and the buckets are reduced
-        again from the first: ``step()`` then sums both.
-        """
-        self._finish_reduction(flush=False)
-        for s in self.shards:
-            if s.grad is not None and s.grad._base is not None:  # a view of a bucket buffer
-                s.grad = s.grad.clone()
-        self._accumulated = True
-
-    def _finish_reduction(self, flush: bool = True) -> torch.Tensor | None:
-        """Wait for every bucket (``flush``: launching those not launched
-        yet); give each shard its reduced piece. Returns the squared gradient
-        norm summed on the device, or None when it has to be computed from
-        the pieces (gradients accumulated over several reductions, or no
-        device-side norm)."""
-        if flush:
-            self._launch_ready_buckets(flush=True)
-        self._next_bucket = 0
-        self._in_flight = None
-        norm_parts: list[torch.Tensor] | None = []
-        synced = False
-        for bucket in self.buckets:
-            if not bucket.launched:
-                continue
-            bucket.wait()
-            reduced, bucket.reduced, bucket.launched = bucket.reduced, None, False
-            if self._stream is not None and not synced:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            mine = reduced if self.stage == 2 else reduced[self.rank]
-            master = bucket.shards[0].master
-            if bucket.host_grads is not None:
-                if not bucket.on_host:
-                    bucket.host_grads.copy_(mine, non_blocking=True)
-                bucket.on_host = False
-                if self.device.type == "cuda" and not synced:
-                    torch.cuda.current_stream(self.device).synchronize()  # the CPU reads them next
-                    synced = True
-                # Low-precision grads stay so for CPUAdam; others get the master dtype.
-                mine = bucket.host_grads if self._div_scale else bucket.host_grads.to(master.dtype)
-            else:
-                mine = mine.to(dtype=master.dtype)  # one cast per bucket, not per parameter
-            if norm_parts is not None and bucket.norm_sq is not None:
-                norm_parts.append(bucket.norm_sq)
-            else:
-                norm_parts = None
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                piece = mine[off : off + s.piece]
-                if s.grad is None:
-                    s.grad = piece
-                else:  # a second reduction in one step: the norm must come from the sum
-                    s.grad = s.grad + piece
-                    self._accumulated = True
-        if norm_parts is None or self._accumulated or not norm_parts:
-            return None
-        return torch.stack(norm_parts).sum()
+        self.reduction.launch_ready()
 
     # -- the step -----------------------------------------------------------------
 
@@ -674,9 +542,9 @@ class ZeroOptimizer:
                 CPU update]).
         """
         mark_stepped(self._user)  # See [Note: the user's hyperparameters]
-        if self._unfinished:  # the last step's update failed: finishing it is this step
+        if self._state is T.UNFINISHED:  # the last step's update failed: finish it now
             self.wait_updates()
-            self._unfinished = False
+            self._transition(T.IDLE)
             self.zero_grad()
             self.collector.tick()
             return True
@@ -687,7 +555,8 @@ class ZeroOptimizer:
         self._scaled_backward = False
         with phase("zerostack::reduce"):
             # clip_grad_by_norm reduced everything already (no backward since).
-            device_norm_sq = self._clip_norm_sq if self._clipped else self._finish_reduction()
+            clipped = self._state is T.CLIPPED
+            device_norm_sq = self._clip_norm_sq if clipped else self.reduction.finish()
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
@@ -700,9 +569,9 @@ class ZeroOptimizer:
         if self._pipe is not None:
             self._queue_cpu_updates(plan.div_scale, stats[1:])
             if not self._defer:
-                self._unfinished = True
+                self._transition(T.UNFINISHED)
                 self.wait_updates()
-                self._unfinished = False
+                self._transition(T.IDLE)
         else:
             self._device_step(plan.div_scale, stats[1:])
         self.zero_grad()
@@ -748,7 +617,7 @@ class ZeroOptimizer:
         """
         api = f"{_API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
-        if self._unfinished:
+        if self._state is T.UNFINISHED:
             raise RuntimeError(
                 f"{api}: the last step's CPU update failed and is still to run; remove its "
                 "cause and call step() again first (or zero_grad() to drop it)"
@@ -761,9 +630,9 @@ class ZeroOptimizer:
         self._check_scaled("clip_grad_by_norm")
         self.wait_updates()  # the last step's write-backs come before any reduction
         with phase("zerostack::reduce"):
-            if not self._clipped:
-                self._clip_norm_sq = self._finish_reduction()
-                self._clipped = True
+            if self._state is not T.CLIPPED:
+                self._clip_norm_sq = self.reduction.finish()
+                self._transition(T.CLIPPED)
             if norm_type == 2.0 and self._clip_norm_sq is not None:
                 part = self._clip_norm_sq.clone()
             else:
@@ -897,11 +766,11 @@ class ZeroOptimizer:
                 continue
             start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
             s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
-            bucket = self._bucket_of[s.index]
+            bucket = self.reduction.bucket_of[s.index]
             if bucket.host_params is not None:
                 if bucket.copied is not None:
                     bucket.copied.synchronize()  # the last H2D copy out of host_params
-                off = self._offset_of[s.index]
+                off = self.reduction.offset_of[s.index]
                 bucket.host_params[off : off + s.piece].copy_(s.master)
             self._versions[s.index] = s.param._version
             dropped.append(s.name)
@@ -1005,69 +874,31 @@ class ZeroOptimizer:
         (on every rank), this drops the batch: the steps that follow are
         those of a run that never saw it. See [Note: dropping a batch].
         """
-        if self._unfinished:
+        if self._state is T.UNFINISHED:
             dropped = self._pipe.drop_failed()
             logger.warning(
                 "%s.zero_grad: the failed CPU updates of buckets %s (in write-back order) are "
                 "dropped: their parameters keep the values before that step", _API, dropped,
             )  # fmt: skip
-            self._unfinished = False
+            self._transition(T.IDLE)
             self.wait_updates()
-        for bucket in self.buckets:
-            bucket.clear()
+        self.reduction.reset()
         for s in self.shards:
             s.param.grad = None
             s.guard.local = None
             s.grad = None
             s.ready = s.used = False
-        self._next_bucket = 0
-        self._in_flight = None
-        self._accumulated = False
-        self._clip, self._clipped, self._clip_norm_sq = 1.0, False, None
+        self._clip, self._clip_norm_sq = 1.0, None
         self._scaled_backward = self._unscaled = False
+        if self._state is not T.IDLE:
+            self._transition(T.IDLE)
 
     # -- state ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard: the inner optimizer's state over the masters, the
         masters themselves, the loss scaler, and what identifies the layout."""
-        self._settle()
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "masters": [s.master.detach().clone() for s in self.shards],
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "layout": {
-                "world": self.world,
-                "rank": self.rank,
-                "numels": [s.param.numel() for s in self.shards],
-            },
-        }
-
-    def _quiesce(self) -> None:
-        """No CPU update running: the last step's written back."""
-        self.wait_updates()
-
-    def _settle(self) -> None:
-        """Before reading the inner optimizer: no update running, and the
-        users' hyperparameters in its groups."""
-        self._quiesce()
-        self._push_hyper()
-
-    def _check_state(self, state: object, keys: tuple[str, ...], api: str) -> None:
-        if not isinstance(state, dict) or not set(keys) <= state.keys():
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise TypeError(
-                f"{_API}.{api}: the state must be a dict with {list(keys)} (got {got}); pass "
-                f"what {api.replace('load_', '')}() returned"
-            )
-
-    def _check_layout(self, numels: list[int], api: str = "load_state_dict") -> None:
-        mine = [s.param.numel() for s in self.shards]
-        if numels != mine:
-            raise ValueError(
-                f"{_API}.{api}: the state is for another model ({len(numels)} params of sizes "
-                f"{numels[:4]}..., this one has {len(mine)} of sizes {mine[:4]}...)"
-            )
+        return _formats.rank_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a ``state_dict()`` saved by the same rank at the same world size.
@@ -1076,134 +907,29 @@ class ZeroOptimizer:
             ValueError: another model, or another world size or rank (use
                 ``full_state_dict`` / ``load_full_state_dict`` for that).
         """
-        self._check_state(state, ("optimizer", "masters", "scaler", "layout"), "load_state_dict")
-        self._quiesce()
-        layout = state["layout"]
-        self._check_layout(layout["numels"])
-        masters = state["masters"]
-        bad = [
-            i
-            for i, (s, m) in enumerate(zip(self.shards, masters, strict=False))
-            if not isinstance(m, torch.Tensor) or m.shape != s.master.shape
-        ]
-        if len(masters) != len(self.shards) or bad:
-            raise ValueError(
-                f"{_API}.load_state_dict: masters must be {len(self.shards)} tensors shaped like "
-                f"this rank's pieces (got {len(masters)}, first mismatch at {bad[:1]})"
-            )
-        if (layout["world"], layout["rank"]) != (self.world, self.rank):
-            raise ValueError(
-                f"{_API}.load_state_dict: saved by rank {layout['rank']} of {layout['world']}, this is rank "
-                f"{self.rank} of {self.world}; save with full_state_dict() and load with load_full_state_dict()"
-            )
-        # A copy: torch's loaders alias the given tensors when dtype and device match.
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self._pull_hyper()
-        with torch.no_grad():
-            for s, m in zip(self.shards, state["masters"], strict=True):
-                s.master.copy_(m)
-        if self.scaler is not None and state["scaler"] is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self._gather_params()
+        _formats.load_rank_state_dict(self, state)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Every parameter's whole master and optimizer state, gathered on
         every rank: loadable at any world size with ``load_full_state_dict``."""
-        self._settle()
-        packed = self.optimizer.state_dict()
-        per_param: list[dict[str, Any]] = []
-        for i, s in enumerate(self.shards):
-            entry: dict[str, Any] = {"master": self._gather_piece(s.master, s)}
-            for k, v in packed["state"].get(i, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == s.piece:
-                    entry[k] = self._gather_piece(v, s)
-                else:  # e.g. the step count: a copy, not the live tensor
-                    entry[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
-            per_param.append(entry)
-        return {
-            "params": per_param,
-            "param_groups": copy.deepcopy(packed["param_groups"]),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "numels": [s.param.numel() for s in self.shards],
-        }
-
-    def _gather_piece(self, t: torch.Tensor, s: _Shard) -> torch.Tensor:
-        src = t.detach().reshape(-1).to(self.device)
-        full = torch.empty(self.world * s.piece, dtype=src.dtype, device=self.device)
-        set_collective_label("gathering a parameter's state for a checkpoint")
-        all_gather_into(full, src, self.group)
-        return full[: s.param.numel()].cpu()
+        return _formats.full_state_dict(self)
 
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
         """Load ``full_state_dict()`` output, saved at any world size."""
-        self._check_state(
-            full, ("params", "param_groups", "scaler", "numels"), "load_full_state_dict"
-        )
-        self._check_layout(full["numels"], "load_full_state_dict")
-        self._quiesce()
-        params = full["params"]
-        bad = [
-            i
-            for i, (s, e) in enumerate(zip(self.shards, params, strict=False))
-            if not isinstance(e, dict)
-            or not isinstance(e.get("master"), torch.Tensor)
-            or e["master"].numel() != s.param.numel()
-        ]
-        if len(params) != len(self.shards) or bad:
-            raise ValueError(
-                f"{_API}.load_full_state_dict: params must hold {len(self.shards)} entries, each "
-                f"with the parameter's whole master (got {len(params)}, first mismatch at {bad[:1]})"
-            )
-        state: dict[int, dict[str, Any]] = {}
-        with torch.no_grad():
-            for i, (s, entry) in enumerate(zip(self.shards, full["params"], strict=True)):
-                mine = {}
-                for k, v in entry.items():
-                    if torch.is_tensor(v) and v.numel() == s.param.numel() and v.dim() == 1:
-                        v = part.padded_flat(v, self.world)[
-                            self.rank * s.piece : (self.rank + 1) * s.piece
-                        ]
-                    mine[k] = v
-                s.master.copy_(mine.pop("master"))
-                if mine:
-                    state[i] = mine
-        self.optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
-        self._pull_hyper()
-        if self.scaler is not None and full["scaler"] is not None:
-            self.scaler.load_state_dict(full["scaler"])
-        self._gather_params()
-
-    # -- this rank's part (per-rank parallel checkpoints) ----------------------------
+        _formats.load_full_state_dict(self, full)
 
     def local_ranges(self) -> list[tuple[int, int]]:
         """Per parameter (``shards`` order): the ``[start, end)`` of its
         flattened elements this rank's piece holds (the padding left out)."""
-        return [part.shard_bounds(s.param.numel(), self.world, self.rank) for s in self.shards]
+        return _formats.local_ranges(self)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's part without any gather: ``{"params": [per parameter
         {"master": view, key: view of the inner optimizer's state, or the
         step}], "param_groups", "scaler"}``, each view holding the
         :meth:`local_ranges` elements (no copy)."""
-        self._settle()
-        packed = self.optimizer.state_dict()
-        params: list[dict[str, Any]] = []
-        for i, (s, (start, end)) in enumerate(zip(self.shards, self.local_ranges(), strict=True)):
-            n = end - start
-            entry: dict[str, Any] = {"master": s.master.detach().reshape(-1)[:n]}
-            for k, v in packed["state"].get(i, {}).items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == s.piece:
-                    entry[k] = v.reshape(-1)[:n]
-                else:
-                    entry[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
-            params.append(entry)
-        return {
-            "params": params,
-            "param_groups": copy.deepcopy(packed["param_groups"]),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        return _formats.local_state_dict(self)
 
-    @torch.no_grad()
     def load_local_state_dict(self, local: dict[str, Any]) -> None:
         """Load :meth:`local_state_dict`-shaped state whose tensors hold this
         rank's :meth:`local_ranges` (read from a checkpoint of any world size):
@@ -1215,44 +941,17 @@ class ZeroOptimizer:
             ValueError: another number of parameters, or a tensor not sized
                 as this rank's range.
         """
-        self._settle()
-        if len(local["params"]) != len(self.shards):
-            raise ValueError(
-                f"{_API}.load_local_state_dict: {len(local['params'])} parameters given, this "
-                f"optimizer has {len(self.shards)}; pass one entry per parameter"
-            )
-        state: dict[int, dict[str, Any]] = {}
-        masters = False
-        ranges = self.local_ranges()
-        for i, (s, entry, (start, end)) in enumerate(
-            zip(self.shards, local["params"], ranges, strict=True)
-        ):
-            mine: dict[str, Any] = {}
-            for k, v in entry.items():
-                if not (torch.is_tensor(v) and v.dim() == 1):
-                    mine[k] = v
-                    continue
-                if v.numel() != end - start:
-                    raise ValueError(
-                        f"{_API}.load_local_state_dict: {k} of parameter {i} has {v.numel()} "
-                        f"elements, this rank's range {end - start}; slice by local_ranges()"
-                    )
-                piece = torch.zeros(s.piece, dtype=v.dtype, device=s.master.device)
-                piece[: end - start].copy_(v)
-                mine[k] = piece
-            if "master" in mine:
-                s.master.copy_(mine.pop("master").view_as(s.master))
-                masters = True
-            if mine:
-                state[i] = mine
-        groups = local.get("param_groups") or self.optimizer.state_dict()["param_groups"]
-        if state or local.get("param_groups"):
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
-            self._pull_hyper()
-        if self.scaler is not None and local.get("scaler") is not None:
-            self.scaler.load_state_dict(local["scaler"])
-        if masters:
-            self._gather_params()
+        _formats.load_local_state_dict(self, local)
+
+    def _quiesce(self) -> None:
+        """No CPU update running: the last step's written back."""
+        self.wait_updates()
+
+    def _settle(self) -> None:
+        """Before reading the inner optimizer: no update running, and the
+        users' hyperparameters in its groups."""
+        self._quiesce()
+        self._push_hyper()
 
 
 _set_debug = debug_collectives  # ZeroOptimizer's argument shadows the function

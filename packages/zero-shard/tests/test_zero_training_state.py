@@ -1,0 +1,102 @@
+"""ZeroOptimizer's training state (see [Note: ZeRO training state table]):
+the table of moves, and the state each call of a step leaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerostack.shard import TrainingState, ZeroOptimizer
+from zerostack.shard._optimizer import _MOVES
+from zerostack.testing import GPTConfig, TinyGPT, check_state_table, make_batch
+
+CONFIG = GPTConfig(num_layers=1, dim=16, num_heads=2, bias=False)
+T = TrainingState
+
+
+def _loss(model, seed=0):
+    idx, tgt = make_batch(CONFIG, 2, 8, seed=seed)
+    return model(idx, tgt)
+
+
+def test_the_training_state_table():
+    zero = ZeroOptimizer(torch.optim.SGD(TinyGPT(CONFIG).parameters(), lr=0.1))
+    assert check_state_table(zero, _MOVES) == 14
+    assert set(_MOVES) == set(TrainingState)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "reduce-at-step"])
+def test_each_call_of_a_step_leaves_its_state(overlap):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    zero = ZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), module=model,
+        overlap_communication=overlap,
+    )  # fmt: skip
+    assert zero.training_state is T.IDLE
+    with zero.no_sync():
+        zero.backward(_loss(model))
+        assert zero.training_state is T.ACCUMULATED
+        zero.zero_grad()
+        assert zero.training_state is T.IDLE
+        zero.backward(_loss(model))  # no_sync() outlasts zero_grad()
+        assert zero.training_state is T.ACCUMULATED
+    zero.backward(_loss(model, seed=1))
+    assert zero.training_state is T.REDUCING
+    with zero.no_sync():  # the reduced pieces are kept
+        zero.backward(_loss(model, seed=2))
+        assert zero.training_state is T.REDUCING
+    zero.clip_grad_by_norm(1.0)
+    assert zero.training_state is T.CLIPPED
+    with pytest.raises(RuntimeError, match=r"a backward after clip_grad_by_norm\(\)"):
+        zero.backward(_loss(model))
+    assert zero.training_state is T.CLIPPED
+    assert zero.step()
+    assert zero.training_state is T.IDLE
+    assert zero.step()  # a step without a backward stays IDLE
+    assert zero.training_state is T.IDLE
+
+
+class _Fault:
+    """While ``active``, the inner optimizer's step raises before it runs."""
+
+    def __init__(self, inner: torch.optim.Optimizer, monkeypatch) -> None:
+        self.active = False
+        real = inner.step
+
+        def step(*args, **kwargs):
+            if self.active:
+                raise OSError("disk read failed: injected")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(inner, "step", step)
+
+
+@pytest.mark.parametrize("finish", ["step", "zero_grad"])
+def test_a_failed_cpu_update_leaves_the_step_unfinished(finish, monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    zero = ZeroOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), module=model, cpu_offload=True,
+        overlap_cpu_step=False,
+    )  # fmt: skip
+    fault = _Fault(zero.optimizer, monkeypatch)
+    zero.backward(_loss(model))
+    fault.active = True
+    with pytest.raises(RuntimeError, match=r"failed \(OSError: disk read failed"):
+        zero.step()
+    assert zero.training_state is T.UNFINISHED
+    with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
+        zero.backward(_loss(model))
+    with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
+        zero.clip_grad_by_norm(1.0)
+    assert zero.training_state is T.UNFINISHED
+    fault.active = False
+    if finish == "step":
+        assert zero.step()
+    else:
+        zero.zero_grad()
+    assert zero.training_state is T.IDLE
+    zero.backward(_loss(model, seed=1))  # and training goes on
+    assert zero.training_state is T.REDUCING
+    assert zero.step()
