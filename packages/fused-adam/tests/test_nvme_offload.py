@@ -246,17 +246,10 @@ def test_a_plan_reads_the_next_parameters_while_one_updates(tmp_path):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_parameter_without_gradient_in_a_plan_keeps_its_states_on_disk(backend, tmp_path):
     # GeminiOptimizer plans the chunks it will step; one without a gradient
-    # is not stepped, and a parameter stepped outside the plan (a chunk
-    # updated during backward) ends it early. The reads already issued for
+    # is not stepped, and a parameter stepped outside the plan ends it early. The reads already issued for
     # the rest took their states off disk on tensornvme: they must be there
     # at the next step, as torch's AdamW (which skips a None grad) has them.
-    params = make_params([300, 200, 100, 50], torch.float32)
-    ref = [p.detach().clone() for p in params]
-    opt = CPUAdam(
-        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
-        adamw_mode=True, **HYPER,
-    )  # fmt: skip
-    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    params, ref, opt, torch_opt = _on_disk_beside_torch(backend, tmp_path)
     # Which parameters step, one opt.step() each, after planning all of them.
     schedule = [[0, 1, 2, 3], [0, 2, 3], [3, 0], [1, 2, 3], [0, 1, 2, 3]]
     for step, order in enumerate(schedule):
@@ -289,13 +282,7 @@ def test_a_failed_update_retried_keeps_its_states_on_disk(backend, planned, monk
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_kernels, "launch", launch)
-    params = make_params([300, 200, 100, 50], torch.float32)
-    ref = [p.detach().clone() for p in params]
-    opt = CPUAdam(
-        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
-        adamw_mode=True, **HYPER,
-    )  # fmt: skip
-    torch_opt = torch.optim.AdamW(ref, foreach=False, **HYPER)
+    params, ref, opt, torch_opt = _on_disk_beside_torch(backend, tmp_path)
     for step in range(4):
         grads = make_grads(params, torch.float32, step)
         if planned:
@@ -329,3 +316,15 @@ def _same_states(opt, torch_opt, ref, steps=None):
             assert float(states[i]["step"]) == steps
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(states[i][key], torch_opt.state[q][key], **STATE_TOL)
+
+
+def _on_disk_beside_torch(backend, tmp_path):
+    """Four fp32 parameters (650 elements) whose CPUAdam states all live on
+    disk, and copies of them under torch's AdamW."""
+    params = make_params([300, 200, 100, 50], torch.float32)
+    ref = [p.detach().clone() for p in params]
+    opt = CPUAdam(
+        params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend,
+        adamw_mode=True, **HYPER,
+    )  # fmt: skip
+    return params, ref, opt, torch.optim.AdamW(ref, foreach=False, **HYPER)
