@@ -59,7 +59,7 @@ PLUGINS: dict[str, Callable[..., Any]] = {
     "zero1": _with(LowLevelZeroPlugin, stage=1, precision="fp32"),
     "zero2": _with(LowLevelZeroPlugin, stage=2, precision="fp32"),
     "zero2-offload": _with(LowLevelZeroPlugin, stage=2, precision="fp32", cpu_offload=True),
-    # Clipping keeps the CPU updates from starting in backward.
+    # With clipping at step (the plugin's max_norm).
     "zero2-offload-clip": _with(
         LowLevelZeroPlugin, stage=2, precision="fp32", cpu_offload=True, max_norm=100.0
     ),

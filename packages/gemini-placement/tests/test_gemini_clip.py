@@ -92,7 +92,7 @@ def _bf16_norms(rank, world):
         TinyGPT(CONFIG), mixed_precision=torch.bfloat16, chunk_config_dict={world: CHUNKS},
         compute_device="cpu", offload_optim_frac=0.5,
     )  # fmt: skip
-    # Synchronous CPU step: an update started in backward would write over the
+    # Synchronous CPU step: an update on the worker would write over the
     # gradient this test reads (the step's own norm takes it before).
     opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, overlap_cpu_step=False)
     for step in range(3):

@@ -62,7 +62,7 @@ def _step_returns_before_updates(device):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG).to(device)
     ref_model = copy.deepcopy(model)
-    # Clipping: the updates are queued by step() (none start in backward).
+    # Clipping: the updates are queued by step(), after the global norm.
     zero = _zero(model, max_norm=1.0)
     ref = _zero(ref_model, overlap=False, max_norm=1.0)  # the synchronous step: the reference
     assert len(zero.buckets) >= 3

@@ -55,7 +55,7 @@ CASES = [
     # plain torch SGD on the masters, and CPUAdam with clipping in fp16.
     Case(name="s2-fp32-offload-sgd-clip", kind="sgd", offload=True, max_norm=0.05),
     Case(name="s2-fp16-offload-adamw-clip", dtype=torch.float16, offload=True, max_norm=1.0),
-    # No clipping, no fp16 scale: updates start during backward.
+    # No clipping, no fp16 scale (updates once started during backward here).
     Case(name="s2-fp32-offload-adamw", offload=True),
     Case(name="s2-bf16-offload-sgd", kind="sgd", dtype=torch.bfloat16, offload=True),
     # Everything reduced at step(), none during backward.
