@@ -26,6 +26,7 @@ from zerostack.shard._mixed_precision import (
 from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
 from zerostack.shard._state_dict import check_state_keys
+from zerostack.shard._step_model import FloorEstimate, MachineProfile, StepFloor, step_floor
 
 __all__ = [
     "SCALER_KEYS",
@@ -33,8 +34,11 @@ __all__ = [
     "CpuStepError",
     "CpuUpdatePipeline",
     "DynamicLossScaler",
+    "FloorEstimate",
     "LossScalerConfig",
+    "MachineProfile",
     "ShardedGradient",
+    "StepFloor",
     "StepPlan",
     "TrainingState",
     "ZeroConfig",
@@ -57,6 +61,7 @@ __all__ = [
     "record_clip",
     "shard_bounds",
     "shard_numel",
+    "step_floor",
     "step_with_div_scale",
     "stepping_twin",
     "takes_div_scale",

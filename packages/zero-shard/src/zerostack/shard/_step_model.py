@@ -1,0 +1,352 @@
+"""The floor of an offloaded training step, from independent measurements
+of the machine (``benchmarks/machine.py`` fills a :class:`MachineProfile`).
+
+[Note: step-time floor] The shortest step the hardware allows for a
+configuration whose updates of ``host_numel`` parameters (this rank's
+piece) have their fp32 masters and Adam states on the host. Terms, each the
+time one resource needs at its measured bandwidth:
+
+- ``forward_s``, ``backward_s``: the same model's forward and backward with
+  everything on the GPU (plain PyTorch's row of the same run);
+- gradients device to host, ``d2h_bytes_per_param`` per host-updated
+  parameter, during backward: backward lasts ``max(backward_s, d2h)``;
+- CPU Adam: 28 B of host memory traffic per parameter (read master,
+  exp_avg, exp_avg_sq 12 B and the bf16/fp16 gradient 2 B; write the three
+  12 B and the copy-out 2 B; see [Note: offloaded step pipeline]);
+- parameters host to device, ``h2d_bytes_per_param`` each;
+- disk: the bytes of Adam states read and written per step (NVMe offload),
+  one after the other on one device: ``read / read_bw + write / write_bw``.
+
+The update phase runs every resource at once, bucket by bucket, so it lasts
+as long as its slowest resource: ``update = max(cpu, h2d, disk)`` (a floor:
+the first bucket's wait and the last bucket's copy are not counted). The
+updates start at ``step()``, after the global gradient norm, which
+clipping needs before any update (``clip_before_update``; the CPU-step
+pipeline never starts earlier, with or without clipping); they then hide
+behind the share ``forward_hide_fraction`` of the next forward (a module
+waits only for the buckets it uses), and behind backward too when they may
+start earlier. So::
+
+    step   = forward_s + max(backward_s, d2h) + max(0, update - window)
+    window = forward_hide_fraction * forward_s  (+ backward_s if they may start early)
+
+The split: a share ``f`` of the host-held updates runs in the GPU's Adam
+instead, fed over PCIe: master and both moments, 12 B per parameter, go to
+the GPU and come back (the gradient is already there and the new parameter
+is made there, so neither crosses). With every resource busy at once each
+runs at its "all at once" bandwidth (``*_with_*`` fields), so::
+
+    cpu(f) = (1 - f) * N * 28 / cpu_adam_with_copies
+    h2d(f) = N * (12 f + h2d_bytes_per_param (1 - f)) / h2d_with_adam
+    d2h(f) = N * 12 f / d2h_with_adam           (the gradients left in backward)
+    gpu(f) = f * N / gpu_adam_params_s           (on the GPU: added to the phase)
+
+``cpu`` falls with ``f`` and both copies rise, so the best ``f`` is where
+``cpu`` meets the busier copy direction: the smaller of the two ``f`` that
+equalize ``cpu`` with ``h2d`` and with ``d2h``, within [0, 1]. The GPU's
+Adam time is small beside these and is added, not solved for. The CPU-only
+floor uses the "alone" bandwidths; the floor is the lower of the two.
+
+Left out: several ranks on one host share its memory bandwidth and PCIe
+(give per-rank figures), updates of GPU-resident parameters (add them to
+``backward_s``), the all-gather of updated parameters at world size > 1,
+and the GPU time that streaming steals from the forward it hides behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+CPU_ADAM_BYTES_PER_PARAM = 28
+"""Host memory traffic of one CPU Adam update with bf16/fp16 gradients and copy-out."""
+STATE_BYTES_PER_PARAM = 12
+"""fp32 master, exp_avg and exp_avg_sq: what crosses PCIe each way for a GPU update."""
+
+_API = "MachineProfile"
+_HOW = "measure the machine with benchmarks/machine.py"
+
+
+def _check_rate(name: str, value: Any, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{_API}: {name} must be a number (got {value!r}); {_HOW}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{_API}: {name} must be a finite number > 0 (got {value!r}); {_HOW}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MachineProfile:
+    """What one machine's resources achieve, each alone and some all at
+    once (``benchmarks/machine.py`` fills it). Bandwidths in bytes/s; None
+    where not measured (no GPU, no disk directory given).
+
+    Raises:
+        ValueError: a figure that is not finite and > 0.
+        TypeError: a figure that is not a number.
+    """
+
+    cpu_adam_bytes_s: float
+    """CPU Adam alone over host memory, at 28 B per parameter. Required."""
+    h2d_bytes_s: float | None = None
+    """Pinned host-to-device copies, one way only. Default None."""
+    d2h_bytes_s: float | None = None
+    """Pinned device-to-host copies, one way only. Default None."""
+    h2d_both_bytes_s: float | None = None
+    """Host to device while device to host runs too. Default None."""
+    d2h_both_bytes_s: float | None = None
+    """Device to host while host to device runs too. Default None."""
+    cpu_adam_with_copies_bytes_s: float | None = None
+    """CPU Adam while copies run both ways (at 28 B per parameter). Default None."""
+    h2d_with_adam_bytes_s: float | None = None
+    """Host to device while CPU Adam and device to host run. Default None."""
+    d2h_with_adam_bytes_s: float | None = None
+    """Device to host while CPU Adam and host to device run. Default None."""
+    gpu_adam_params_s: float | None = None
+    """The GPU's fused Adam, parameters per second. Default None."""
+    disk_read_bytes_s: float | None = None
+    """Reads from the NVMe offload directory. Default None."""
+    disk_write_bytes_s: float | None = None
+    """Writes (fsynced) to the NVMe offload directory. Default None."""
+    machine: str = ""
+    """Where and when it was measured (free text). Default ""."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name != "machine":
+                _check_rate(f.name, getattr(self, f.name), f.name != "cpu_adam_bytes_s")
+        if not isinstance(self.machine, str):
+            raise TypeError(f"{_API}: machine must be a str (got {self.machine!r})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name (what :meth:`save` writes)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MachineProfile:
+        """A profile from :meth:`to_dict` output; unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"{_API}: unknown fields (got {unknown}); expected some of {sorted(known)}"
+            )
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the profile as JSON to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> MachineProfile:
+        """Read a profile written by :meth:`save` (or ``benchmarks/machine.py --json``)."""
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{_API}: {os.fspath(path)} must hold a JSON object (got {type(data).__name__}); "
+                f"{_HOW} --json {os.fspath(path)}"
+            )
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepFloor:
+    """One floor and its terms, in seconds (see [Note: step-time floor])."""
+
+    step_s: float
+    """The floor: forward + the backward phase + the update's exposed part."""
+    backward_s: float
+    """max(backward, gradients device to host)."""
+    update_s: float
+    """The update phase: its slowest resource + the GPU's Adam."""
+    hidden_s: float
+    """The part of the update that overlaps forward (and backward)."""
+    cpu_s: float
+    """CPU Adam over host memory."""
+    h2d_s: float
+    """Copies host to device during the update phase."""
+    d2h_s: float
+    """Copies device to host during the update phase (states of the split)."""
+    disk_s: float
+    """Adam states read and written on disk."""
+    gpu_adam_s: float
+    """The GPU's Adam on its share."""
+    gpu_fraction: float
+    """The share of the host-held updates done by the GPU's Adam."""
+    bound: str
+    """The resource that sets the update phase: cpu, h2d, d2h or disk."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FloorEstimate:
+    """The floor under CPU-only updates and under the best CPU/GPU split."""
+
+    cpu_only: StepFloor
+    """Every host-held update in CPU Adam, each resource at its "alone" bandwidth."""
+    split: StepFloor | None
+    """The best split; None when the profile lacks the "all at once" figures."""
+
+    @property
+    def floor_s(self) -> float:
+        """The lower of the two floors."""
+        return min(self.cpu_only.step_s, self.split.step_s if self.split else math.inf)
+
+
+def _check_amount(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"step_floor: {name} must be a number (got {value!r})")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(
+            f"step_floor: {name} must be finite and >= 0 (got {value!r}); pass what one step does"
+        )
+
+
+def _secs(amount: float, rate: float | None) -> float:
+    """Seconds to move ``amount`` at ``rate``; nothing needs no rate."""
+    if amount == 0:
+        return 0.0
+    if rate is None:
+        raise AssertionError(f"step_floor: {amount:g} to move at an unmeasured rate")
+    return amount / rate
+
+
+def _split_fraction(cpu_rate: float, up_rate: float, down_rate: float, h2d_bytes: float) -> float:
+    """The f in [0, 1] where CPU Adam's time meets the busier PCIe direction's."""
+    cpu = CPU_ADAM_BYTES_PER_PARAM / cpu_rate
+    # (1 - f) cpu = (12 f + h2d (1 - f)) / up  and  (1 - f) cpu = 12 f / down
+    slope = cpu + (STATE_BYTES_PER_PARAM - h2d_bytes) / up_rate
+    f_up = (cpu - h2d_bytes / up_rate) / slope if slope > 0 else 1.0
+    f_down = cpu / (cpu + STATE_BYTES_PER_PARAM / down_rate)
+    return min(1.0, max(0.0, min(f_up, f_down)))
+
+
+def _floor(
+    numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
+    times: tuple[float, float, float, float], h2d_bytes: float, d2h_bytes: float,
+    gpu_rate: float | None,
+) -> StepFloor:  # fmt: skip
+    """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
+    D2H B/s during the update); ``times`` = (forward, backward, disk, window)."""
+    cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
+    forward_s, backward_s, disk_s, window = times
+    backward = max(backward_s, _secs(numel * (1 - f) * d2h_bytes, bwd_d2h_rate))
+    cpu_s = numel * (1 - f) * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
+    h2d_s = _secs(numel * (STATE_BYTES_PER_PARAM * f + h2d_bytes * (1 - f)), h2d_rate)
+    d2h_s = _secs(numel * STATE_BYTES_PER_PARAM * f, upd_d2h_rate)
+    gpu_adam_s = _secs(numel * f, gpu_rate)
+    terms = {"cpu": cpu_s, "h2d": h2d_s, "d2h": d2h_s, "disk": disk_s}
+    bound = max(terms, key=terms.__getitem__)
+    update = terms[bound] + gpu_adam_s
+    hidden = min(update, window)
+    return StepFloor(
+        step_s=forward_s + backward + update - hidden, backward_s=backward, update_s=update,
+        hidden_s=hidden, cpu_s=cpu_s, h2d_s=h2d_s, d2h_s=d2h_s, disk_s=disk_s,
+        gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
+    )  # fmt: skip
+
+
+def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -> None:
+    if not isinstance(profile, MachineProfile):
+        raise TypeError(f"step_floor: profile must be a MachineProfile (got {profile!r}); {_HOW}")
+    for name, value in amounts.items():
+        _check_amount(name, value)
+    hide = amounts["forward_hide_fraction"]
+    if hide > 1:
+        raise ValueError(
+            f"step_floor: forward_hide_fraction must be in [0, 1] (got {hide!r}); it is the "
+            "share of forward that can run beside the updates"
+        )
+    if not isinstance(clip, bool):
+        raise TypeError(f"step_floor: clip_before_update must be a bool (got {clip!r})")
+    moved = amounts["h2d_bytes_per_param"] + amounts["d2h_bytes_per_param"]
+    if (
+        amounts["host_numel"] > 0
+        and moved > 0
+        and None in (profile.h2d_bytes_s, profile.d2h_bytes_s)
+    ):
+        raise ValueError(
+            f"step_floor: host-held updates move parameters and gradients over PCIe but the "
+            f"profile has no copy bandwidth (got h2d_bytes_s={profile.h2d_bytes_s}, "
+            f"d2h_bytes_s={profile.d2h_bytes_s}); {_HOW} on a CUDA machine"
+        )
+    for kind in ("read", "write"):
+        amount = amounts[f"disk_{kind}_bytes"]
+        if amount > 0 and getattr(profile, f"disk_{kind}_bytes_s") is None:
+            raise ValueError(
+                f"step_floor: disk_{kind}_bytes is {amount:g} but the profile has no "
+                f"disk_{kind}_bytes_s (got None); {_HOW} --disk-dir on the offload disk"
+            )
+
+
+def step_floor(
+    profile: MachineProfile,
+    *,
+    forward_s: float,
+    backward_s: float,
+    host_numel: int,
+    h2d_bytes_per_param: float = 2,
+    d2h_bytes_per_param: float = 2,
+    disk_read_bytes: float = 0,
+    disk_write_bytes: float = 0,
+    clip_before_update: bool = True,
+    forward_hide_fraction: float = 1.0,
+) -> FloorEstimate:
+    """The floor of an offloaded step (see [Note: step-time floor]).
+
+    Args:
+        profile: the machine's measured figures.
+        forward_s: the model's forward, all on the GPU, seconds.
+        backward_s: its backward, all on the GPU, seconds.
+        host_numel: parameters (this rank's) whose masters and states live on the host.
+        h2d_bytes_per_param: parameter bytes copied to the GPU per update. Default 2 (bf16).
+        d2h_bytes_per_param: gradient bytes copied to the host per update. Default 2 (bf16).
+        disk_read_bytes: Adam-state bytes read from disk per step. Default 0.
+        disk_write_bytes: Adam-state bytes written to disk per step. Default 0.
+        clip_before_update: updates wait for the global gradient norm, so
+            none overlaps backward. Default True (what the CPU-step pipeline
+            does, with or without clipping).
+        forward_hide_fraction: the share of the next forward that can run
+            beside the updates, in [0, 1]. Default 1.0.
+
+    Returns:
+        A :class:`FloorEstimate`: the CPU-only floor, the split one (None
+        without the figures it needs) and ``floor_s``, the lower.
+
+    Raises:
+        ValueError: a negative or non-finite amount, a fraction outside
+            [0, 1], or PCIe or disk traffic the profile has no bandwidth for.
+        TypeError: an amount that is not a number, a profile that is not a
+            MachineProfile.
+    """
+    amounts = dict(
+        forward_s=forward_s, backward_s=backward_s, host_numel=host_numel,
+        h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
+        disk_read_bytes=disk_read_bytes, disk_write_bytes=disk_write_bytes,
+        forward_hide_fraction=forward_hide_fraction,
+    )  # fmt: skip
+    _check_inputs(profile, amounts, clip_before_update)
+    disk_s = _secs(disk_read_bytes, profile.disk_read_bytes_s) + _secs(
+        disk_write_bytes, profile.disk_write_bytes_s
+    )
+    window = forward_hide_fraction * forward_s + (0.0 if clip_before_update else backward_s)
+    times = (forward_s, backward_s, disk_s, window)
+    moved = (h2d_bytes_per_param, d2h_bytes_per_param)
+    alone = (profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
+    cpu_only = _floor(host_numel, 0.0, alone, times, *moved, None)
+    split = None
+    cpu_rate, up, down = (
+        profile.cpu_adam_with_copies_bytes_s, profile.h2d_with_adam_bytes_s,
+        profile.d2h_with_adam_bytes_s,
+    )  # fmt: skip
+    if host_numel > 0 and profile.gpu_adam_params_s is not None and cpu_rate and up and down:
+        f = _split_fraction(cpu_rate, up, down, h2d_bytes_per_param)
+        busy = (cpu_rate, up, profile.d2h_bytes_s, down)
+        split = _floor(host_numel, f, busy, times, *moved, profile.gpu_adam_params_s)
+    return FloorEstimate(cpu_only=cpu_only, split=split)
