@@ -41,11 +41,18 @@ runs at its "all at once" bandwidth (``*_with_*`` fields), so::
     d2h(f) = N * 12 f / d2h_with_adam           (the gradients left in backward)
     gpu(f) = f * N / gpu_adam_params_s           (on the GPU: added to the phase)
 
-``cpu`` falls with ``f`` and both copies rise, so the best ``f`` is where
-``cpu`` meets the busier copy direction: the smaller of the two ``f`` that
-equalize ``cpu`` with ``h2d`` and with ``d2h``, within [0, 1]. The GPU's
-Adam time is small beside these and is added, not solved for. The CPU-only
-floor uses the "alone" bandwidths; the floor is the lower of the two.
+The best ``f`` makes ``max(cpu, h2d, d2h, disk) + gpu`` shortest. ``cpu``
+falls with ``f`` and both copies rise, so when the GPU's Adam is faster
+than the CPU's (by far, on every GPU) and the disk is not the bound, that
+is where ``cpu`` meets the busier copy direction: the smaller of the two
+``f`` that equalize ``cpu`` with ``h2d`` and with ``d2h``. When the disk
+is the bound, a larger ``f`` gains nothing and costs GPU time, so ``f``
+stops where ``cpu`` falls to the disk's time. (The sum is convex and
+piecewise linear in ``f``: its minimum is at 0, 1 or a crossing of two of
+its lines, which is how it is found.) The CPU-only floor uses the "alone"
+bandwidths; the floor is the lower of the two. The copies' "both ways at
+once" figures without CPU Adam (``*_both_*``) are measured and kept for
+reading, not used here: during the update phase CPU Adam always runs.
 
 Left out: several ranks on one host share its memory bandwidth and PCIe
 (give per-rank figures), updates of GPU-resident parameters (add them to
@@ -217,14 +224,31 @@ def _secs(amount: float, rate: float | None) -> float:
     return amount / rate
 
 
-def _split_fraction(cpu_rate: float, up_rate: float, down_rate: float, h2d_bytes: float) -> float:
-    """The f in [0, 1] where CPU Adam's time meets the busier PCIe direction's."""
-    cpu = CPU_ADAM_BYTES_PER_PARAM / cpu_rate
-    # (1 - f) cpu = (12 f + h2d (1 - f)) / up  and  (1 - f) cpu = 12 f / down
-    slope = cpu + (STATE_BYTES_PER_PARAM - h2d_bytes) / up_rate
-    f_up = (cpu - h2d_bytes / up_rate) / slope if slope > 0 else 1.0
-    f_down = cpu / (cpu + STATE_BYTES_PER_PARAM / down_rate)
-    return min(1.0, max(0.0, min(f_up, f_down)))
+def _split_fraction(
+    numel: float, rates: tuple[float, float, float], h2d_bytes: float, disk_s: float,
+    gpu_rate: float,
+) -> float:  # fmt: skip
+    """The f in [0, 1] that makes the update phase shortest: ``max(cpu(f),
+    h2d(f), d2h(f), disk) + gpu(f)`` is convex and piecewise linear in f,
+    so its minimum lies at 0, 1 or where two of the lines cross."""
+    cpu_rate, up, down = rates
+    # each line as (at f=0, slope), in seconds
+    lines = [
+        (numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate, -numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate),
+        (numel * h2d_bytes / up, numel * (STATE_BYTES_PER_PARAM - h2d_bytes) / up),
+        (0.0, numel * STATE_BYTES_PER_PARAM / down),
+        (disk_s, 0.0),
+    ]
+    candidates = {0.0, 1.0}
+    for i, (a0, a1) in enumerate(lines):
+        for b0, b1 in lines[i + 1 :]:
+            if a1 != b1 and 0.0 < (b0 - a0) / (a1 - b1) < 1.0:
+                candidates.add((b0 - a0) / (a1 - b1))
+
+    def phase(f: float) -> float:
+        return max(c + k * f for c, k in lines) + numel * f / gpu_rate
+
+    return min(sorted(candidates), key=phase)
 
 
 def _floor(
@@ -346,7 +370,10 @@ def step_floor(
         profile.d2h_with_adam_bytes_s,
     )  # fmt: skip
     if host_numel > 0 and profile.gpu_adam_params_s is not None and cpu_rate and up and down:
-        f = _split_fraction(cpu_rate, up, down, h2d_bytes_per_param)
+        rates = (cpu_rate, up, down)
+        f = _split_fraction(
+            host_numel, rates, h2d_bytes_per_param, disk_s, profile.gpu_adam_params_s
+        )
         busy = (cpu_rate, up, profile.d2h_bytes_s, down)
         split = _floor(host_numel, f, busy, times, *moved, profile.gpu_adam_params_s)
     return FloorEstimate(cpu_only=cpu_only, split=split)

@@ -1,0 +1,217 @@
+"""The step-time floor ([Note: step-time floor]) against hand-computed cases,
+the CPU/GPU split, its monotonicity in every bandwidth, the JSON round trip
+of MachineProfile and the errors of bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from zerostack.shard import MachineProfile, step_floor
+
+# Round figures: CPU Adam alone 1 G params/s (28 GB/s), 0.5 G params/s beside the copies.
+PROFILE = MachineProfile(
+    cpu_adam_bytes_s=28e9,
+    h2d_bytes_s=10e9,
+    d2h_bytes_s=10e9,
+    h2d_both_bytes_s=8e9,
+    d2h_both_bytes_s=8e9,
+    cpu_adam_with_copies_bytes_s=14e9,
+    h2d_with_adam_bytes_s=12e9,
+    d2h_with_adam_bytes_s=12e9,
+    gpu_adam_params_s=100e9,
+    disk_read_bytes_s=4e9,
+    disk_write_bytes_s=2e9,
+    machine="made up for the test",
+)
+CPU_ONLY = dataclasses.replace(
+    PROFILE,
+    cpu_adam_with_copies_bytes_s=None,
+    h2d_with_adam_bytes_s=None,
+    d2h_with_adam_bytes_s=None,
+    gpu_adam_params_s=None,
+)
+STEP = dict(forward_s=0.1, backward_s=0.2, host_numel=10**9)
+
+
+def test_cpu_only_floor_is_forward_backward_and_the_exposed_cpu_adam() -> None:
+    est = step_floor(CPU_ONLY, **STEP)
+    f = est.cpu_only
+    assert est.split is None
+    assert f.cpu_s == pytest.approx(1.0)  # 1e9 * 28 B / 28 GB/s
+    assert f.h2d_s == pytest.approx(0.2)  # 1e9 * 2 B / 10 GB/s
+    assert f.backward_s == pytest.approx(0.2)  # max(0.2, gradients 2 GB / 10 GB/s)
+    assert f.bound == "cpu" and f.gpu_fraction == 0.0
+    assert f.hidden_s == pytest.approx(0.1)  # all of the next forward
+    assert f.step_s == pytest.approx(0.1 + 0.2 + 1.0 - 0.1)
+    assert est.floor_s == f.step_s
+
+
+def test_split_equalizes_cpu_and_the_copies_and_lowers_the_floor() -> None:
+    est = step_floor(PROFILE, **STEP)
+    s = est.split
+    assert s is not None
+    # (1 - f) 28/14 = (12 f + 2 (1 - f)) / 12  ->  f = 11/17 (d2h would allow 2/3)
+    assert s.gpu_fraction == pytest.approx(11 / 17)
+    assert s.cpu_s == pytest.approx(12 / 17)
+    assert s.h2d_s == pytest.approx(s.cpu_s)
+    assert s.d2h_s == pytest.approx(11 / 17)  # 12 B f each back at 12 GB/s
+    assert s.gpu_adam_s == pytest.approx(11 / 17 / 100)
+    assert s.step_s == pytest.approx(0.2 + 12 / 17 + 11 / 1700)
+    assert est.floor_s == s.step_s < est.cpu_only.step_s
+
+
+def test_split_stops_where_the_busier_direction_meets_cpu_adam() -> None:
+    slow_back = dataclasses.replace(PROFILE, d2h_with_adam_bytes_s=4e9)
+    s = step_floor(slow_back, **STEP).split
+    assert s is not None
+    # (1 - f) 2 = 12 f / 4  ->  f = 0.4, before h2d's 11/17
+    assert s.gpu_fraction == pytest.approx(0.4)
+    assert s.cpu_s == pytest.approx(s.d2h_s) == pytest.approx(1.2)
+    assert s.h2d_s == pytest.approx(0.5) and s.bound in ("cpu", "d2h")
+
+
+def test_split_under_a_disk_bound_stops_where_cpu_adam_meets_the_disk() -> None:
+    # disk 1 GB / 4 GB/s + 1 GB / 2 GB/s = 0.75 s; cpu(f) = 2 (1 - f) meets it at f = 0.625,
+    # and a larger f only adds the GPU's Adam time
+    s = step_floor(PROFILE, **STEP, disk_read_bytes=1e9, disk_write_bytes=1e9).split
+    assert s is not None
+    assert s.gpu_fraction == pytest.approx(0.625)
+    assert s.cpu_s == pytest.approx(s.disk_s) == pytest.approx(0.75)
+    assert s.update_s == pytest.approx(0.75 + 0.00625)
+
+
+def test_a_gpu_adam_slower_than_cpu_adam_gets_no_share() -> None:
+    slow_gpu = dataclasses.replace(PROFILE, gpu_adam_params_s=1e8)
+    s = step_floor(slow_gpu, **STEP).split
+    assert s is not None and s.gpu_fraction == 0.0
+
+
+def test_nvme_bound_floor() -> None:
+    est = step_floor(CPU_ONLY, **STEP, disk_read_bytes=8e9, disk_write_bytes=8e9)
+    f = est.cpu_only
+    assert f.disk_s == pytest.approx(2.0 + 4.0)  # read then write on one disk
+    assert f.bound == "disk"
+    assert f.step_s == pytest.approx(0.1 + 0.2 + 6.0 - 0.1)
+
+
+def test_forward_that_hides_the_whole_update_leaves_forward_and_backward() -> None:
+    est = step_floor(CPU_ONLY, forward_s=0.5, backward_s=1.0, host_numel=10**8)
+    assert est.cpu_only.update_s == pytest.approx(0.1)
+    assert est.cpu_only.hidden_s == pytest.approx(0.1)
+    assert est.floor_s == pytest.approx(1.5)
+
+
+def test_hiding_depends_on_clipping_and_the_forward_share() -> None:
+    early = step_floor(CPU_ONLY, **STEP, clip_before_update=False).cpu_only
+    assert early.hidden_s == pytest.approx(0.3)  # forward and backward
+    assert early.step_s == pytest.approx(1.0)
+    none = step_floor(CPU_ONLY, **STEP, forward_hide_fraction=0.0).cpu_only
+    assert none.hidden_s == 0.0 and none.step_s == pytest.approx(1.3)
+    half = step_floor(CPU_ONLY, **STEP, forward_hide_fraction=0.5).cpu_only
+    assert half.step_s == pytest.approx(1.25)
+
+
+def test_gradients_slower_than_backward_lengthen_it() -> None:
+    slow = dataclasses.replace(CPU_ONLY, d2h_bytes_s=5e9)  # 2 GB of gradients: 0.4 s
+    assert step_floor(slow, **STEP).cpu_only.backward_s == pytest.approx(0.4)
+
+
+def test_no_host_updates_is_forward_plus_backward() -> None:
+    est = step_floor(PROFILE, forward_s=0.1, backward_s=0.2, host_numel=0)
+    assert est.split is None and est.floor_s == pytest.approx(0.3)
+
+
+RATES = [f.name for f in dataclasses.fields(MachineProfile) if f.name != "machine"]
+
+
+@pytest.mark.parametrize("name", RATES)
+def test_floor_never_rises_with_a_faster_resource(name: str) -> None:
+    cases = [
+        dict(STEP, disk_read_bytes=1e9, disk_write_bytes=1e9),
+        dict(STEP, disk_read_bytes=8e9, disk_write_bytes=8e9),
+        dict(forward_s=0.5, backward_s=0.05, host_numel=10**9),
+        dict(STEP, h2d_bytes_per_param=4, d2h_bytes_per_param=4),
+    ]
+    for case in cases:
+        before = step_floor(PROFILE, **case)
+        for scale in (1.5, 4.0, 100.0):
+            faster = dataclasses.replace(PROFILE, **{name: getattr(PROFILE, name) * scale})
+            after = step_floor(faster, **case)
+            assert after.floor_s <= before.floor_s + 1e-12, (name, case, scale)
+
+
+def test_the_bound_resource_lowers_the_floor() -> None:
+    base = step_floor(CPU_ONLY, **STEP).floor_s
+    faster = dataclasses.replace(CPU_ONLY, cpu_adam_bytes_s=56e9)
+    assert step_floor(faster, **STEP).floor_s == pytest.approx(base - 0.5)
+
+
+def test_profile_json_round_trip(tmp_path) -> None:
+    for profile in (PROFILE, MachineProfile(cpu_adam_bytes_s=1.5e10)):
+        path = tmp_path / "machine.json"
+        profile.save(path)
+        loaded = MachineProfile.load(path)
+        assert loaded == profile
+        assert json.loads(path.read_text())["h2d_bytes_s"] == profile.h2d_bytes_s
+    assert MachineProfile(cpu_adam_bytes_s=1.5e10).h2d_bytes_s is None
+
+
+def test_profile_json_with_unknown_or_no_object_raises(tmp_path) -> None:
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps({"cpu_adam_bytes_s": 1e10, "pcie_gbps": 3}))
+    with pytest.raises(ValueError, match=r"MachineProfile: unknown fields \(got \['pcie_gbps'\]\)"):
+        MachineProfile.load(path)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"must hold a JSON object \(got list\)"):
+        MachineProfile.load(path)
+
+
+@pytest.mark.parametrize("value", [-1.0, 0.0, math.nan, math.inf])
+@pytest.mark.parametrize("name", ["cpu_adam_bytes_s", "h2d_bytes_s", "disk_write_bytes_s"])
+def test_bad_bandwidth_raises(name: str, value: float) -> None:
+    kwargs = {"cpu_adam_bytes_s": 1e10, name: value}
+    with pytest.raises(
+        ValueError, match=rf"MachineProfile: {name} must be a finite number > 0 \(got .*\); measure"
+    ):
+        MachineProfile(**kwargs)
+
+
+def test_bandwidth_of_the_wrong_type_raises() -> None:
+    with pytest.raises(
+        TypeError, match=r"MachineProfile: h2d_bytes_s must be a number \(got '5'\)"
+    ):
+        MachineProfile(cpu_adam_bytes_s=1e10, h2d_bytes_s="5")
+    with pytest.raises(TypeError, match=r"cpu_adam_bytes_s must be a number \(got None\)"):
+        MachineProfile(cpu_adam_bytes_s=None)
+
+
+@pytest.mark.parametrize("hide", [-0.1, 1.5, math.nan])
+def test_hide_fraction_outside_zero_one_raises(hide: float) -> None:
+    with pytest.raises(ValueError, match=r"step_floor: forward_hide_fraction must be"):
+        step_floor(PROFILE, **STEP, forward_hide_fraction=hide)
+
+
+@pytest.mark.parametrize(
+    "name", ["forward_s", "backward_s", "host_numel", "disk_read_bytes", "h2d_bytes_per_param"]
+)
+def test_negative_amount_raises(name: str) -> None:
+    kwargs = dict(STEP, **{name: -1})
+    with pytest.raises(ValueError, match=rf"step_floor: {name} must be finite and >= 0 \(got -1\)"):
+        step_floor(PROFILE, **kwargs)
+
+
+def test_traffic_without_its_bandwidth_raises() -> None:
+    bare = MachineProfile(cpu_adam_bytes_s=1e10)
+    with pytest.raises(ValueError, match=r"no copy bandwidth \(got h2d_bytes_s=None"):
+        step_floor(bare, **STEP)
+    # no PCIe traffic: the CPU alone suffices
+    assert step_floor(
+        bare, **STEP, h2d_bytes_per_param=0, d2h_bytes_per_param=0
+    ).floor_s == pytest.approx(0.2 + 2.8)
+    no_disk = dataclasses.replace(PROFILE, disk_write_bytes_s=None)
+    with pytest.raises(ValueError, match=r"disk_write_bytes is 1e\+06 .* \(got None\)"):
+        step_floor(no_disk, **STEP, disk_write_bytes=1e6)
