@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from zerostack.shard import MachineProfile, step_floor
 from zerostack.testing import GPTConfig, TinyGPT
 
 HYPER = dict(lr=1e-4, weight_decay=0.1)
 FLOPS_PER_TOKEN = [0.0]  # set by setup: 6N + 12 L d s (model FLOPs, recomputation not counted)
+MACHINE: list[MachineProfile | None] = [None]  # set by setup from --machine
 
 
 def _rss_gb() -> float:
@@ -78,9 +80,16 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         "--repeat", type=int, default=1,
         help="run the whole set of configurations this many times in one process, interleaved",
     )  # fmt: skip
+    ap.add_argument(
+        "--machine", default=None, metavar="PROFILE.json",
+        help="a MachineProfile written by benchmarks/machine.py: each offloaded row also prints "
+        "its floor (zerostack.shard.step_floor) and achieved / floor",
+    )  # fmt: skip
     if extra is not None:
         extra(ap)
     a = ap.parse_args()
+    if a.machine is not None:
+        MACHINE[0] = MachineProfile.load(a.machine)
     if not torch.cuda.is_available():
         print(f"{os.path.basename(sys.argv[0])}: needs a CUDA device", file=sys.stderr)
         return None
@@ -340,7 +349,63 @@ def print_table(
               f"{r['step_s']:.3f} | {r['spread']:.3f} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
               f"{r['opt_s']:.3f} | {wait} | {cpu} | {r['peak_gb']:.1f} | {r['rss_gb']:.1f} | "
               f"{r['alloc_retries']} |")  # fmt: skip
+    if MACHINE[0] is not None:
+        print_floors(results, MACHINE[0])
     print("\nper-step (forward, backward, optimizer) seconds, and the last step's loss:")
     for r in ok:
         steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}" for f, b, o in r["steps_s"])
         print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")
+
+
+def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict | str:
+    """The floor of an offloaded row (one with ``host_numel``) from the plain
+    row of the same run (its forward and backward, all on the GPU), or why
+    there is none. The updates of GPU-held masters (``gpu_numel``) are added
+    to backward at the GPU's Adam rate. See [Note: step-time floor] in
+    zero-shard's ``_step_model.py``."""
+    if plain_row is None or "error" in plain_row:
+        return "n/a (no plain row in this run)"
+    backward = plain_row["fwd_bwd_s"] - plain_row["fwd_s"]
+    if row.get("gpu_numel") and profile.gpu_adam_params_s is not None:
+        backward += row["gpu_numel"] / profile.gpu_adam_params_s
+    disk = row.get("disk_bytes", 0)
+    est = step_floor(
+        profile, forward_s=plain_row["fwd_s"], backward_s=backward, host_numel=row["host_numel"],
+        disk_read_bytes=disk, disk_write_bytes=disk,
+    )  # fmt: skip
+    best = est.split if est.split is not None and est.split.step_s < est.cpu_only.step_s else None
+    return dict(
+        floor_s=est.floor_s,
+        cpu_only_s=est.cpu_only.step_s,
+        split_s=est.split.step_s if est.split is not None else None,
+        gpu_fraction=est.split.gpu_fraction if est.split is not None else None,
+        bound=(best or est.cpu_only).bound,
+        achieved=row["step_s"] / est.floor_s,
+    )
+
+
+def print_floors(results: list[dict], profile: MachineProfile) -> None:
+    """A second table: each offloaded row's floor from the machine's profile."""
+    print(f"\nfloors from the machine's profile ({profile.machine}); forward and backward from")
+    print("the plain row of the same run; every resource at once, updates after the global norm,")
+    print("hidden behind the whole next forward (zerostack.shard.step_floor):\n")
+    print("| run | configuration | host-held params | floor s | achieved / floor | "
+          "CPU-only floor s | split floor s | GPU share of host updates | bound |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r or "host_numel" not in r:
+            continue
+        plain_r = next(
+            (o for o in results if o.get("run", 0) == r.get("run", 0)
+             and o["name"].startswith("plain") and "error" not in o),
+            None,
+        )  # fmt: skip
+        f = floor_of(r, plain_r, profile)
+        head = f"| {r.get('run', 0)} | {r['name']} | {r['host_numel'] / 1e9:.3f}B |"
+        if isinstance(f, str):
+            print(f"{head} {f} | | | | | |")
+            continue
+        split = "n/a" if f["split_s"] is None else f"{f['split_s']:.3f}"
+        share = "n/a" if f["gpu_fraction"] is None else f"{f['gpu_fraction']:.2f}"
+        print(f"{head} {f['floor_s']:.3f} | {f['achieved']:.2f}x | {f['cpu_only_s']:.3f} | "
+              f"{split} | {share} | {f['bound']} |")  # fmt: skip

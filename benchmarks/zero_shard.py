@@ -58,6 +58,8 @@ def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> d
     if zopt._pipe is not None:  # per step, warm-up included
         result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
         result["cpu_step_s"] = zopt._pipe.update_s / (steps + warmup)
+    if offload:  # every master on the host: what --machine's floor needs
+        result["host_numel"] = sum(end - start for start, end in zopt.local_ranges())
     return result
 
 

@@ -44,3 +44,56 @@ def test_machine_benchmark_writes_a_cpu_only_profile(tmp_path: Path) -> None:
     )  # fmt: skip
     assert est.split is None
     assert est.floor_s == pytest.approx(0.3 + 28e6 / profile.cpu_adam_bytes_s)
+
+
+def _training():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import _training
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return _training
+
+
+PROFILE = MachineProfile(
+    cpu_adam_bytes_s=28e9, h2d_bytes_s=10e9, d2h_bytes_s=10e9,
+    cpu_adam_with_copies_bytes_s=14e9, h2d_with_adam_bytes_s=12e9, d2h_with_adam_bytes_s=12e9,
+    gpu_adam_params_s=100e9, disk_read_bytes_s=4e9, disk_write_bytes_s=2e9, machine="made up",
+)  # fmt: skip
+PLAIN = dict(name="plain PyTorch", run=0, fwd_s=0.1, fwd_bwd_s=0.3, step_s=0.35)
+
+
+def test_an_offloaded_row_gets_the_floor_of_the_plain_row_of_its_run() -> None:
+    T = _training()
+    row = dict(name="ZeRO-2 + cpu_offload", run=0, host_numel=10**9, step_s=1.2)
+    f = T.floor_of(row, PLAIN, PROFILE)
+    # backward 0.2; CPU only 0.1 + 0.2 + 1.0 - 0.1; split at f = 11/17 (test_step_model.py)
+    assert f["cpu_only_s"] == pytest.approx(1.2)
+    assert f["gpu_fraction"] == pytest.approx(11 / 17)
+    assert f["floor_s"] == pytest.approx(0.2 + 12 / 17 + 11 / 1700) == f["split_s"]
+    assert f["achieved"] == pytest.approx(1.2 / f["floor_s"])
+    # GPU-held masters' updates lengthen backward; states on disk are read and written
+    gemini = dict(row, gpu_numel=10**10, disk_bytes=4e9)
+    g = T.floor_of(gemini, PLAIN, PROFILE)
+    assert g["cpu_only_s"] == pytest.approx(0.1 + (0.2 + 0.1) + 3.0 - 0.1)  # disk: 1 s + 2 s
+    assert g["bound"] == "disk"
+    assert T.floor_of(row, None, PROFILE) == "n/a (no plain row in this run)"
+
+
+def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
+    T = _training()
+    rows = [
+        PLAIN,
+        dict(name="ZeRO-2 (bf16 params, fp32 masters)", run=0, step_s=0.3),
+        dict(name="ZeRO-2 + cpu_offload", run=0, host_numel=10**9, step_s=1.2),
+        dict(name="ZeRO-2 + cpu_offload", run=1, host_numel=10**9, step_s=1.3),
+        dict(name="Gemini auto", run=0, error="OOM: ..."),
+    ]
+    T.print_floors(rows, PROFILE)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert len(lines) == 3  # the header and two offloaded rows
+    assert lines[1].startswith("| 0 | ZeRO-2 + cpu_offload | 1.000B | 0.912 | 1.32x | 1.200 |")
+    assert (
+        lines[2]
+        == "| 1 | ZeRO-2 + cpu_offload | 1.000B | n/a (no plain row in this run) | | | | | |"
+    )
