@@ -92,11 +92,12 @@ class Copies:
     def run(
         self, up: bool, down: bool, rounds: int = 0, stop: threading.Event | None = None
     ) -> tuple[float | None, float | None]:
-        """Copies in the asked directions, ``rounds`` times or until ``stop``;
-        bytes/s of each direction from its own events (None if not run)."""
+        """Copies in the asked directions, ``rounds`` times or until ``stop``
+        (at least once then); bytes/s of each direction from its own events
+        (None if not run)."""
         busy = {True: 0.0, False: 0.0}
         done = 0
-        while (stop is None and done < rounds) or (stop is not None and not stop.is_set()):
+        while done < rounds if stop is None else (done == 0 or not stop.is_set()):
             pairs = {d: self._one(d) for d, on in ((True, up), (False, down)) if on}
             for d, (start, end) in pairs.items():
                 end.synchronize()
@@ -123,13 +124,23 @@ def adam_with_copies(c: Copies, n: int, warmup: int, repeats: int) -> dict[str, 
         step()
     stop = threading.Event()
     rates: list[tuple[float | None, float | None]] = []
-    worker = threading.Thread(target=lambda: rates.append(c.run(True, True, stop=stop)))
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            rates.append(c.run(True, True, stop=stop))
+        except BaseException as exc:  # re-raised below, in the main thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=copy)
     worker.start()
     try:
         times = A.time_it(step, "cpu", 0, repeats)
     finally:
         stop.set()
         worker.join()
+    if failed:
+        raise failed[0]
     return dict(
         cpu_adam_with_copies_bytes_s=n * CPU_ADAM_BYTES_PER_PARAM / statistics.median(times),
         h2d_with_adam_bytes_s=rates[0][0],
