@@ -206,8 +206,17 @@ def test_negative_amount_raises(name: str) -> None:
 
 def test_traffic_without_its_bandwidth_raises() -> None:
     bare = MachineProfile(cpu_adam_bytes_s=1e10)
-    with pytest.raises(ValueError, match=r"no copy bandwidth \(got h2d_bytes_s=None"):
+    with pytest.raises(
+        ValueError,
+        match=r"copy 2 B per parameter H2D but the profile has no "
+        r"h2d_bytes_s \(got None\); measure",
+    ):
         step_floor(bare, **STEP)
+    up_only = MachineProfile(cpu_adam_bytes_s=1e10, h2d_bytes_s=1e10)
+    with pytest.raises(ValueError, match=r"D2H but the profile has no d2h_bytes_s \(got None\)"):
+        step_floor(up_only, **STEP)
+    # gradients that never cross need no D2H bandwidth
+    assert step_floor(up_only, **STEP, d2h_bytes_per_param=0).floor_s == pytest.approx(3.0)
     # no PCIe traffic: the CPU alone suffices
     assert step_floor(
         bare, **STEP, h2d_bytes_per_param=0, d2h_bytes_per_param=0

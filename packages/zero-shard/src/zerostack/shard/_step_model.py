@@ -289,17 +289,14 @@ def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -
         )
     if not isinstance(clip, bool):
         raise TypeError(f"step_floor: clip_before_update must be a bool (got {clip!r})")
-    moved = amounts["h2d_bytes_per_param"] + amounts["d2h_bytes_per_param"]
-    if (
-        amounts["host_numel"] > 0
-        and moved > 0
-        and None in (profile.h2d_bytes_s, profile.d2h_bytes_s)
-    ):
-        raise ValueError(
-            f"step_floor: host-held updates move parameters and gradients over PCIe but the "
-            f"profile has no copy bandwidth (got h2d_bytes_s={profile.h2d_bytes_s}, "
-            f"d2h_bytes_s={profile.d2h_bytes_s}); {_HOW} on a CUDA machine"
-        )
+    for way in ("h2d", "d2h"):
+        rate = getattr(profile, f"{way}_bytes_s")
+        if amounts["host_numel"] > 0 and amounts[f"{way}_bytes_per_param"] > 0 and rate is None:
+            raise ValueError(
+                f"step_floor: host-held updates copy {amounts[f'{way}_bytes_per_param']:g} B "
+                f"per parameter {way.upper()} but the profile has no {way}_bytes_s (got None); "
+                f"{_HOW} on a CUDA machine"
+            )
     for kind in ("read", "write"):
         amount = amounts[f"disk_{kind}_bytes"]
         if amount > 0 and getattr(profile, f"disk_{kind}_bytes_s") is None:
