@@ -244,3 +244,22 @@ def test_a_new_optimizer_runs_the_failed_updates_of_the_closed_one(overlap, monk
     loss_new, state_new = run(hand_over=True)
     assert loss_new == loss
     assert all(torch.equal(state[k], state_new[k]) for k in state)
+
+
+def test_a_new_optimizer_is_refused_while_a_failed_update_of_the_closed_one_fails(monkeypatch):
+    ddp, opt = _wrapped(False, 0.0, 1.0)
+    fault = _KernelFault(monkeypatch, after=0)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    fault.active = True
+    opt.backward(ddp(idx, tgt))
+    with pytest.raises(CpuStepError):
+        opt.step()
+    failed, pipeline = opt.pipeline.failed, opt.pipeline
+    opt.close()
+    inner = HybridAdam(list(ddp.module.parameters()), lr=1e-2)
+    with pytest.raises(CpuStepError, match=r"chunk \d+ failed \(OSError"):
+        GeminiOptimizer(inner, ddp)
+    assert ddp.step_pipeline is pipeline and pipeline.failed == failed  # still kept
+    fault.active = False
+    GeminiOptimizer(inner, ddp)  # the cause removed: the kept updates run, then it is built
+    assert pipeline.failed == [] and ddp.step_pipeline is not pipeline
