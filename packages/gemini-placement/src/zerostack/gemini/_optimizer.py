@@ -461,8 +461,9 @@ class GeminiOptimizer:
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
         saved = self._save_slices(unused)
         # Device-held masters: one launch, asynchronous on the device. (The
-        # lock: a failed CPU update's retry may run on the worker; each call
-        # steps exactly the masters that have a grad.)
+        # lock, as every inner step takes it; nothing else runs now: step()
+        # waited for the last updates. Each call steps exactly the masters
+        # that have a grad.)
         with self._lock:
             self.optimizer.param_groups[0].update(hyper)
             for i in self._device:
