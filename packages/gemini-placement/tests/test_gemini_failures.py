@@ -207,3 +207,59 @@ def test_steps_out_of_order_are_refused():
     with torch.no_grad():  # evaluation does not move the state
         ddp(idx, tgt)
     assert ddp.training_state is TrainingState.IDLE
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
+def test_a_new_optimizer_runs_the_failed_updates_of_the_closed_one(overlap, monkeypatch):
+    """close() and a new GeminiOptimizer on the model (what close() allows)
+    after a CPU update failed: the kept update still runs before the chunk
+    is used, as it would for the old optimizer; it is not forgotten with the
+    old optimizer's pipeline (its chunk would then hold the gradient)."""
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+
+    def run(hand_over):
+        ddp, opt = _wrapped(overlap, 0.0, 1.0)
+        fault = _KernelFault(monkeypatch, after=0)
+        opt.backward(ddp(idx, tgt))
+        opt.step()
+        ddp.wait_updates()  # the worker's updates of this step run before the fault
+        fault.active = True
+        opt.backward(ddp(idx, tgt))
+        try:
+            opt.step()
+            ddp(idx, tgt)  # the worker's failure meets the next forward
+        except CpuStepError:
+            pass
+        assert opt.pipeline.failed, "no update failed"
+        fault.active = False
+        if hand_over:
+            opt.close()
+            GeminiOptimizer(HybridAdam(list(ddp.module.parameters()), lr=1e-2), ddp)
+        else:
+            opt.retry_failed_updates()
+        with torch.no_grad():
+            return ddp(idx, tgt).item(), ddp.state_dict()
+
+    loss, state = run(hand_over=False)
+    loss_new, state_new = run(hand_over=True)
+    assert loss_new == loss
+    assert all(torch.equal(state[k], state_new[k]) for k in state)
+
+
+def test_a_new_optimizer_is_refused_while_a_failed_update_of_the_closed_one_fails(monkeypatch):
+    ddp, opt = _wrapped(False, 0.0, 1.0)
+    fault = _KernelFault(monkeypatch, after=0)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    fault.active = True
+    opt.backward(ddp(idx, tgt))
+    with pytest.raises(CpuStepError):
+        opt.step()
+    failed, pipeline = opt.pipeline.failed, opt.pipeline
+    opt.close()
+    inner = HybridAdam(list(ddp.module.parameters()), lr=1e-2)
+    with pytest.raises(CpuStepError, match=r"chunk \d+ failed \(OSError"):
+        GeminiOptimizer(inner, ddp)
+    assert ddp.step_pipeline is pipeline and pipeline.failed == failed  # still kept
+    fault.active = False
+    GeminiOptimizer(inner, ddp)  # the cause removed: the kept updates run, then it is built
+    assert pipeline.failed == [] and ddp.step_pipeline is not pipeline

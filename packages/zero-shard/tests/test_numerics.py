@@ -57,6 +57,16 @@ def test_loss_scaler_backs_off_after_hysteresis_and_grows():
     assert t.scale == 4
 
 
+def test_loss_scaler_settings_assigned_take_effect_and_are_checked():
+    s = DynamicLossScaler(initial_scale=1024, hysteresis=1)
+    s.backoff_factor = 0.25
+    s.update(True)
+    assert s.scale == 256 and s.config.backoff_factor == 0.25
+    with pytest.raises(ValueError, match=r"growth_interval must be >= 1 \(got 0\)"):
+        s.growth_interval = 0
+    assert s.growth_interval == 1000  # a refused value leaves the setting as it was
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

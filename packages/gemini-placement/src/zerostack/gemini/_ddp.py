@@ -374,10 +374,18 @@ class GeminiDDP(nn.Module):
         model waits for ``pipeline``'s update of a chunk before it uses that
         chunk, calls ``on_reduced`` at the end of every reducing backward and
         ``on_drop`` first when ``zero_grad`` drops a batch. A new pipeline
-        first finishes what the one before left pending (every rank builds
-        its optimizer at the same point: write-backs may be collectives)."""
+        first finishes what the one before left: its pending updates and
+        its failed ones, run again (every rank builds its optimizer at the
+        same point: write-backs may be collectives).
+
+        Raises:
+            CpuStepError: a failed update of the pipeline before failed
+                again; that pipeline stays attached (see zerostack.shard's
+                [Note: a failed CPU update]).
+        """
         old = self._updates
         if old is not None and old is not pipeline:
+            old.check()  # a failed update is kept until it runs: never dropped with its pipeline
             old.await_all()
         self._updates, self._on_reduced, self._on_drop = pipeline, on_reduced, on_drop
         self.placement.busy = pipeline

@@ -88,6 +88,8 @@ class GeminiOptimizer:
         NotImplementedError: several parameter groups.
         ValueError: the optimizer is not built on the module's parameters.
         TypeError: an unknown keyword, or loss_scaler with scaler keywords.
+        CpuStepError: a CPU update of the model's closed optimizer failed
+            and fails again (see zerostack.shard's [Note: a failed CPU update]).
     """
 
     def __init__(
@@ -106,6 +108,9 @@ class GeminiOptimizer:
         check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+        # A closed optimizer's failed CPU updates run before anything is
+        # bound (attach_step would run them too, after this one's setup).
+        module.retry_failed_updates()
         fp16 = module.mixed_precision == torch.float16
         scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
         collector = CollectorSchedule(_API, gc_every_n_steps)
@@ -456,8 +461,9 @@ class GeminiOptimizer:
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
         saved = self._save_slices(unused)
         # Device-held masters: one launch, asynchronous on the device. (The
-        # lock: a failed CPU update's retry may run on the worker; each call
-        # steps exactly the masters that have a grad.)
+        # lock, as every inner step takes it; nothing else runs now: step()
+        # waited for the last updates. Each call steps exactly the masters
+        # that have a grad.)
         with self._lock:
             self.optimizer.param_groups[0].update(hyper)
             for i in self._device:

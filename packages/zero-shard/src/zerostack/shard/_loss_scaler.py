@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 _API = "DynamicLossScaler"
@@ -65,7 +65,8 @@ class DynamicLossScaler:
     Args:
         config: the settings. Default None: built from ``settings``.
         **settings: LossScalerConfig's fields (``initial_scale``, ...), read
-            back as this object's attributes.
+            back as this object's attributes; one assigned replaces
+            ``config`` (checked, from the next ``update``).
 
     Raises:
         TypeError: ``config`` and keywords together, an unknown keyword or a
@@ -90,6 +91,14 @@ class DynamicLossScaler:
         if name in SCALER_KEYS:
             return getattr(self.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A setting assigned (``scaler.growth_interval = 100``) takes effect
+        # from the next update, checked as the constructor checks it.
+        if name in SCALER_KEYS:
+            object.__setattr__(self, "config", replace(self.config, **{name: value}))
+        else:
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler(scale={self.scale}, {self.config})"

@@ -735,7 +735,7 @@ class ZeroOptimizer:
         the parameters already holding the same values: with ``cpu_offload``
         the pinned low-precision copies that the next write-back sends to the
         device are refreshed from the masters (no collective)."""
-        self._quiesce()
+        self.wait_updates()
         for bucket in self.buckets:
             if bucket.host_params is not None:
                 if bucket.copied is not None:
@@ -808,7 +808,7 @@ class ZeroOptimizer:
         """Write every bucket's master pieces back into the parameters
         (``from_masters``: read the masters, e.g. just loaded, not the
         step's low-precision copy-out)."""
-        self._quiesce()
+        self.wait_updates()
         for bucket in self._order:
             self._write_back(bucket, from_masters=from_masters)
         if self._pipe is not None and self._pipe.stream is not None:
@@ -943,14 +943,10 @@ class ZeroOptimizer:
         """
         _formats.load_local_state_dict(self, local)
 
-    def _quiesce(self) -> None:
-        """No CPU update running: the last step's written back."""
-        self.wait_updates()
-
     def _settle(self) -> None:
         """Before reading the inner optimizer: no update running, and the
         users' hyperparameters in its groups."""
-        self._quiesce()
+        self.wait_updates()
         self._push_hyper()
 
 

@@ -97,7 +97,7 @@ def rank_state_dict(zero: ZeroOptimizer) -> dict[str, Any]:
 def load_rank_state_dict(zero: ZeroOptimizer, state: dict[str, Any]) -> None:
     """``ZeroOptimizer.load_state_dict``."""
     check_state_keys(f"{_API}.load_state_dict", state, _RANK_KEYS)
-    zero._quiesce()
+    zero.wait_updates()
     layout = state["layout"]
     _check_layout(zero, layout["numels"], "load_state_dict")
     masters = state["masters"]
@@ -160,7 +160,7 @@ def load_full_state_dict(zero: ZeroOptimizer, full: dict[str, Any]) -> None:
     """``ZeroOptimizer.load_full_state_dict``."""
     check_state_keys(f"{_API}.load_full_state_dict", full, _FULL_KEYS)
     _check_layout(zero, full["numels"], "load_full_state_dict")
-    zero._quiesce()
+    zero.wait_updates()
     params = full["params"]
     bad = [
         i
