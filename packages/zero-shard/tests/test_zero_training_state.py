@@ -90,6 +90,10 @@ def test_a_failed_cpu_update_leaves_the_step_unfinished(finish, monkeypatch):
         zero.backward(_loss(model))
     with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
         zero.clip_grad_by_norm(1.0)
+    fault.active = False  # a direct backward would retry the update, then lose its gradients
+    with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
+        _loss(model, seed=3).backward()
+    fault.active = True
     assert zero.training_state is T.UNFINISHED
     fault.active = False
     if finish == "step":

@@ -481,11 +481,7 @@ class ZeroOptimizer:
                 f"{_API}.backward: loss must be a tensor (got {type(loss).__name__}); pass the "
                 "loss before .item()"
             )
-        if self._state is T.UNFINISHED:
-            raise RuntimeError(
-                f"{_API}.backward: the last step's CPU update failed and is still to run; "
-                "remove its cause and call step() again first (or zero_grad() to drop it)"
-            )
+        self._refuse_unfinished(f"{_API}.backward")
         self._refuse_after_clip("backward")
         self.wait_updates()
         if self.scaler is not None:
@@ -501,8 +497,19 @@ class ZeroOptimizer:
                 "the step (or call zero_grad() to drop this step's gradients)"
             )
 
+    def _refuse_unfinished(self, api: str) -> None:
+        """A synchronous step whose CPU update failed is finished by
+        ``step()`` (or dropped by ``zero_grad()``) before anything else: a
+        backward in between would see its gradients dropped by that step."""
+        if self._state is T.UNFINISHED:
+            raise RuntimeError(
+                f"{api}: the last step's CPU update failed and is still to run; remove its "
+                "cause and call step() again first (or zero_grad() to drop it)"
+            )
+
     def _on_grad(self, s: _Shard) -> None:
-        self._refuse_after_clip("backward")  # loss.backward() called directly
+        self._refuse_unfinished(f"{_API}.backward")  # loss.backward() called directly
+        self._refuse_after_clip("backward")
         if self._pipe is not None and self._pipe.round_open:
             self.wait_updates()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
@@ -617,11 +624,7 @@ class ZeroOptimizer:
         """
         api = f"{_API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
-        if self._state is T.UNFINISHED:
-            raise RuntimeError(
-                f"{api}: the last step's CPU update failed and is still to run; remove its "
-                "cause and call step() again first (or zero_grad() to drop it)"
-            )
+        self._refuse_unfinished(api)
         if self._no_sync:
             raise RuntimeError(
                 f"{api}: called inside no_sync(), where gradients are not reduced yet; clip "
