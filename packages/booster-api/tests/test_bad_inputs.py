@@ -113,6 +113,8 @@ CASES = [
     BadInput("low-level-zero-precision", lambda env: LowLevelZeroPlugin(precision="fp8"), ValueError, r"precision must be 'fp16', 'bf16' or 'fp32' \(got 'fp8'\)"),
     BadInput("low-level-zero-cpu-offload-str", lambda env: LowLevelZeroPlugin(cpu_offload="yes"), TypeError, r"LowLevelZeroPlugin: cpu_offload must be a bool \(got 'yes'\)", True),
     BadInput("low-level-zero-max-norm-negative", lambda env: LowLevelZeroPlugin(max_norm=-1.0), ValueError, r"max_norm must be >= 0 \(got -1\.0\)"),
+    BadInput("low-level-zero-growth-interval-0", lambda env: LowLevelZeroPlugin(growth_interval=0), ValueError, r"LowLevelZeroPlugin: growth_interval must be >= 1 \(got 0\)"),
+    BadInput("gemini-min-scale-0", lambda env: GeminiPlugin(min_scale=0), ValueError, r"GeminiPlugin: min_scale must be > 0 \(got 0\)"),
     BadInput("low-level-zero-max-norm-str", lambda env: LowLevelZeroPlugin(max_norm="1"), TypeError, r"LowLevelZeroPlugin: max_norm must be a number \(got '1'\)", True),
     BadInput("low-level-zero-unknown-keyword", lambda env: LowLevelZeroPlugin(offload=True), TypeError, r"unexpected keyword argument 'offload'"),
     BadInput("gemini-precision", lambda env: GeminiPlugin(precision="fp8"), ValueError, r"GeminiPlugin: precision must be 'fp16', 'bf16' or 'fp32' \(got 'fp8'\)"),

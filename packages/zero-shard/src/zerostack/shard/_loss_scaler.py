@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import InitVar, dataclass, fields, replace
 from typing import Any
 
 _API = "DynamicLossScaler"
@@ -28,19 +28,21 @@ class LossScalerConfig:
     """Overflows tolerated before backing off. Default 2."""
     max_scale: float = 2.0**32
     """Never above this. Default 2**32."""
+    api: InitVar[str] = _API
+    """The name errors begin with (a plugin passes its own). Not a setting."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, api: str) -> None:
         def bad(field: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"{_API}: {field} {rule} (got {value!r})")
+            return ValueError(f"{api}: {field} {rule} (got {value!r})")
 
         for name in ("initial_scale", "min_scale", "growth_factor", "backoff_factor", "max_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"{_API}: {name} must be a number (got {value!r})")
+                raise TypeError(f"{api}: {name} must be a number (got {value!r})")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{_API}: {name} must be an int (got {value!r})")
+                raise TypeError(f"{api}: {name} must be an int (got {value!r})")
         if not self.min_scale > 0:
             raise bad("min_scale", self.min_scale, "must be > 0")
         if not self.min_scale <= self.initial_scale <= self.max_scale:

@@ -50,10 +50,11 @@ def check_zero_options(api: str, precision: object, norm_type: object, max_norm:
     check_max_norm(api, max_norm)
 
 
-def scaler_config(arguments: dict[str, Any]) -> LossScalerConfig:
+def scaler_config(api: str, arguments: dict[str, Any]) -> LossScalerConfig:
     """The LossScalerConfig of a plugin's arguments (its ``locals()``), which
-    take the loss scaler's keywords under their names (SCALER_KEYS)."""
-    return LossScalerConfig(**{name: arguments[name] for name in SCALER_KEYS})
+    take the loss scaler's keywords under their names (SCALER_KEYS); errors
+    name the plugin ``api``."""
+    return LossScalerConfig(api=api, **{name: arguments[name] for name in SCALER_KEYS})
 
 
 def scaler_kwargs(

@@ -499,7 +499,7 @@ class GeminiPlugin(Plugin):
             mixed_precision=_DTYPES[precision], enable_async_reduce=enable_async_reduce,
             scatter_after_inference=scatter_after_inference, master_weights=master_weights,
         )  # fmt: skip
-        self.scaler_config = scaler_config(locals())
+        self.scaler_config = scaler_config(_API, locals())
         self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
         )

@@ -439,7 +439,7 @@ class LowLevelZeroPlugin(Plugin):
             overlap_communication=overlap_communication, communication_dtype=communication_dtype,
             cpu_offload=cpu_offload, master_weights=master_weights, max_norm=max_norm, api=_API,
         )  # fmt: skip
-        self.scaler_config = scaler_config(locals())
+        self.scaler_config = scaler_config(_API, locals())
         self.stage = stage
         self.precision = precision
         self.dtype = _DTYPES[precision]
