@@ -125,6 +125,28 @@ def test_a_lock_held_elsewhere_refuses_the_save_naming_the_holder(tmp_path):
     booster.save_model(model, path, shard=True)  # and taken again
 
 
+def test_a_refused_save_waits_for_the_holder_to_write_its_name(tmp_path):
+    # The holder writes its name just after taking the lock; a save refused
+    # in between still names it (CI once got "a process that has not written
+    # its name yet" from two saves started at once).
+    import fcntl
+    import threading
+
+    path = str(tmp_path / "ckpt")
+    fd = os.open(tmp_path / ".ckpt.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder = {"pid": 4242, "host": "elsewhere", "api": "save_model", "time": 0}
+    late = threading.Timer(0.3, os.pwrite, (fd, json.dumps(holder).encode(), 0))
+    late.start()
+    try:
+        refused = pytest.raises(CheckpointSaveError, match=r"held by pid 4242 on host elsewhere ")
+        with refused, save_lock(path, "save_model"):
+            pass
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

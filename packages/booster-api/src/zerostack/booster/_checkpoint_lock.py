@@ -48,6 +48,17 @@ def _holder(fd: int) -> dict:
         return {}
 
 
+def _wait_for_holder(fd: int, timeout: float = 2.0) -> dict:
+    # The holder writes its name just after taking the lock; a save that
+    # fails in between would otherwise name "a process" instead of a pid.
+    deadline = time.monotonic() + timeout
+    holder = _holder(fd)
+    while not holder and time.monotonic() < deadline:
+        time.sleep(0.01)
+        holder = _holder(fd)
+    return holder
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -83,7 +94,7 @@ def save_lock(path: str, api: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                holder = _holder(fd)
+                holder = _wait_for_holder(fd)
                 os.close(fd)
                 raise CheckpointSaveError(
                     f"{api}: another save to {path} is running (got the lock {lock} held by "
