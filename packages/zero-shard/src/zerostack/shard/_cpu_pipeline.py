@@ -187,6 +187,7 @@ class CpuUpdatePipeline:
         self._calls: dict[int, tuple[Callable[..., None], tuple]] = {}  # held: not finished
         self._futures: dict[int, Future] = {}  # running on the worker, not waited for
         self._failed: set[int] = set()  # kept to run again
+        self._lanes: dict[int, str] = {}  # the kernel each held key's update runs in, for messages
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
         self.wait_s = 0.0  # seconds the owner waited for them (exposed)
         self.worker_updates = 0  # updates that ran on the worker thread
@@ -232,10 +233,13 @@ class CpuUpdatePipeline:
             self._executor.shutdown(wait=not on_worker())
             self._executor = None
 
-    def submit(self, key: int, update: Callable[..., None], *args: Any) -> bool:
+    def submit(self, key: int, update: Callable[..., None], *args: Any, lane: str = "CPU") -> bool:
         """Queue ``update(*args)`` under ``key``; inline, run it now. False
-        when it failed inline (kept: see [Note: a failed CPU update])."""
+        when it failed inline (kept: see [Note: a failed CPU update]).
+        ``lane`` names the kernel in messages ("CPU", or "device" for an
+        update in the device's Adam, see [Note: Adam where the bandwidth is])."""
         self._calls[key] = (update, args)
+        self._lanes[key] = lane
         if self._executor is not None:
             self._futures[key] = self._executor.submit(self._run, update, *args)
             return True
@@ -275,6 +279,7 @@ class CpuUpdatePipeline:
         if key in self._failed:
             self._retry(key)
         self._calls.pop(key, None)
+        self._lanes.pop(key, None)
 
     def pop(self) -> int:
         """``wait`` for the first held update; its key."""
@@ -295,13 +300,15 @@ class CpuUpdatePipeline:
         dropped = sorted(self._failed)
         for key in dropped:
             self._calls.pop(key, None)
+            self._lanes.pop(key, None)
         self._failed.clear()
         return dropped
 
     def _failed_once(self, key: int, error: BaseException) -> None:
         logger.warning(
-            "%s: the CPU update of %s failed (%s: %s); it will run again",
-            self.api, self.unit.format(key), type(error).__name__, error,
+            "%s: the %s update of %s failed (%s: %s); it will run again",
+            self.api, self._lanes.get(key, "CPU"), self.unit.format(key), type(error).__name__,
+            error,
         )  # fmt: skip
         self._failed.add(key)
 
@@ -310,8 +317,9 @@ class CpuUpdatePipeline:
         try:
             self._run(update, *args)
         except Exception as error:
+            lane = self._lanes.get(key, "CPU")
             failed = CpuStepError(
-                f"{self.api}: the CPU update of {self.unit.format(key)} failed "
+                f"{self.api}: the {lane} update of {self.unit.format(key)} failed "
                 f"({type(error).__name__}: {error}); it is kept with its gradients: remove the "
                 f"cause and go on (the next {self.retry_at} runs it again), or reload a "
                 "checkpoint",
@@ -321,5 +329,6 @@ class CpuUpdatePipeline:
             raise failed from error
         self._failed.discard(key)
         logger.info(
-            "%s: the CPU update of %s ran again and succeeded", self.api, self.unit.format(key)
-        )
+            "%s: the %s update of %s ran again and succeeded",
+            self.api, self._lanes.get(key, "CPU"), self.unit.format(key),
+        )  # fmt: skip
