@@ -1,0 +1,245 @@
+"""``ZeroOptimizer(cpu_offload=True, gpu_update_fraction=f)``: a share of
+the offloaded buckets stepped by the compute device's Adam from pinned host
+homes (see [Note: Adam where the bandwidth is]).
+
+On a CPU compute device that lane runs the CPU kernel on its staging copies,
+so every run equals the f = 0 run bitwise: AdamW and Adam-L2, clipping, fp16
+loss scaling with an overflow, stage 1 and 2, world sizes 1 and 2. And the
+lane does what it promises: its gradients never go to host buffers, its
+masters and states live in the host homes between steps with only two
+buckets of staging beside them, checkpoints move between fractions. On CUDA
+(marked ``gpu``) the kernel differs by rounding: within fp32 eps per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+from zerostack.shard import ZeroOptimizer
+from zerostack.shard._device_lane import lane_prefix
+from zerostack.shard._reduction import GradientReduction
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("zerostack.fused_adam") is None,
+    reason="cpu_offload with Adam needs zerostack-fused-adam",
+)
+CONFIG = GPTConfig(num_layers=2, dim=32, num_heads=2, bias=False)
+FRACTIONS = (0.25, 0.5, 1.0)
+STEPS = 4
+
+
+def _build(fraction, kind="adamw", dtype=torch.bfloat16, device="cpu", **kw):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG).to(device=device, dtype=dtype)
+    if kind == "adamw":
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:  # Adam with L2 weight decay: gradient-scale bugs show here
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    zero = ZeroOptimizer(
+        inner, cpu_offload=True, module=model, reduce_bucket_size=2_000,
+        gpu_update_fraction=fraction, **kw,
+    )  # fmt: skip
+    return model, zero
+
+
+def _train(model, zero, rank=0, steps=STEPS, overflow_at=None, first=0):
+    """``steps`` steps on rank-dependent batches; an inf gradient on rank 0
+    at ``overflow_at`` (fp16: every rank skips that step)."""
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(first, first + steps):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step + rank, device=device)
+        poison = step == overflow_at and rank == 0
+        handle = model.lm_head.weight.register_hook(
+            lambda g, poison=poison: torch.full_like(g, float("inf")) if poison else g
+        )
+        loss = model(idx, tgt).float()
+        zero.backward(loss)
+        handle.remove()
+        assert zero.step() == (step != overflow_at), step
+        losses.append(loss.item())
+    zero.wait_updates()
+    return losses
+
+
+def _same_state(a, b, what):
+    """Two ``state_dict()``s: the same keys, shapes, dtypes and values."""
+    for x, y in zip(a["masters"], b["masters"], strict=True):
+        assert x.shape == y.shape and torch.equal(x, y), f"{what}: masters differ"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys(), what
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys(), what
+        for k in sa[i]:
+            x, y = sa[i][k], sb[i][k]
+            assert x.shape == y.shape and x.dtype == y.dtype, f"{what}: {i}.{k}"
+            assert torch.equal(x, y), f"{what}: state {i}.{k} differs"
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"], what
+
+
+# (id, optimizer, dtype, stage, max_norm, overlap_cpu_step, overflow step)
+CASES = [
+    ("adamw-bf16-clip", "adamw", torch.bfloat16, 2, 0.5, True, None),
+    ("l2-bf16-stage1", "l2", torch.bfloat16, 1, 0.0, True, None),
+    ("adamw-fp16-scaled-clip-overflow", "adamw", torch.float16, 2, 0.5, True, 2),
+    ("l2-fp16-scaled-inline", "l2", torch.float16, 2, 1.0, False, None),
+]
+
+
+def _parity(rank, world):
+    for name, kind, dtype, stage, max_norm, overlap, overflow in CASES:
+        kw = dict(stage=stage, max_norm=max_norm, overlap_cpu_step=overlap)
+        if dtype == torch.float16:
+            kw.update(initial_scale=2.0**12, hysteresis=1)
+        ref_model, ref = _build(0.0, kind, dtype, **kw)
+        ref_losses = _train(ref_model, ref, rank, overflow_at=overflow)
+        assert ref._lane is None
+        for fraction in FRACTIONS:
+            what = f"{name} f={fraction} rank {rank}/{world}"
+            model, zero = _build(fraction, kind, dtype, **kw)
+            assert _train(model, zero, rank, overflow_at=overflow) == ref_losses, what
+            for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+                assert torch.equal(a, b), f"{what}: parameters differ"
+            _same_state(zero.state_dict(), ref.state_dict(), what)
+            lane = [b for b in zero._order if b.lane is not None]
+            stepped = STEPS - (overflow is not None)
+            assert lane and zero._lane.updates == stepped * len(lane), what
+            if zero.scaler is not None:
+                assert zero.scaler.scale == ref.scaler.scale, what
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_fraction_equals_cpu_adam_only_bitwise(world_size):
+    spawn(_parity, world_size, backend="gloo", timeout_s=600)
+
+
+def test_the_lane_is_the_first_buckets_in_write_back_order():
+    model, zero = _build(0.5)
+    lane = [b.lane is not None for b in zero._order]
+    k = sum(lane)
+    assert lane == [True] * k + [False] * (len(lane) - k)
+    share = sum(b.piece_total for b in zero._order[:k]) / sum(b.piece_total for b in zero.buckets)
+    assert abs(share - 0.5) <= max(b.piece_total for b in zero.buckets) / 2 / sum(
+        b.piece_total for b in zero.buckets
+    )
+    assert any(s.param is model.tok_emb.weight for s in zero._order[0].shards)
+    sizes = [type("B", (), {"piece_total": n})() for n in (10, 30, 60)]
+    assert [lane_prefix(sizes, f) for f in (0.0, 0.04, 0.06, 0.2, 0.3, 1.0)] == [0, 0, 1, 1, 2, 3]
+
+
+def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypatch):
+    to_host: list[int] = []
+    real = GradientReduction._to_host
+
+    def spy(self, bucket, mine, synced):
+        to_host.append(id(bucket))
+        return real(self, bucket, mine, synced)
+
+    monkeypatch.setattr(GradientReduction, "_to_host", spy)
+    model, zero = _build(1.0)  # every bucket in the lane: staging stays two buckets
+    seen: list[bool] = []
+    update = zero._lane.update
+
+    def record(bucket, pairs, *args):
+        own = zero.buffers.own[id(bucket)]["reduced"]
+        start, end = own.data_ptr(), own.data_ptr() + own.numel() * own.element_size()
+        seen.extend(start <= g.data_ptr() < end for _, g in pairs)
+        update(bucket, pairs, *args)
+
+    zero._lane.update = record
+    _train(model, zero, steps=2)
+    assert to_host == [] and seen and all(seen), "a lane gradient left the reduction's buffer"
+    assert all(b.host_grads is None and b.host_params is None for b in zero.buckets)
+    for bucket in zero.buckets:
+        homes = bucket.lane
+        for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+            state = zero.optimizer.state[s.master]
+            for tensor, home in ((s.master, homes.master), (state["exp_avg"], homes.exp_avg),
+                                 (state["exp_avg_sq"], homes.exp_avg_sq)):  # fmt: skip
+                assert tensor.data_ptr() == home[off:].data_ptr() and tensor.device.type == "cpu"
+    largest = max(b.piece_total for b in zero.buckets)
+    assert len(zero.buckets) > 2
+    assert zero._lane.staging_bytes() == 2 * largest * (4 + 4 + 4 + 2)  # master, m, v, bf16 out
+
+
+def test_a_checkpoint_moves_between_fractions():
+    ref_model, ref = _build(0.0)
+    _train(ref_model, ref, steps=2)
+    saved = copy.deepcopy(ref.state_dict())
+    model, zero = _build(0.5)
+    zero.load_state_dict(saved)  # the loaded states are copied into the homes at their update
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    losses = _train(model, zero, steps=2, first=2)
+    assert losses == _train(ref_model, ref, steps=2, first=2)
+    _same_state(zero.state_dict(), ref.state_dict(), "loaded at f=0.5")
+    back_model, back = _build(0.0)
+    back.load_state_dict(zero.state_dict())
+    assert _train(back_model, back, steps=1, first=4) == _train(ref_model, ref, steps=1, first=4)
+
+
+def test_without_cpu_offload_it_warns_and_does_nothing():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    with pytest.warns(UserWarning, match=r"gpu_update_fraction has no effect without cpu_offload"):
+        zero = ZeroOptimizer(torch.optim.AdamW(model.parameters()), gpu_update_fraction=0.5)
+    assert zero._lane is None and zero.gpu_update_fraction == 0.0
+
+
+# -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
+
+
+def _cuda_runs(fraction, dtype, steps=STEPS):
+    model, zero = _build(fraction, dtype=dtype, device="cuda", max_norm=1.0)
+    losses = _train(model, zero, steps=steps)
+    return model, zero, losses
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_lane_is_within_fp32_rounding_of_cpu_adam_on_cuda():
+    # fp32 parameters: the kernels' rounding is all that differs (CUDA forms
+    # sqrt(v) / sqrt(bc2) where the CPU multiplies by its inverse), a few
+    # ulp per step, carried through the trajectory.
+    ref_model, ref, ref_losses = _cuda_runs(0.0, torch.float32)
+    model, zero, losses = _cuda_runs(0.5, torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    lr = 1e-2
+    torch.testing.assert_close(losses, ref_losses, rtol=STEPS * 64 * eps, atol=0)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
+    for a, b in zip(zero.state_dict()["masters"], ref.state_dict()["masters"], strict=True):
+        torch.testing.assert_close(a, b, rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
+    def allocated():
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    base = allocated()
+    ref_model, ref, _ = _cuda_runs(0.0, torch.bfloat16, steps=2)
+    ref_use = allocated() - base
+    del ref_model, ref
+    base = allocated()
+    model, zero, _ = _cuda_runs(0.5, torch.bfloat16, steps=2)
+    use = allocated() - base
+    lane = [b for b in zero._order if b.lane is not None]
+    assert lane and zero._lane.updates == 2 * len(lane)
+    assert all(b.lane.master.is_pinned() and b.lane.exp_avg.is_pinned() for b in lane)
+    for s in (s for b in lane for s in b.shards):
+        assert zero.optimizer.state[s.master]["exp_avg"].device.type == "cpu"
+    # The same model and buckets as the f=0 run, plus two slots of staging.
+    slack = 1 << 20
+    assert use <= ref_use + zero._lane.staging_bytes() + slack, (use, ref_use)
+    _train(model, zero, steps=1, first=2)
+    assert allocated() - base <= use + slack, "device memory grew per step"
