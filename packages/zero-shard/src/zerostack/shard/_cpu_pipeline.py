@@ -1,5 +1,8 @@
-"""The one CPU-step pipeline: the CPU updates of a step, by key, on a worker
-thread or inline, and the rule for an update that fails.
+"""The one CPU-step pipeline: the updates of a step whose states live on the
+host, by key, on a worker thread or inline, and the rule for an update that
+fails. Most run in CPU Adam; ZeroOptimizer's device lane queues others in
+the device's Adam under the same keys (``submit(..., lane="device")``, see
+[Note: Adam where the bandwidth is]).
 
 It knows nothing of what it updates: an owner submits ``update(*args)``
 under an int key (ZeroOptimizer: a bucket's position in write-back order;
@@ -73,7 +76,13 @@ started during backward (as this pipeline once did without clipping, for
 about forward + max(backward, CPU Adam) + the last copy) could not be taken
 back when the batch is dropped after an exception (see [Note: dropping a
 batch]), nor clipped by a ``clip_grad_by_norm`` that comes after it. CPU
-Adam stays the bound; what is left is its bandwidth.
+Adam stays the bound, at its host memory bandwidth, while PCIe and the GPU's
+Adam idle; ``gpu_update_fraction`` moves a share f of the buckets (the first
+in write-back order) to the device's Adam, fed over PCIe from pinned host
+homes (12 B each way per parameter; its gradients stay on the device and
+its new parameters are made there), so CPU Adam does 1 - f: [Note: Adam
+where the bandwidth is] says how, [Note: step-time floor] which f finishes
+first. Its speed on a GPU has not been measured yet; the default is 0.
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -95,7 +104,10 @@ forward waits for the ``written`` event of each bucket it needs, and the
 next backward (or any reader through the optimizer) for the whole stream.
 The worker overwrites a bucket's pinned ``host_params`` only after the
 ``copied`` event of its last H2D copy; the gradients' D2H copies are
-finished (a host sync) before ``step()`` queues any update.
+finished (a host sync) before ``step()`` queues any update. A device-lane
+bucket's write-back waits (on the device) for its ``updated`` event instead,
+and copies nothing to the device: at N = 1 its parameters hold the step
+already, at N > 1 it all-gathers this rank's pieces from them.
 """
 
 from __future__ import annotations

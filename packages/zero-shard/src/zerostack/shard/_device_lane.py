@@ -138,6 +138,7 @@ class DeviceLane:
         self._slots: list[tuple[torch.Tensor, ...]] = []
         self._next = 0
         self._largest = max(b.piece_total for b in buckets)
+        self._elements = sum(b.piece_total for b in buckets)
         self._lock = threading.Lock()  # the worker and a retry on the main thread share the slots
         self._last: Any = None  # the last ``stored`` event recorded
         self.updates = 0  # buckets updated by the device's Adam
@@ -166,6 +167,13 @@ class DeviceLane:
                 view.copy_(s.master)
                 s.master.data = view  # the same tensor object: groups and state keys hold
         return homes
+
+    def describe(self) -> str:
+        """The lane's share, for the layout's log line."""
+        return (
+            f"{len(self._offset)} params in the first buckets (write-back order) step in the "
+            f"device's Adam, {self._elements} elements of this rank's pieces"
+        )
 
     def staging_bytes(self) -> int:
         """Bytes of the staging slots on the device (allocated at the first update)."""

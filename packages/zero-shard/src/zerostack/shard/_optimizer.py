@@ -487,9 +487,10 @@ class ZeroOptimizer:
     def _log_layout(self, master_device: torch.device) -> None:
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
         logger.info(
-            "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
-            self.stage, len(self.shards), len(self.buckets), self.rank, self.world,
+            "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on "
+            "%s%s%s", self.stage, len(self.shards), len(self.buckets), self.rank, self.world,
             state_bytes / 2**20, master_device, ", fp16 loss scaling" if self.fp16 else "",
+            f"; {self._lane.describe()}" if self._lane is not None else "",
         )  # fmt: skip
 
     @property
@@ -744,8 +745,9 @@ class ZeroOptimizer:
             logger.error("%s: %s", _API, error)
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
-        """Queue the CPU update of every bucket with a used parameter, in
-        write-back order. See [Note: offloaded step pipeline]."""
+        """Queue the update of every bucket with a used parameter, in
+        write-back order: in CPU Adam, or in the device's for the device
+        lane. See [Note: offloaded step pipeline]."""
         pipe = self._pipe
         self._push_hyper()
         if pipe.stream is not None:
