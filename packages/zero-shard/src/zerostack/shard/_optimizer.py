@@ -152,17 +152,16 @@ def _check_offload_args(
 def _check_device_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
     """What the device lane needs: Adam/AdamW (fused-adam's kernels), its
     states in host memory, and on CUDA the CUDA kernel."""
-    try:
-        from zerostack.fused_adam import CPUAdam, HybridAdam, cuda_kernel_available
-    except ImportError:  # Adam/AdamW raised already (_check_cpu_kernel): the kind is wrong
-        CPUAdam = HybridAdam = type(None)
-
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, CPUAdam, HybridAdam):
+    kind = type(optimizer)
+    fused = kind.__module__.startswith("zerostack.fused_adam") and kind.__name__ != "FusedAdam"
+    if kind not in (torch.optim.Adam, torch.optim.AdamW) and not fused:
         raise NotImplementedError(
             f"{_API}: gpu_update_fraction steps Adam/AdamW in fused-adam's kernels (got "
-            f"{type(optimizer).__name__}); wrap torch.optim.AdamW or Adam, or pass "
-            "gpu_update_fraction=0.0"
+            f"{kind.__name__}); wrap torch.optim.AdamW or Adam, or pass gpu_update_fraction=0.0"
         )
+    # Importable: _check_cpu_kernel checked it for Adam/AdamW, the others are its own.
+    from zerostack.fused_adam import cuda_kernel_available
+
     if getattr(optimizer, "nvme_offload_fraction", 0.0) > 0:
         raise NotImplementedError(
             f"{_API}: gpu_update_fraction with Adam states on disk is not implemented (got "
