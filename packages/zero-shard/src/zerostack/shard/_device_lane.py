@@ -29,12 +29,14 @@ before. A device-lane bucket:
   (the CUDA multi-tensor kernel; on a CPU compute device the CPU kernel,
   which is what makes a CPU run bitwise equal to f = 0), its new fp16/bf16
   piece goes straight into the parameters, and on the ``down`` stream the
-  three buffers go back. A slot is taken again only after its copies back
-  (an event the ``up`` stream waits for), so at most two buckets are in
-  flight, each direction of PCIe busy at once, and the device holds two
-  buckets of staging (``staging_bytes``). The write-back then has nothing
-  to copy at world size 1, and at N > 1 all-gathers this rank's pieces
-  from the parameters.
+  three buffers go back. A slot holds ``reduce_bucket_size / N`` elements
+  (a bucket of one larger parameter, an embedding say, crosses in several
+  windows) and is taken again only after its copies back (an event the
+  ``up`` stream waits for), so at most two windows are in flight, each
+  direction of PCIe busy at once, and the device holds two buckets' worth
+  of staging (``staging_bytes``: 14 B per element with bf16 parameters).
+  The write-back then has nothing to copy at world size 1, and at N > 1
+  all-gathers this rank's pieces from the parameters.
 
 Which buckets: the first in write-back order, which the next forward needs
 first. The one worker runs the updates in key order, and a device-lane
@@ -52,9 +54,12 @@ written in place (``_adopt_writes``), a load. The next step's copies to the
 device are ordered after this step's copies back on the device itself.
 Exact: the same kernel math on the same values; on CUDA the kernel differs
 from CPU Adam by rounding (fp32, a few ulp per step). A failed update
-writes nothing: the kernels step the staging copies, the step counts are
-bumped and the parameters and homes written only once every launch of the
-bucket succeeded, so its retry gives the uninterrupted run's values.
+writes nothing when it fails in its first window (the kernels' argument
+checks, an injected fault): the kernels step the staging copies, the
+parameters and homes are written after them and the step counts at the
+end, so its retry gives the uninterrupted run's values. A bucket of
+several windows that fails after its first leaves those updated, as CPU
+Adam's NVMe pieces do (see [Note: a failed CPU update]).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ if TYPE_CHECKING:
     from zerostack.shard._bucket import _Bucket, _Shard
 
 _HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
-_SLOTS = 2  # staging slots: one bucket copied in while the one before is copied back
+_SLOTS = 2  # staging slots: one window copied in while the one before is copied back
+_ALIGN = 1024  # a window's elements: slot boundaries keep the kernels' vector alignment
 
 
 @dataclass(slots=True)
@@ -87,6 +93,10 @@ class LaneHomes:
     exp_avg_sq: torch.Tensor
     updated: Any = None  # on ``up``: the parameters hold the update
     stored: Any = None  # on ``down``: the homes hold it
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Master, exp_avg, exp_avg_sq: what crosses PCIe each way."""
+        return self.master, self.exp_avg, self.exp_avg_sq
 
 
 def lane_prefix(order: list[_Bucket], fraction: float) -> int:
@@ -124,11 +134,14 @@ class DeviceLane:
         device: the compute device.
         world, rank: this rank's place (for its pieces of the parameters).
         pin: pin the homes (with CUDA).
+        window: elements of a staging slot (rounded up to a multiple of
+            1024, at most the largest bucket's): ``reduce_bucket_size / world``
+            bounds the buckets but those of one larger parameter.
     """
 
     def __init__(
         self, buckets: list[_Bucket], optimizer: torch.optim.Optimizer, device: torch.device,
-        world: int, rank: int, pin: bool,
+        world: int, rank: int, pin: bool, window: int,
     ) -> None:  # fmt: skip
         self.optimizer, self.device, self.world, self.rank = optimizer, device, world, rank
         cuda = device.type == "cuda"
@@ -137,7 +150,10 @@ class DeviceLane:
         self._free = [torch.cuda.Event() if cuda else None for _ in range(_SLOTS)]
         self._slots: list[tuple[torch.Tensor, ...]] = []
         self._next = 0
-        self._largest = max(b.piece_total for b in buckets)
+        # Staging slots hold a window of a bucket: a bucket larger (one
+        # parameter above reduce_bucket_size) crosses in several.
+        largest = max(b.piece_total for b in buckets)
+        self._window = min(largest, -(-window // _ALIGN) * _ALIGN)
         self._elements = sum(b.piece_total for b in buckets)
         self._lock = threading.Lock()  # the worker and a retry on the main thread share the slots
         self._last: Any = None  # the last ``stored`` event recorded
@@ -192,24 +208,23 @@ class DeviceLane:
         if self._last is not None:
             self._last.synchronize()
 
-    def _slot(self, bucket: _Bucket) -> tuple[list[torch.Tensor], Any]:
-        """The next staging slot's four buffers, cut to ``bucket``, and the
+    def _slot(self, bucket: _Bucket, numel: int) -> tuple[list[torch.Tensor], Any]:
+        """The next staging slot's four buffers, cut to ``numel``, and the
         event its last copies back recorded."""
         if not self._slots:
-            homes = bucket.lane
             dtypes = (
-                homes.master.dtype,
+                bucket.lane.master.dtype,
                 torch.float32,
                 torch.float32,
                 bucket.shards[0].param.dtype,
             )
             self._slots = [
-                tuple(torch.empty(self._largest, dtype=d, device=self.device) for d in dtypes)
+                tuple(torch.empty(self._window, dtype=d, device=self.device) for d in dtypes)
                 for _ in range(_SLOTS)
             ]
         i = self._next
         self._next = (i + 1) % _SLOTS
-        return [t[: bucket.piece_total] for t in self._slots[i]], self._free[i]
+        return [t[:numel] for t in self._slots[i]], self._free[i]
 
     def _states(self, pairs: list[tuple[_Shard, torch.Tensor]], bucket: _Bucket) -> list:
         """Each updated shard's state, homed: a new one (zeros) or one that is
@@ -238,51 +253,31 @@ class DeviceLane:
         versions: list[int],
     ) -> None:  # fmt: skip
         """Step ``pairs`` (each used shard of ``bucket`` and its reduced
-        gradient on the device) in the device's Adam; on the worker when
-        overlapping. ``versions``: the owner's parameter versions, kept
-        current for the parameters written here (see [Note: parameters
-        written in place])."""
+        gradient on the device) in the device's Adam, one staging window
+        after the other; on the worker when overlapping. ``versions``: the
+        owner's parameter versions, kept current for the parameters written
+        here (see [Note: parameters written in place])."""
         with phase("zerostack::device_update"), self._lock:
             created = self._states(pairs, bucket)
+            # A parameter written since the last write-back keeps the user's
+            # value (the write-back adopts it into its master).
+            mine = [s for s, _ in pairs if s.param._version == versions[s.index]]
+            launches = self._launches(pairs)
             try:
-                self._run(bucket, pairs, div_scale, versions)
+                for w0 in range(0, bucket.piece_total, self._window):
+                    window = (w0, min(bucket.piece_total, w0 + self._window))
+                    self._step_window(bucket, launches, window, div_scale, mine)
             except BaseException:
                 for s in created:
                     self.optimizer.state.pop(s.master, None)
                 raise
             for s, _ in pairs:
                 self.optimizer.state[s.master]["step"] += 1
+            for s in mine:
+                versions[s.index] = s.param._version
             self.updates += 1
 
-    def _run(self, bucket: _Bucket, pairs: list, div_scale: float, versions: list[int]) -> None:
-        from zerostack.fused_adam import adam_update  # checked at construction
-
-        homes = bucket.lane
-        (master, m, v, out), free = self._slot(bucket)
-        up = self.up
-        with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
-            if up is not None:
-                up.wait_event(free)  # the slot's last copies back are done
-            for stage, home in ((master, homes.master), (m, homes.exp_avg), (v, homes.exp_avg_sq)):
-                stage.copy_(home, non_blocking=True)
-            for (gi, step), items in self._launches(bucket, pairs).items():
-                views = [
-                    [t[off : off + s.piece] for t in (master, m, v, out)] for s, off, _ in items
-                ]
-                ps, ms, vs, outs = (list(c) for c in zip(*views, strict=True))
-                grads = [g for _, _, g in items]
-                group = self.optimizer.param_groups[gi]
-                adam_update(ps, grads, ms, vs, step=step, div_scale=div_scale, outs=outs,
-                            **{k: group[k] for k in _HYPER})  # fmt: skip
-                if up is not None:
-                    for g in grads:  # read on this stream; the step may drop them before it runs
-                        g.record_stream(up)
-            self._write_params(bucket, pairs, out, versions)
-            if up is not None:
-                homes.updated.record(up)
-        self._store(homes, (master, m, v), free)
-
-    def _launches(self, bucket: _Bucket, pairs: list) -> dict[tuple[int, float], list]:
+    def _launches(self, pairs: list) -> dict[tuple[int, float], list]:
         """The kernel calls: shards by parameter group and step count (each
         call takes one of each), as (shard, offset, gradient)."""
         calls: dict[tuple[int, float], list] = {}
@@ -292,32 +287,67 @@ class DeviceLane:
             calls.setdefault(key, []).append((s, self._offset[s.index], grad))
         return calls
 
-    def _write_params(
-        self, bucket: _Bucket, pairs: list, out: torch.Tensor, versions: list[int]
-    ) -> None:
-        """This rank's pieces of the updated parameters, from the kernel's
-        copy-out into the parameters; a parameter written since the last
-        write-back keeps the user's value (the write-back adopts it)."""
-        for s, _ in pairs:
-            if s.param._version != versions[s.index]:
-                continue
-            start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
-            if end > start:
-                off = self._offset[s.index]
-                s.param.view(-1)[start:end].copy_(out[off : off + end - start])
-            versions[s.index] = s.param._version
+    def _step_window(
+        self, bucket: _Bucket, launches: dict, window: tuple[int, int], div_scale: float,
+        mine: list[_Shard],
+    ) -> None:  # fmt: skip
+        """Elements ``window`` of ``bucket``: homes to a staging slot, the
+        kernels, this rank's new pieces into the parameters, slot back home."""
+        from zerostack.fused_adam import adam_update  # checked at construction
 
-    def _store(self, homes: LaneHomes, staged: tuple[torch.Tensor, ...], free: Any) -> None:
-        """The stepped masters and moments back into their homes: on ``down``,
-        after the kernel; then the slot may be taken again."""
+        w0, w1 = window
+        homes = bucket.lane
+        (master, m, v, out), free = self._slot(bucket, w1 - w0)
+        up = self.up
+        with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
+            if up is not None:
+                up.wait_event(free)  # the slot's last copies back are done
+            for stage, home in zip((master, m, v), homes.flat(), strict=True):
+                stage.copy_(home[w0:w1], non_blocking=True)
+            for (gi, step), items in launches.items():
+                cut = [(max(off, w0), min(off + s.piece, w1), off, g) for s, off, g in items]
+                cut = [
+                    (lo - w0, hi - w0, g[lo - off : hi - off]) for lo, hi, off, g in cut if lo < hi
+                ]
+                if not cut:
+                    continue
+                ps, ms, vs, outs = ([t[a:b] for a, b, _ in cut] for t in (master, m, v, out))
+                group = self.optimizer.param_groups[gi]
+                adam_update(ps, [g for _, _, g in cut], ms, vs, step=step, div_scale=div_scale,
+                            outs=outs, **{k: group[k] for k in _HYPER})  # fmt: skip
+                if up is not None:
+                    for _, _, g in cut:  # read on this stream; the step may drop them before
+                        g.record_stream(up)
+            self._write_params(mine, out, window)
+            if up is not None:
+                homes.updated.record(up)
+        self._store(homes, (master, m, v), window, free)
+
+    def _write_params(self, mine: list[_Shard], out: torch.Tensor, window: tuple[int, int]) -> None:
+        """This rank's pieces of the updated parameters that lie in
+        ``window``, from the kernel's copy-out into the parameters."""
+        w0, w1 = window
+        for s in mine:
+            start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
+            off = self._offset[s.index]
+            lo, hi = max(off, w0), min(off + end - start, w1)  # the padding stays out
+            if lo < hi:
+                flat = s.param.view(-1)
+                flat[start + lo - off : start + hi - off].copy_(out[lo - w0 : hi - w0])
+
+    def _store(
+        self, homes: LaneHomes, staged: tuple[torch.Tensor, ...], window: tuple[int, int],
+        free: Any,
+    ) -> None:  # fmt: skip
+        """The stepped masters and moments of ``window`` back into their
+        homes: on ``down``, after the kernel; then the slot may be taken again."""
+        w0, w1 = window
         down = self.down
         with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
             if down is not None:
                 down.wait_event(homes.updated)
-            for home, stage in zip(
-                (homes.master, homes.exp_avg, homes.exp_avg_sq), staged, strict=True
-            ):
-                home.copy_(stage, non_blocking=True)
+            for home, stage in zip(homes.flat(), staged, strict=True):
+                home[w0:w1].copy_(stage, non_blocking=True)
             if down is not None:
                 homes.stored.record(down)
                 free.record(down)

@@ -474,7 +474,7 @@ class ZeroOptimizer:
             if lane:
                 self._lane = DeviceLane(
                     lane, self.optimizer, self.device, self.world, self.rank,
-                    pin=torch.cuda.is_available(),
+                    pin=torch.cuda.is_available(), window=-(-reduce_bucket_size // self.world),
                 )  # fmt: skip
         if self.cpu_offload:
             pin_offload_buffers(
