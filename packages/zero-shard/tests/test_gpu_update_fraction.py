@@ -7,7 +7,7 @@ so every run equals the f = 0 run bitwise: AdamW and Adam-L2, clipping, fp16
 loss scaling with an overflow, stage 1 and 2, world sizes 1 and 2. And the
 lane does what it promises: its gradients never go to host buffers, its
 masters and states live in the host homes between steps with only two
-buckets of staging beside them, checkpoints move between fractions. On CUDA
+windows of staging beside them, checkpoints move between fractions. On CUDA
 (marked ``gpu``) the kernel differs by rounding: within fp32 eps per step.
 """
 
@@ -142,7 +142,7 @@ def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypa
         return real(self, bucket, mine, synced)
 
     monkeypatch.setattr(GradientReduction, "_to_host", spy)
-    model, zero = _build(1.0)  # every bucket in the lane: staging stays two buckets
+    model, zero = _build(1.0)  # every bucket in the lane: staging stays two windows
     seen: list[bool] = []
     update = zero._lane.update
 
