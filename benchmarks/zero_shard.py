@@ -13,6 +13,10 @@ GPT-2 1.5B from config, bf16, activation checkpointing on every block, batch
 * ZeRO-2 + cpu_offload, synchronous (``zero2_offload_sync``): the same with
   ``overlap_cpu_step=False``, every update done inside ``step()``: what the
   overlap gains, measured in the same run;
+* ZeRO-2 + cpu_offload, split (``zero2_offload_split``): the same with
+  ``gpu_update_fraction`` (``--gpu-update-fraction``, default 0.5): that
+  share of the offloaded buckets stepped by the GPU's Adam, fed over PCIe,
+  beside CPU Adam on the rest;
 * FSDP2 + CPUOffloadPolicy: fully_shard per block, bf16 MixedPrecisionPolicy,
   torch AdamW on the CPU (the peer for "offload").
 
@@ -35,13 +39,16 @@ import torch.distributed as dist
 from zerostack.shard import ZeroOptimizer
 
 
-def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> dict:
+def zero(
+    config, batch, steps, warmup, offload: bool, overlap: bool = True, fraction: float = 0.0
+) -> dict:
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), fused=not offload, **T.HYPER),
         stage=2,
         cpu_offload=offload,
         overlap_cpu_step=overlap,
+        gpu_update_fraction=fraction,
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -54,6 +61,8 @@ def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> d
     label = "ZeRO-2 (bf16 params, fp32 masters)"
     if offload:
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
+    if fraction:
+        label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam on {fraction:g})"
     result = T.run(label, model, step, batch, steps, warmup, False)
     if zopt._pipe is not None:  # per step, warm-up included
         result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
@@ -64,7 +73,14 @@ def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> d
 
 
 def main() -> int:
-    ready = T.setup(__doc__, "plain,zero2,zero2_offload,zero2_offload_sync,fsdp2_offload")
+    ready = T.setup(
+        __doc__,
+        "plain,zero2,zero2_offload,zero2_offload_sync,zero2_offload_split,fsdp2_offload",
+        extra=lambda ap: ap.add_argument(
+            "--gpu-update-fraction", type=float, default=0.5,
+            help="zero2_offload_split's gpu_update_fraction (default %(default)s)",
+        ),
+    )  # fmt: skip
     if ready is None:
         return 2
     a, args = ready
@@ -77,6 +93,10 @@ def main() -> int:
         T.measure(
             results, wanted, "zero2_offload_sync",
             lambda: zero(*args, offload=True, overlap=False), run,
+        )  # fmt: skip
+        T.measure(
+            results, wanted, "zero2_offload_split",
+            lambda: zero(*args, offload=True, fraction=a.gpu_update_fraction), run,
         )  # fmt: skip
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(

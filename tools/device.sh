@@ -16,6 +16,10 @@
 #                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
 #                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
+#   tools/device.sh split [FRACTIONS]  ZeroOptimizer's gpu_update_fraction: its GPU tests, then
+#                              benchmarks/zero_shard.py plain, zero2_offload and zero2_offload_split
+#                              once per fraction in FRACTIONS (default "0.25 0.5"),
+#                              with the floor from benchmarks/machine.py's profile
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -126,6 +130,17 @@ nvme-job)
   cp "$run_dir/summary.json" "$run_dir/chunks.txt" "$OUT/" 2>/dev/null
   python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print('bytes on disk', s['nvme_bytes'])" \
     "$run_dir/summary.json"
+  ;;
+split)
+  build; sources; machine
+  gpu_tests -k "device_lane or functional or step_returns_before_updates" 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped" | tail -20
+  timeout 200 python3 benchmarks/machine.py --json "$OUT/machine.json" > "$OUT/machine_bench.log" 2>&1
+  for f in ${1:-0.25 0.5}; do
+    timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+      --gpu-update-fraction "$f" --steps 8 --warmup 2 --machine "$OUT/machine.json" \
+      > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
+  done
   ;;
 chunk)
   build; sources; machine
