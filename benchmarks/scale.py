@@ -27,7 +27,7 @@ One configuration per run (a model of billions of parameters is built once):
     python benchmarks/scale.py --params 8B --nvme-fraction 1 --nvme-dir /data
     python benchmarks/scale.py --params 5B --nvme-fraction 0
     python benchmarks/scale.py --smoke                 # CPU, tiny: checks the script
-    python benchmarks/scale.py --params 8B --batch-size 8 --plain-tflops 300 --machine m.json
+    python benchmarks/scale.py --params 8B --batch-size 8 --plain-tflops TFLOPS --machine m.json
 
 With ``--plain-tflops`` (what plain PyTorch reaches on a model that fits,
 benchmarks/gemini.py's TFLOPS column) the run's share of it is printed; with
