@@ -26,6 +26,7 @@ and optimizer step (synchronised between them). Median of --steps after
 
     torchrun --nproc-per-node 1 benchmarks/zero_shard.py     # or plain python
     python benchmarks/zero_shard.py --layers 4 --steps 3     # quick
+    python benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from zerostack.shard import ZeroOptimizer
 
 
 def zero(
-    config, batch, steps, warmup, offload: bool, overlap: bool = True, fraction: float = 0.0
-) -> dict:
+    config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
+    fraction: float = 0.0,
+) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), fused=not offload, **T.HYPER),
@@ -49,6 +51,7 @@ def zero(
         cpu_offload=offload,
         overlap_cpu_step=overlap,
         gpu_update_fraction=fraction,
+        max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -63,6 +66,8 @@ def zero(
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
     if fraction:
         label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam on {fraction:g})"
+    if max_norm > 0:
+        label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     if zopt._pipe is not None:  # per step, warm-up included
         result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
@@ -73,31 +78,43 @@ def zero(
 
 
 def main() -> int:
+    def extra(ap):
+        ap.add_argument(
+            "--max-norms", default="0",
+            help="comma-separated max_norm values for the ZeRO-2 rows, one row each (0: no "
+            "clipping; plain PyTorch and FSDP2 do not clip)",
+        )  # fmt: skip
+        ap.add_argument(
+            "--gpu-update-fraction", type=float, default=0.5,
+            help="zero2_offload_split's gpu_update_fraction (default %(default)s)",
+        )  # fmt: skip
+
     ready = T.setup(
         __doc__,
         "plain,zero2,zero2_offload,zero2_offload_sync,zero2_offload_split,fsdp2_offload",
-        extra=lambda ap: ap.add_argument(
-            "--gpu-update-fraction", type=float, default=0.5,
-            help="zero2_offload_split's gpu_update_fraction (default %(default)s)",
-        ),
-    )  # fmt: skip
+        extra,
+    )
     if ready is None:
         return 2
     a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
+    norms = [float(n) for n in a.max_norms.split(",") if n]
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
-        T.measure(results, wanted, "zero2", lambda: zero(*args, offload=False), run)
-        T.measure(results, wanted, "zero2_offload", lambda: zero(*args, offload=True), run)
-        T.measure(
-            results, wanted, "zero2_offload_sync",
-            lambda: zero(*args, offload=True, overlap=False), run,
-        )  # fmt: skip
-        T.measure(
-            results, wanted, "zero2_offload_split",
-            lambda: zero(*args, offload=True, fraction=a.gpu_update_fraction), run,
-        )  # fmt: skip
+        for norm in norms:
+            T.measure(results, wanted, "zero2", lambda n=norm: zero(*args, False, max_norm=n), run)
+            T.measure(
+                results, wanted, "zero2_offload", lambda n=norm: zero(*args, True, max_norm=n), run
+            )
+            T.measure(
+                results, wanted, "zero2_offload_sync",
+                lambda n=norm: zero(*args, True, overlap=False, max_norm=n), run,
+            )  # fmt: skip
+            T.measure(
+                results, wanted, "zero2_offload_split",
+                lambda n=norm: zero(*args, True, max_norm=n, fraction=a.gpu_update_fraction), run,
+            )  # fmt: skip
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(
         "ZeRO-2 on one GPU",
