@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from zerostack.shard import ZeroOptimizer
-from zerostack.shard._device_lane import lane_prefix
+from zerostack.shard._lane import lane_prefix
 from zerostack.shard._reduction import GradientReduction
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
@@ -129,8 +129,14 @@ def test_the_lane_is_the_first_buckets_in_write_back_order():
         b.piece_total for b in zero.buckets
     )
     assert any(s.param is model.tok_emb.weight for s in zero._order[0].shards)
-    sizes = [type("B", (), {"piece_total": n})() for n in (10, 30, 60)]
-    assert [lane_prefix(sizes, f) for f in (0.0, 0.04, 0.06, 0.2, 0.3, 1.0)] == [0, 0, 1, 1, 2, 3]
+    assert [lane_prefix((10, 30, 60), f) for f in (0.0, 0.04, 0.06, 0.2, 0.3, 1.0)] == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        3,
+    ]
 
 
 def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypatch):

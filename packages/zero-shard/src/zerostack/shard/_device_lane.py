@@ -64,52 +64,18 @@ Adam's NVMe pieces do (see [Note: a failed CPU update]).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerostack.chunk import phase
 from zerostack.shard import _partition as part
+from zerostack.shard._lane import LANE_HYPER, LaneHomes, LaneStaging, Launch, lane_prefix
 
 if TYPE_CHECKING:
     from zerostack.shard._bucket import _Bucket, _Shard
 
-_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
-_SLOTS = 2  # staging slots: one window copied in while the one before is copied back
-_ALIGN = 1024  # a window's elements: slot boundaries keep the kernels' vector alignment
-
-
-@dataclass(slots=True)
-class LaneHomes:
-    """A device-lane bucket's pinned host homes (flat, ``piece_total``
-    elements) and its events (CUDA only). See [Note: Adam where the
-    bandwidth is]."""
-
-    master: torch.Tensor  # the masters' dtype; each master is a view of it
-    exp_avg: torch.Tensor  # fp32; the inner optimizer's states are views of these
-    exp_avg_sq: torch.Tensor
-    updated: Any = None  # on ``up``: the parameters hold the update
-    stored: Any = None  # on ``down``: the homes hold it
-
-    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Master, exp_avg, exp_avg_sq: what crosses PCIe each way."""
-        return self.master, self.exp_avg, self.exp_avg_sq
-
-
-def lane_prefix(order: list[_Bucket], fraction: float) -> int:
-    """How many buckets, from the first in write-back order, hold the share
-    of elements nearest ``fraction`` (ties to fewer)."""
-    total = sum(b.piece_total for b in order)
-    best, best_gap, held = 0, fraction, 0
-    for k, bucket in enumerate(order, start=1):
-        held += bucket.piece_total
-        gap = abs(held / total - fraction)
-        if gap < best_gap:
-            best, best_gap = k, gap
-    return best
+__all__ = ["DeviceLane", "LaneHomes", "lane_prefix"]
 
 
 def _contiguous_params(bucket: _Bucket) -> None:
@@ -123,8 +89,8 @@ def _contiguous_params(bucket: _Bucket) -> None:
 
 
 class DeviceLane:
-    """The device lane's buffers, streams and update (see [Note: Adam where
-    the bandwidth is]).
+    """ZeroOptimizer's device lane: its buckets' homes and update, over the
+    shared ``LaneStaging`` (see [Note: Adam where the bandwidth is]).
 
     Args:
         buckets: the device-lane buckets; their masters are rebound to views
@@ -144,19 +110,10 @@ class DeviceLane:
         world: int, rank: int, pin: bool, window: int,
     ) -> None:  # fmt: skip
         self.optimizer, self.device, self.world, self.rank = optimizer, device, world, rank
-        cuda = device.type == "cuda"
-        self.up = torch.cuda.Stream(device) if cuda else None
-        self.down = torch.cuda.Stream(device) if cuda else None
-        self._free = [torch.cuda.Event() if cuda else None for _ in range(_SLOTS)]
-        self._slots: list[tuple[torch.Tensor, ...]] = []
-        self._next = 0
         # Staging slots hold a window of a bucket: a bucket larger (one
         # parameter above reduce_bucket_size) crosses in several.
-        largest = max(b.piece_total for b in buckets)
-        self._window = min(largest, -(-window // _ALIGN) * _ALIGN)
+        self.staging = LaneStaging(device, window, max(b.piece_total for b in buckets))
         self._elements = sum(b.piece_total for b in buckets)
-        self._lock = threading.Lock()  # the worker and a retry on the main thread share the slots
-        self._last: Any = None  # the last ``stored`` event recorded
         self.updates = 0  # buckets updated by the device's Adam
         groups = optimizer.param_groups
         self._group_of = {id(m): gi for gi, g in enumerate(groups) for m in g["params"]}
@@ -165,18 +122,11 @@ class DeviceLane:
         }
         for bucket in buckets:
             _contiguous_params(bucket)
-            bucket.lane = self._homes(bucket, pin, cuda)
+            bucket.lane = self._homes(bucket, pin, device.type == "cuda")
 
     @staticmethod
     def _homes(bucket: _Bucket, pin: bool, cuda: bool) -> LaneHomes:
-        total, dtype = bucket.piece_total, bucket.shards[0].master.dtype
-        homes = LaneHomes(
-            master=torch.empty(total, dtype=dtype, pin_memory=pin),
-            exp_avg=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
-            exp_avg_sq=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
-            updated=torch.cuda.Event() if cuda else None,
-            stored=torch.cuda.Event(blocking=True) if cuda else None,  # a host waits: no spinning
-        )
+        homes = LaneHomes.new(bucket.piece_total, bucket.shards[0].master.dtype, pin, cuda)
         with torch.no_grad():
             for s, off in zip(bucket.shards, bucket.offsets, strict=True):
                 view = homes.master[off : off + s.piece]
@@ -188,43 +138,21 @@ class DeviceLane:
         """The lane's share, for the layout's log line."""
         return (
             f"{len(self._offset)} params in the first buckets (write-back order) step in the "
-            f"device's Adam, {self._elements} elements of this rank's pieces"
+            f"device's Adam, {self._elements} elements of this rank's pieces, staging "
+            f"{2 * self.staging.window} elements on the device"
         )
 
     def staging_bytes(self) -> int:
         """Bytes of the staging slots on the device (allocated at the first update)."""
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot)
+        return self.staging.staging_bytes()
 
     def start(self) -> None:
-        """At ``step()``, before the updates are queued: the lane's copies and
-        kernels come after the work queued so far (the last backward and its
-        reductions) and after the last step's copies back."""
-        if self.up is not None:
-            self.up.wait_stream(torch.cuda.current_stream(self.device))
-            self.up.wait_stream(self.down)
+        """See ``LaneStaging.start``."""
+        self.staging.start()
 
     def settle(self) -> None:
         """Wait until the homes hold every update queued so far (a host wait)."""
-        if self._last is not None:
-            self._last.synchronize()
-
-    def _slot(self, bucket: _Bucket, numel: int) -> tuple[list[torch.Tensor], Any]:
-        """The next staging slot's four buffers, cut to ``numel``, and the
-        event its last copies back recorded."""
-        if not self._slots:
-            dtypes = (
-                bucket.lane.master.dtype,
-                torch.float32,
-                torch.float32,
-                bucket.shards[0].param.dtype,
-            )
-            self._slots = [
-                tuple(torch.empty(self._window, dtype=d, device=self.device) for d in dtypes)
-                for _ in range(_SLOTS)
-            ]
-        i = self._next
-        self._next = (i + 1) % _SLOTS
-        return [t[:numel] for t in self._slots[i]], self._free[i]
+        self.staging.settle()
 
     def _states(self, pairs: list[tuple[_Shard, torch.Tensor]], bucket: _Bucket) -> list:
         """Each updated shard's state, homed: a new one (zeros) or one that is
@@ -257,16 +185,17 @@ class DeviceLane:
         after the other; on the worker when overlapping. ``versions``: the
         owner's parameter versions, kept current for the parameters written
         here (see [Note: parameters written in place])."""
-        with phase("zerostack::device_update"), self._lock:
+        with phase("zerostack::device_update"), self.staging.lock:
             created = self._states(pairs, bucket)
             # A parameter written since the last write-back keeps the user's
             # value (the write-back adopts it into its master).
             mine = [s for s, _ in pairs if s.param._version == versions[s.index]]
-            launches = self._launches(pairs)
+            dtype = bucket.shards[0].param.dtype
             try:
-                for w0 in range(0, bucket.piece_total, self._window):
-                    window = (w0, min(bucket.piece_total, w0 + self._window))
-                    self._step_window(bucket, launches, window, div_scale, mine)
+                self.staging.run(
+                    bucket.lane, bucket.piece_total, self._launches(pairs), div_scale, dtype,
+                    lambda out, window: self._write_params(mine, out, window),
+                )  # fmt: skip
             except BaseException:
                 for s in created:
                     self.optimizer.state.pop(s.master, None)
@@ -277,51 +206,19 @@ class DeviceLane:
                 versions[s.index] = s.param._version
             self.updates += 1
 
-    def _launches(self, pairs: list) -> dict[tuple[int, float], list]:
+    def _launches(self, pairs: list) -> list[Launch]:
         """The kernel calls: shards by parameter group and step count (each
-        call takes one of each), as (shard, offset, gradient)."""
+        call takes one of each)."""
         calls: dict[tuple[int, float], list] = {}
         for s, grad in pairs:
             step = float(self.optimizer.state[s.master]["step"]) + 1
             key = (self._group_of[id(s.master)], step)
-            calls.setdefault(key, []).append((s, self._offset[s.index], grad))
-        return calls
-
-    def _step_window(
-        self, bucket: _Bucket, launches: dict, window: tuple[int, int], div_scale: float,
-        mine: list[_Shard],
-    ) -> None:  # fmt: skip
-        """Elements ``window`` of ``bucket``: homes to a staging slot, the
-        kernels, this rank's new pieces into the parameters, slot back home."""
-        from zerostack.fused_adam import adam_update  # checked at construction
-
-        w0, w1 = window
-        homes = bucket.lane
-        (master, m, v, out), free = self._slot(bucket, w1 - w0)
-        up = self.up
-        with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
-            if up is not None:
-                up.wait_event(free)  # the slot's last copies back are done
-            for stage, home in zip((master, m, v), homes.flat(), strict=True):
-                stage.copy_(home[w0:w1], non_blocking=True)
-            for (gi, step), items in launches.items():
-                cut = [(max(off, w0), min(off + s.piece, w1), off, g) for s, off, g in items]
-                cut = [
-                    (lo - w0, hi - w0, g[lo - off : hi - off]) for lo, hi, off, g in cut if lo < hi
-                ]
-                if not cut:
-                    continue
-                ps, ms, vs, outs = ([t[a:b] for a, b, _ in cut] for t in (master, m, v, out))
-                group = self.optimizer.param_groups[gi]
-                adam_update(ps, [g for _, _, g in cut], ms, vs, step=step, div_scale=div_scale,
-                            outs=outs, **{k: group[k] for k in _HYPER})  # fmt: skip
-                if up is not None:
-                    for _, _, g in cut:  # read on this stream; the step may drop them before
-                        g.record_stream(up)
-            self._write_params(mine, out, window)
-            if up is not None:
-                homes.updated.record(up)
-        self._store(homes, (master, m, v), window, free)
+            calls.setdefault(key, []).append((self._offset[s.index], s.piece, grad))
+        groups = self.optimizer.param_groups
+        return [
+            ({k: groups[gi][k] for k in LANE_HYPER}, step, items)
+            for (gi, step), items in calls.items()
+        ]
 
     def _write_params(self, mine: list[_Shard], out: torch.Tensor, window: tuple[int, int]) -> None:
         """This rank's pieces of the updated parameters that lie in
@@ -334,21 +231,3 @@ class DeviceLane:
             if lo < hi:
                 flat = s.param.view(-1)
                 flat[start + lo - off : start + hi - off].copy_(out[lo - w0 : hi - w0])
-
-    def _store(
-        self, homes: LaneHomes, staged: tuple[torch.Tensor, ...], window: tuple[int, int],
-        free: Any,
-    ) -> None:  # fmt: skip
-        """The stepped masters and moments of ``window`` back into their
-        homes: on ``down``, after the kernel; then the slot may be taken again."""
-        w0, w1 = window
-        down = self.down
-        with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
-            if down is not None:
-                down.wait_event(homes.updated)
-            for home, stage in zip(homes.flat(), staged, strict=True):
-                home[w0:w1].copy_(stage, non_blocking=True)
-            if down is not None:
-                homes.stored.record(down)
-                free.record(down)
-                self._last = homes.stored

@@ -34,11 +34,12 @@ from zerostack.shard._bucket import (
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._config import ZeroConfig
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
-from zerostack.shard._device_lane import DeviceLane, lane_prefix
+from zerostack.shard._device_lane import DeviceLane
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
+from zerostack.shard._lane import check_lane_optimizer, lane_prefix
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -146,33 +147,7 @@ def _check_offload_args(
             stacklevel=3,
         )
         return
-    _check_device_kernel(optimizer, device)
-
-
-def _check_device_kernel(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """What the device lane needs: Adam/AdamW (fused-adam's kernels), its
-    states in host memory, and on CUDA the CUDA kernel."""
-    kind = type(optimizer)
-    fused = kind.__module__.startswith("zerostack.fused_adam") and kind.__name__ != "FusedAdam"
-    if kind not in (torch.optim.Adam, torch.optim.AdamW) and not fused:
-        raise NotImplementedError(
-            f"{_API}: gpu_update_fraction steps Adam/AdamW in fused-adam's kernels (got "
-            f"{kind.__name__}); wrap torch.optim.AdamW or Adam, or pass gpu_update_fraction=0.0"
-        )
-    # Importable: _check_cpu_kernel checked it for Adam/AdamW, the others are its own.
-    from zerostack.fused_adam import cuda_kernel_available
-
-    if getattr(optimizer, "nvme_offload_fraction", 0.0) > 0:
-        raise NotImplementedError(
-            f"{_API}: gpu_update_fraction with Adam states on disk is not implemented (got "
-            f"nvme_offload_fraction={optimizer.nvme_offload_fraction}); pass one of them as 0"
-        )
-    if device.type == "cuda" and not cuda_kernel_available():
-        raise RuntimeError(
-            f"{_API}: gpu_update_fraction on {device} needs zerostack-fused-adam's CUDA kernel, "
-            "which this install lacks (it is built where nvcc is found): reinstall with "
-            "`ZEROSTACK_BUILD_CUDA=1 pip install --force-reinstall zerostack-fused-adam`"
-        )
+    check_lane_optimizer(_API, optimizer, device, torch_adam=True)
 
 
 def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
@@ -470,7 +445,9 @@ class ZeroOptimizer:
         self._order = self.buckets[::-1]
         self._lane: DeviceLane | None = None
         if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
-            lane = self._order[: lane_prefix(self._order, self.gpu_update_fraction)]
+            lane = self._order[
+                : lane_prefix([b.piece_total for b in self._order], self.gpu_update_fraction)
+            ]
             if lane:
                 self._lane = DeviceLane(
                     lane, self.optimizer, self.device, self.world, self.rank,
