@@ -10,7 +10,7 @@ from zerostack.shard._clip import (
     norm_part,
     record_clip,
 )
-from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields
+from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields, check_fraction
 from zerostack.shard._cpu_pipeline import CpuStepError, CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
@@ -57,6 +57,7 @@ __all__ = [
     "as_kwargs",
     "changed_fields",
     "check_clip_args",
+    "check_fraction",
     "check_lane_optimizer",
     "check_max_norm",
     "check_state_keys",

@@ -76,8 +76,8 @@ def check_fraction(api: str, fraction: object) -> None:
         )
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(
-            f"{api}: gpu_update_fraction must be in [0, 1] (got {fraction!r}); 0 updates every "
-            "offloaded bucket in CPU Adam, 1 every one in the GPU's Adam"
+            f"{api}: gpu_update_fraction must be in [0, 1] (got {fraction!r}); 0 updates all that is "
+            "offloaded in CPU Adam, 1 all of it in the GPU's Adam"
         )
 
 
