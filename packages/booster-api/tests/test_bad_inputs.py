@@ -115,6 +115,7 @@ CASES = [
     BadInput("low-level-zero-gpu-fraction", lambda env: LowLevelZeroPlugin(cpu_offload=True, gpu_update_fraction=2), ValueError, r"LowLevelZeroPlugin: gpu_update_fraction must be in \[0, 1\] \(got 2\)", True),
     BadInput("low-level-zero-max-norm-negative", lambda env: LowLevelZeroPlugin(max_norm=-1.0), ValueError, r"max_norm must be >= 0 \(got -1\.0\)"),
     BadInput("low-level-zero-growth-interval-0", lambda env: LowLevelZeroPlugin(growth_interval=0), ValueError, r"LowLevelZeroPlugin: growth_interval must be >= 1 \(got 0\)"),
+    BadInput("gemini-gpu-fraction", lambda env: GeminiPlugin(gpu_update_fraction=-1), ValueError, r"GeminiPlugin: gpu_update_fraction must be in \[0, 1\] \(got -1\)"),
     BadInput("gemini-min-scale-0", lambda env: GeminiPlugin(min_scale=0), ValueError, r"GeminiPlugin: min_scale must be > 0 \(got 0\)"),
     BadInput("low-level-zero-max-norm-str", lambda env: LowLevelZeroPlugin(max_norm="1"), TypeError, r"LowLevelZeroPlugin: max_norm must be a number \(got '1'\)", True),
     BadInput("low-level-zero-unknown-keyword", lambda env: LowLevelZeroPlugin(offload=True), TypeError, r"unexpected keyword argument 'offload'"),

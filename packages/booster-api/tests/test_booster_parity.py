@@ -93,6 +93,10 @@ CASES = [
          kwargs=dict(precision="fp32", placement_policy="auto", gpu_capacity_bytes=10**6)),
     Case(name="gemini-fp32-hybridadam-cpu", plugin="gemini", kind="hybrid", max_norm=0.05,
          kwargs=dict(precision="fp32", offload_optim_frac=1.0)),
+    # Half the CPU-held optimizer chunks stepped by the device's Adam (gpu_update_fraction).
+    Case(name="gemini-fp32-hybridadam-cpu-device-lane", plugin="gemini", kind="hybrid",
+         max_norm=0.05, kwargs=dict(precision="fp32", offload_optim_frac=1.0,
+                                    gpu_update_fraction=0.5)),
 ]  # fmt: skip
 
 
