@@ -16,10 +16,13 @@
 #                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
 #                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
-#   tools/device.sh split [FRACTIONS]  ZeroOptimizer's gpu_update_fraction: its GPU tests, then
-#                              benchmarks/zero_shard.py plain, zero2_offload and zero2_offload_split
-#                              once per fraction in FRACTIONS (default "0.25 0.5"),
-#                              with the floor from benchmarks/machine.py's profile
+#   tools/device.sh split [FRACTIONS]  ZeroOptimizer's gpu_update_fraction: the GPU tests of the device
+#                              lanes (ZeRO's and Gemini's), then benchmarks/zero_shard.py plain,
+#                              zero2_offload and zero2_offload_split once per fraction in FRACTIONS
+#                              (default "0.25 0.5"), with the floor from benchmarks/machine.py's profile
+#   tools/device.sh split gemini [FRACTIONS]  GeminiOptimizer's gpu_update_fraction: the same GPU tests,
+#                              then benchmarks/gemini.py plain, gemini_auto and gemini_auto_split (GPU
+#                              capped at 24 GiB, max_norm 1) once per fraction, with the floor
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -144,11 +147,21 @@ split)
   gpu_tests -k "device_lane or functional or step_returns_before_updates" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped" | tail -20
   timeout 200 python3 benchmarks/machine.py --json "$OUT/machine.json" > "$OUT/machine_bench.log" 2>&1
-  for f in ${1:-0.25 0.5}; do
-    timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
-      --gpu-update-fraction "$f" --steps 8 --warmup 2 --machine "$OUT/machine.json" \
-      > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
-  done
+  if [ "${1:-}" = gemini ]; then
+    shift
+    for f in ${1:-0.25 0.5}; do
+      timeout 280 python3 benchmarks/gemini.py --only plain,gemini_auto,gemini_auto_split \
+        --gpu-update-fraction "$f" --cap-gib 24 --max-norms 1 --steps 8 --warmup 2 \
+        --machine "$OUT/machine.json" > "$OUT/gsplit_$f.log" 2>&1; echo "exit $?"
+      table "$OUT/gsplit_$f.log" 20
+    done
+  else
+    for f in ${1:-0.25 0.5}; do
+      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+        --gpu-update-fraction "$f" --steps 8 --warmup 2 --machine "$OUT/machine.json" \
+        > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
+    done
+  fi
   ;;
 chunk)
   build; sources; machine
