@@ -86,7 +86,7 @@ def _same(a, b, what):
 
 
 def _same_run(ref, other, what):
-    (ref_model, ref_ddp, ref_opt), (model, ddp, opt) = ref, other
+    (_, ref_ddp, ref_opt), (_, ddp, opt) = ref, other
     _same(ddp.state_dict(), ref_ddp.state_dict(), f"{what}: model")
     _same(opt.state_dict(), ref_opt.state_dict(), f"{what}: optimizer")
     _same(opt.full_state_dict(), ref_opt.full_state_dict(), f"{what}: full optimizer")
@@ -136,13 +136,16 @@ def test_the_lane_is_the_first_cpu_held_chunks_and_logs_its_share(caplog):
     lane = opt._lane
     assert len(host) >= 2 and sorted(lane.homes) == host[: len(lane.homes)]
     assert 0 < len(lane.homes) < len(host)
+    assert opt.device_lane_chunks == sorted(opt.pairs[i][0].index for i in lane.homes)
     assert "step in the Adam of cpu" in caplog.text and "staging" in caplog.text
     # Auto placement decides at its plan: the first CPU-held chunks in compute order.
     model, ddp, opt = _build(0.5, "auto-small")
     assert opt._lane is None
     _train(model, ddp, opt, steps=1)
     order = opt._cpu_order()
-    assert opt._lane is not None and sorted(opt._lane.homes) == sorted(order[: len(opt._lane.homes)])
+    assert opt._lane is not None and sorted(opt._lane.homes) == sorted(
+        order[: len(opt._lane.homes)]
+    )
 
 
 def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes():
@@ -193,7 +196,6 @@ def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
     assert opt.pipeline.failed == [info.value.chunk_index]
     _train(model, ddp, opt, steps=1, first=2)  # the next forward runs it again: it succeeds
     assert opt.pipeline.failed == []
-    ref_model, ref_ddp, ref_opt = ref
     _same_run(ref, (model, ddp, opt), "after a failed lane update")
 
 

@@ -92,7 +92,10 @@ class CpuStepPipeline:
     # to a free list that any chunk of the same size reuses. So host memory
     # holds no per-chunk copy of the model (which kept 2 B/param, more once
     # the pinned allocator rounded each buffer up to a power of two), and the
-    # staging bytes are at most the pending device-held chunks' shards.
+    # staging bytes are at most the pending device-held chunks' shards. A
+    # chunk of the device lane takes none of them: its gradient stays on the
+    # device and its update writes the chunk's shard there (see [Note:
+    # Gemini's device lane]).
 
     def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         with self._free_lock:

@@ -50,7 +50,9 @@ class GeminiOptimizer:
     chunk, so its states are sharded like the chunks.
 
     A step first updates the master chunks on the compute device (CUDA
-    kernel, launched asynchronously), then the CPU-held ones (CPU kernel).
+    kernel, launched asynchronously), then the CPU-held ones (CPU kernel;
+    with ``gpu_update_fraction`` a share of them in the device's, see
+    [Note: Gemini's device lane]).
     Gradients of CPU-held chunks are copied to pinned host buffers when
     backward ends; with ``overlap_cpu_step`` the CPU updates run on a worker
     thread, chunk by chunk in compute order, while the next forward starts:
@@ -207,6 +209,14 @@ class GeminiOptimizer:
         """Host bytes of the model and this optimizer by owner (see
         GeminiDDP.host_bytes and [Note: host bytes])."""
         return self.module.host_bytes(self)
+
+    @property
+    def device_lane_chunks(self) -> list[int]:
+        """Indices of the CPU-held chunks whose update runs in the compute
+        device's Adam (``gpu_update_fraction``; under auto placement chosen
+        at the first step). See [Note: Gemini's device lane]."""
+        lane = self._lane
+        return sorted(self.pairs[i][0].index for i in lane.homes) if lane is not None else []
 
     @property
     def cpu_step_s(self) -> float:

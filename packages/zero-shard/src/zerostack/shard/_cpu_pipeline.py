@@ -1,8 +1,9 @@
 """The one CPU-step pipeline: the updates of a step whose states live on the
 host, by key, on a worker thread or inline, and the rule for an update that
-fails. Most run in CPU Adam; ZeroOptimizer's device lane queues others in
-the device's Adam under the same keys (``submit(..., lane="device")``, see
-[Note: Adam where the bandwidth is]).
+fails. Most run in CPU Adam; the device lanes of ZeroOptimizer and
+GeminiOptimizer (``gpu_update_fraction``) queue others in the device's Adam
+under the same keys (``submit(..., lane="device")``, see [Note: Adam where
+the bandwidth is]).
 
 It knows nothing of what it updates: an owner submits ``update(*args)``
 under an int key (ZeroOptimizer: a bucket's position in write-back order;

@@ -52,6 +52,10 @@ Hosts read or write the homes only after ``settle()`` (the last copy back is
 done): ``wait_updates()`` (and so the state-dict methods), a parameter
 written in place (``_adopt_writes``), a load. The next step's copies to the
 device are ordered after this step's copies back on the device itself.
+The mechanism (homes, staging slots, streams, the window loop, the check
+of the optimizer) is ``LaneStaging`` in ``_lane.py``, shared with
+GeminiOptimizer's ``gpu_update_fraction``, whose unit is a CPU-held chunk
+instead of a bucket (zerostack.gemini's [Note: Gemini's device lane]).
 Exact: the same kernel math on the same values; on CUDA the kernel differs
 from CPU Adam by rounding (fp32, a few ulp per step). A failed update
 writes nothing when it fails in its first window (the kernels' argument
