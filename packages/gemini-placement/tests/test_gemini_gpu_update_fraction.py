@@ -199,6 +199,36 @@ def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
     _same_run(ref, (model, ddp, opt), "after a failed lane update")
 
 
+def test_a_lane_update_that_fails_on_the_worker_runs_again_where_it_is_waited_for():
+    ref = _build(0.0, "static-1.0")
+    _train(*ref, steps=3)
+    model, ddp, opt = _build(0.5, "static-1.0")  # overlap_cpu_step: on the worker
+    lane = opt._lane
+    first = min(lane.homes)
+    real = lane.staging.run
+    faults = {"left": 0}
+
+    def flaky(homes, *args):
+        if homes is lane.homes[first] and faults["left"] > 0:
+            faults["left"] -= 1
+            raise RuntimeError("injected device fault")
+        return real(homes, *args)
+
+    lane.staging.run = flaky
+    _train(model, ddp, opt, steps=1)
+    faults["left"] = 2  # on the worker, then where it is waited for
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=100)
+    opt.backward(ddp(idx, tgt).float())
+    opt.step()
+    with pytest.raises(CpuStepError, match=r"the device update of chunk \d+ failed"):
+        ddp.wait_updates()
+    assert faults["left"] == 0 and opt.pipeline.failed == [opt.pairs[first][0].index]
+    opt.retry_failed_updates()
+    assert opt.pipeline.failed == []
+    _train(model, ddp, opt, steps=1, first=2)
+    _same_run(ref, (model, ddp, opt), "after a lane update failed on the worker")
+
+
 def test_a_dropped_batch_leaves_no_trace():
     ref = _build(0.0, "static-0.5")
     _train(*ref, steps=3)

@@ -51,6 +51,14 @@ phase. And the forward's first chunks wait only for the device lane, whose
 first chunk is ready one copy and one kernel after ``step()``, while CPU
 Adam gets their forward's time as a head start.
 
+Not implemented (``NotImplementedError`` at construction): optimizers other
+than fused-adam's HybridAdam / CPUAdam (the lane runs fused-adam's Adam
+kernels on the states those keep; torch's Adam or SGD would step other
+math, or other states, than the CPU lane), and Adam states on disk
+(``nvme_offload_fraction`` > 0: those states would cross disk, host and
+PCIe, and HybridAdam's NVMe pipeline, which reads them ahead chunk by chunk,
+owns where they are; the homes here are host memory).
+
 Hosts read or write the homes only after ``settle()``: ``wait_updates()``
 (and so every state-dict method and load), the step's saved slices of
 parameters no rank gave a gradient, and a CPU-Adam update of a lane chunk.
