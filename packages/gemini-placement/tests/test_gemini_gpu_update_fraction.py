@@ -148,6 +148,22 @@ def test_the_lane_is_the_first_cpu_held_chunks_and_logs_its_share(caplog):
     )
 
 
+def test_auto_placement_plans_with_the_staging_kept_free(monkeypatch):
+    # 3 MB: with f = 0 the plan puts 8 of the 10 optimizer chunks on the
+    # device; the lane's two slots (2 x 20,000 x 14 B) take the room of two
+    # more (12 B per element each), which stay on the CPU.
+    monkeypatch.setitem(PLACEMENTS, "auto-3mb", dict(placement_policy="auto",
+                                                     gpu_capacity_bytes=3 * 10**6))  # fmt: skip
+    on_cpu = []
+    for fraction in (0.0, 0.5):
+        model, ddp, opt = _build(fraction, "auto-3mb")
+        _train(model, ddp, opt, steps=1)
+        on_cpu.append(len(ddp.offloaded_masters))
+    reserve = staging_bytes(CHUNK, torch.bfloat16)
+    assert on_cpu[1] - on_cpu[0] >= reserve // (CHUNK * 12), on_cpu
+    assert opt.device_lane_chunks
+
+
 def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes():
     model, ddp, opt = _build(1.0, "static-1.0")
     staged: list[int] = []
