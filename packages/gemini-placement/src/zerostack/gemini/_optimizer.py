@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
+from zerostack.chunk import Chunk, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
 from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
     CollectorSchedule,
@@ -686,43 +687,12 @@ class GeminiOptimizer:
 
     # -- whole-model optimizer state, any world size ---------------------------------
 
-    def _trainable(self) -> list[torch.Tensor]:
-        return [p for p in self.module.params if p.requires_grad]
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Any]:
         """Every trainable parameter's whole fp32 master and optimizer state
         (flat, on the CPU), gathered on every rank, keyed by parameter name:
         loadable at any world size and chunk size with ``load_full_state_dict``."""
-        self.module.wait_updates()
-        # Positional: states on disk (nvme_offload_fraction) come back from
-        # the inner state_dict as file-backed tensors, one chunk at a time.
-        packed = self.optimizer.state_dict()["state"]
-        per_chunk: dict[Chunk, dict[str, Any]] = {}
-        for i, ((chunk, master_chunk), master) in enumerate(
-            zip(self.pairs, self.masters, strict=True)
-        ):
-            state = packed.get(i, {})
-            whole = {"master": _gather_chunk(master, master_chunk)}
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
-                    whole[k] = _gather_chunk(v, master_chunk)
-                else:  # e.g. the step count
-                    whole[k] = v.detach().clone() if torch.is_tensor(v) else v
-            per_chunk[chunk] = whole
-        params = {}
-        for p in self._trainable():
-            chunk = self.manager.get_chunk(p)
-            info = chunk.tensors_info[p]
-            params[self.module.param_names[p]] = {
-                k: v[info.offset : info.end].clone() if _is_chunk_tensor(v, chunk) else v
-                for k, v in per_chunk[chunk].items()
-            }
-        return {
-            "params": params,
-            "param_group": {k: v for k, v in self.param_groups[0].items() if k != "params"},
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        return full_optim_state(self)
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
@@ -734,62 +704,7 @@ class GeminiOptimizer:
             ValueError: a parameter's size differs.
         """
         self._check_open("load_full_state_dict")
-        check_state_keys(f"{_API}.load_full_state_dict", full, ("params", "param_group", "scaler"))
-        module = self.module
-        module.drop_batch_for_load()
-        module.wait_updates()
-        names = [module.param_names[p] for p in self._trainable()]
-        missing = [n for n in names if n not in full["params"]]
-        if missing:
-            raise KeyError(f"{_API}.load_full_state_dict: no state for {missing[:5]}")
-        # Sizes are checked before the first master is written: a bad entry
-        # leaves the model and the optimizer as they were.
-        for chunk, _ in self.pairs:
-            for t, info in chunk.tensors_info.items():
-                name = module.param_names[t]
-                for k, v in full["params"][name].items():
-                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() != info.numel:
-                        raise ValueError(
-                            f"{_API}.load_full_state_dict: {name} has {v.numel()} elements in "
-                            f"the state ({k}), {info.numel} in the model"
-                        )
-        state: dict[int, dict[str, Any]] = {}
-        for i, (chunk, _) in enumerate(self.pairs):
-            master = self.masters[i]
-            whole: dict[str, Any] = {}
-            for t, info in chunk.tensors_info.items():
-                entry = full["params"][module.param_names[t]]
-                for k, v in entry.items():
-                    if not (torch.is_tensor(v) and v.dim() == 1):
-                        whole.setdefault(k, v.clone() if torch.is_tensor(v) else v)
-                        continue
-                    if v.numel() != info.end - info.offset:
-                        raise ValueError(
-                            f"{_API}.load_full_state_dict: {module.param_names[t]} has {v.numel()} "
-                            f"elements in the state, {info.end - info.offset} in the model"
-                        )
-                    buf = whole.setdefault(k, torch.zeros(chunk.chunk_size, dtype=v.dtype))
-                    buf[info.offset : info.end].copy_(v)
-            lo, hi = chunk.rank * chunk.shard_size, (chunk.rank + 1) * chunk.shard_size
-            mine = {
-                k: v[lo:hi].to(master.device) if _is_chunk_tensor(v, chunk) else v
-                for k, v in whole.items()
-            }
-            master.copy_(mine.pop("master"))
-            if mine:
-                state[i] = mine
-        hyper = dict(full["param_group"])
-        self.param_groups[0].update(hyper)
-        inner = {
-            **self.optimizer.param_groups[0],
-            **hyper,
-            "params": list(range(len(self.masters))),
-        }
-        self.optimizer.load_state_dict({"state": state, "param_groups": [inner]})
-        if self.scaler is not None and full["scaler"] is not None:
-            self.scaler.load_state_dict(full["scaler"])
-        for chunk, _ in self.pairs:
-            write_back(self.manager, chunk)
+        load_full_optim_state(self, full)
 
 
 # [Note: NVMe on the host tier] HybridAdam's nvme_offload_fraction puts on
@@ -850,21 +765,6 @@ def _close(pipeline: CpuStepPipeline, collector: CollectorSchedule) -> None:
 def _close_on_collect(stop_worker: Callable[[], None], collector: CollectorSchedule) -> None:
     stop_worker()
     collector.close()
-
-
-def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """The whole chunk from every rank's shard ``t``, on the CPU."""
-    if chunk.world_size == 1:
-        return t.detach().cpu().clone()
-    device = chunk.compute_device
-    out = torch.empty(chunk.chunk_size, dtype=t.dtype, device=device)
-    set_collective_label(f"gathering chunk {chunk.index}'s state for a checkpoint")
-    all_gather_into(out, t.detach().to(device), chunk.process_group)
-    return out.cpu()
-
-
-def _is_chunk_tensor(v: Any, chunk: Chunk) -> bool:
-    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == chunk.chunk_size
 
 
 def _restore(saved) -> None:
