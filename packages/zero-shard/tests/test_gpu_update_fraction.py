@@ -185,6 +185,45 @@ def test_a_checkpoint_moves_between_fractions():
     assert _train(back_model, back, steps=1, first=4) == _train(ref_model, ref, steps=1, first=4)
 
 
+class _Mixed(torch.nn.Module):
+    """A bf16 layer, then one kept in fp32: a bucket of each dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.low = torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+        self.high = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.high(self.low(x.bfloat16()).float())
+
+
+@pytest.mark.parametrize("master_weights", [True, False], ids=["fp32-masters", "no-masters"])
+def test_buckets_of_other_dtypes_step_in_staging_of_their_own(master_weights):
+    def run(fraction):
+        torch.manual_seed(0)
+        model = _Mixed()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        zero = ZeroOptimizer(
+            inner, cpu_offload=True, module=model, reduce_bucket_size=256,
+            gpu_update_fraction=fraction, master_weights=master_weights,
+        )  # fmt: skip
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            zero.backward(model(x).pow(2).mean())
+            assert zero.step()
+        zero.wait_updates()
+        return model, zero
+
+    ref_model, _ = run(0.0)
+    model, zero = run(1.0)
+    assert [b.shards[0].param.dtype for b in zero._order] == [torch.bfloat16, torch.float32]
+    assert all(b.lane is not None for b in zero._order)
+    # The fp32 layer's new values are not rounded through the bf16 layer's staging.
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(zero._lane._slots) == 2
+
+
 def test_without_cpu_offload_it_warns_and_does_nothing():
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)

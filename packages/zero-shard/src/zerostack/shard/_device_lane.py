@@ -33,8 +33,10 @@ before. A device-lane bucket:
   (a bucket of one larger parameter, an embedding say, crosses in several
   windows) and is taken again only after its copies back (an event the
   ``up`` stream waits for), so at most two windows are in flight, each
-  direction of PCIe busy at once, and the device holds two buckets' worth
-  of staging (``staging_bytes``: 14 B per element with bf16 parameters).
+  direction of PCIe busy at once, and the device holds two windows of
+  staging (``staging_bytes``: 14 B per element with bf16 parameters; two
+  more for each other pairing of master and parameter dtypes in the lane,
+  a model with fp32 and bf16 parameters say).
   The write-back then has nothing to copy at world size 1, and at N > 1
   all-gathers this rank's pieces from the parameters.
 
@@ -147,9 +149,11 @@ class DeviceLane:
         cuda = device.type == "cuda"
         self.up = torch.cuda.Stream(device) if cuda else None
         self.down = torch.cuda.Stream(device) if cuda else None
-        self._free = [torch.cuda.Event() if cuda else None for _ in range(_SLOTS)]
-        self._slots: list[tuple[torch.Tensor, ...]] = []
-        self._next = 0
+        # Staging per dtypes (master, moments, parameter), allocated at first
+        # use: buckets of another dtype than the first's step in their own.
+        self._slots: dict[tuple[torch.dtype, ...], list[tuple[torch.Tensor, ...]]] = {}
+        self._free: dict[tuple[torch.dtype, ...], list[Any]] = {}
+        self._next: dict[tuple[torch.dtype, ...], int] = {}
         # Staging slots hold a window of a bucket: a bucket larger (one
         # parameter above reduce_bucket_size) crosses in several.
         largest = max(b.piece_total for b in buckets)
@@ -193,7 +197,8 @@ class DeviceLane:
 
     def staging_bytes(self) -> int:
         """Bytes of the staging slots on the device (allocated at the first update)."""
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot)
+        slots = (slot for ring in self._slots.values() for slot in ring)
+        return sum(t.numel() * t.element_size() for slot in slots for t in slot)
 
     def start(self) -> None:
         """At ``step()``, before the updates are queued: the lane's copies and
@@ -209,22 +214,29 @@ class DeviceLane:
             self._last.synchronize()
 
     def _slot(self, bucket: _Bucket, numel: int) -> tuple[list[torch.Tensor], Any]:
-        """The next staging slot's four buffers, cut to ``numel``, and the
-        event its last copies back recorded."""
-        if not self._slots:
-            dtypes = (
-                bucket.lane.master.dtype,
-                torch.float32,
-                torch.float32,
-                bucket.shards[0].param.dtype,
-            )
-            self._slots = [
+        """The next staging slot of ``bucket``'s dtypes: its four buffers, cut
+        to ``numel``, and the event its last copies back recorded."""
+        dtypes = (
+            bucket.lane.master.dtype,
+            torch.float32,
+            torch.float32,
+            bucket.shards[0].param.dtype,
+        )
+        if dtypes not in self._slots:
+            ring = [
                 tuple(torch.empty(self._window, dtype=d, device=self.device) for d in dtypes)
                 for _ in range(_SLOTS)
             ]
-        i = self._next
-        self._next = (i + 1) % _SLOTS
-        return [t[:numel] for t in self._slots[i]], self._free[i]
+            if self.up is not None:  # freed with the lane: reused only after its copies
+                for t in (t for slot in ring for t in slot):
+                    t.record_stream(self.up)
+                    t.record_stream(self.down)
+            self._slots[dtypes] = ring
+            self._free[dtypes] = [torch.cuda.Event() if self.up is not None else None for _ in ring]
+            self._next[dtypes] = 0
+        i = self._next[dtypes]
+        self._next[dtypes] = (i + 1) % _SLOTS
+        return [t[:numel] for t in self._slots[dtypes][i]], self._free[dtypes][i]
 
     def _states(self, pairs: list[tuple[_Shard, torch.Tensor]], bucket: _Bucket) -> list:
         """Each updated shard's state, homed: a new one (zeros) or one that is
