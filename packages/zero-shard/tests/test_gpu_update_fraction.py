@@ -283,3 +283,42 @@ def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
     assert use <= ref_use + zero._lane.staging_bytes() + slack, (use, ref_use)
     _train(model, zero, steps=1, first=2)
     assert allocated() - base <= use + slack, "device memory grew per step"
+
+
+def _late_lane(monkeypatch, cycles=20_000_000):
+    """Every device-lane kernel and every copy back starts late (a GPU sleep
+    of ``cycles``, ~10 ms, on its stream): an order the lane left out lets
+    a forward, a reduction, a copy or a host read overtake it."""
+    import zerostack.fused_adam as fused
+    from zerostack.shard._device_lane import DeviceLane
+
+    kernel, store = fused.adam_update, DeviceLane._store
+
+    def late_kernel(*args, **kw):
+        torch.cuda._sleep(cycles)  # on the lane's up stream, the current one
+        kernel(*args, **kw)
+
+    def late_store(self, *args):
+        with torch.cuda.stream(self.down):
+            torch.cuda._sleep(cycles)
+        store(self, *args)
+
+    monkeypatch.setattr(fused, "adam_update", late_kernel)
+    monkeypatch.setattr(DeviceLane, "_store", late_store)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_late_device_lane_changes_nothing_on_cuda(monkeypatch):
+    # The same kernels on the same values: only the timing differs, so any
+    # missing wait (the forward for the parameters, the next backward's
+    # reduction for the gradients, the next step's copies in and the state
+    # dict for the copies back) shows as a difference, bitwise.
+    model, zero, losses = _cuda_runs(0.5, torch.bfloat16)
+    state = copy.deepcopy(zero.state_dict())
+    _late_lane(monkeypatch)
+    late_model, late, late_losses = _cuda_runs(0.5, torch.bfloat16)
+    assert late_losses == losses
+    for a, b in zip(late_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    _same_state(late.state_dict(), state, "late lane")
