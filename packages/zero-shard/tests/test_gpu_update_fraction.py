@@ -286,13 +286,19 @@ def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
 
 
 def _late_lane(monkeypatch, cycles=20_000_000):
-    """Every device-lane kernel and every copy back starts late (a GPU sleep
-    of ``cycles``, ~10 ms, on its stream): an order the lane left out lets
-    a forward, a reduction, a copy or a host read overtake it."""
+    """Every gradient reduction, device-lane kernel and copy back starts
+    late (a GPU sleep of ``cycles``, ~10 ms, on its stream): an order the
+    lane left out lets its kernel overtake the reduction, or a forward, a
+    reduction, a copy or a host read overtake the lane."""
     import zerostack.fused_adam as fused
+    from zerostack.shard import _reduction
     from zerostack.shard._device_lane import DeviceLane
 
-    kernel, store = fused.adam_update, DeviceLane._store
+    kernel, store, pack = fused.adam_update, DeviceLane._store, _reduction.pack_grads
+
+    def late_pack(*args):
+        torch.cuda._sleep(cycles)  # on the reduction's stream, after its buffer is zeroed
+        pack(*args)
 
     def late_kernel(*args, **kw):
         torch.cuda._sleep(cycles)  # on the lane's up stream, the current one
@@ -305,6 +311,7 @@ def _late_lane(monkeypatch, cycles=20_000_000):
 
     monkeypatch.setattr(fused, "adam_update", late_kernel)
     monkeypatch.setattr(DeviceLane, "_store", late_store)
+    monkeypatch.setattr(_reduction, "pack_grads", late_pack)
 
 
 def _late_lane_run(rank, world):
