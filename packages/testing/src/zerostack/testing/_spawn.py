@@ -40,7 +40,9 @@ _STARTUP_TIMEOUT_S = 60.0
 _DEADLINE_SLACK_S = 3.0
 # Once a rank has failed, the others get this long to finish or report their own
 # error (gloo peers of a dead rank fail fast; NCCL peers would hang to the timeout).
-_FAILURE_GRACE_S = 2.0
+# Only a peer that hangs waits it out; 2 s cut off the reports of ranks that were
+# merely slow on a loaded 2-core machine.
+_FAILURE_GRACE_S = 10.0
 # Between SIGTERM and SIGKILL.
 _TERMINATE_GRACE_S = 2.0
 # How long to wait for a stuck rank to write its stack dump after SIGUSR1.
@@ -405,6 +407,7 @@ def _supervise(
         if not running and len(started) == len(procs):
             running = True
             deadline = now + timeout_s + slack_s
+            logger.debug("spawn: every rank started; timeout_s counts from here")
         alive = [r for r in range(len(procs)) if r not in done]
         if not alive:
             break
