@@ -29,6 +29,7 @@ class _Case:
 
     base: float
     backend: str = "gloo"
+    wait_policy: str = "PASSIVE"  # OMP_WAIT_POLICY the ranks must see
 
 
 def _record_group_state_at_exit(path: str, rank: int) -> None:
@@ -59,16 +60,24 @@ def _all_reduce_sums(rank: int, world_size: int, case: _Case, path: str = "") ->
         raise AssertionError(f"rank {rank}: all_reduce gave {t.tolist()}, expected {expected}")
     if torch.get_num_threads() != max(1, len(os.sched_getaffinity(0)) // world_size):
         raise AssertionError(f"rank {rank}: {torch.get_num_threads()} threads")
+    if os.environ.get("OMP_WAIT_POLICY") != case.wait_policy:
+        raise AssertionError(f"rank {rank}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
 
 
-def test_all_reduce_sums_across_two_ranks(tmp_path) -> None:
+def test_all_reduce_sums_across_two_ranks(tmp_path, monkeypatch) -> None:
+    # Ranks get OpenMP threads that sleep (see [Note: OpenMP threads that
+    # sleep]); the parent's environment is left as it was.
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     case = _Case(base=10.0)
     spawn(_all_reduce_sums, 2, args=(case, str(tmp_path / "state")), backend=case.backend)
     _assert_groups_destroyed(tmp_path / "state", 2)
+    assert "OMP_WAIT_POLICY" not in os.environ
 
 
-def test_world_size_one_is_a_real_group_and_partials_work() -> None:
-    spawn(functools.partial(_all_reduce_sums, case=_Case(base=3.0)), 1, backend="gloo")
+def test_world_size_one_is_a_real_group_and_partials_work(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice is kept
+    case = _Case(base=3.0, wait_policy="ACTIVE")
+    spawn(functools.partial(_all_reduce_sums, case=case), 1, backend="gloo")
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch) -> None:
