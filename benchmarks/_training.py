@@ -360,19 +360,19 @@ def print_table(
 def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict | str:
     """The floor of an offloaded row (one with ``host_numel``) from the plain
     row of the same run (its forward and backward, all on the GPU), or why
-    there is none. The updates of GPU-held masters (``gpu_numel``) are added
-    to backward at the GPU's Adam rate. See [Note: step-time floor] in
+    there is none. See [Note: step-time floor] in
     zero-shard's ``_step_model.py``."""
     if plain_row is None or "error" in plain_row:
         return "n/a (no plain row in this run)"
-    backward = plain_row["fwd_bwd_s"] - plain_row["fwd_s"]
-    if row.get("gpu_numel") and profile.gpu_adam_params_s is not None:
-        backward += row["gpu_numel"] / profile.gpu_adam_params_s
     disk = row.get("disk_bytes", 0)
-    est = step_floor(
-        profile, forward_s=plain_row["fwd_s"], backward_s=backward, host_numel=row["host_numel"],
-        disk_read_bytes=disk, disk_write_bytes=disk,
-    )  # fmt: skip
+    try:
+        est = step_floor(
+            profile, forward_s=plain_row["fwd_s"],
+            backward_s=plain_row["fwd_bwd_s"] - plain_row["fwd_s"], host_numel=row["host_numel"],
+            gpu_numel=row.get("gpu_numel", 0), disk_read_bytes=disk, disk_write_bytes=disk,
+        )  # fmt: skip
+    except ValueError as exc:  # a figure the profile lacks: the row says which
+        return f"n/a ({exc})"
     best = est.split if est.split is not None and est.split.step_s < est.cpu_only.step_s else None
     return dict(
         floor_s=est.floor_s,

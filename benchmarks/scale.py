@@ -27,6 +27,11 @@ One configuration per run (a model of billions of parameters is built once):
     python benchmarks/scale.py --params 8B --nvme-fraction 1 --nvme-dir /data
     python benchmarks/scale.py --params 5B --nvme-fraction 0
     python benchmarks/scale.py --smoke                 # CPU, tiny: checks the script
+    python benchmarks/scale.py --params 8B --batch-size 8 --plain-tflops TFLOPS --machine m.json
+
+With ``--plain-tflops`` (what plain PyTorch reaches on a model that fits,
+benchmarks/gemini.py's TFLOPS column) the run's share of it is printed; with
+``--machine`` too (benchmarks/machine.py's profile), the step's floor.
 
 The peer of this benchmark is the raw disk, and the target the bytes per
 parameter (issue 12: at most 14 B/param with states in RAM, 6 with them on
@@ -57,6 +62,7 @@ import torch
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import HOST_OWNERS, GeminiDDP, GeminiOptimizer, rss_bytes
+from zerostack.shard import MachineProfile, step_floor
 from zerostack.testing import GPTConfig, TinyGPT
 
 HYPER = dict(lr=1e-4, weight_decay=0.1)
@@ -358,6 +364,41 @@ def train(a, config, ddp, opt, device) -> dict:
     )
 
 
+def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes: int) -> list[str]:
+    """TFLOPS by the training benchmarks' formula (model FLOPs 6N + 12 L d s
+    per token, recomputation not counted), its share of ``--plain-tflops``,
+    and with ``--machine`` the step's floor: forward and backward as plain
+    PyTorch would take them at ``--plain-tflops`` (the forward a quarter of
+    it: 2N of the 8N FLOPs per token a step with activation checkpointing
+    runs), the updates as [Note: step-time floor] in zero-shard says."""
+    per_token = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
+    tflops = r["tokens_s"] * per_token / 1e12
+    lines = [f"- {tflops:.2f} TFLOPS (6N + 12 L d s per token)"]
+    if a.plain_tflops is None:
+        return lines + ["- no --plain-tflops: no share of plain PyTorch's TFLOPS, no floor"]
+    lines[0] += f": {tflops / a.plain_tflops:.1%} of plain PyTorch's {a.plain_tflops:g}"
+    if a.machine is None:
+        return lines + ["- no --machine PROFILE.json: no floor"]
+    host = sum(c.shard_size for c in ddp.offloaded_masters)
+    every = sum(c.shard_size for c in ddp.chunk_manager.chunks("fp32"))
+    compute = a.batch_size * a.seq_len * per_token / (a.plain_tflops * 1e12)
+    try:
+        est = step_floor(
+            MachineProfile.load(a.machine), forward_s=compute / 4, backward_s=compute * 3 / 4,
+            host_numel=host, gpu_numel=every - host, disk_read_bytes=disk_bytes,
+            disk_write_bytes=disk_bytes,
+        )  # fmt: skip
+    except ValueError as exc:
+        return lines + [f"- no floor: {exc}"]
+    best = est.split if est.split is not None and est.split.step_s < est.cpu_only.step_s else None
+    share = f", {best.gpu_fraction:.2f} of the host-held updates on the GPU" if best else ""
+    lines.append(
+        f"- floor {est.floor_s:.3f} s (bound: {(best or est.cpu_only).bound}{share}; CPU-only "
+        f"floor {est.cpu_only.step_s:.3f} s); achieved / floor {r['step_s'] / est.floor_s:.2f}x"
+    )
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -407,6 +448,17 @@ def main() -> int:
         action="store_true",
         help="tiny model on the CPU, 0.02 GB raw test: checks the script",
     )
+    ap.add_argument(
+        "--plain-tflops", type=float, default=None,
+        help="the TFLOPS plain PyTorch reaches on a model that fits the GPU (the TFLOPS column of "
+        "benchmarks/gemini.py --only plain): the table gives this run's share of it, and with "
+        "--machine the step's floor",
+    )  # fmt: skip
+    ap.add_argument(
+        "--machine", default=None, metavar="PROFILE.json",
+        help="a MachineProfile written by benchmarks/machine.py: with --plain-tflops, the floor "
+        "of this step (zerostack.shard.step_floor) and achieved / floor",
+    )  # fmt: skip
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
     if a.smoke:
@@ -501,6 +553,7 @@ def main() -> int:
         f"{k} {hb.per_param(hb.owners[k]):.2f}" for k in HOST_OWNERS if hb.owners[k]
     ))  # fmt: skip
     print(f"final loss {r['loss']:.4f}")
+    print("\n".join(throughput_and_floor(a, config, n, r, ddp, on_disk)))
     opt.close()
     return 0
 

@@ -22,6 +22,7 @@ and optimizer step (synchronised between them). Median of --steps after
 
     torchrun --nproc-per-node 1 benchmarks/zero_shard.py     # or plain python
     python benchmarks/zero_shard.py --layers 4 --steps 3     # quick
+    python benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3
 """
 
 from __future__ import annotations
@@ -35,13 +36,16 @@ import torch.distributed as dist
 from zerostack.shard import ZeroOptimizer
 
 
-def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> dict:
+def zero(
+    config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0
+) -> dict:
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), fused=not offload, **T.HYPER),
         stage=2,
         cpu_offload=offload,
         overlap_cpu_step=overlap,
+        max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -54,6 +58,8 @@ def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> d
     label = "ZeRO-2 (bf16 params, fp32 masters)"
     if offload:
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
+    if max_norm > 0:
+        label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     if zopt._pipe is not None:  # per step, warm-up included
         result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
@@ -64,20 +70,31 @@ def zero(config, batch, steps, warmup, offload: bool, overlap: bool = True) -> d
 
 
 def main() -> int:
-    ready = T.setup(__doc__, "plain,zero2,zero2_offload,zero2_offload_sync,fsdp2_offload")
+    def extra(ap):
+        ap.add_argument(
+            "--max-norms", default="0",
+            help="comma-separated max_norm values for the ZeRO-2 rows, one row each (0: no "
+            "clipping; plain PyTorch and FSDP2 do not clip)",
+        )  # fmt: skip
+
+    ready = T.setup(__doc__, "plain,zero2,zero2_offload,zero2_offload_sync,fsdp2_offload", extra)
     if ready is None:
         return 2
     a, args = ready
     results: list[dict] = []
     wanted = a.only.split(",")
+    norms = [float(n) for n in a.max_norms.split(",") if n]
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
-        T.measure(results, wanted, "zero2", lambda: zero(*args, offload=False), run)
-        T.measure(results, wanted, "zero2_offload", lambda: zero(*args, offload=True), run)
-        T.measure(
-            results, wanted, "zero2_offload_sync",
-            lambda: zero(*args, offload=True, overlap=False), run,
-        )  # fmt: skip
+        for norm in norms:
+            T.measure(results, wanted, "zero2", lambda n=norm: zero(*args, False, max_norm=n), run)
+            T.measure(
+                results, wanted, "zero2_offload", lambda n=norm: zero(*args, True, max_norm=n), run
+            )
+            T.measure(
+                results, wanted, "zero2_offload_sync",
+                lambda n=norm: zero(*args, True, overlap=False, max_norm=n), run,
+            )  # fmt: skip
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(
         "ZeRO-2 on one GPU",

@@ -10,7 +10,9 @@ plain lines (they read the same in a log as on a terminal). At the end the
 run directory it prints holds:
 
 - ``summary.json`` and the closing summary: tokens/s, peak memory per
-  device, where the chunks were placed and the chunk size chosen;
+  device, where the chunks were placed and the chunk size chosen, and on a
+  GPU with ``--machine PROFILE.json`` (from benchmarks/machine.py) the
+  step's floor and achieved / floor;
 - ``chunks.txt``: every chunk, where it lives, its bytes on each tier;
 - ``memory_timeline.txt`` (and ``memory_timeline.png`` with matplotlib,
   ``pip install 'zerostack-gemini[plot]'``): the bytes on GPU, pinned host,
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +43,7 @@ from torch.utils.data import Dataset
 
 from zerostack.booster import Booster, GeminiPlugin, launch_from_torch
 from zerostack.fused_adam import HybridAdam
+from zerostack.shard import MachineProfile, step_floor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,6 +92,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--run-dir", default=None, help="default: runs/<date-time> in the repo")
     parser.add_argument("--resume", default=None, help="a state/ dir a previous run wrote")
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps (CI)")
+    parser.add_argument("--machine", default=None, metavar="PROFILE.json",
+                        help="a MachineProfile written by benchmarks/machine.py: on a GPU, the "
+                             "summary gives the step's floor and achieved / floor")  # fmt: skip
     return parser.parse_args()
 
 
@@ -176,6 +183,51 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return peak
 
 
+def plain_times(shape: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Median forward and backward seconds of the same model all on the GPU,
+    as plain PyTorch runs it (fp32 parameters, bf16 autocast): the compute
+    terms of the step's floor."""
+    model = gpt2(**shape, vocab=256).to(x.device)
+    fwd, bwd = [], []
+    for i in range(7):  # 2 warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = next_token_loss(model(input_ids=x).logits, y)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        loss.backward()
+        torch.cuda.synchronize()
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def step_floor_of(args, shape: dict, batch, ddp, nvme_bytes: int, step_s: float) -> dict:
+    """The step's floor ([Note: step-time floor] in zerostack.shard) from
+    ``--machine``'s profile, or why there is none."""
+    if args.machine is None:
+        return {"why_not": "give --machine PROFILE.json (benchmarks/machine.py) for it"}
+    if batch[0].device.type != "cuda":
+        return {
+            "why_not": "the floor models offloaded steps on a GPU; this run computes on the CPU"
+        }
+    forward_s, backward_s = plain_times(shape, *batch)
+    host = sum(c.shard_size for c in ddp.offloaded_masters)
+    every = sum(c.shard_size for c in ddp.chunk_manager.chunks("fp32"))
+    try:
+        est = step_floor(
+            MachineProfile.load(args.machine), forward_s=forward_s, backward_s=backward_s,
+            host_numel=host, gpu_numel=every - host, disk_read_bytes=nvme_bytes,
+            disk_write_bytes=nvme_bytes,
+        )  # fmt: skip
+    except ValueError as error:
+        return {"why_not": str(error)}
+    return {"floor_s": est.floor_s, "step_s": step_s, "achieved_over_floor": step_s / est.floor_s,
+            "plain_forward_s": forward_s, "plain_backward_s": backward_s}  # fmt: skip
+
+
 def train(args, rank, world, device, run_dir) -> dict:
     booster, model, optimizer, scheduler, loader, (shape, seq, n_params) = build(
         args, device, run_dir, rank
@@ -217,6 +269,8 @@ def train(args, rank, world, device, run_dir) -> dict:
                       f"lr {scheduler.get_last_lr()[0]:.2e}  {rate:,.0f} tokens/s")  # fmt: skip
     elapsed = time.perf_counter() - t0
     booster.save_state(run_dir / "state", model, optimizer, scheduler, loader)
+    nvme_bytes = getattr(inner.optimizer, "nvme_bytes_on_disk", lambda: 0)()
+    step_s = elapsed / (args.steps - start_step)  # data loading and logging included
     return {
         "steps": args.steps - start_step,
         "seconds": elapsed,
@@ -225,7 +279,8 @@ def train(args, rank, world, device, run_dir) -> dict:
         "loss_last": sum(losses[-5:]) / len(losses[-5:]),
         "ddp": ddp,
         "timeline": timeline,
-        "nvme_bytes": getattr(inner.optimizer, "nvme_bytes_on_disk", lambda: 0)(),
+        "nvme_bytes": nvme_bytes,
+        "floor": step_floor_of(args, shape, (x, y), ddp, nvme_bytes, step_s),
     }
 
 
@@ -262,6 +317,12 @@ def report(rank: int, result: dict, device: torch.device, run_dir: Path) -> None
     for where, e in placement.items():
         print(f"  {where:<20} {e['chunks']:>3} chunks {e['bytes'] / 2**20:8.2f} MB")
     print(f"  optimizer states on disk {result['nvme_bytes'] / 2**20:8.2f} MB")
+    floor = result["floor"]
+    if "why_not" in floor:
+        print(f"step floor: not computed ({floor['why_not']})")
+    else:
+        print(f"step floor {floor['floor_s']:.4f} s; mean step {floor['step_s']:.4f} s, "
+              f"achieved / floor {floor['achieved_over_floor']:.2f}x")  # fmt: skip
     print(f"run directory: {run_dir} ({', '.join(files)}, summary.json, state/)", flush=True)
 
 

@@ -30,6 +30,14 @@
 #                              cpu_checkpointing under from_deepspeed_config: peak GPU bytes with and
 #                              without it, GPT-2 XL shape, ARGS passed on), after the booster-api GPU
 #                              tests of it
+#   tools/device.sh floor [PART...]  how far offloaded steps are from their floor (zerostack.shard.step_floor):
+#                              clipped, against plain PyTorch in the same process; PARTs in order (default all):
+#       profile  benchmarks/machine.py --json $PROFILE (default /tmp/zerostack_machine.json, kept while
+#                the machine stays warm; copied to $OUT); the other parts reuse it, measuring it first if absent
+#       zero     benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3
+#       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
+#       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
+#       main     the main job on the GPU with --machine (its summary's floor line)
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -189,6 +197,35 @@ solver)
     done
   fi
   tar czf "$OUT/solver_logs.tgz" -C "$logs" . && rm -r "$logs"
+  ;;
+floor)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  PROFILE="${PROFILE:-/tmp/zerostack_machine.json}"
+  for part in ${*:-profile zero gpt4b llama main}; do
+    if [ "$part" = profile ] || [ ! -f "$PROFILE" ]; then
+      timeout 300 python3 benchmarks/machine.py --json "$PROFILE" --disk-dir /tmp > "$OUT/machine_profile.log" 2>&1
+      echo "machine.py exit $?"; tail -25 "$OUT/machine_profile.log"; cp "$PROFILE" "$OUT/" 2>/dev/null
+    fi
+    M=(--machine "$PROFILE")
+    case "$part" in
+    profile) ;;
+    zero)
+      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3 "${M[@]}" \
+        > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
+    gpt4b)
+      timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 --only plain,gemini_auto \
+        --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+    llama)
+      timeout 400 python3 benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 \
+        --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+    main)
+      rm -rf /tmp/floor_job
+      timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \
+        > "$OUT/floor_main.log" 2>&1; echo "exit $?"; grep -A12 "== summary" "$OUT/floor_main.log" ;;
+    *) echo "tools/device.sh floor: unknown part '$part'" >&2; exit 2 ;;
+    esac
+  done
   ;;
 cpu-checkpointing)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -4,6 +4,9 @@ and the collector runs on the wrappers' schedule, not at random steps."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -133,3 +136,33 @@ def test_the_hooks_look_no_tensor_up_by_hash(monkeypatch):
     opt.step()
     # The old hooks looked every parameter up about 15 times in forward and backward.
     assert 0 < calls[0] <= 2 * len(ddp.params), (calls[0], len(ddp.params))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [CASES["offload"], dict(placement_policy="auto", gpu_capacity_bytes=10**5)],
+    ids=["static-offload", "auto-small-capacity"],
+)
+def test_a_dropped_model_and_optimizer_are_freed_with_updates_pending(kwargs):
+    # Their finalizer once held the CPU-step pipeline, whose pending updates
+    # hold the optimizer (and through it the model): masters, states, chunks
+    # and the worker thread stayed for the rest of the process.
+    before = set(threading.enumerate())
+    step, opt = _trainer(kwargs)
+    step()
+    ddp = opt.module
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=1)
+    opt.backward(ddp(idx, tgt).float())
+    opt.step()  # no wait_updates(): the updates stay held until the next forward
+    assert opt.pipeline.updates.held, "no update left pending: the test would not cover the leak"
+    workers = [t for t in threading.enumerate() if t not in before]
+    alive = [weakref.ref(opt), weakref.ref(ddp)]
+    del step, opt, ddp
+    deadline = time.monotonic() + 30  # an update still running holds them until it ends
+    while any(r() is not None for r in alive) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert [r() is None for r in alive] == [True, True]
+    for thread in workers:
+        thread.join(30)
+    assert [t.is_alive() for t in workers] == [False] * len(workers)

@@ -6,8 +6,11 @@ from __future__ import annotations
 import collections
 import gc
 import importlib.util
+import threading
+import time
 import weakref
 
+import pytest
 import torch
 
 from zerostack.shard import ZeroOptimizer
@@ -132,3 +135,40 @@ def _dropped(rank, world):
 
 def test_a_dropped_model_and_optimizer_free_their_parameters_and_masters():
     spawn(_dropped, 1, backend="gloo", timeout_s=120)
+
+
+def _freed_within(refs: list, seconds: float = 30.0) -> bool:
+    """Collect until every weak reference is dead (an update still running
+    on the worker holds its optimizer until it ends), or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        gc.collect()
+        if all(r() is None for r in refs):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _dropped_with_updates_pending(rank, world):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG).to(torch.bfloat16)
+    before = set(threading.enumerate())
+    zero = ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), stage=2, cpu_offload=True, module=model
+    )
+    _train_step(model, zero, 0, rank)  # step() returns with the updates queued on the worker
+    assert zero._pipe.held, "no update left pending: the test would not cover the leak"
+    worker = [t for t in threading.enumerate() if t not in before]
+    alive = [weakref.ref(zero), weakref.ref(zero.shards[0].master)]
+    del model, zero
+    # The optimizer's finalizer once held its pipeline, whose pending updates
+    # hold the optimizer: masters, states and the worker thread were never freed.
+    assert _freed_within(alive), [r() is None for r in alive]
+    for thread in worker:
+        thread.join(30)
+    assert [t.is_alive() for t in worker] == [False] * len(worker)
+
+
+@pytest.mark.skipif(not HAVE_FUSED_ADAM, reason="cpu_offload steps with zerostack-fused-adam")
+def test_a_dropped_cpu_offload_optimizer_is_freed_with_updates_pending():
+    spawn(_dropped_with_updates_pending, 1, backend="gloo", timeout_s=120)

@@ -224,3 +224,14 @@ def test_traffic_without_its_bandwidth_raises() -> None:
     no_disk = dataclasses.replace(PROFILE, disk_write_bytes_s=None)
     with pytest.raises(ValueError, match=r"disk_write_bytes is 1e\+06 .* \(got None\)"):
         step_floor(no_disk, **STEP, disk_write_bytes=1e6)
+
+
+def test_gpu_held_updates_lengthen_the_backward_at_the_gpu_adam_rate() -> None:
+    base = step_floor(CPU_ONLY, **STEP).cpu_only
+    with pytest.raises(ValueError, match=r"gpu_numel is 1e\+09 .* no gpu_adam_params_s"):
+        step_floor(CPU_ONLY, **STEP, gpu_numel=10**9)
+    with_gpu = dataclasses.replace(CPU_ONLY, gpu_adam_params_s=100e9)
+    f = step_floor(with_gpu, **STEP, gpu_numel=10**9).cpu_only
+    assert f.backward_s == pytest.approx(base.backward_s + 0.01)  # 1e9 / 100 G params/s
+    assert f.step_s == pytest.approx(base.step_s + 0.01)
+    assert step_floor(with_gpu, **STEP, gpu_numel=0).cpu_only == base

@@ -6,7 +6,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -132,7 +132,9 @@ class GeminiOptimizer:
         self._div_scale = takes_div_scale(optimizer)
         self._copy_out = hasattr(optimizer, "set_copy_out")
         self.collector = collector
-        weakref.finalize(self, _close, self.pipeline, self.collector)  # the one finalizer
+        # The one finalizer; it holds neither self nor the pipeline, whose
+        # held updates hold self (then neither would ever be freed).
+        weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
         self._bind_masters()
@@ -751,6 +753,11 @@ def _raise_first(errors: list[CpuStepError]) -> None:
 
 def _close(pipeline: CpuStepPipeline, collector: CollectorSchedule) -> None:
     pipeline.close()
+    collector.close()
+
+
+def _close_on_collect(stop_worker: Callable[[], None], collector: CollectorSchedule) -> None:
+    stop_worker()
     collector.close()
 
 

@@ -232,6 +232,19 @@ class CpuUpdatePipeline:
             self._executor.shutdown(wait=not on_worker())
             self._executor = None
 
+    def closer(self) -> Callable[[], None]:
+        """What stops the worker without holding this pipeline, for the
+        owner's ``weakref.finalize``: the pipeline's held updates hold the
+        owner (bound methods), so a finalizer holding the pipeline would
+        keep the owner, its masters and states alive for the whole process."""
+        executor = self._executor
+
+        def stop() -> None:
+            if executor is not None:  # shutting down twice is harmless
+                executor.shutdown(wait=not on_worker())
+
+        return stop
+
     def submit(self, key: int, update: Callable[..., None], *args: Any) -> bool:
         """Queue ``update(*args)`` under ``key``; inline, run it now. False
         when it failed inline (kept: see [Note: a failed CPU update])."""

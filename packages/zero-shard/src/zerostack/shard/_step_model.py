@@ -54,9 +54,9 @@ bandwidths; the floor is the lower of the two. The copies' "both ways at
 once" figures without CPU Adam (``*_both_*``) are measured and kept for
 reading, not used here: during the update phase CPU Adam always runs.
 
-Left out: several ranks on one host share its memory bandwidth and PCIe
-(give per-rank figures), updates of GPU-resident parameters (add them to
-``backward_s``), the all-gather of updated parameters at world size > 1,
+Updates of GPU-resident masters (``gpu_numel``) run in the GPU's Adam
+and are added to the backward. Left out: several ranks on one host share
+its memory bandwidth and PCIe (give per-rank figures), the all-gather of updated parameters at world size > 1,
 and the GPU time that streaming steals from the forward it hides behind.
 """
 
@@ -297,6 +297,11 @@ def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -
                 f"per parameter {way.upper()} but the profile has no {way}_bytes_s (got None); "
                 f"{_HOW} on a CUDA machine"
             )
+    if amounts["gpu_numel"] > 0 and profile.gpu_adam_params_s is None:
+        raise ValueError(
+            f"step_floor: gpu_numel is {amounts['gpu_numel']:g} but the profile has no "
+            f"gpu_adam_params_s (got None); {_HOW} on a CUDA machine"
+        )
     for kind in ("read", "write"):
         amount = amounts[f"disk_{kind}_bytes"]
         if amount > 0 and getattr(profile, f"disk_{kind}_bytes_s") is None:
@@ -312,6 +317,7 @@ def step_floor(
     forward_s: float,
     backward_s: float,
     host_numel: int,
+    gpu_numel: int = 0,
     h2d_bytes_per_param: float = 2,
     d2h_bytes_per_param: float = 2,
     disk_read_bytes: float = 0,
@@ -326,6 +332,9 @@ def step_floor(
         forward_s: the model's forward, all on the GPU, seconds.
         backward_s: its backward, all on the GPU, seconds.
         host_numel: parameters (this rank's) whose masters and states live on the host.
+        gpu_numel: parameters (this rank's) whose masters and states live on
+            the GPU: their updates run in the GPU's Adam at
+            ``gpu_adam_params_s`` and are added to the backward. Default 0.
         h2d_bytes_per_param: parameter bytes copied to the GPU per update. Default 2 (bf16).
         d2h_bytes_per_param: gradient bytes copied to the host per update. Default 2 (bf16).
         disk_read_bytes: Adam-state bytes read from disk per step. Default 0.
@@ -347,12 +356,13 @@ def step_floor(
             MachineProfile.
     """
     amounts = dict(
-        forward_s=forward_s, backward_s=backward_s, host_numel=host_numel,
+        forward_s=forward_s, backward_s=backward_s, host_numel=host_numel, gpu_numel=gpu_numel,
         h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
         disk_read_bytes=disk_read_bytes, disk_write_bytes=disk_write_bytes,
         forward_hide_fraction=forward_hide_fraction,
     )  # fmt: skip
     _check_inputs(profile, amounts, clip_before_update)
+    backward_s += _secs(gpu_numel, profile.gpu_adam_params_s)
     disk_s = _secs(disk_read_bytes, profile.disk_read_bytes_s) + _secs(
         disk_write_bytes, profile.disk_write_bytes_s
     )
