@@ -7,6 +7,7 @@ the survivor itself), gloo."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import time
 
 SCRIPT = textwrap.dedent(
     """
-    import os, signal
+    import os, signal, time
     import torch
     from zerostack.booster import launch_from_torch
     from zerostack.fused_adam import HybridAdam
@@ -34,7 +35,7 @@ SCRIPT = textwrap.dedent(
         idx, tgt = make_batch(config, 2, 16, seed=10 * step + rank)
         loss = ddp(idx, tgt)
         if step == 2 and rank == 1:
-            print("rank 1 killing itself mid-step", flush=True)
+            print(f"rank 1 killing itself mid-step at {time.time()}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         opt.backward(loss)
         opt.step()
@@ -69,18 +70,20 @@ def test_a_rank_killed_mid_step_makes_the_other_fail_not_hang(tmp_path):
                 start_new_session=True,
             )
         )
-    start = time.monotonic()
     try:
-        out0, _ = procs[0].communicate(timeout=90)
+        out0, _ = procs[0].communicate(timeout=180)
+        ended = time.time()
         out1, _ = procs[1].communicate(timeout=30)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
-    elapsed = time.monotonic() - start
-    assert procs[1].returncode == -9 and "killing itself" in out1, out1
-    # The survivor ends with an error of its own (within the 20 s timeout
-    # plus start-up), and never reaches the end of training.
+    killed = re.search(r"killing itself mid-step at ([0-9.]+)", out1)
+    assert procs[1].returncode == -9 and killed, out1
+    # The survivor ends with an error of its own within the 20 s timeout (and
+    # its exit) of the kill, and never reaches the end of training. Counted
+    # from the kill: start-up takes tens of seconds on a loaded machine.
     assert procs[0].returncode not in (0, None), out0
     assert "rank 0 finished" not in out0 and "Traceback" in out0, out0
-    assert elapsed < 80, f"the surviving rank took {elapsed:.0f} s to fail"
+    elapsed = ended - float(killed.group(1))
+    assert elapsed < 50, f"the surviving rank took {elapsed:.0f} s to fail"

@@ -162,24 +162,30 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path, caplog):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-# Each child waits for GO, then saves its own model (seeded by its argument)
-# to PATH; its write is slowed so that the two saves overlap.
+# Each child saves its own model (seeded by its argument) to PATH once GO
+# exists, having created READY; its write waits for RELEASE, so that the
+# first save holds the lock until the parent has seen the other one end.
 CHILD = r"""
 import os, sys, time, torch
-path, go, seed = sys.argv[1:]
+path, ready, go, release, seed = sys.argv[1:]
 from zerostack.booster import Booster, CheckpointSaveError, _checkpoint_dcp
 from zerostack.testing import GPTConfig, TinyGPT
 
+def wait_for(name):
+    deadline = time.monotonic() + 120
+    while not os.path.exists(name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
 real = _checkpoint_dcp.save
-def slow(*args, **kwargs):
-    time.sleep(3.0)
+def held(*args, **kwargs):
+    wait_for(release)
     return real(*args, **kwargs)
-_checkpoint_dcp.save = slow
+_checkpoint_dcp.save = held
 torch.manual_seed(int(seed))
 booster = Booster(device="cpu")
 model, *_ = booster.boost(TinyGPT(GPTConfig(bias=False, vocab_size=64, dim=16)))
-while not os.path.exists(go):
-    time.sleep(0.01)
+open(ready, "w").close()
+wait_for(go)
 try:
     booster.save_model(model, path, shard=True)
 except CheckpointSaveError as exc:
@@ -189,12 +195,28 @@ print(os.getpid())
 """
 
 
+def _wait_until(done, procs, what: str, timeout_s: float = 120.0) -> None:
+    """Poll ``done()``; fail when a child exits first or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        if exited or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            outs = [p.communicate() for p in procs]
+            pytest.fail(f"{what} (exit codes {exited}): {outs}")
+        time.sleep(0.01)
+
+
 def test_two_processes_saving_to_one_path_at_once(tmp_path):
-    path, go = tmp_path / "ckpt", tmp_path / "go"
+    path, ctl = tmp_path / "ckpt", tmp_path / "ctl"
+    ctl.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(path), str(go), str(seed)],
+            [sys.executable, "-c", CHILD, str(path)]
+            + [str(ctl / name) for name in (f"ready{seed}", "go", "release")]
+            + [str(seed)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -202,8 +224,15 @@ def test_two_processes_saving_to_one_path_at_once(tmp_path):
         )
         for seed in (1, 2)
     ]
-    time.sleep(0.5)
-    go.touch()
+    # Both start saving only once both have imported torch and built their model.
+    _wait_until(lambda: all((ctl / f"ready{s}").exists() for s in (1, 2)), procs, "not ready")
+    (ctl / "go").touch()
+    # The first save holds the lock (its write waits) until the other ended;
+    # without a lock both would wait in their writes, then both succeed.
+    deadline = time.monotonic() + 60
+    while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (ctl / "release").touch()
     outs = [p.communicate(timeout=180) for p in procs]
     codes = [p.returncode for p in procs]
     assert sorted(codes) == [0, 3], (codes, outs)
@@ -214,7 +243,7 @@ def test_two_processes_saving_to_one_path_at_once(tmp_path):
         rf"the lock .*\.ckpt\.lock held by pid {outs[winner][0].strip()} on host ",
         loser_err,
     ), loser_err
-    assert sorted(os.listdir(tmp_path)) == ["ckpt", "go"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ctl"]
     torch.manual_seed(1 + winner)
     expected = TinyGPT(GPTConfig(bias=False, vocab_size=64, dim=16)).state_dict()
     torch.manual_seed(9)

@@ -223,3 +223,36 @@ def test_a_state_of_another_model_is_refused(plugin):
     model_state = model.full_state_dict()
     with pytest.raises((KeyError, RuntimeError), match=r"lm_head.weight"):
         model.load_full_state_dict({k: v for k, v in model_state.items() if k != "lm_head.weight"})
+
+
+def test_loading_the_optimizer_while_an_update_runs_keeps_its_masters():
+    """LowLevelZeroPlugin(cpu_offload=True): ``step()`` returns with updates
+    still running on the worker; loading the optimizer then (its masters
+    keep their values) waits for them before it reads the masters, so the
+    step is not taken back."""
+    import threading
+
+    def boosted():
+        plugin = LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True)
+        return _boost(plugin, seed=0, optimizer="adamw")
+
+    booster, model, opt = boosted()
+    _train(booster, model, opt, 0, 1, 0, 1)
+    saved = opt.full_state_dict()
+    zero = opt.optim
+    first, update, opened = zero._order[0], zero._cpu_update, threading.Event()
+
+    def held(bucket, *args):  # the first bucket's update waits until the load began
+        if bucket is first:
+            assert opened.wait(timeout=30)
+        update(bucket, *args)
+
+    zero._cpu_update = held
+    _train(booster, model, opt, 1, 1, 0, 1)
+    threading.Timer(0.3, opened.set).start()
+    opt.load_full_state_dict(saved)
+    ref_booster, ref_model, ref_opt = boosted()
+    _train(ref_booster, ref_model, ref_opt, 0, 2, 0, 1)
+    ref_opt.optim.wait_updates()  # its last step written back
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -35,7 +35,7 @@ class _KernelFault:
                 if self.calls > self.after:
                     self.raised += 1
                     if hold is not None and threading.current_thread().name != "MainThread":
-                        hold.wait(5)  # on the worker: fail only once a gather waits
+                        hold.wait(60)  # on the worker: fail only once a gather waits
                     raise OSError("nvme read failed: injected")
             return real(params, *args, **kwargs)
 

@@ -63,9 +63,12 @@ def _reference_search(
 @pytest.mark.parametrize("preset", ["gpt2_small", "gpt2_xl"])
 def test_gpt2_waste_under_one_percent_in_well_under_a_second(preset):
     model = _meta_gpt(getattr(GPTConfig, preset)())
-    start = time.perf_counter()
+    # CPU time, not wall-clock, here and below: beside three busy loops on 2
+    # cores GPT-2 XL's search took 0.43 s of wall-clock, 0.07 s of CPU time
+    # as on an idle machine.
+    start = time.process_time()
     result = search_chunk_configuration(model, search_range_m=32)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     (chunk,) = result.config.values()
     assert list(result.config) == [1]
     assert chunk["keep_gathered"] is False
@@ -77,9 +80,9 @@ def test_gpt2_waste_under_one_percent_in_well_under_a_second(preset):
 def test_ten_billion_parameter_model_in_under_two_seconds():
     config = GPTConfig(num_layers=48, dim=4096, num_heads=32, vocab_size=50257, max_seq_len=2048)
     model = _meta_gpt(config)
-    start = time.perf_counter()
+    start = time.process_time()
     result = search_chunk_configuration(model, search_range_m=64, search_interval=1024)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert result.total_size >= 9.8e9
     assert result.wasted_size < 0.01 * result.total_size
     assert elapsed < 2.0
@@ -89,13 +92,13 @@ def test_scan_is_vectorised_not_a_python_double_loop():
     model = _meta_gpt(GPTConfig.gpt2_xl())
     timings = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()
         result = search_chunk_configuration(model, search_range_m=32)
-        timings.append(time.perf_counter() - start)
-    start = time.perf_counter()
+        timings.append(time.process_time() - start)
+    start = time.process_time()
     sizes = [p.numel() for p in model.parameters()]
     best, waste = _reference_search(sizes, 32 * MEGA, 1024, 32 * MEGA, filter_exlarge=True)
-    reference_s = time.perf_counter() - start
+    reference_s = time.process_time() - start
     assert (result.config[1]["chunk_size"], result.wasted_size) == (best, waste)
     # About 7x on 2 idle cores (50 ms against 0.37 s).
     assert 3 * min(timings) < reference_s

@@ -191,6 +191,45 @@ def test_a_checkpoint_moves_between_fractions():
     assert _train(back_model, back, steps=1, first=4) == _train(ref_model, ref, steps=1, first=4)
 
 
+class _Mixed(torch.nn.Module):
+    """A bf16 layer, then one kept in fp32: a bucket of each dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.low = torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+        self.high = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.high(self.low(x.bfloat16()).float())
+
+
+@pytest.mark.parametrize("master_weights", [True, False], ids=["fp32-masters", "no-masters"])
+def test_buckets_of_other_dtypes_step_in_staging_of_their_own(master_weights):
+    def run(fraction):
+        torch.manual_seed(0)
+        model = _Mixed()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        zero = ZeroOptimizer(
+            inner, cpu_offload=True, module=model, reduce_bucket_size=256,
+            gpu_update_fraction=fraction, master_weights=master_weights,
+        )  # fmt: skip
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            zero.backward(model(x).pow(2).mean())
+            assert zero.step()
+        zero.wait_updates()
+        return model, zero
+
+    ref_model, _ = run(0.0)
+    model, zero = run(1.0)
+    assert [b.shards[0].param.dtype for b in zero._order] == [torch.bfloat16, torch.float32]
+    assert all(b.lane is not None for b in zero._order)
+    # The fp32 layer's new values are not rounded through the bf16 layer's staging.
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert len(zero._lane.staging._slots) == 2
+
+
 def test_without_cpu_offload_it_warns_and_does_nothing():
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
@@ -250,3 +289,58 @@ def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
     assert use <= ref_use + zero._lane.staging_bytes() + slack, (use, ref_use)
     _train(model, zero, steps=1, first=2)
     assert allocated() - base <= use + slack, "device memory grew per step"
+
+
+def _late_lane(monkeypatch, cycles=20_000_000):
+    """Every gradient reduction, device-lane kernel and copy back starts
+    late (a GPU sleep of ``cycles``, ~10 ms, on its stream): an order the
+    lane left out lets its kernel overtake the reduction, or a forward, a
+    reduction, a copy or a host read overtake the lane."""
+    import zerostack.fused_adam as fused
+    from zerostack.shard import _reduction
+    from zerostack.shard._lane import LaneStaging
+
+    kernel, store, pack = fused.adam_update, LaneStaging._store, _reduction.pack_grads
+
+    def late_pack(*args):
+        torch.cuda._sleep(cycles)  # on the reduction's stream, after its buffer is zeroed
+        pack(*args)
+
+    def late_kernel(*args, **kw):
+        torch.cuda._sleep(cycles)  # on the lane's up stream, the current one
+        kernel(*args, **kw)
+
+    def late_store(self, *args):
+        with torch.cuda.stream(self.down):
+            torch.cuda._sleep(cycles)
+        store(self, *args)
+
+    monkeypatch.setattr(fused, "adam_update", late_kernel)
+    monkeypatch.setattr(LaneStaging, "_store", late_store)
+    monkeypatch.setattr(_reduction, "pack_grads", late_pack)
+
+
+def _late_lane_run(rank, world):
+    kw = dict(dtype=torch.bfloat16, device="cuda", max_norm=1.0)
+    model, zero = _build(0.5, **kw)
+    losses = _train(model, zero, rank)
+    state = copy.deepcopy(zero.state_dict())
+    with pytest.MonkeyPatch.context() as patch:
+        _late_lane(patch)
+        late_model, late = _build(0.5, **kw)
+        assert _train(late_model, late, rank) == losses, f"rank {rank}/{world}"
+        late_state = late.state_dict()
+    for a, b in zip(late_model.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), f"rank {rank}/{world}"
+    _same_state(late_state, state, f"late lane, rank {rank}/{world}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_late_device_lane_changes_nothing_on_cuda():
+    # The same kernels on the same values: only the timing differs, so any
+    # missing wait (the forward for the parameters, the next backward's
+    # reduction for the gradients, the next step's copies in and the state
+    # dict for the copies back; with two GPUs the all-gather of the pieces
+    # the lane wrote) shows as a difference, bitwise.
+    spawn(_late_lane_run, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=300)

@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +40,9 @@ _STARTUP_TIMEOUT_S = 60.0
 _DEADLINE_SLACK_S = 3.0
 # Once a rank has failed, the others get this long to finish or report their own
 # error (gloo peers of a dead rank fail fast; NCCL peers would hang to the timeout).
-_FAILURE_GRACE_S = 2.0
+# Only a peer that hangs waits it out; 2 s cut off the reports of ranks that were
+# merely slow on a loaded 2-core machine.
+_FAILURE_GRACE_S = 10.0
 # Between SIGTERM and SIGKILL.
 _TERMINATE_GRACE_S = 2.0
 # How long to wait for a stuck rank to write its stack dump after SIGUSR1.
@@ -100,7 +102,9 @@ def spawn(
     through a file rendezvous in a fresh temporary directory, runs ``fn``, and
     destroys the group in a ``finally``. Each rank gets
     ``max(1, num_cpus // world_size)`` intra-op threads, so that ranks do not
-    oversubscribe the machine.
+    oversubscribe the machine, and OpenMP threads that sleep when idle
+    (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets it; see [Note:
+    OpenMP threads that sleep]).
 
     ``fn`` must be a module-level function, or a ``functools.partial`` of one:
     the child imports it by module name and, when that name is not importable
@@ -141,15 +145,16 @@ def spawn(
     procs: list[multiprocessing.process.BaseProcess] = []
     logger.debug("spawn: %d ranks, backend %s, rendezvous %s", world_size, backend, init_method)
     try:
-        for rank in range(world_size):
-            proc = ctx.Process(
-                target=_worker,
-                args=(rank, world_size, backend, init_method, timeout_s, num_threads, tmpdir)
-                + (fn_ref, payload, queue),
-                name=f"zerostack-spawn-rank{rank}",
-            )
-            proc.start()
-            procs.append(proc)
+        with _child_environment(OMP_WAIT_POLICY="PASSIVE"):
+            for rank in range(world_size):
+                proc = ctx.Process(
+                    target=_worker,
+                    args=(rank, world_size, backend, init_method, timeout_s, num_threads, tmpdir)
+                    + (fn_ref, payload, queue),
+                    name=f"zerostack-spawn-rank{rank}",
+                )
+                proc.start()
+                procs.append(proc)
         error = _supervise(procs, queue, timeout_s, tmpdir)
     finally:
         _reap(procs)
@@ -157,6 +162,29 @@ def spawn(
         shutil.rmtree(tmpdir, ignore_errors=True)
     if error is not None:
         raise error
+
+
+@contextlib.contextmanager
+def _child_environment(**defaults: str) -> Iterator[None]:
+    """Set the variables the environment lacks while the children start
+    (they copy it then), and remove them again.
+
+    [Note: OpenMP threads that sleep] torch's OpenMP threads spin while idle
+    by default. A rank whose threads spin takes the cores its own main thread
+    and the other ranks need once the machine has more runnable threads than
+    cores: beside two busy loops on 2 cores, 40 steps of TinyGPT with 2
+    threads took 16-29 s spinning and 0.4-0.6 s with ``OMP_WAIT_POLICY=PASSIVE``
+    (1 thread: 0.4-1.4 s). libgomp reads the variable once, when torch loads
+    it, so it must be in the environment the child starts with.
+    """
+    added = [name for name in defaults if name not in os.environ]
+    for name in added:
+        os.environ[name] = defaults[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _check_args(world_size: int, args: object, backend: str | None, timeout_s: float) -> str:
@@ -405,6 +433,7 @@ def _supervise(
         if not running and len(started) == len(procs):
             running = True
             deadline = now + timeout_s + slack_s
+            logger.debug("spawn: every rank started; timeout_s counts from here")
         alive = [r for r in range(len(procs)) if r not in done]
         if not alive:
             break

@@ -33,8 +33,10 @@ before. A device-lane bucket:
   (a bucket of one larger parameter, an embedding say, crosses in several
   windows) and is taken again only after its copies back (an event the
   ``up`` stream waits for), so at most two windows are in flight, each
-  direction of PCIe busy at once, and the device holds two buckets' worth
-  of staging (``staging_bytes``: 14 B per element with bf16 parameters).
+  direction of PCIe busy at once, and the device holds two windows of
+  staging (``staging_bytes``: 14 B per element with bf16 parameters; two
+  more for each other pairing of master and parameter dtypes in the lane,
+  a model with fp32 and bf16 parameters say).
   The write-back then has nothing to copy at world size 1, and at N > 1
   all-gathers this rank's pieces from the parameters.
 

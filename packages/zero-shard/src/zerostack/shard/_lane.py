@@ -124,9 +124,12 @@ class LaneStaging:
         cuda = device.type == "cuda"
         self.up = torch.cuda.Stream(device) if cuda else None
         self.down = torch.cuda.Stream(device) if cuda else None
-        self._free = [torch.cuda.Event() if cuda else None for _ in range(_SLOTS)]
-        self._slots: list[tuple[torch.Tensor, ...]] = []
-        self._next = 0
+        # Staging per dtypes (master, moments, parameter), allocated at first
+        # use: a unit of other dtypes than the first's (an fp32 layer beside
+        # bf16 ones, no fp32 masters) steps in slots of its own.
+        self._slots: dict[tuple[torch.dtype, ...], list[tuple[torch.Tensor, ...]]] = {}
+        self._free: dict[tuple[torch.dtype, ...], list[Any]] = {}
+        self._next: dict[tuple[torch.dtype, ...], int] = {}
         self.window = min(largest, -(-window // _ALIGN) * _ALIGN)
         # The worker and a retry on the main thread share the slots: an
         # owner holds this across a unit's update.
@@ -135,7 +138,8 @@ class LaneStaging:
 
     def staging_bytes(self) -> int:
         """Bytes of the staging slots on the device (allocated at the first update)."""
-        return sum(t.numel() * t.element_size() for slot in self._slots for t in slot)
+        slots = (slot for ring in self._slots.values() for slot in ring)
+        return sum(t.numel() * t.element_size() for slot in slots for t in slot)
 
     def start(self) -> None:
         """At ``step()``, before the updates are queued: the lane's copies and
@@ -153,14 +157,21 @@ class LaneStaging:
     def _slot(self, dtypes: tuple[torch.dtype, ...], numel: int) -> tuple[list, Any]:
         """The next staging slot's four buffers, cut to ``numel``, and the
         event its last copies back recorded."""
-        if not self._slots:
-            self._slots = [
+        if dtypes not in self._slots:
+            ring = [
                 tuple(torch.empty(self.window, dtype=d, device=self.device) for d in dtypes)
                 for _ in range(_SLOTS)
             ]
-        i = self._next
-        self._next = (i + 1) % _SLOTS
-        return [t[:numel] for t in self._slots[i]], self._free[i]
+            if self.up is not None:  # freed with the lane: reused only after its copies
+                for t in (t for slot in ring for t in slot):
+                    t.record_stream(self.up)
+                    t.record_stream(self.down)
+            self._slots[dtypes] = ring
+            self._free[dtypes] = [torch.cuda.Event() if self.up is not None else None for _ in ring]
+            self._next[dtypes] = 0
+        i = self._next[dtypes]
+        self._next[dtypes] = (i + 1) % _SLOTS
+        return [t[:numel] for t in self._slots[dtypes][i]], self._free[dtypes][i]
 
     def run(
         self, homes: LaneHomes, total: int, launches: list[Launch], div_scale: float,

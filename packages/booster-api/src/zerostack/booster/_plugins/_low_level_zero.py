@@ -110,8 +110,10 @@ class LowLevelZeroModel(ModelWrapper):
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
         """The whole model with the fp32 masters gathered from every rank
         (every rank takes part); see [Note: full state format]."""
-        state = self.module.state_dict()
         zero = self.zero
+        if zero is not None:
+            zero.wait_updates()  # the masters are read below (the device lane's copies back too)
+        state = self.module.state_dict()
         if zero is not None:
             for s in zero.shards:
                 whole = _gather_master(zero, s)
@@ -333,6 +335,7 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
             ValueError: a state tensor's size differs from its parameter's.
         """
         zero = self.optim
+        zero.wait_updates()  # its masters are read below: no update may still write them
         names = self._names()
         check_names(self._API, state_dict["state"], set(names))
         params = []
