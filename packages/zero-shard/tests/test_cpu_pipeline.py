@@ -117,3 +117,23 @@ def test_the_last_reference_dropped_on_the_worker_closes_without_joining_itself(
     del owner
     assert done.wait(10), "close() on the worker hung"
     assert closed_on[0].startswith("zerostack-cpu-step") and not pipe.overlapping
+
+
+def test_settle_from_another_pipelines_worker_waits():
+    # Workers of every pipeline share a thread name; settle() used to skip the
+    # wait on any of them, so a step waiter or finalizer running on pipeline
+    # A's worker read pipeline B's figures while B's update still ran.
+    a, b = _pipe(True), _pipe(True)
+    release, settled = threading.Event(), []
+
+    def slow(key: int) -> None:
+        assert release.wait(30)
+
+    b.submit(0, slow, 0)
+    threading.Timer(0.3, release.set).start()
+    a.submit(0, lambda key: (b.settle(), settled.append(release.is_set())), 0)
+    a.wait(0)
+    assert settled == [True]  # b's running update had ended when settle() returned
+    b.wait(0)
+    a.close()
+    b.close()

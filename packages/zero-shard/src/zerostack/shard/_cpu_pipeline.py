@@ -144,11 +144,6 @@ class CpuStepError(RuntimeError):
         return self.index
 
 
-def on_worker() -> bool:
-    """True on a pipeline's worker thread."""
-    return threading.current_thread().name.startswith(_THREAD_PREFIX)
-
-
 def write_failed(error: OSError) -> bool:
     """zerostack.nvme's NVMeWriteError (not imported: nvme is fused-adam's
     optional extra): the update completed, its states stay in RAM."""
@@ -162,9 +157,10 @@ def _cuda_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _init_worker(cuda_index: int | None) -> None:
+def _init_worker(cuda_index: int | None, idents: set[int]) -> None:
     # On CUDA the worker syncs on events and copies: with the rank's device
     # made current first, or the runtime would set up a context on GPU 0.
+    idents.add(threading.get_ident())
     if cuda_index is not None:
         torch.cuda.set_device(cuda_index)
 
@@ -190,10 +186,14 @@ class CpuUpdatePipeline:
         self.api, self.unit, self.retry_at = api, unit, retry_at
         cuda = device.type == "cuda"
         self._executor: ThreadPoolExecutor | None = None
+        # This pipeline's worker (not another's: a finalizer or a step waiter
+        # may run on any pipeline's worker); a set, not the pipeline, goes to
+        # the thread, which must not hold the pipeline (see ``closer``).
+        self._idents: set[int] = set()
         if overlap:
             self._executor = ThreadPoolExecutor(
                 1, thread_name_prefix=_THREAD_PREFIX, initializer=_init_worker,
-                initargs=(_cuda_index(device),),
+                initargs=(_cuda_index(device), self._idents),
             )  # fmt: skip
         self.stream = torch.cuda.Stream(device) if cuda and write_back_stream else None
         self.round_open = False  # the owner's: a step's write-backs not all waited for yet
@@ -204,6 +204,9 @@ class CpuUpdatePipeline:
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
         self.wait_s = 0.0  # seconds the owner waited for them (exposed)
         self.worker_updates = 0  # updates that ran on the worker thread
+
+    def _on_own_worker(self) -> bool:
+        return threading.get_ident() in self._idents
 
     @property
     def overlapping(self) -> bool:
@@ -232,7 +235,7 @@ class CpuUpdatePipeline:
         """Wait until no update is running on the worker (errors stay in
         their futures, nothing is finished), for readers of the optimizer's
         figures between steps."""
-        if on_worker():
+        if self._on_own_worker():
             return  # the worker itself: its own update is the one running
         for future in list(self._futures.values()):
             future.exception()
@@ -243,7 +246,7 @@ class CpuUpdatePipeline:
         if self._executor is not None:
             # The owner may be freed by the worker itself (its last task held
             # it): a thread cannot join itself.
-            self._executor.shutdown(wait=not on_worker())
+            self._executor.shutdown(wait=not self._on_own_worker())
             self._executor = None
 
     def closer(self) -> Callable[[], None]:
@@ -251,11 +254,11 @@ class CpuUpdatePipeline:
         owner's ``weakref.finalize``: the pipeline's held updates hold the
         owner (bound methods), so a finalizer holding the pipeline would
         keep the owner, its masters and states alive for the whole process."""
-        executor = self._executor
+        executor, idents = self._executor, self._idents
 
         def stop() -> None:
             if executor is not None:  # shutting down twice is harmless
-                executor.shutdown(wait=not on_worker())
+                executor.shutdown(wait=threading.get_ident() not in idents)
 
         return stop
 
@@ -279,7 +282,7 @@ class CpuUpdatePipeline:
     def _run(self, update: Callable[..., None], *args: Any) -> None:
         t0 = time.perf_counter()
         update(*args)
-        if on_worker():
+        if self._on_own_worker():
             self.worker_updates += 1
         self.update_s += time.perf_counter() - t0
 
