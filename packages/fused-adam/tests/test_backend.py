@@ -152,3 +152,31 @@ def test_first_moments_match_torch_to_a_few_ulp(simd_level, betas):
     tol = 4 * torch.finfo(torch.float32).eps
     for key in ("exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(opt.state[p][key], torch_opt.state[ref][key], rtol=tol, atol=0)
+
+
+# A fresh interpreter whose CUDA kernel cannot load (as in a CPU-only wheel),
+# where the first import of zerostack.fused_adam happens while an object is
+# being built: the object must be freed once dropped.
+_FIRST_IMPORT = r"""
+import gc, sys, weakref
+sys.modules["zerostack.fused_adam._adam_cuda"] = None  # its import raises ImportError
+
+class Owner:
+    def __init__(self):
+        import zerostack.fused_adam  # noqa: F401  (the first import, from this frame)
+
+ref = weakref.ref(Owner())
+gc.collect()
+from zerostack.fused_adam import _kernels
+print(_kernels.cuda_kernel_available(), type(_kernels._cuda_error).__name__, ref() is None)
+"""
+
+
+def test_a_kernel_that_failed_to_load_keeps_no_frame_of_the_first_importer():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_IMPORT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    # The error is kept as text: kept whole, its traceback's frames held the Owner.
+    assert done.stdout.split() == ["False", "str", "True"], done.stdout

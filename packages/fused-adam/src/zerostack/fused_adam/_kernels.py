@@ -64,11 +64,14 @@ def cpu_threads() -> int:
     return n
 
 
+# The import errors are kept as text: an exception kept whole keeps its
+# traceback, whose frames reach whatever imported this module first (a
+# ZeroOptimizer being built, say), and that object would never be freed.
 try:
     from zerostack.fused_adam import _adam_cpu as _cpu  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - only a broken install gets here
     _cpu = None
-    _cpu_error: ImportError | None = exc
+    _cpu_error: str | None = str(exc)
 else:
     _cpu_error = None
 
@@ -76,7 +79,7 @@ try:
     from zerostack.fused_adam import _adam_cuda as _cuda  # type: ignore[attr-defined]
 except ImportError as exc:
     _cuda = None
-    _cuda_error: ImportError | None = exc
+    _cuda_error: str | None = str(exc)
 else:
     _cuda_error = None
 

@@ -57,8 +57,9 @@ reading, not used here: during the update phase CPU Adam always runs.
 
 Updates of GPU-resident masters (``gpu_numel``) run in the GPU's Adam
 and are added to the backward. Left out: several ranks on one host share
-its memory bandwidth and PCIe (give per-rank figures), the all-gather of updated parameters at world size > 1,
-and the GPU time that streaming steals from the forward it hides behind.
+its memory bandwidth and PCIe (give per-rank figures), the all-gather of
+updated parameters at world size > 1, and the GPU time that streaming
+steals from the forward it hides behind.
 """
 
 from __future__ import annotations
