@@ -344,3 +344,23 @@ def test_a_late_device_lane_changes_nothing_on_cuda():
     # dict for the copies back; with two GPUs the all-gather of the pieces
     # the lane wrote) shows as a difference, bitwise.
     spawn(_late_lane_run, min(2, torch.cuda.device_count()), backend="nccl", timeout_s=300)
+
+
+def _synchronous_step_run(rank, world):
+    # overlap_cpu_step=False: step() returns with the masters on the host
+    # already the step's, as at f = 0, even when the copies back start late.
+    with pytest.MonkeyPatch.context() as patch:
+        _late_lane(patch)
+        model, zero = _build(0.5, device="cuda", overlap_cpu_step=False)
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=rank, device="cuda")
+        zero.backward(model(idx, tgt).float())
+        assert zero.step()
+        seen = [s.master.clone() for s in zero.shards]  # no wait_updates() first
+        zero.wait_updates()
+        assert all(torch.equal(a, s.master) for a, s in zip(seen, zero.shards, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_synchronous_step_returns_with_the_host_masters_updated_on_cuda():
+    spawn(_synchronous_step_run, 1, backend="nccl", timeout_s=300)

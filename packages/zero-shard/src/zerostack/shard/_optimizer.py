@@ -626,6 +626,8 @@ class ZeroOptimizer:
             if not self._defer:
                 self._transition(T.UNFINISHED)
                 self._write_back_pending()
+                if self._lane is not None:  # a synchronous step: masters and states on the
+                    self._lane.settle()  # host are the step's when it returns, as at f = 0
                 self._transition(T.IDLE)
         else:
             self._device_step(plan.div_scale, stats[1:])
@@ -777,8 +779,9 @@ class ZeroOptimizer:
         after it the parameters hold the step's values, and the masters and
         states on the host too (with ``gpu_update_fraction``, the device's
         copies back are waited for). The state-dict methods and
-        ``module.state_dict()`` call it; forward, backward and ``step`` write
-        back without waiting for those copies.
+        ``module.state_dict()`` call it; forward, backward and an overlapped
+        ``step`` write back without waiting for those copies (a synchronous
+        one waits for them).
 
         Raises:
             CpuStepError: a CPU update failed twice; it runs again at the next
