@@ -144,7 +144,7 @@ nvme-job)
   ;;
 split)
   build; sources; machine
-  gpu_tests -k "device_lane or functional or step_returns_before_updates" 2>&1 \
+  gpu_tests -k "gpu_update_fraction or functional or step_returns_before_updates" 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped" | tail -20
   timeout 200 python3 benchmarks/machine.py --json "$OUT/machine.json" > "$OUT/machine_bench.log" 2>&1
   if [ "${1:-}" = gemini ]; then
@@ -158,7 +158,7 @@ split)
   else
     for f in ${1:-0.25 0.5}; do
       timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
-        --gpu-update-fraction "$f" --steps 8 --warmup 2 --machine "$OUT/machine.json" \
+        --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$OUT/machine.json" \
         > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
     done
   fi
