@@ -373,13 +373,12 @@ def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict
         )  # fmt: skip
     except ValueError as exc:  # a figure the profile lacks: the row says which
         return f"n/a ({exc})"
-    best = est.split if est.split is not None and est.split.step_s < est.cpu_only.step_s else None
     return dict(
         floor_s=est.floor_s,
         cpu_only_s=est.cpu_only.step_s,
         split_s=est.split.step_s if est.split is not None else None,
         gpu_fraction=est.split.gpu_fraction if est.split is not None else None,
-        bound=(best or est.cpu_only).bound,
+        bound=est.best.bound,
         achieved=row["step_s"] / est.floor_s,
     )
 

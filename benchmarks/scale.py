@@ -390,10 +390,14 @@ def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes:
         )  # fmt: skip
     except ValueError as exc:
         return lines + [f"- no floor: {exc}"]
-    best = est.split if est.split is not None and est.split.step_s < est.cpu_only.step_s else None
-    share = f", {best.gpu_fraction:.2f} of the host-held updates on the GPU" if best else ""
+    best = est.best
+    share = (
+        f", {best.gpu_fraction:.2f} of the host-held updates on the GPU"
+        if best.gpu_fraction
+        else ""
+    )
     lines.append(
-        f"- floor {est.floor_s:.3f} s (bound: {(best or est.cpu_only).bound}{share}; CPU-only "
+        f"- floor {est.floor_s:.3f} s (bound: {best.bound}{share}; CPU-only "
         f"floor {est.cpu_only.step_s:.3f} s); achieved / floor {r['step_s'] / est.floor_s:.2f}x"
     )
     return lines

@@ -47,7 +47,7 @@ def test_cpu_only_floor_is_forward_backward_and_the_exposed_cpu_adam() -> None:
     assert f.bound == "cpu" and f.gpu_fraction == 0.0
     assert f.hidden_s == pytest.approx(0.1)  # all of the next forward
     assert f.step_s == pytest.approx(0.1 + 0.2 + 1.0 - 0.1)
-    assert est.floor_s == f.step_s
+    assert est.floor_s == f.step_s and est.best is f
 
 
 def test_split_equalizes_cpu_and_the_copies_and_lowers_the_floor() -> None:
@@ -61,7 +61,7 @@ def test_split_equalizes_cpu_and_the_copies_and_lowers_the_floor() -> None:
     assert s.d2h_s == pytest.approx(11 / 17)  # 12 B f each back at 12 GB/s
     assert s.gpu_adam_s == pytest.approx(11 / 17 / 100)
     assert s.step_s == pytest.approx(0.2 + 12 / 17 + 11 / 1700)
-    assert est.floor_s == s.step_s < est.cpu_only.step_s
+    assert est.floor_s == s.step_s < est.cpu_only.step_s and est.best is s
 
 
 def test_split_stops_where_the_busier_direction_meets_cpu_adam() -> None:

@@ -203,9 +203,16 @@ class FloorEstimate:
     """The best split; None when the profile lacks the "all at once" figures."""
 
     @property
+    def best(self) -> StepFloor:
+        """The lower of the two floors (the CPU-only one on a tie or without a split)."""
+        if self.split is not None and self.split.step_s < self.cpu_only.step_s:
+            return self.split
+        return self.cpu_only
+
+    @property
     def floor_s(self) -> float:
-        """The lower of the two floors."""
-        return min(self.cpu_only.step_s, self.split.step_s if self.split else math.inf)
+        """The lower of the two floors' step time."""
+        return self.best.step_s
 
 
 def _check_amount(name: str, value: Any) -> None:
