@@ -146,8 +146,9 @@ class GeminiLane:
 
     def takes(self, i: int, grad: torch.Tensor) -> bool:
         """Pair ``i`` steps in the device's Adam now: in the lane, its
-        gradient on the compute device."""
-        return i in self.homes and grad.device == self.device
+        gradient on the compute device (by type: a device given as "cuda"
+        has no index, its tensors' devices do)."""
+        return i in self.homes and grad.device.type == self.device.type
 
     def home_states(self, i: int) -> bool:
         """Pair ``i``'s moments are (views of) its homes: created as zeros
