@@ -10,7 +10,11 @@ Configurations:
 * with GPU memory capped (``--cap-gib``, default 24, through
   torch.cuda.set_per_process_memory_fraction; run last, the cap stays for the
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
-  ``--static-fracs``.
+  ``--static-fracs``;
+* Gemini auto split (``gemini_auto_split``): Gemini auto with
+  ``gpu_update_fraction`` (``--gpu-update-fraction``, default 0.5): that
+  share of the CPU-held optimizer chunks is updated by the GPU's Adam, their
+  masters and states streamed over PCIe, the rest by CPU Adam.
 
 Besides time, each Gemini row gives the exposed CPU-update wait (time the
 forward spent waiting for a chunk's CPU step) and the worker's CPU step time
@@ -37,7 +41,7 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None, **kwargs,
+    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float = 0.0, **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
@@ -50,7 +54,7 @@ def gemini(
     adam = HybridAdam(
         list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
     )
-    opt = GeminiOptimizer(adam, model, max_norm=max_norm)
+    opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=fraction)
     disk_wait0 = [0.0]
     done = [0]
 
@@ -68,6 +72,8 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
+    if fraction > 0:
+        label += f", gpu_update_fraction={fraction:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     model.wait_updates()
     result["wait_s"] = model.update_wait_s / steps
@@ -90,6 +96,12 @@ def gemini(
         )
     else:
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
+    if opt._lane is not None:  # the chunks the GPU's Adam stepped, and its staging
+        lane = opt._lane
+        result["name"] += (
+            f" [{len(lane.homes)} CPU-held chunks in the GPU's Adam, {lane.updates} updates, "
+            f"staging {lane.staging.staging_bytes() / 2**20:.0f} MiB]"
+        )
     opt.close()
     return result
 
@@ -102,7 +114,7 @@ def _configurations(a, args, wanted):
     yield "plain", lambda: T.plain(*args)
     yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
     yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
-    if "gemini_auto" not in wanted and "gemini_static" not in wanted:
+    if not {"gemini_auto", "gemini_auto_split", "gemini_static"} & set(wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -114,6 +126,13 @@ def _configurations(a, args, wanted):
                 *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap
             ),
         )
+        yield (
+            "gemini_auto_split",
+            lambda label=label, norm=norm: gemini(
+                *args, label, a.lazy, norm, fraction=a.gpu_update_fraction,
+                placement_policy="auto", gpu_capacity_bytes=cap,
+            ),
+        )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
             for nvme in [float(f) for f in a.nvme_fractions.split(",") if f]:
@@ -150,8 +169,14 @@ def main() -> int:
             "--max-norms", default="0",
             help="comma-separated max_norm values for the capped Gemini rows (0: no clipping)",
         )  # fmt: skip
+        ap.add_argument(
+            "--gpu-update-fraction", type=float, default=0.5,
+            help="gemini_auto_split's gpu_update_fraction (default %(default)s)",
+        )  # fmt: skip
 
-    ready = T.setup(__doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_static", extra)
+    ready = T.setup(
+        __doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_auto_split,gemini_static", extra
+    )
     if ready is None:
         return 2
     a, args = ready

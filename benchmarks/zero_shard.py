@@ -13,6 +13,10 @@ GPT-2 1.5B from config, bf16, activation checkpointing on every block, batch
 * ZeRO-2 + cpu_offload, synchronous (``zero2_offload_sync``): the same with
   ``overlap_cpu_step=False``, every update done inside ``step()``: what the
   overlap gains, measured in the same run;
+* ZeRO-2 + cpu_offload, split (``zero2_offload_split``): the same with
+  ``gpu_update_fraction`` (``--gpu-update-fraction``, default 0.5): that
+  share of the offloaded buckets stepped by the GPU's Adam, fed over PCIe,
+  beside CPU Adam on the rest;
 * FSDP2 + CPUOffloadPolicy: fully_shard per block, bf16 MixedPrecisionPolicy,
   torch AdamW on the CPU (the peer for "offload").
 
@@ -37,14 +41,16 @@ from zerostack.shard import ZeroOptimizer
 
 
 def zero(
-    config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0
-) -> dict:
+    config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
+    fraction: float = 0.0,
+) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
         torch.optim.AdamW(model.parameters(), fused=not offload, **T.HYPER),
         stage=2,
         cpu_offload=offload,
         overlap_cpu_step=overlap,
+        gpu_update_fraction=fraction,
         max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
@@ -58,6 +64,8 @@ def zero(
     label = "ZeRO-2 (bf16 params, fp32 masters)"
     if offload:
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
+    if fraction:
+        label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam on {fraction:g})"
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
@@ -76,8 +84,16 @@ def main() -> int:
             help="comma-separated max_norm values for the ZeRO-2 rows, one row each (0: no "
             "clipping; plain PyTorch and FSDP2 do not clip)",
         )  # fmt: skip
+        ap.add_argument(
+            "--gpu-update-fraction", type=float, default=0.5,
+            help="zero2_offload_split's gpu_update_fraction (default %(default)s)",
+        )  # fmt: skip
 
-    ready = T.setup(__doc__, "plain,zero2,zero2_offload,zero2_offload_sync,fsdp2_offload", extra)
+    ready = T.setup(
+        __doc__,
+        "plain,zero2,zero2_offload,zero2_offload_sync,zero2_offload_split,fsdp2_offload",
+        extra,
+    )
     if ready is None:
         return 2
     a, args = ready
@@ -94,6 +110,10 @@ def main() -> int:
             T.measure(
                 results, wanted, "zero2_offload_sync",
                 lambda n=norm: zero(*args, True, overlap=False, max_norm=n), run,
+            )  # fmt: skip
+            T.measure(
+                results, wanted, "zero2_offload_split",
+                lambda n=norm: zero(*args, True, max_norm=n, fraction=a.gpu_update_fraction), run,
             )  # fmt: skip
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(

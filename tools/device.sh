@@ -16,6 +16,12 @@
 #                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
 #                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
+#   tools/device.sh split [zero|gemini|both] [FRACTIONS]  gpu_update_fraction: the GPU tests of the
+#                              device lanes (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's
+#                              profile ($PROFILE, as floor measures it), then once per fraction in
+#                              FRACTIONS (default "0.25 0.5"), clipped (max_norm 1) and with the floor:
+#                              zero: benchmarks/zero_shard.py plain, zero2_offload, zero2_offload_split;
+#                              gemini: benchmarks/gemini.py plain, gemini_auto, gemini_auto_split, 24 GiB cap
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -38,6 +44,7 @@
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
+#                SPLIT=F: the zero, gpt4b and llama parts add the split row at gpu_update_fraction F
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +77,15 @@ gpu_tests() {  # pytest's exit 5 (no test marked gpu in a folder) is not a failu
     }
   done
   return $status
+}
+
+PROFILE="${PROFILE:-/tmp/zerostack_machine.json}"
+profile() {  # benchmarks/machine.py's MachineProfile, measured once while the machine stays warm
+  if [ "${1:-}" = again ] || [ ! -f "$PROFILE" ]; then
+    timeout 300 python3 benchmarks/machine.py --json "$PROFILE" --disk-dir /tmp > "$OUT/machine_profile.log" 2>&1
+    echo "machine.py exit $?"; tail -25 "$OUT/machine_profile.log"
+  fi
+  cp "$PROFILE" "$OUT/" 2>/dev/null
 }
 
 machine() {
@@ -134,6 +150,31 @@ nvme-job)
   cp "$run_dir/summary.json" "$run_dir/chunks.txt" "$OUT/" 2>/dev/null
   python3 -c "import json, sys; s = json.load(open(sys.argv[1])); print('bytes on disk', s['nvme_bytes'])" \
     "$run_dir/summary.json"
+  ;;
+split)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then  # the device lanes' GPU tests live in these three packages
+    for tests in packages/fused-adam/tests packages/zero-shard/tests packages/gemini-placement/tests; do
+      timeout 300 python3 -m pytest "$tests" -m gpu -q -p no:cacheprovider \
+        -k "gpu_update_fraction or functional or step_returns_before_updates" 2>&1 | tail -3
+    done | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped"
+  fi
+  profile
+  which=zero
+  case "${1:-}" in zero|gemini|both) which=$1; shift ;; esac
+  for f in ${1:-0.25 0.5}; do
+    if [ "$which" != gemini ]; then
+      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+        --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$PROFILE" \
+        > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
+    fi
+    if [ "$which" != zero ]; then
+      timeout 280 python3 benchmarks/gemini.py --only plain,gemini_auto,gemini_auto_split \
+        --gpu-update-fraction "$f" --cap-gib 24 --max-norms 1 --steps 8 --warmup 2 \
+        --machine "$PROFILE" > "$OUT/gsplit_$f.log" 2>&1; echo "exit $?"; table "$OUT/gsplit_$f.log" 20
+    fi
+  done
   ;;
 chunk)
   build; sources; machine
@@ -201,24 +242,21 @@ solver)
 floor)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   build; sources; machine
-  PROFILE="${PROFILE:-/tmp/zerostack_machine.json}"
   for part in ${*:-profile zero gpt4b llama main}; do
-    if [ "$part" = profile ] || [ ! -f "$PROFILE" ]; then
-      timeout 300 python3 benchmarks/machine.py --json "$PROFILE" --disk-dir /tmp > "$OUT/machine_profile.log" 2>&1
-      echo "machine.py exit $?"; tail -25 "$OUT/machine_profile.log"; cp "$PROFILE" "$OUT/" 2>/dev/null
-    fi
-    M=(--machine "$PROFILE")
+    if [ "$part" = profile ]; then profile again; else profile; fi
+    M=(--machine "$PROFILE"); F=(${SPLIT:+--gpu-update-fraction "$SPLIT"})
     case "$part" in
     profile) ;;
     zero)
-      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3 "${M[@]}" \
+      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload${SPLIT:+,zero2_offload_split} \
+        --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" \
         > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
     gpt4b)
-      timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 --only plain,gemini_auto \
-        --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+      timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 \
+        --only plain,gemini_auto${SPLIT:+,gemini_auto_split} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
     llama)
-      timeout 400 python3 benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 \
-        --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+      timeout 400 python3 benchmarks/gemini.py --model llama \
+        --only plain,gemini_auto${SPLIT:+,gemini_auto_split} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
     main)
       rm -rf /tmp/floor_job
       timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \

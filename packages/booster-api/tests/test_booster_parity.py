@@ -69,6 +69,10 @@ CASES = [
     # The overlapped CPU step (worker thread, forward waits per bucket).
     Case(name="zero2-fp32-adamw-clip-offload", plugin="zero", max_norm=0.05,
          kwargs=dict(stage=2, precision="fp32", cpu_offload=True)),
+    # Half the offloaded buckets stepped by the device's Adam (gpu_update_fraction).
+    Case(name="zero2-fp32-adam-l2-clip-offload-device-lane", plugin="zero", kind="adam_l2",
+         max_norm=0.05, kwargs=dict(stage=2, precision="fp32", cpu_offload=True,
+                                    gpu_update_fraction=0.5)),
     Case(name="zero2-bf16-adamw", plugin="zero", dtype=torch.bfloat16,
          kwargs=dict(stage=2, precision="bf16")),
     # The plugin's default initial_scale (2**32) overflows fp16 at once: the
@@ -89,6 +93,10 @@ CASES = [
          kwargs=dict(precision="fp32", placement_policy="auto", gpu_capacity_bytes=10**6)),
     Case(name="gemini-fp32-hybridadam-cpu", plugin="gemini", kind="hybrid", max_norm=0.05,
          kwargs=dict(precision="fp32", offload_optim_frac=1.0)),
+    # Half the CPU-held optimizer chunks stepped by the device's Adam (gpu_update_fraction).
+    Case(name="gemini-fp32-hybridadam-cpu-device-lane", plugin="gemini", kind="hybrid",
+         max_norm=0.05, kwargs=dict(precision="fp32", offload_optim_frac=1.0,
+                                    gpu_update_fraction=0.5)),
 ]  # fmt: skip
 
 

@@ -25,12 +25,15 @@ CASES = {
     "zero2-accumulation": dict(shard_param_frac=0.0, enable_gradient_accumulation=True),
     "auto-prefetch": dict(placement_policy="auto", gpu_capacity_bytes=10**7, max_prefetch=2),
     "inline-cpu-step": dict(offload_optim_frac=1.0, overlap=False),
+    # Half the CPU-held chunks in the device's Adam (gpu_update_fraction).
+    "offload-device-lane": dict(offload_optim_frac=1.0, gpu_update_fraction=0.5, max_norm=1.0),
 }
 
 
 def _trainer(kwargs, gc_every_n_steps=0, device="cpu"):
     kwargs = dict(kwargs)
     max_norm, overlap = kwargs.pop("max_norm", 0.0), kwargs.pop("overlap", True)
+    fraction = kwargs.pop("gpu_update_fraction", 0.0)
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(
@@ -40,6 +43,7 @@ def _trainer(kwargs, gc_every_n_steps=0, device="cpu"):
     opt = GeminiOptimizer(
         HybridAdam(list(model.parameters()), lr=1e-3), ddp, max_norm=max_norm,
         overlap_cpu_step=overlap, gc_every_n_steps=gc_every_n_steps,
+        gpu_update_fraction=fraction,
     )  # fmt: skip
     idx, tgt = (t.to(device) for t in make_batch(CONFIG, 2, 16, seed=0))
 
@@ -140,8 +144,12 @@ def test_the_hooks_look_no_tensor_up_by_hash(monkeypatch):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [CASES["offload"], dict(placement_policy="auto", gpu_capacity_bytes=10**5)],
-    ids=["static-offload", "auto-small-capacity"],
+    [
+        CASES["offload"],
+        dict(placement_policy="auto", gpu_capacity_bytes=10**5),
+        dict(placement_policy="auto", gpu_capacity_bytes=10**5, gpu_update_fraction=0.5),
+    ],
+    ids=["static-offload", "auto-small-capacity", "auto-device-lane"],
 )
 def test_a_dropped_model_and_optimizer_are_freed_with_updates_pending(kwargs):
     # Their finalizer once held the CPU-step pipeline, whose pending updates

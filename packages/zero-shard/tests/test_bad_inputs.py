@@ -88,6 +88,10 @@ def _params(env):
     return list(env["model"].parameters())
 
 
+def _adamw(env):
+    return torch.optim.AdamW(_params(env), lr=1e-2)
+
+
 def _sd(edit, full=False):
     def call(env):
         z = env["z"]
@@ -127,6 +131,11 @@ CASES = [
     BadInput("param-int64", _wrap(lambda env: torch.optim.SGD([torch.zeros(3, dtype=torch.int64)], lr=0.1)), TypeError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) must be floating point \(got torch\.int64\)", True),
     BadInput("cpu-offload-amsgrad", _wrap(cpu_offload=True), NotImplementedError, r"cpu_offload does not support amsgrad or maximize \(got amsgrad=True, maximize=False\)", True),
     BadInput("cpu-offload-no-fused-adam", _without_fused_adam, ImportError, r"ZeroOptimizer: cpu_offload with AdamW .* pip install zerostack-fused-adam", True),
+    BadInput("gpu-fraction-negative", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=-0.1), ValueError, r"ZeroOptimizer: gpu_update_fraction must be in \[0, 1\] \(got -0\.1\)", True),
+    BadInput("gpu-fraction-above-1", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=1.5), ValueError, r"gpu_update_fraction must be in \[0, 1\] \(got 1\.5\)", True),
+    BadInput("gpu-fraction-str", _wrap(_adamw, cpu_offload=True, gpu_update_fraction="0.5"), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] \(got '0\.5'\)", True),
+    BadInput("gpu-fraction-bool", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=True), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] \(got True\)", True),
+    BadInput("gpu-fraction-sgd", _wrap(lambda env: torch.optim.SGD(_params(env), lr=0.1), cpu_offload=True, gpu_update_fraction=0.5), NotImplementedError, r"gpu_update_fraction steps Adam/AdamW in fused-adam's kernels \(got SGD\)", True),
     # -- ZeroOptimizer(...): settings -----------------------------------------------------
     BadInput("stage-0", _wrap(stage=0), ValueError, r"stage must be 1 or 2 \(got 0\); use gemini for stage 3"),
     BadInput("stage-3", _wrap(stage=3), ValueError, r"stage must be 1 or 2 \(got 3\)"),

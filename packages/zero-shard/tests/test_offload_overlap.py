@@ -58,13 +58,15 @@ class _Gate:
         zero._cpu_update = gated
 
 
-def _step_returns_before_updates(device):
+def _step_returns_before_updates(device, fraction=0.0):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG).to(device)
     ref_model = copy.deepcopy(model)
     # Clipping: the updates are queued by step(), after the global norm.
-    zero = _zero(model, max_norm=1.0)
-    ref = _zero(ref_model, overlap=False, max_norm=1.0)  # the synchronous step: the reference
+    zero = _zero(model, max_norm=1.0, gpu_update_fraction=fraction)
+    # The synchronous step: the reference (the same lanes: on CUDA the
+    # device's Adam rounds otherwise than CPU Adam).
+    ref = _zero(ref_model, overlap=False, max_norm=1.0, gpu_update_fraction=fraction)
     assert len(zero.buckets) >= 3
     first, last = zero._order[0], zero._order[-1]
     assert any(s.param is model.tok_emb.weight for s in first.shards)
@@ -112,15 +114,20 @@ def _step_returns_before_updates(device):
     assert zero.state_dict()["optimizer"]["param_groups"][0]["lr"] == 1e-3
 
 
-def test_step_returns_before_updates_and_forward_waits_per_bucket():
-    _step_returns_before_updates("cpu")
+@pytest.mark.parametrize("fraction", [0.0, 0.5], ids=["cpu-adam", "device-lane"])
+def test_step_returns_before_updates_and_forward_waits_per_bucket(fraction):
+    # With the device lane the held (last) bucket is a CPU-lane one, and the
+    # embedding's bucket is the device's.
+    _step_returns_before_updates("cpu", fraction)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_step_returns_before_updates_on_cuda():
-    # The write-back stream, the copied/written events, pinned host buffers.
-    _step_returns_before_updates("cuda")
+@pytest.mark.parametrize("fraction", [0.0, 0.5], ids=["cpu-adam", "device-lane"])
+def test_step_returns_before_updates_on_cuda(fraction):
+    # The write-back stream, the copied/written events, pinned host buffers;
+    # the device lane's up/down streams, its updated/stored events.
+    _step_returns_before_updates("cuda", fraction)
 
 
 def test_no_update_starts_before_step_without_clipping():
@@ -194,12 +201,12 @@ class _KernelFault:
         monkeypatch.setattr(_kernels, "launch", launch)
 
 
-def _train_through_a_fault(overlap, max_norm, fault=None, steps=5, at=2):
+def _train_through_a_fault(overlap, max_norm, fraction, fault=None, steps=5, at=2):
     """``steps`` steps; with ``fault`` it is on from step ``at`` until its
     error is caught (where the failed update surfaces), then removed."""
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
-    zero = _zero(model, overlap=overlap, max_norm=max_norm)
+    zero = _zero(model, overlap=overlap, max_norm=max_norm, gpu_update_fraction=fraction)
     losses, caught = [], []
 
     def surfaced(error):
@@ -235,35 +242,45 @@ def _train_through_a_fault(overlap, max_norm, fault=None, steps=5, at=2):
 
 
 @pytest.mark.parametrize(
-    ("overlap", "max_norm"),
-    [(False, 1.0), (True, 1.0), (True, 0.0)],
-    ids=["synchronous", "worker", "started-in-backward"],
-)
-def test_a_failed_update_runs_again_once_the_cause_is_removed(overlap, max_norm, monkeypatch):
+    ("overlap", "max_norm", "fraction"),
+    [(False, 1.0, 0.0), (True, 1.0, 0.0), (True, 0.0, 0.0), (True, 1.0, 0.5), (False, 0.0, 1.0)],
+    ids=["synchronous", "worker", "started-in-backward", "worker-device-lane",
+         "synchronous-device-lane"],
+)  # fmt: skip
+def test_a_failed_update_runs_again_once_the_cause_is_removed(
+    overlap, max_norm, fraction, monkeypatch
+):
     """See [Note: a failed CPU update]: the losses and parameters of
-    a run through the fault equal those of a run without it, bitwise."""
-    ref_losses, ref_params, _ = _train_through_a_fault(overlap, max_norm)
+    a run through the fault equal those of a run without it, bitwise. The
+    device lane's updates (the first buckets, see [Note: Adam where the
+    bandwidth is]) fail and run again under the same rule."""
+    ref_losses, ref_params, _ = _train_through_a_fault(overlap, max_norm, fraction)
     fault = _KernelFault(monkeypatch)
-    losses, params, caught = _train_through_a_fault(overlap, max_norm, fault)
+    losses, params, caught = _train_through_a_fault(overlap, max_norm, fraction, fault)
     assert len(caught) == 1 and not fault.active
     assert losses == ref_losses
     for a, b in zip(params, ref_params, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_failed_update_that_stays_changes_nothing_and_zero_grad_drops_it(monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("fraction", "lane"), [(0.0, "CPU"), (1.0, "device")], ids=["cpu-adam", "device-lane"]
+)
+def test_a_failed_update_that_stays_changes_nothing_and_zero_grad_drops_it(
+    fraction, lane, monkeypatch, caplog
+):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
-    zero = _zero(model, overlap=False, max_norm=1.0)
+    zero = _zero(model, overlap=False, max_norm=1.0, gpu_update_fraction=fraction)
     _train(model, zero, 0)
     fault = _KernelFault(monkeypatch)
-    before = zero.state_dict()
+    before = copy.deepcopy(zero.state_dict())  # the states are live tensors (the homes)
     params = [p.detach().clone() for p in model.parameters()]
     idx, tgt = make_batch(CONFIG, 2, 16, seed=1)
     zero.backward(model(idx, tgt).float())
     fault.active = True
     for _ in range(2):  # the cause stays: each step() raises, nothing changes
-        with pytest.raises(CpuStepError, match=r"bucket 0 .* failed \(OSError") as raised:
+        with pytest.raises(CpuStepError, match=rf"the {lane} update of bucket 0 .* failed \(OSError") as raised:  # fmt: skip
             zero.step()
         assert raised.value.index == 0 and zero._pipe.failed[0] == 0
     fault.active = False
@@ -273,6 +290,11 @@ def test_a_failed_update_that_stays_changes_nothing_and_zero_grad_drops_it(monke
     after = zero.state_dict()
     for a, b in zip(before["masters"], after["masters"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    old, new = before["optimizer"]["state"], after["optimizer"]["state"]
+    assert old.keys() == new.keys()
+    for i in old:  # moments and step counts as before
+        for k in old[i]:
+            torch.testing.assert_close(old[i][k], new[i][k], rtol=0, atol=0)
     for a, b in zip(params, model.parameters(), strict=True):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
     assert _train(model, zero, 2)  # and training goes on

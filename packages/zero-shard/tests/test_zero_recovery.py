@@ -1,8 +1,9 @@
 """An exception in forward or backward that the user catches: after
 ``zero_grad()`` the steps that follow equal, bitwise, those of a run that
 never saw the batch, at stage 1 and 2, with and without cpu_offload, at world
-sizes 1 and 2. No CPU update starts before step(), so there is none to take
-back (see [Note: dropping a batch])."""
+sizes 1 and 2, with buckets in the device's Adam too (gpu_update_fraction).
+No update starts before step(), so there is none to take back (see [Note:
+dropping a batch])."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class _RaiseInBackward(torch.autograd.Function):
 
 
 def _build(case):
-    _name, stage, offload, overlap, max_norm, kind = case
+    _name, stage, offload, overlap, max_norm, kind, *fraction = case
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     params = list(model.parameters())
@@ -44,7 +45,7 @@ def _build(case):
         inner = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
     zero = ZeroOptimizer(
         inner, stage=stage, cpu_offload=offload, overlap_cpu_step=overlap, max_norm=max_norm,
-        module=model, reduce_bucket_size=20_000,
+        module=model, reduce_bucket_size=20_000, gpu_update_fraction=fraction[0] if fraction else 0.0,
     )  # fmt: skip
     return model, zero
 
@@ -98,7 +99,7 @@ def _same(name, a, b):
         assert torch.equal(a[1][k], b[1][k]), f"{name}: {k} differs"
 
 
-# (id, stage, cpu_offload, overlap_cpu_step, max_norm, optimizer).
+# (id, stage, cpu_offload, overlap_cpu_step, max_norm, optimizer[, gpu_update_fraction]).
 CASES = [
     ("s1", 1, False, True, 0.0, "adamw"),
     # The worker, no clipping: updates once started during backward here.
@@ -107,6 +108,9 @@ CASES = [
     ("s1-offload-clip", 1, True, True, 0.5, "adamw"),
     ("s2-offload-inline", 2, True, False, 0.0, "adamw"),
     ("s2-offload-sgd-clip", 2, True, True, 0.5, "sgd"),
+    # Half the buckets in the device's Adam, and all of them, updated inline.
+    ("s2-offload-device-lane", 2, True, True, 0.5, "adamw", 0.5),
+    ("s1-offload-device-lane-inline", 1, True, False, 0.0, "adamw", 1.0),
 ]
 
 

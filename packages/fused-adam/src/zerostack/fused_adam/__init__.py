@@ -2,6 +2,7 @@
 
 from zerostack.fused_adam.__about__ import __version__
 from zerostack.fused_adam._adam import CPUAdam, FusedAdam, HybridAdam
+from zerostack.fused_adam._functional import adam_update
 from zerostack.fused_adam._kernels import (
     available_simd_levels,
     backend_info,
@@ -14,6 +15,7 @@ __all__ = [
     "FusedAdam",
     "HybridAdam",
     "__version__",
+    "adam_update",
     "available_simd_levels",
     "backend_info",
     "cuda_kernel_available",

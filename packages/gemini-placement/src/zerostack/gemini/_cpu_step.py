@@ -46,6 +46,11 @@ class CpuStepPipeline:
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
+        # See [Note: Gemini's device lane]: the lane's chunks held now, by the
+        # homes whose ``updated`` event their write-back waits for; and what
+        # waits for the lane's copies back (the optimizer's lane's settle).
+        self._lane_homes: dict[Chunk, Any] = {}
+        self.lane_settle: Callable[[], None] | None = None
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -59,8 +64,11 @@ class CpuStepPipeline:
 
     def settle(self) -> None:
         """Wait until no update is running on the worker (nothing is written
-        back: no collective), for readers of the optimizer's figures."""
+        back: no collective), nor a device-lane copy back to the host, for
+        readers of the optimizer's figures."""
         self.updates.settle()
+        if self.lane_settle is not None:
+            self.lane_settle()
 
     @property
     def wait_s(self) -> float:
@@ -84,7 +92,10 @@ class CpuStepPipeline:
     # to a free list that any chunk of the same size reuses. So host memory
     # holds no per-chunk copy of the model (which kept 2 B/param, more once
     # the pinned allocator rounded each buffer up to a power of two), and the
-    # staging bytes are at most the pending device-held chunks' shards.
+    # staging bytes are at most the pending device-held chunks' shards. A
+    # chunk of the device lane takes none of them: its gradient stays on the
+    # device and its update writes the chunk's shard there (see [Note:
+    # Gemini's device lane]).
 
     def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         with self._free_lock:
@@ -163,13 +174,22 @@ class CpuStepPipeline:
 
     # -- updates -------------------------------------------------------------------
 
-    def submit(self, chunk: Chunk, update: Callable[..., None], *args: Any) -> bool:
+    def submit(
+        self, chunk: Chunk, update: Callable[..., None], *args: Any, lane: Any = None
+    ) -> bool:
         """Run ``update(*args)`` for ``chunk``: on the worker, its write-back
         following in ``await_chunk``; or now, written back at once. False
         when it failed inline (kept: ``await_chunk`` runs it once more, see
-        zerostack.shard's [Note: a failed CPU update])."""
+        zerostack.shard's [Note: a failed CPU update]). ``lane``: the homes
+        of a device-lane update (see [Note: Gemini's device lane]), which
+        writes the chunk's shard on the device itself."""
         self._chunks[chunk.index] = chunk
-        if not self.updates.submit(chunk.index, _in_phase, update, *args):
+        if lane is not None:
+            self._lane_homes[chunk] = lane
+            submitted = self.updates.submit(chunk.index, update, *args, lane="device")
+        else:
+            submitted = self.updates.submit(chunk.index, _in_phase, update, *args)
+        if not submitted:
             return False
         if not self.updates.overlapping:
             self.await_chunk(chunk)  # a synchronous step: written back at once
@@ -210,14 +230,21 @@ class CpuStepPipeline:
         self._finish(chunk)
 
     def _finish(self, chunk: Chunk) -> None:
-        """Write ``chunk``'s update back (from its staging buffer, or in place)."""
+        """Write ``chunk``'s update back (from its staging buffer, or in place;
+        a device-lane chunk's shard holds it once its ``updated`` event is)."""
+        homes = self._lane_homes.pop(chunk, None)
+        if homes is not None and homes.updated is not None:
+            torch.cuda.current_stream(chunk.compute_device).wait_event(homes.updated)
         write_back(self.manager, chunk, self._host_values.get(chunk), staged=True)
         self._release(chunk)
 
     def await_all(self) -> None:
-        """Finish every pending update (not the failed ones), in chunk order."""
+        """Finish every pending update (not the failed ones), in chunk order,
+        and the device lane's copies back to the host."""
         for chunk in self.pending():
             self.await_chunk(chunk)
+        if self.lane_settle is not None:
+            self.lane_settle()
 
     def await_kept_gathered(self) -> None:
         """Finish the pending updates of kept-gathered chunks, in chunk order.

@@ -397,9 +397,12 @@ class GeminiDDP(nn.Module):
         self._used.clear()
         return used
 
-    def plan_placement(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
-        """The placement's plan at the first step (auto); True when masters moved."""
-        return self.placement.plan(masters, optim_bytes_per_element)
+    def plan_placement(
+        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+    ) -> bool:
+        """The placement's plan at the first step (auto), ``reserve_bytes`` of
+        the device kept for the optimizer; True when masters moved."""
+        return self.placement.plan(masters, optim_bytes_per_element, reserve_bytes)
 
     def chunk_compute_order(self) -> list[int]:
         """Chunk indices in the order a training iteration first uses them,

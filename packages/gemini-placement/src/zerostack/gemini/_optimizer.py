@@ -11,15 +11,19 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, all_gather_into, phase, set_collective_label
+from zerostack.chunk import Chunk, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
+from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
     check_clip_args,
+    check_fraction,
+    check_lane_optimizer,
     check_max_norm,
     check_state_keys,
     grad_stats,
@@ -47,7 +51,9 @@ class GeminiOptimizer:
     chunk, so its states are sharded like the chunks.
 
     A step first updates the master chunks on the compute device (CUDA
-    kernel, launched asynchronously), then the CPU-held ones (CPU kernel).
+    kernel, launched asynchronously), then the CPU-held ones (CPU kernel;
+    with ``gpu_update_fraction`` a share of them in the device's, see
+    [Note: Gemini's device lane]).
     Gradients of CPU-held chunks are copied to pinned host buffers when
     backward ends; with ``overlap_cpu_step`` the CPU updates run on a worker
     thread, chunk by chunk in compute order, while the next forward starts:
@@ -75,6 +81,15 @@ class GeminiOptimizer:
             never during backward (a batch dropped after an exception leaves
             no trace, see zerostack.shard's [Note: dropping a batch]).
             Default True.
+        gpu_update_fraction: about this share of the CPU-held optimizer
+            chunks' elements (whole chunks, the first in compute order) is
+            updated by the compute device's fused Adam instead of CPU Adam:
+            their fp32 masters and Adam states stay on the host between steps
+            and are streamed to the device and back at ``step()``, their
+            gradients stay on the device (see [Note: Gemini's device lane]).
+            The same math: bitwise on a CPU compute device, within fp32
+            rounding on CUDA. In [0, 1]; needs HybridAdam (or CPUAdam)
+            without NVMe. Default 0.0 (every CPU-held chunk in CPU Adam).
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -85,8 +100,11 @@ class GeminiOptimizer:
             max_scale), ColossalAI's names.
 
     Raises:
-        NotImplementedError: several parameter groups.
-        ValueError: the optimizer is not built on the module's parameters.
+        NotImplementedError: several parameter groups; gpu_update_fraction > 0
+            with an optimizer other than fused-adam's Adam or with Adam states
+            on disk.
+        ValueError: the optimizer is not built on the module's parameters;
+            gpu_update_fraction outside [0, 1].
         TypeError: an unknown keyword, or loss_scaler with scaler keywords.
         CpuStepError: a CPU update of the model's closed optimizer failed
             and fails again (see zerostack.shard's [Note: a failed CPU update]).
@@ -99,6 +117,7 @@ class GeminiOptimizer:
         *,
         max_norm: float = 0.0,
         overlap_cpu_step: bool = True,
+        gpu_update_fraction: float = 0.0,
         gc_every_n_steps: int = 50,
         loss_scaler: DynamicLossScaler | None = None,
         **scaler_kwargs: Any,
@@ -108,6 +127,7 @@ class GeminiOptimizer:
         check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+        _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
         # bound (attach_step would run them too, after this one's setup).
         module.retry_failed_updates()
@@ -137,7 +157,11 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
+        self.gpu_update_fraction = float(gpu_update_fraction)
+        self._lane: GeminiLane | None = None
         self._bind_masters()
+        if not module.config.auto:  # auto placement: at its plan (the first step)
+            self._choose_lane()
         if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
             self.optimizer.nvme_plan([])
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
@@ -186,6 +210,14 @@ class GeminiOptimizer:
         """Host bytes of the model and this optimizer by owner (see
         GeminiDDP.host_bytes and [Note: host bytes])."""
         return self.module.host_bytes(self)
+
+    @property
+    def device_lane_chunks(self) -> list[int]:
+        """Indices of the CPU-held chunks whose update runs in the compute
+        device's Adam (``gpu_update_fraction``; under auto placement chosen
+        at the first step). See [Note: Gemini's device lane]."""
+        lane = self._lane
+        return sorted(self.pairs[i][0].index for i in lane.homes) if lane is not None else []
 
     @property
     def cpu_step_s(self) -> float:
@@ -254,7 +286,10 @@ class GeminiOptimizer:
     def _stage_grads(self) -> None:
         """End of backward: start copying the reduced gradients of CPU-held
         chunks into pinned host buffers (the CPU step waits for them)."""
+        lane = self._lane
         for i in self._host:
+            if lane is not None and i in lane:
+                continue  # See [Note: Gemini's device lane]: the device's Adam reads it there
             chunk = self.pairs[i][0]
             self.pipeline.stage_grad(chunk, _grad_share(chunk))
 
@@ -430,8 +465,12 @@ class GeminiOptimizer:
         """At the first step under auto placement: the plan, and the masters
         (with any state loaded before it) where it put them."""
         before = list(self.masters)
+        reserve = 0
+        if self.gpu_update_fraction > 0 and self.pairs:  # See [Note: Gemini's device lane]
+            shard = max(m.shard_size for _, m in self.pairs)
+            reserve = staging_bytes(shard, self.pairs[0][0].dtype)
         if not self.module.plan_placement(
-            dict(self.pairs), _state_bytes_per_element(self.optimizer)
+            dict(self.pairs), _state_bytes_per_element(self.optimizer), reserve_bytes=reserve
         ):
             return
         self._bind_masters()
@@ -441,6 +480,7 @@ class GeminiOptimizer:
                     k: v.to(new.device) if torch.is_tensor(v) and v.dim() > 0 else v
                     for k, v in self.optimizer.state.pop(old).items()
                 }
+        self._choose_lane()
         self._stage_grads()  # the plan moved shards: stage from where the gradients are now
 
     def _step(self) -> bool:
@@ -461,6 +501,7 @@ class GeminiOptimizer:
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
+        self._home_lane_states(unused)
         saved = self._save_slices(unused)
         # Device-held masters: one launch, asynchronous on the device. (The
         # lock, as every inner step takes it; nothing else runs now: step()
@@ -485,11 +526,42 @@ class GeminiOptimizer:
         if order and hasattr(self.optimizer, "nvme_plan"):
             with self._lock:
                 self.optimizer.nvme_plan([self.masters[i] for i in order])
+        lane = self._lane
+        if lane is not None:
+            lane.staging.start()
         for i in order:
             chunk = self.pairs[i][0]
             args = (i, grads[i], plan.div_scale, saved.get(i), hyper)
-            self.pipeline.submit(chunk, self._cpu_update, *args)
+            if lane is not None and lane.takes(i, grads[i]):  # See [Note: Gemini's device lane]
+                self.pipeline.submit(chunk, lane.update, *args, lane=lane.events(i))
+            else:
+                self.pipeline.submit(chunk, self._cpu_update, *args)
         return True
+
+    def _choose_lane(self) -> None:
+        """The device lane over the first CPU-held chunks in compute order,
+        once the placement decided them. See [Note: Gemini's device lane]."""
+        if self.gpu_update_fraction == 0 or self._lane is not None:
+            return
+        self._lane = GeminiLane.choose(
+            self.pairs, self.masters, self._cpu_order(), self.gpu_update_fraction,
+            self.optimizer, self.module.compute_device,
+        )  # fmt: skip
+        if self._lane is not None:
+            self.pipeline.lane_settle = self._lane.staging.settle
+
+    def _home_lane_states(self, unused: list[torch.Tensor]) -> None:
+        """Before the step saves any slice: the lane's moments in their homes
+        (a loaded state copied in), and their last copies back done when a
+        slice is read."""
+        lane = self._lane
+        if lane is None:
+            return
+        for i in self._host:
+            if i in lane and self.masters[i] in self.optimizer.state:
+                lane.home_states(i)
+        if unused:
+            lane.settle()
 
     def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """This rank's squared gradient norm, as zerostack.shard's grad_stats
@@ -515,6 +587,8 @@ class GeminiOptimizer:
         """Step one CPU-held master (on the worker thread when overlapping)
         with its step's hyperparameters (a failed update may run again later)."""
         chunk = self.pairs[i][0]
+        if self._lane is not None and i in self._lane:
+            self._lane.settle()  # a lane chunk whose gradient is on the host this step
         host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
         # The new fp16/bf16 shard goes into the chunk's host share itself, or a
@@ -613,43 +687,12 @@ class GeminiOptimizer:
 
     # -- whole-model optimizer state, any world size ---------------------------------
 
-    def _trainable(self) -> list[torch.Tensor]:
-        return [p for p in self.module.params if p.requires_grad]
-
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Any]:
         """Every trainable parameter's whole fp32 master and optimizer state
         (flat, on the CPU), gathered on every rank, keyed by parameter name:
         loadable at any world size and chunk size with ``load_full_state_dict``."""
-        self.module.wait_updates()
-        # Positional: states on disk (nvme_offload_fraction) come back from
-        # the inner state_dict as file-backed tensors, one chunk at a time.
-        packed = self.optimizer.state_dict()["state"]
-        per_chunk: dict[Chunk, dict[str, Any]] = {}
-        for i, ((chunk, master_chunk), master) in enumerate(
-            zip(self.pairs, self.masters, strict=True)
-        ):
-            state = packed.get(i, {})
-            whole = {"master": _gather_chunk(master, master_chunk)}
-            for k, v in state.items():
-                if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
-                    whole[k] = _gather_chunk(v, master_chunk)
-                else:  # e.g. the step count
-                    whole[k] = v.detach().clone() if torch.is_tensor(v) else v
-            per_chunk[chunk] = whole
-        params = {}
-        for p in self._trainable():
-            chunk = self.manager.get_chunk(p)
-            info = chunk.tensors_info[p]
-            params[self.module.param_names[p]] = {
-                k: v[info.offset : info.end].clone() if _is_chunk_tensor(v, chunk) else v
-                for k, v in per_chunk[chunk].items()
-            }
-        return {
-            "params": params,
-            "param_group": {k: v for k, v in self.param_groups[0].items() if k != "params"},
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-        }
+        return full_optim_state(self)
 
     @torch.no_grad()
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
@@ -661,62 +704,7 @@ class GeminiOptimizer:
             ValueError: a parameter's size differs.
         """
         self._check_open("load_full_state_dict")
-        check_state_keys(f"{_API}.load_full_state_dict", full, ("params", "param_group", "scaler"))
-        module = self.module
-        module.drop_batch_for_load()
-        module.wait_updates()
-        names = [module.param_names[p] for p in self._trainable()]
-        missing = [n for n in names if n not in full["params"]]
-        if missing:
-            raise KeyError(f"{_API}.load_full_state_dict: no state for {missing[:5]}")
-        # Sizes are checked before the first master is written: a bad entry
-        # leaves the model and the optimizer as they were.
-        for chunk, _ in self.pairs:
-            for t, info in chunk.tensors_info.items():
-                name = module.param_names[t]
-                for k, v in full["params"][name].items():
-                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() != info.numel:
-                        raise ValueError(
-                            f"{_API}.load_full_state_dict: {name} has {v.numel()} elements in "
-                            f"the state ({k}), {info.numel} in the model"
-                        )
-        state: dict[int, dict[str, Any]] = {}
-        for i, (chunk, _) in enumerate(self.pairs):
-            master = self.masters[i]
-            whole: dict[str, Any] = {}
-            for t, info in chunk.tensors_info.items():
-                entry = full["params"][module.param_names[t]]
-                for k, v in entry.items():
-                    if not (torch.is_tensor(v) and v.dim() == 1):
-                        whole.setdefault(k, v.clone() if torch.is_tensor(v) else v)
-                        continue
-                    if v.numel() != info.end - info.offset:
-                        raise ValueError(
-                            f"{_API}.load_full_state_dict: {module.param_names[t]} has {v.numel()} "
-                            f"elements in the state, {info.end - info.offset} in the model"
-                        )
-                    buf = whole.setdefault(k, torch.zeros(chunk.chunk_size, dtype=v.dtype))
-                    buf[info.offset : info.end].copy_(v)
-            lo, hi = chunk.rank * chunk.shard_size, (chunk.rank + 1) * chunk.shard_size
-            mine = {
-                k: v[lo:hi].to(master.device) if _is_chunk_tensor(v, chunk) else v
-                for k, v in whole.items()
-            }
-            master.copy_(mine.pop("master"))
-            if mine:
-                state[i] = mine
-        hyper = dict(full["param_group"])
-        self.param_groups[0].update(hyper)
-        inner = {
-            **self.optimizer.param_groups[0],
-            **hyper,
-            "params": list(range(len(self.masters))),
-        }
-        self.optimizer.load_state_dict({"state": state, "param_groups": [inner]})
-        if self.scaler is not None and full["scaler"] is not None:
-            self.scaler.load_state_dict(full["scaler"])
-        for chunk, _ in self.pairs:
-            write_back(self.manager, chunk)
+        load_full_optim_state(self, full)
 
 
 # [Note: NVMe on the host tier] HybridAdam's nvme_offload_fraction puts on
@@ -746,6 +734,24 @@ def _host_hint(module: GeminiDDP) -> str:
     )
 
 
+def _check_fraction(optimizer: torch.optim.Optimizer, module: GeminiDDP, fraction: object) -> None:
+    """``gpu_update_fraction``: in [0, 1], for fused-adam's Adam without
+    NVMe; a warning where no chunk is CPU-held."""
+    check_fraction(_API, fraction)
+    if fraction == 0:
+        return
+    check_lane_optimizer(_API, optimizer, module.compute_device, torch_adam=False)
+    placement = module.config.placement
+    if not module.config.auto and placement.offload_optim_frac == 0:  # type: ignore[union-attr]
+        warnings.warn(
+            f"{_API}: gpu_update_fraction has no effect when no optimizer chunk is on the CPU "
+            f"(got offload_optim_frac=0.0, gpu_update_fraction={fraction}); every update runs on "
+            "the compute device already. Set offload_optim_frac or leave gpu_update_fraction at 0",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _raise_first(errors: list[CpuStepError]) -> None:
     if errors:
         raise errors[0]
@@ -759,21 +765,6 @@ def _close(pipeline: CpuStepPipeline, collector: CollectorSchedule) -> None:
 def _close_on_collect(stop_worker: Callable[[], None], collector: CollectorSchedule) -> None:
     stop_worker()
     collector.close()
-
-
-def _gather_chunk(t: torch.Tensor, chunk: Chunk) -> torch.Tensor:
-    """The whole chunk from every rank's shard ``t``, on the CPU."""
-    if chunk.world_size == 1:
-        return t.detach().cpu().clone()
-    device = chunk.compute_device
-    out = torch.empty(chunk.chunk_size, dtype=t.dtype, device=device)
-    set_collective_label(f"gathering chunk {chunk.index}'s state for a checkpoint")
-    all_gather_into(out, t.detach().to(device), chunk.process_group)
-    return out.cpu()
-
-
-def _is_chunk_tensor(v: Any, chunk: Chunk) -> bool:
-    return torch.is_tensor(v) and v.dim() == 1 and v.numel() == chunk.chunk_size
 
 
 def _restore(saved) -> None:

@@ -79,7 +79,9 @@ class Placement:
     def end_warmup(self) -> None:
         pass
 
-    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
+    def plan(
+        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+    ) -> bool:
         """Decide where chunks live for good; True when masters moved."""
         return False
 
@@ -424,13 +426,17 @@ class AutoPlacement(Placement):
 
     # -- the plan ------------------------------------------------------------------
 
-    def plan(self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int) -> bool:
+    def plan(
+        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+    ) -> bool:
         """Decide, once, where param shards and optimizer chunks live.
 
         Args:
             masters: param chunk -> its fp32 master chunk.
             optim_bytes_per_element: bytes of optimizer state per master
                 element (8 for Adam's two fp32 moments).
+            reserve_bytes: device bytes the optimizer holds beside the chunks
+                (GeminiOptimizer's device-lane staging). Default 0.
 
         Returns:
             True when this call planned (masters may have moved).
@@ -439,7 +445,7 @@ class AutoPlacement(Placement):
             return False
         self.end_warmup()
         self.planned = True
-        room = self.steady_limit() - self.stats.max_gathered_bytes
+        room = self.steady_limit() - self.stats.max_gathered_bytes - reserve_bytes
         order = {i: k for k, i in enumerate(self.stats.chunk_order())}
         ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
         params_on = 0

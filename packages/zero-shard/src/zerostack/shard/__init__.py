@@ -10,11 +10,18 @@ from zerostack.shard._clip import (
     norm_part,
     record_clip,
 )
-from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields
+from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields, check_fraction
 from zerostack.shard._cpu_pipeline import CpuStepError, CpuUpdatePipeline, write_failed
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
 from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
+from zerostack.shard._lane import (
+    LANE_HYPER,
+    LaneHomes,
+    LaneStaging,
+    check_lane_optimizer,
+    lane_prefix,
+)
 from zerostack.shard._loss_scaler import SCALER_KEYS, DynamicLossScaler, LossScalerConfig
 from zerostack.shard._mixed_precision import (
     StepPlan,
@@ -29,12 +36,15 @@ from zerostack.shard._state_dict import check_state_keys
 from zerostack.shard._step_model import FloorEstimate, MachineProfile, StepFloor, step_floor
 
 __all__ = [
+    "LANE_HYPER",
     "SCALER_KEYS",
     "CollectorSchedule",
     "CpuStepError",
     "CpuUpdatePipeline",
     "DynamicLossScaler",
     "FloorEstimate",
+    "LaneHomes",
+    "LaneStaging",
     "LossScalerConfig",
     "MachineProfile",
     "ShardedGradient",
@@ -47,12 +57,15 @@ __all__ = [
     "as_kwargs",
     "changed_fields",
     "check_clip_args",
+    "check_fraction",
+    "check_lane_optimizer",
     "check_max_norm",
     "check_state_keys",
     "clip_coefficient",
     "clip_grads_",
     "grad_stats",
     "hyperparameters",
+    "lane_prefix",
     "local_grad",
     "make_loss_scaler",
     "mark_stepped",

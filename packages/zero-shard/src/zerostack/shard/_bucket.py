@@ -4,11 +4,15 @@ that carry gradients down and parameters back up (``_Bucket``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerostack.shard import _partition as part
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
+
+if TYPE_CHECKING:
+    from zerostack.shard._device_lane import LaneHomes
 
 
 @dataclass(slots=True)
@@ -43,6 +47,7 @@ class _Bucket:
         "copied",
         "host_grads",
         "host_params",
+        "lane",
         "launched",
         "norm_sq",
         "offsets",
@@ -76,6 +81,10 @@ class _Bucket:
         self.on_host = False  # cpu_offload: the reduced piece is already queued to host_grads
         self.host_grads: torch.Tensor | None = None  # cpu_offload: pinned, see pin_offload_buffers
         self.host_params: torch.Tensor | None = None
+        # cpu_offload with gpu_update_fraction: the pinned host homes of a
+        # bucket the device's Adam updates (no host_grads nor host_params
+        # then); see [Note: Adam where the bandwidth is].
+        self.lane: LaneHomes | None = None
         # cpu_offload on CUDA, see [Note: offloaded step pipeline]: recorded
         # on the write-back stream after host_params went to the device (the
         # worker may overwrite host_params only then) and after the
@@ -226,8 +235,11 @@ def pin_offload_buffers(
     as one copy: reduced gradients down in the communication dtype (CPUAdam
     reads bf16/fp16 gradients as they are), updated parameters up in the
     parameter dtype, written by the CPU kernel's fused copy-out when
-    ``copy_out``."""
+    ``copy_out``. Device-lane buckets get none (see [Note: Adam where the
+    bandwidth is])."""
     for bucket in buckets:
+        if bucket.lane is not None:
+            continue
         p_dtype = bucket.shards[0].param.dtype
         g_dtype = comm_dtype or p_dtype
         bucket.host_grads = torch.empty(bucket.piece_total, dtype=g_dtype, pin_memory=pin)

@@ -28,6 +28,11 @@ class ZeroConfig:
     """Masters and optimizer states on the CPU. Default False."""
     overlap_cpu_step: bool = True
     """With cpu_offload, update buckets on a worker thread. Default True."""
+    gpu_update_fraction: float = 0.0
+    """With cpu_offload, the share of the offloaded elements (whole buckets,
+    the first the next forward uses) whose Adam update runs in the compute
+    device's fused Adam, masters and states streamed from and back to the
+    host; 0.0 updates all in CPU Adam. In [0, 1]. Default 0.0."""
     master_weights: bool = True
     """Keep fp32 masters for fp16/bf16 parameters. Default True."""
     max_norm: float = 0.0
@@ -49,6 +54,7 @@ class ZeroConfig:
         if size < 1:
             raise ValueError(f"{api}: reduce_bucket_size must be >= 1 (got {size})")
         check_max_norm(api, self.max_norm)
+        check_fraction(api, self.gpu_update_fraction)
         dtype = self.communication_dtype
         if dtype is not None and (
             not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
@@ -60,6 +66,19 @@ class ZeroConfig:
         for name in ("overlap_communication", "cpu_offload", "overlap_cpu_step", "master_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{api}: {name} must be a bool (got {getattr(self, name)!r})")
+
+
+def check_fraction(api: str, fraction: object) -> None:
+    """``gpu_update_fraction``: a number in [0, 1]."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise TypeError(
+            f"{api}: gpu_update_fraction must be a number in [0, 1] (got {fraction!r}); e.g. 0.25"
+        )
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(
+            f"{api}: gpu_update_fraction must be in [0, 1] (got {fraction!r}); 0 updates all that is "
+            "offloaded in CPU Adam, 1 all of it in the GPU's Adam"
+        )
 
 
 def changed_fields(given: Any, default: Any) -> list[str]:

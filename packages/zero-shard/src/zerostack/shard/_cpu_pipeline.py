@@ -1,5 +1,9 @@
-"""The one CPU-step pipeline: the CPU updates of a step, by key, on a worker
-thread or inline, and the rule for an update that fails.
+"""The one CPU-step pipeline: the updates of a step whose states live on the
+host, by key, on a worker thread or inline, and the rule for an update that
+fails. Most run in CPU Adam; the device lanes of ZeroOptimizer and
+GeminiOptimizer (``gpu_update_fraction``) queue others in the device's Adam
+under the same keys (``submit(..., lane="device")``, see [Note: Adam where
+the bandwidth is]).
 
 It knows nothing of what it updates: an owner submits ``update(*args)``
 under an int key (ZeroOptimizer: a bucket's position in write-back order;
@@ -73,7 +77,13 @@ started during backward (as this pipeline once did without clipping, for
 about forward + max(backward, CPU Adam) + the last copy) could not be taken
 back when the batch is dropped after an exception (see [Note: dropping a
 batch]), nor clipped by a ``clip_grad_by_norm`` that comes after it. CPU
-Adam stays the bound; what is left is its bandwidth.
+Adam stays the bound, at its host memory bandwidth, while PCIe and the GPU's
+Adam idle; ``gpu_update_fraction`` moves a share f of the buckets (the first
+in write-back order) to the device's Adam, fed over PCIe from pinned host
+homes (12 B each way per parameter; its gradients stay on the device and
+its new parameters are made there), so CPU Adam does 1 - f: [Note: Adam
+where the bandwidth is] says how, [Note: step-time floor] which f finishes
+first. Its speed on a GPU has not been measured yet; the default is 0.
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one
@@ -95,7 +105,10 @@ forward waits for the ``written`` event of each bucket it needs, and the
 next backward (or any reader through the optimizer) for the whole stream.
 The worker overwrites a bucket's pinned ``host_params`` only after the
 ``copied`` event of its last H2D copy; the gradients' D2H copies are
-finished (a host sync) before ``step()`` queues any update.
+finished (a host sync) before ``step()`` queues any update. A device-lane
+bucket's write-back waits (on the device) for its ``updated`` event instead,
+and copies nothing to the device: at N = 1 its parameters hold the step
+already, at N > 1 it all-gathers this rank's pieces from them.
 """
 
 from __future__ import annotations
@@ -187,6 +200,7 @@ class CpuUpdatePipeline:
         self._calls: dict[int, tuple[Callable[..., None], tuple]] = {}  # held: not finished
         self._futures: dict[int, Future] = {}  # running on the worker, not waited for
         self._failed: set[int] = set()  # kept to run again
+        self._lanes: dict[int, str] = {}  # the kernel each held key's update runs in, for messages
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
         self.wait_s = 0.0  # seconds the owner waited for them (exposed)
         self.worker_updates = 0  # updates that ran on the worker thread
@@ -248,10 +262,13 @@ class CpuUpdatePipeline:
 
         return stop
 
-    def submit(self, key: int, update: Callable[..., None], *args: Any) -> bool:
+    def submit(self, key: int, update: Callable[..., None], *args: Any, lane: str = "CPU") -> bool:
         """Queue ``update(*args)`` under ``key``; inline, run it now. False
-        when it failed inline (kept: see [Note: a failed CPU update])."""
+        when it failed inline (kept: see [Note: a failed CPU update]).
+        ``lane`` names the kernel in messages ("CPU", or "device" for an
+        update in the device's Adam, see [Note: Adam where the bandwidth is])."""
         self._calls[key] = (update, args)
+        self._lanes[key] = lane
         if self._executor is not None:
             self._futures[key] = self._executor.submit(self._run, update, *args)
             return True
@@ -291,6 +308,7 @@ class CpuUpdatePipeline:
         if key in self._failed:
             self._retry(key)
         self._calls.pop(key, None)
+        self._lanes.pop(key, None)
 
     def pop(self) -> int:
         """``wait`` for the first held update; its key."""
@@ -311,13 +329,15 @@ class CpuUpdatePipeline:
         dropped = sorted(self._failed)
         for key in dropped:
             self._calls.pop(key, None)
+            self._lanes.pop(key, None)
         self._failed.clear()
         return dropped
 
     def _failed_once(self, key: int, error: BaseException) -> None:
         logger.warning(
-            "%s: the CPU update of %s failed (%s: %s); it will run again",
-            self.api, self.unit.format(key), type(error).__name__, error,
+            "%s: the %s update of %s failed (%s: %s); it will run again",
+            self.api, self._lanes.get(key, "CPU"), self.unit.format(key), type(error).__name__,
+            error,
         )  # fmt: skip
         self._failed.add(key)
 
@@ -326,8 +346,9 @@ class CpuUpdatePipeline:
         try:
             self._run(update, *args)
         except Exception as error:
+            lane = self._lanes.get(key, "CPU")
             failed = CpuStepError(
-                f"{self.api}: the CPU update of {self.unit.format(key)} failed "
+                f"{self.api}: the {lane} update of {self.unit.format(key)} failed "
                 f"({type(error).__name__}: {error}); it is kept with its gradients: remove the "
                 f"cause and go on (the next {self.retry_at} runs it again), or reload a "
                 "checkpoint",
@@ -337,5 +358,6 @@ class CpuUpdatePipeline:
             raise failed from error
         self._failed.discard(key)
         logger.info(
-            "%s: the CPU update of %s ran again and succeeded", self.api, self.unit.format(key)
-        )
+            "%s: the %s update of %s ran again and succeeded",
+            self.api, self._lanes.get(key, "CPU"), self.unit.format(key),
+        )  # fmt: skip

@@ -34,10 +34,12 @@ from zerostack.shard._bucket import (
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._config import ZeroConfig
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
+from zerostack.shard._device_lane import DeviceLane
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
+from zerostack.shard._lane import check_lane_optimizer, lane_prefix
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -62,6 +64,7 @@ def _check_args(
     max_norm: float,
     communication_dtype: torch.dtype | None,
     module: object,
+    gpu_update_fraction: float,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
         raise TypeError(
@@ -79,7 +82,8 @@ def _check_args(
             "wrapper's master shards); build a new torch optimizer to wrap again"
         )
     ZeroConfig(stage=stage, reduce_bucket_size=reduce_bucket_size, max_norm=max_norm,
-               communication_dtype=communication_dtype)  # fmt: skip
+               communication_dtype=communication_dtype,
+               gpu_update_fraction=gpu_update_fraction)  # fmt: skip
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(
             f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"
@@ -125,12 +129,25 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
 
 
 def _check_offload_args(
-    optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object
-) -> None:
+    optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
+    fraction: float, device: torch.device,
+) -> None:  # fmt: skip
     if not isinstance(overlap_cpu_step, bool):
         raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
     if cpu_offload:
         _check_cpu_kernel(optimizer)
+    if fraction == 0:
+        return
+    if not cpu_offload:
+        warnings.warn(
+            f"{_API}: gpu_update_fraction has no effect without cpu_offload (got "
+            f"gpu_update_fraction={fraction}): every update runs on the compute device already; "
+            "set cpu_offload=True or leave gpu_update_fraction at 0",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    check_lane_optimizer(_API, optimizer, device, torch_adam=True)
 
 
 def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
@@ -252,6 +269,16 @@ class ZeroOptimizer:
             ``wait_updates()``; step lr schedulers on this object's
             ``param_groups``. Updates start at ``step()``, never during
             backward (see [Note: dropping a batch]). Default True.
+        gpu_update_fraction: with ``cpu_offload``, about this share of the
+            offloaded elements (whole buckets, the first ones the next
+            forward uses) is updated by the compute device's fused Adam
+            instead of CPU Adam: their fp32 masters and Adam states stay on
+            the host between steps and are streamed to the device and back
+            at ``step()``, their gradients stay on the device (see [Note:
+            Adam where the bandwidth is]). The same math: bitwise on a CPU
+            compute device, within fp32 rounding on CUDA. ``step_floor``'s
+            ``split.gpu_fraction`` gives the share a measured machine favours.
+            In [0, 1]; needs Adam/AdamW. Default 0.0 (every update in CPU Adam).
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -275,10 +302,13 @@ class ZeroOptimizer:
 
     Raises:
         ValueError: stage not 1 or 2, an optimizer that already stepped, a
-            trainable module parameter missing from the optimizer, mixed devices.
+            trainable module parameter missing from the optimizer, mixed
+            devices, gpu_update_fraction outside [0, 1].
         TypeError: an unknown keyword, or ``loss_scaler`` and scaler keywords
             together.
         ImportError: cpu_offload with Adam/AdamW but no zerostack-fused-adam.
+        NotImplementedError: gpu_update_fraction > 0 with an optimizer other
+            than Adam/AdamW or with Adam states on disk.
     """
 
     def __init__(
@@ -291,6 +321,7 @@ class ZeroOptimizer:
         communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
         overlap_cpu_step: bool = True,
+        gpu_update_fraction: float = 0.0,
         master_weights: bool = True,
         max_norm: float = 0.0,
         gc_every_n_steps: int = 50,
@@ -300,10 +331,16 @@ class ZeroOptimizer:
         debug_collectives: bool | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module)
+        _check_args(
+            optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module,
+            gpu_update_fraction,
+        )  # fmt: skip
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
-        _check_offload_args(optimizer, cpu_offload, overlap_cpu_step)
+        _check_offload_args(
+            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, self.device
+        )
+        self.gpu_update_fraction = float(gpu_update_fraction) if cpu_offload else 0.0
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
@@ -403,22 +440,33 @@ class ZeroOptimizer:
         # see [Note: parameters written in place].
         self._versions = [s.param._version for s in self.shards]
         self._warned_dropped = False
+        # Write-back order: the order forward uses the buckets (buckets are
+        # in backward order). See [Note: offloaded step pipeline].
+        self._order = self.buckets[::-1]
+        self._lane: DeviceLane | None = None
+        if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
+            lane = self._order[
+                : lane_prefix([b.piece_total for b in self._order], self.gpu_update_fraction)
+            ]
+            if lane:
+                self._lane = DeviceLane(
+                    lane, self.optimizer, self.device, self.world, self.rank,
+                    pin=torch.cuda.is_available(), window=-(-reduce_bucket_size // self.world),
+                )  # fmt: skip
         if self.cpu_offload:
             pin_offload_buffers(
                 self.buckets, self.optimizer, self.comm_dtype,
                 pin=torch.cuda.is_available(),
                 copy_out=self._copy_out,
             )  # fmt: skip
-        # Write-back order: the order forward uses the buckets (buckets are
-        # in backward order). See [Note: offloaded step pipeline].
-        self._order = self.buckets[::-1]
 
     def _log_layout(self, master_device: torch.device) -> None:
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
         logger.info(
-            "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on %s%s",
-            self.stage, len(self.shards), len(self.buckets), self.rank, self.world,
+            "ZeRO-%d: %d params in %d buckets; rank %d/%d holds %.1f MB of master weights on "
+            "%s%s%s", self.stage, len(self.shards), len(self.buckets), self.rank, self.world,
             state_bytes / 2**20, master_device, ", fp16 loss scaling" if self.fp16 else "",
+            f"; {self._lane.describe()}" if self._lane is not None else "",
         )  # fmt: skip
 
     @property
@@ -483,7 +531,7 @@ class ZeroOptimizer:
             )
         self._refuse_unfinished(f"{_API}.backward")
         self._refuse_after_clip("backward")
-        self.wait_updates()
+        self._write_back_pending()
         if self.scaler is not None:
             loss = loss * self.scaler.scale
             self._scaled_backward = True
@@ -511,7 +559,7 @@ class ZeroOptimizer:
         self._refuse_unfinished(f"{_API}.backward")  # loss.backward() called directly
         self._refuse_after_clip("backward")
         if self._pipe is not None and self._pipe.round_open:
-            self.wait_updates()  # loss.backward() called directly: before any reduction
+            self._write_back_pending()  # loss.backward() called directly: before any reduction
         if self.scaler is not None and not self._scaled_backward:
             self._unscaled = True
         if self._state is T.IDLE or (self._state is T.ACCUMULATED and not self._no_sync):
@@ -556,7 +604,7 @@ class ZeroOptimizer:
             self.collector.tick()
             return True
         self._check_scaled("step")
-        self.wait_updates()  # the last step's, when no forward ran since
+        self._write_back_pending()  # the last step's, when no forward ran since
         for bucket in self.buckets:
             self._adopt_writes(bucket.shards)
         self._scaled_backward = False
@@ -577,7 +625,9 @@ class ZeroOptimizer:
             self._queue_cpu_updates(plan.div_scale, stats[1:])
             if not self._defer:
                 self._transition(T.UNFINISHED)
-                self.wait_updates()
+                self._write_back_pending()
+                if self._lane is not None:  # a synchronous step: masters and states on the
+                    self._lane.settle()  # host are the step's when it returns, as at f = 0
                 self._transition(T.IDLE)
         else:
             self._device_step(plan.div_scale, stats[1:])
@@ -631,7 +681,7 @@ class ZeroOptimizer:
                 "after the backward outside no_sync(), before step()"
             )
         self._check_scaled("clip_grad_by_norm")
-        self.wait_updates()  # the last step's write-backs come before any reduction
+        self._write_back_pending()  # the last step's write-backs come before any reduction
         with phase("zerostack::reduce"):
             if self._state is not T.CLIPPED:
                 self._clip_norm_sq = self.reduction.finish()
@@ -673,19 +723,31 @@ class ZeroOptimizer:
             logger.error("%s: %s", _API, error)
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
-        """Queue the CPU update of every bucket with a used parameter, in
-        write-back order. See [Note: offloaded step pipeline]."""
+        """Queue the update of every bucket with a used parameter, in
+        write-back order: in CPU Adam, or in the device's for the device
+        lane. See [Note: offloaded step pipeline]."""
         pipe = self._pipe
         self._push_hyper()
         if pipe.stream is not None:
             # The write-backs may overwrite parameters only after the work
             # queued so far (the last backward) is done with them.
             pipe.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self._lane is not None:
+            self._lane.start()
         pipe.round_open = True
         for k, bucket in enumerate(self._order):
-            pairs = [(s.master, s.grad) for s in bucket.shards if used[s.index] > 0]
-            if pairs:  # else nothing changes: every rank skips it (used is global)
-                pipe.submit(k, self._cpu_update, bucket, pairs, div_scale)
+            shards = [s for s in bucket.shards if used[s.index] > 0]
+            if not shards:  # nothing changes: every rank skips it (used is global)
+                continue
+            if bucket.lane is not None:  # See [Note: Adam where the bandwidth is]
+                pairs = [(s, s.grad) for s in shards]
+                pipe.submit(
+                    k, self._lane.update, bucket, pairs, div_scale, self._versions, lane="device"
+                )
+            else:
+                pipe.submit(
+                    k, self._cpu_update, bucket, [(s.master, s.grad) for s in shards], div_scale
+                )
 
     def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float) -> None:
         """Step one bucket's masters on the CPU (on the worker when
@@ -714,17 +776,27 @@ class ZeroOptimizer:
     def wait_updates(self) -> None:
         """Finish the CPU updates still running from the last step and write
         their parameters back (``cpu_offload`` with ``overlap_cpu_step``);
-        after it the parameters hold the step's values. Forward, backward,
-        ``step``, the state-dict methods and ``module.state_dict()`` call it.
+        after it the parameters hold the step's values, and the masters and
+        states on the host too (with ``gpu_update_fraction``, the device's
+        copies back are waited for). The state-dict methods and
+        ``module.state_dict()`` call it; forward, backward and an overlapped
+        ``step`` write back without waiting for those copies (a synchronous
+        one waits for them).
 
         Raises:
             CpuStepError: a CPU update failed twice; it runs again at the next
                 call (see [Note: a failed CPU update]).
         """
+        self._write_back_pending()
+        if self._lane is not None:
+            self._lane.settle()
+
+    def _write_back_pending(self) -> None:
+        """``wait_updates`` but for the device lane's copies back to the host,
+        which only host readers of the masters and states wait for (see
+        [Note: Adam where the bandwidth is])."""
         pipe = self._pipe
-        if pipe is None:
-            return
-        if not pipe.round_open:
+        if pipe is None or not pipe.round_open:
             return
         while pipe.held:
             self._write_back(self._order[pipe.pop()])
@@ -768,8 +840,10 @@ class ZeroOptimizer:
             if s.param._version == self._versions[s.index]:
                 continue
             start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
-            s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
             bucket = self.reduction.bucket_of[s.index]
+            if bucket.lane is not None:
+                self._lane.settle()  # no copy back to the masters' home in flight
+            s.master[: end - start].copy_(s.param.detach().reshape(-1)[start:end])
             if bucket.host_params is not None:
                 if bucket.copied is not None:
                     bucket.copied.synchronize()  # the last H2D copy out of host_params
@@ -830,30 +904,47 @@ class ZeroOptimizer:
         if not from_masters:  # a write since step(): see [Note: parameters written in place]
             self._adopt_writes(bucket.shards, dropping_update=True)
         with phase("zerostack::gather"), ctx:
-            mine = self._ring("gather_in", dtype, 1).take(total)
-            if bucket.host_params is not None:
-                if from_masters:
-                    if bucket.copied is not None:
-                        bucket.copied.synchronize()
-                    self._refresh_host(bucket)
-                mine.copy_(bucket.host_params, non_blocking=True)
-                if bucket.copied is not None:
-                    bucket.copied.record(stream)
-            else:
+            on_device = bucket.lane is not None and not from_masters
+            if on_device and stream is not None:
+                stream.wait_event(bucket.lane.updated)  # the device's Adam wrote the pieces
+            if not (on_device and self.world == 1):  # else the parameters hold the step already
+                mine = self._ring("gather_in", dtype, 1).take(total)
+                self._gather_input(bucket, mine, from_masters, stream)
+                if self.world > 1:
+                    full = self._ring("gather_out", dtype, self.world).take(self.world * total)
+                    all_gather_into(full, mine, self.group)
+                    full = full.view(self.world, total)
+                else:
+                    full = mine.view(1, total)
                 for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                    mine[off : off + s.piece].copy_(s.master)
-            if self.world > 1:
-                full = self._ring("gather_out", dtype, self.world).take(self.world * total)
-                all_gather_into(full, mine, self.group)
-                full = full.view(self.world, total)
-            else:
-                full = mine.view(1, total)
-            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
-                n = s.param.numel()
-                s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
-                self._versions[s.index] = s.param._version
+                    n = s.param.numel()
+                    s.param.copy_(full[:, off : off + s.piece].reshape(-1)[:n].view_as(s.param))
+                    self._versions[s.index] = s.param._version
             if bucket.written is not None:
                 bucket.written.record(stream)
+
+    def _gather_input(
+        self, bucket: _Bucket, mine: torch.Tensor, from_masters: bool, stream: Any
+    ) -> None:
+        """This rank's pieces of ``bucket`` into ``mine``: from the pinned
+        copy-out (CPU lane), the parameters (device lane, see [Note: Adam
+        where the bandwidth is]; the padding is left as it is, the gather
+        drops it) or the masters."""
+        if bucket.host_params is not None:
+            if from_masters:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()
+                self._refresh_host(bucket)
+            mine.copy_(bucket.host_params, non_blocking=True)
+            if bucket.copied is not None:
+                bucket.copied.record(stream)
+        elif bucket.lane is not None and not from_masters:
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
+                mine[off : off + end - start].copy_(s.param.detach().view(-1)[start:end])
+        else:
+            for s, off in zip(bucket.shards, bucket.offsets, strict=True):
+                mine[off : off + s.piece].copy_(s.master)
 
     # [Note: dropping a batch] After an exception in forward or backward
     # that the user catches, optimizer.zero_grad() drops the batch: the steps

@@ -126,15 +126,19 @@ class GradientReduction:
             bucket.launched = True
             mine = self._start_collective(bucket, buf, dtype)
             bucket.norm_sq = None
-            if self.device.type == "cuda" and bucket.host_grads is not None:
+            offloaded = bucket.host_grads is not None or bucket.lane is not None
+            if self.device.type == "cuda" and offloaded:
                 # cpu_offload: NCCL's wait only orders this stream after the
                 # collective, so the bucket's norm and its copy to the host
                 # queue up here and run while backward goes on (a norm of the
                 # pieces on the host would cost a CPU pass over all of them).
+                # A device-lane bucket's gradient stays here (see [Note:
+                # Adam where the bandwidth is]).
                 bucket.wait()
                 bucket.norm_sq = mine.float().pow(2).sum()
-                bucket.host_grads.copy_(mine, non_blocking=True)
-                bucket.on_host = True
+                if bucket.host_grads is not None:
+                    bucket.host_grads.copy_(mine, non_blocking=True)
+                    bucket.on_host = True
             if self.stage == 2:
                 if self.in_flight is not None:
                     self.in_flight.wait()
@@ -197,6 +201,8 @@ class GradientReduction:
                 mine = bucket.host_grads
                 if not self.host_grads_as_sent:
                     mine = mine.to(bucket.shards[0].master.dtype)
+            elif bucket.lane is not None:
+                pass  # stays on the device as sent: the device's Adam reads it there
             else:
                 mine = mine.to(dtype=bucket.shards[0].master.dtype)  # one cast per bucket
             if norm_parts is not None and bucket.norm_sq is not None:

@@ -33,7 +33,8 @@ start earlier. So::
 The split: a share ``f`` of the host-held updates runs in the GPU's Adam
 instead, fed over PCIe: master and both moments, 12 B per parameter, go to
 the GPU and come back (the gradient is already there and the new parameter
-is made there, so neither crosses). With every resource busy at once each
+is made there, so neither crosses). ``ZeroOptimizer(cpu_offload=True,
+gpu_update_fraction=f)`` runs it (see [Note: Adam where the bandwidth is]). With every resource busy at once each
 runs at its "all at once" bandwidth (``*_with_*`` fields), so::
 
     cpu(f) = (1 - f) * N * 28 / cpu_adam_with_copies

@@ -56,7 +56,7 @@ from zerostack.gemini import (
     local_model_state,
     local_ranges,
 )
-from zerostack.shard import LossScalerConfig
+from zerostack.shard import LossScalerConfig, check_fraction
 
 logger = logging.getLogger(__name__)
 _API = "GeminiPlugin"
@@ -376,7 +376,7 @@ class GeminiPlugin(Plugin):
     (``plugin.gemini_config``), and the fp16 loss scaler's
     zerostack.shard LossScalerConfig (``plugin.scaler_config``); their
     defaults are those configs' (and GeminiOptimizer's for max_norm,
-    overlap_cpu_step and gc_every_n_steps).
+    overlap_cpu_step, gpu_update_fraction and gc_every_n_steps).
 
     A model built under ``LazyInitContext`` is materialized by ``boost``
     straight into chunks, one module at a time, with the values an eager
@@ -421,6 +421,11 @@ class GeminiPlugin(Plugin):
         strict_ddp_mode: accepted either way (only data parallelism exists here).
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         overlap_cpu_step, gc_every_n_steps: GeminiOptimizer's. Defaults True, 50.
+        gpu_update_fraction: GeminiOptimizer's: about this share of the
+            CPU-held optimizer chunks (``offload_optim_frac``, or what auto
+            placement leaves on the CPU) is updated by the GPU's Adam, their
+            masters and states streamed from the host and back; HybridAdam
+            only. In [0, 1]. Default 0.0 (every CPU-held chunk in CPU Adam).
         force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
@@ -470,6 +475,7 @@ class GeminiPlugin(Plugin):
         gpu_capacity_bytes: int | None = _AUTO.gpu_capacity_bytes,
         scatter_after_inference: bool = _GEMINI.scatter_after_inference,
         overlap_cpu_step: bool = _OPTIM["overlap_cpu_step"],
+        gpu_update_fraction: float = _OPTIM["gpu_update_fraction"],
         gc_every_n_steps: int = _OPTIM["gc_every_n_steps"],
     ) -> None:  # fmt: skip
         _refuse_not_built(dict(
@@ -500,9 +506,11 @@ class GeminiPlugin(Plugin):
             scatter_after_inference=scatter_after_inference, master_weights=master_weights,
         )  # fmt: skip
         self.scaler_config = scaler_config(_API, locals())
+        check_fraction(_API, gpu_update_fraction)
         self.optim_kwargs: dict[str, Any] = dict(
-            max_norm=max_norm, overlap_cpu_step=overlap_cpu_step, gc_every_n_steps=gc_every_n_steps
-        )
+            max_norm=max_norm, overlap_cpu_step=overlap_cpu_step,
+            gpu_update_fraction=gpu_update_fraction, gc_every_n_steps=gc_every_n_steps,
+        )  # fmt: skip
 
     def supported_precisions(self) -> list[str]:
         return list(_DTYPES)

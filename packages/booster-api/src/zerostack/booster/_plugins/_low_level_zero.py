@@ -388,6 +388,11 @@ class LowLevelZeroPlugin(Plugin):
         overlap_allgather: False only. Default False.
         cpu_offload: masters and optimizer states on the CPU (Adam through
             zerostack's CPU kernel). Default False.
+        gpu_update_fraction: with cpu_offload, about this share of the
+            offloaded parameters (the first buckets the forward uses) is
+            updated by the GPU's fused Adam, their masters and states
+            streamed from the host and back (ZeroOptimizer's argument; not a
+            ColossalAI one). In [0, 1]. Default 0.0 (all in CPU Adam).
         master_weights: keep fp32 masters. Default True.
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
@@ -418,6 +423,7 @@ class LowLevelZeroPlugin(Plugin):
         overlap_communication: bool = _ZERO.overlap_communication,
         overlap_allgather: bool = False,
         cpu_offload: bool = _ZERO.cpu_offload,
+        gpu_update_fraction: float = _ZERO.gpu_update_fraction,
         master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,
@@ -440,7 +446,8 @@ class LowLevelZeroPlugin(Plugin):
         self.zero_config = ZeroConfig(
             stage=stage, reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
             overlap_communication=overlap_communication, communication_dtype=communication_dtype,
-            cpu_offload=cpu_offload, master_weights=master_weights, max_norm=max_norm, api=_API,
+            cpu_offload=cpu_offload, gpu_update_fraction=gpu_update_fraction,
+            master_weights=master_weights, max_norm=max_norm, api=_API,
         )  # fmt: skip
         self.scaler_config = scaler_config(_API, locals())
         self.stage = stage

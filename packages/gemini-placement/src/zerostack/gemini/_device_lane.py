@@ -1,0 +1,214 @@
+"""GeminiOptimizer(gpu_update_fraction=f)'s device lane: a share of the
+CPU-held optimizer chunks updated by the compute device's Adam, over
+zerostack.shard's ``LaneStaging`` (the mechanism ZeroOptimizer's
+``cpu_offload`` lane uses: see zerostack.shard's [Note: Adam where the
+bandwidth is]).
+
+[Note: Gemini's device lane] The chunks whose masters and Adam states live
+on the host (``GeminiDDP.offloaded_masters``: static ``offload_optim_frac``
+or what auto placement left on the CPU) used to step in CPU Adam only. With
+``gpu_update_fraction`` f, the first of them in compute order holding about
+f of their elements (``lane_prefix``) are the device lane; the others step
+in CPU Adam as before. A device-lane chunk:
+
+- keeps its master and both Adam moments on the host between steps: the
+  master chunk's shard is the master home (pinned once on CUDA, in place:
+  the same tensor object, so the optimizer's state key and the chunk hold),
+  and the inner optimizer's ``exp_avg`` / ``exp_avg_sq`` become two pinned
+  flat homes (created as zeros, or a loaded state copied in, at ``step()``
+  on the main thread before any slice is saved, and again in the update for
+  a retry after a failed first update);
+- keeps its reduced gradient on the device: backward's end stages nothing to
+  the host for it (see [Note: CPU-step buffers]); its norm is taken there as
+  for every chunk, so clipping and the fp16 overflow check cover both lanes;
+- at ``step()``, is submitted to the one CpuUpdatePipeline under its chunk
+  index like a CPU-lane chunk, so the order, the waits, the failure rule and
+  the drop-a-batch rule are the CPU lane's. Its update copies master and
+  moments into a staging slot on the device (``up`` stream), steps them in
+  zerostack-fused-adam's ``adam_update`` (the CUDA kernel; on a CPU compute
+  device the CPU kernel, which makes a CPU run equal f = 0 bitwise), writes
+  the new fp16/bf16 values into the chunk's shard on the device (over the
+  reduced gradient, window by window after the kernel read it) and copies
+  the three back on the ``down`` stream. The write-back (the chunk's next
+  use) makes the compute stream wait for the ``updated`` event and copies
+  nothing.
+
+A staging slot holds one chunk shard, so every chunk crosses in one window
+and an update that fails (an argument check, an injected fault) has written
+nothing: its retry gives the uninterrupted run's values. The device holds two
+slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters); auto
+placement plans with them subtracted from the capacity. A chunk whose shard
+lives on the host that step (``offload_param_frac``, or evicted by auto
+placement) has its gradient on the host: that step it runs in CPU Adam, on
+the same homes, after their last copy back.
+
+Which chunks: the first in compute order (chunk order under static
+placement, which records none), which the next forward needs first. The
+worker runs the updates in order and a device-lane update only queues copies
+and a kernel, so with these first it queues all of them at once and goes on
+to CPU Adam: PCIe, the GPU and the CPU all work from the start of the update
+phase. And the forward's first chunks wait only for the device lane, whose
+first chunk is ready one copy and one kernel after ``step()``, while CPU
+Adam gets their forward's time as a head start.
+
+Not implemented (``NotImplementedError`` at construction): optimizers other
+than fused-adam's HybridAdam / CPUAdam (the lane runs fused-adam's Adam
+kernels on the states those keep; torch's Adam or SGD would step other
+math, or other states, than the CPU lane), and Adam states on disk
+(``nvme_offload_fraction`` > 0: those states would cross disk, host and
+PCIe, and HybridAdam's NVMe pipeline, which reads them ahead chunk by chunk,
+owns where they are; the homes here are host memory).
+
+Hosts read or write the homes only after ``settle()``: ``wait_updates()``
+(and so every state-dict method and load), the step's saved slices of
+parameters no rank gave a gradient, and a CPU-Adam update of a lane chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from zerostack.chunk import Chunk, phase
+from zerostack.shard import LANE_HYPER, LaneHomes, LaneStaging, lane_prefix
+
+logger = logging.getLogger(__name__)
+_OUT_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
+
+
+def staging_bytes(shard_numel: int, dtype: torch.dtype) -> int:
+    """Device bytes of the lane's two staging slots for chunk shards of
+    ``shard_numel`` elements with ``dtype`` parameters: fp32 master and
+    moments, and the new values."""
+    return 2 * shard_numel * (3 * 4 + _OUT_BYTES.get(dtype, 4))
+
+
+class GeminiLane:
+    """The device lane of a GeminiOptimizer (see [Note: Gemini's device lane]).
+
+    Args:
+        pairs: the optimizer's (param chunk, master chunk) pairs.
+        masters: the master shards, by pair index (the inner optimizer's params).
+        members: pair indices of the lane's chunks.
+        optimizer: the inner optimizer (fused-adam's), whose ``state`` holds
+            the steps and moments.
+        device: the compute device.
+    """
+
+    def __init__(
+        self, pairs: list[tuple[Chunk, Chunk]], masters: list[torch.Tensor], members: list[int],
+        optimizer: torch.optim.Optimizer, device: torch.device,
+    ) -> None:  # fmt: skip
+        self.pairs, self.masters, self.optimizer, self.device = pairs, masters, optimizer, device
+        cuda = device.type == "cuda"
+        largest = max(masters[i].numel() for i in members)
+        self.staging = LaneStaging(device, largest, largest)  # a slot holds a whole shard
+        self.homes: dict[int, LaneHomes] = {}
+        with torch.no_grad():
+            for i in members:
+                master = masters[i]
+                if cuda and not master.is_pinned():
+                    master.data = master.detach().pin_memory()  # the same tensor object
+                self.homes[i] = LaneHomes.new(master.numel(), master.dtype, cuda, cuda, master)
+        self.updates = 0  # chunks updated by the device's Adam
+
+    @classmethod
+    def choose(
+        cls, pairs: list[tuple[Chunk, Chunk]], masters: list[torch.Tensor], order: list[int],
+        fraction: float, optimizer: torch.optim.Optimizer, device: torch.device,
+    ) -> GeminiLane | None:  # fmt: skip
+        """The lane over the first of ``order`` (CPU-held pair indices in
+        compute order) holding about ``fraction`` of their elements; None
+        when that is no chunk. Logs the decision."""
+        k = lane_prefix([masters[i].numel() for i in order], fraction) if order else 0
+        if k == 0:
+            logger.info(
+                "GeminiOptimizer: gpu_update_fraction %.2f moves none of the %d CPU-held optimizer "
+                "chunks to the device's Adam", fraction, len(order),
+            )  # fmt: skip
+            return None
+        lane = cls(pairs, masters, order[:k], optimizer, device)
+        shard = lane.staging.window
+        logger.info(
+            "GeminiOptimizer: gpu_update_fraction %.2f: %d of %d CPU-held optimizer chunks (the "
+            "first in compute order, %d of %d elements) step in the Adam of %s, streamed from "
+            "their host homes; staging %.1f MB there",
+            fraction, k, len(order), sum(masters[i].numel() for i in order[:k]),
+            sum(masters[i].numel() for i in order), device,
+            staging_bytes(shard, pairs[order[0]][0].dtype) / 2**20,
+        )  # fmt: skip
+        return lane
+
+    def __contains__(self, i: object) -> bool:
+        return i in self.homes
+
+    def takes(self, i: int, grad: torch.Tensor) -> bool:
+        """Pair ``i`` steps in the device's Adam now: in the lane, its
+        gradient on the compute device (by type: a device given as "cuda"
+        has no index, its tensors' devices do)."""
+        return i in self.homes and grad.device.type == self.device.type
+
+    def home_states(self, i: int) -> bool:
+        """Pair ``i``'s moments are (views of) its homes: created as zeros
+        (step 0) or copied in (loaded). True when the state was created."""
+        homes, state = self.homes[i], self.optimizer.state[self.masters[i]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            home, old = getattr(homes, key), state.get(key)
+            if old is not None and old.data_ptr() == home.data_ptr():
+                continue
+            self.staging.settle()  # the homes are written below: no copy back may be in flight
+            with torch.no_grad():
+                home.copy_(old.reshape(-1) if old is not None else torch.zeros(()))
+            if "step" not in state:  # HybridAdam's order of keys
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state[key] = home
+        return float(state["step"]) == 0
+
+    def settle(self) -> None:
+        """Wait until the homes hold every update queued so far."""
+        self.staging.settle()
+
+    def events(self, i: int) -> LaneHomes:
+        """Pair ``i``'s homes, whose ``updated`` event its write-back waits for."""
+        return self.homes[i]
+
+    @torch.no_grad()
+    def update(
+        self, i: int, grad: torch.Tensor, div_scale: float, saved: list | None,
+        hyper: dict[str, Any],
+    ) -> None:  # fmt: skip
+        """Step pair ``i`` (its reduced gradient ``grad`` on the device) in
+        the device's Adam with the step's hyperparameters; on the worker
+        when overlapping. ``saved``: slices of parameters no rank gave a
+        gradient, put back after (see GeminiOptimizer._save_slices)."""
+        chunk, master = self.pairs[i][0], self.masters[i]
+        with phase("zerostack::device_update"), self.staging.lock:
+            created = self.home_states(i)
+            state = self.optimizer.state[master]
+            # Where the write-back finds the new values: the shard (a
+            # gathered copy is released there), or the kept-gathered share.
+            target = chunk.shard if chunk.shard is not None else chunk.local_share()
+            launch = ({k: hyper[k] for k in LANE_HYPER}, float(state["step"]) + 1,
+                      [(0, master.numel(), grad)])  # fmt: skip
+
+            def write(out: torch.Tensor, window: tuple[int, int]) -> None:
+                target[window[0] : window[1]].copy_(out)
+                for t, sl, value in saved or ():  # the unstepped values out again
+                    if t is master:
+                        target[sl].copy_(value, non_blocking=True)
+
+            try:
+                self.staging.run(self.homes[i], master.numel(), [launch], div_scale,
+                                 target.dtype, write)  # fmt: skip
+            except BaseException:
+                if created:
+                    self.optimizer.state.pop(master, None)
+                raise
+            state["step"] += 1
+            if saved:
+                self.staging.settle()  # the homes hold the step: put those slices back
+                for t, sl, value in saved:
+                    t[sl].copy_(value)
+            self.updates += 1

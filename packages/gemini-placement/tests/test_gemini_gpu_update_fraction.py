@@ -1,0 +1,391 @@
+"""``GeminiOptimizer(gpu_update_fraction=f)``: a share of the CPU-held
+optimizer chunks stepped by the compute device's Adam from pinned host homes
+(see zerostack.gemini's [Note: Gemini's device lane]).
+
+On a CPU compute device that lane runs the CPU kernel on its staging copies,
+so every run equals the f = 0 run bitwise: AdamW and Adam-L2, clipping, fp16
+loss scaling with an overflow, static and auto placement, world sizes 1 and
+2, state dicts included. And the lane does what it promises: its gradients
+are never staged to the host, its masters and states live in the host homes
+between steps with two chunk shards of staging beside them. On CUDA (marked
+``gpu``) the kernel differs by rounding: within fp32 eps per step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from zerostack.fused_adam import HybridAdam
+from zerostack.gemini import CpuStepError, GeminiDDP, GeminiOptimizer
+from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+
+CONFIG = GPTConfig(add_unused_param=True, bias=False)
+CHUNK = 20_000
+FRACTIONS = (0.25, 0.5, 1.0)
+STEPS = 4
+PLACEMENTS = {
+    "static-1.0": dict(offload_optim_frac=1.0),
+    "static-0.5": dict(offload_optim_frac=0.5),
+    "auto-small": dict(placement_policy="auto", gpu_capacity_bytes=10**5),
+}
+
+
+def _build(fraction, placement, kind="adamw", dtype=torch.bfloat16, world=1, device="cpu", **kw):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model, mixed_precision=dtype, chunk_config_dict={world: {"chunk_size": CHUNK}},
+        compute_device=device, **PLACEMENTS[placement],
+    )  # fmt: skip
+    if dtype == torch.float16:
+        kw.update(initial_scale=2.0**12, hysteresis=1)
+    # adamw_mode=False: Adam with L2 weight decay, where gradient-scale bugs show.
+    inner = HybridAdam(
+        list(model.parameters()), lr=1e-2, weight_decay=0.1, adamw_mode=kind == "adamw"
+    )
+    opt = GeminiOptimizer(inner, ddp, gpu_update_fraction=fraction, **kw)
+    return model, ddp, opt
+
+
+def _train(model, ddp, opt, rank=0, steps=STEPS, overflow_at=None, first=0):
+    """``steps`` steps on rank-dependent batches; an inf gradient on rank 0
+    at ``overflow_at`` (fp16: every rank skips that step)."""
+    losses = []
+    for step in range(first, first + steps):
+        idx, tgt = (
+            t.to(ddp.compute_device) for t in make_batch(CONFIG, 2, 16, seed=100 * step + rank)
+        )
+        poison = step == overflow_at and rank == 0
+        handle = model.lm_head.weight.register_hook(
+            lambda g, poison=poison: torch.full_like(g, float("inf")) if poison else g
+        )
+        loss = ddp(idx, tgt).float()
+        opt.backward(loss)
+        handle.remove()
+        assert opt.step() == (step != overflow_at), step
+        losses.append(loss.item())
+    ddp.wait_updates()
+    return losses
+
+
+def _same(a, b, what):
+    """Two nested state dicts: the same keys, dtypes and values."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for k in a:
+            _same(a[k], b[k], f"{what}.{k}")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+    else:
+        assert a == b, what
+
+
+def _same_run(ref, other, what):
+    (_, ref_ddp, ref_opt), (_, ddp, opt) = ref, other
+    _same(ddp.state_dict(), ref_ddp.state_dict(), f"{what}: model")
+    _same(opt.state_dict(), ref_opt.state_dict(), f"{what}: optimizer")
+    _same(opt.full_state_dict(), ref_opt.full_state_dict(), f"{what}: full optimizer")
+
+
+# (id, optimizer, dtype, max_norm, overlap_cpu_step, overflow step)
+CASES = [
+    ("adamw-bf16-clip", "adamw", torch.bfloat16, 0.5, True, None),
+    ("l2-bf16", "l2", torch.bfloat16, 0.0, True, None),
+    ("adamw-fp16-scaled-clip-overflow", "adamw", torch.float16, 0.5, True, 2),
+    ("l2-fp16-scaled-inline", "l2", torch.float16, 1.0, False, None),
+]
+
+
+def _parity(rank, world, placements, cases):
+    for placement in placements:
+        for name, kind, dtype, max_norm, overlap, overflow in cases:
+            kw = dict(max_norm=max_norm, overlap_cpu_step=overlap)
+            ref = _build(0.0, placement, kind, dtype, world, **kw)
+            ref_losses = _train(*ref, rank, overflow_at=overflow)
+            assert ref[2]._lane is None
+            stepped = STEPS - (overflow is not None)
+            for fraction in FRACTIONS:
+                what = f"{placement} {name} f={fraction} rank {rank}/{world}"
+                run = _build(fraction, placement, kind, dtype, world, **kw)
+                assert _train(*run, rank, overflow_at=overflow) == ref_losses, what
+                _same_run(ref, run, what)
+                lane = run[2]._lane
+                assert lane is not None and lane.updates == stepped * len(lane.homes), what
+                if ref[2].scaler is not None:
+                    assert run[2].scaler.scale == ref[2].scaler.scale, what
+
+
+def test_every_fraction_equals_cpu_adam_only_bitwise_at_world_1():
+    spawn(_parity, 1, args=(list(PLACEMENTS), CASES), backend="gloo", timeout_s=900)
+
+
+def test_every_fraction_equals_cpu_adam_only_bitwise_at_world_2():
+    spawn(_parity, 2, args=(["static-0.5", "auto-small"], CASES[::2]), backend="gloo",
+          timeout_s=900)  # fmt: skip
+
+
+def test_the_lane_is_the_first_cpu_held_chunks_and_logs_its_share(caplog):
+    with caplog.at_level(logging.INFO, logger="zerostack.gemini"):
+        _, ddp, opt = _build(0.5, "static-0.5")
+    host = opt._host
+    lane = opt._lane
+    assert len(host) >= 2 and sorted(lane.homes) == host[: len(lane.homes)]
+    assert 0 < len(lane.homes) < len(host)
+    assert opt.device_lane_chunks == sorted(opt.pairs[i][0].index for i in lane.homes)
+    assert "step in the Adam of cpu" in caplog.text and "staging" in caplog.text
+    # Auto placement decides at its plan: the first CPU-held chunks in compute order.
+    model, ddp, opt = _build(0.5, "auto-small")
+    assert opt._lane is None
+    _train(model, ddp, opt, steps=1)
+    order = opt._cpu_order()
+    assert opt._lane is not None and sorted(opt._lane.homes) == sorted(
+        order[: len(opt._lane.homes)]
+    )
+
+
+def test_auto_placement_plans_with_the_staging_kept_free(monkeypatch):
+    # 3 MB: with f = 0 the plan puts 8 of the 10 optimizer chunks on the
+    # device; the lane's two slots (2 x 20,000 x 14 B) take the room of two
+    # more (12 B per element each), which stay on the CPU.
+    monkeypatch.setitem(PLACEMENTS, "auto-3mb", dict(placement_policy="auto",
+                                                     gpu_capacity_bytes=3 * 10**6))  # fmt: skip
+    on_cpu = []
+    for fraction in (0.0, 0.5):
+        model, ddp, opt = _build(fraction, "auto-3mb")
+        _train(model, ddp, opt, steps=1)
+        on_cpu.append(len(ddp.offloaded_masters))
+    reserve = staging_bytes(CHUNK, torch.bfloat16)
+    assert on_cpu[1] - on_cpu[0] >= reserve // (CHUNK * 12), on_cpu
+    assert opt.device_lane_chunks
+
+
+def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes():
+    model, ddp, opt = _build(1.0, "static-1.0")
+    staged: list[int] = []
+    stage = opt.pipeline.stage_grad
+    opt.pipeline.stage_grad = lambda chunk, grad: (staged.append(chunk.index), stage(chunk, grad))
+    lane = opt._lane
+    assert sorted(lane.homes) == opt._host  # every CPU-held chunk in the lane
+    _train(model, ddp, opt, steps=3)
+    assert staged == [] and opt.pipeline.host_buffers("grads") == []
+    assert opt.pipeline.host_buffers("values") == []  # nothing staged for the parameters either
+    for i, homes in lane.homes.items():
+        master = opt.masters[i]
+        state = opt.optimizer.state[master]
+        assert master.data_ptr() == homes.master.data_ptr() and master.device.type == "cpu"
+        assert state["exp_avg"] is homes.exp_avg and state["exp_avg_sq"] is homes.exp_avg_sq
+        assert float(state["step"]) == 3
+    # Two slots of one chunk shard each: fp32 master and moments, bf16 values.
+    shard = max(opt.masters[i].numel() for i in lane.homes)
+    assert lane.staging.staging_bytes() == staging_bytes(shard, torch.bfloat16)
+    assert lane.staging.staging_bytes() == 2 * shard * (4 + 4 + 4 + 2)
+
+
+def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
+    ref = _build(0.0, "static-1.0", overlap_cpu_step=False)
+    _train(*ref, steps=3)
+    model, ddp, opt = _build(0.5, "static-1.0", overlap_cpu_step=False)
+    lane = opt._lane
+    first = min(lane.homes)
+    real = lane.staging.run
+    faults = {"left": 0}
+
+    def flaky(homes, *args):
+        if homes is lane.homes[first] and faults["left"] > 0:
+            faults["left"] -= 1
+            raise RuntimeError("injected device fault")
+        return real(homes, *args)
+
+    lane.staging.run = flaky
+    _train(model, ddp, opt, steps=1)
+    faults["left"] = 2  # the step's update and its retry at the end of step() fail
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=100)
+    opt.backward(ddp(idx, tgt).float())
+    with pytest.raises(CpuStepError, match=r"the device update of chunk \d+ failed") as info:
+        opt.step()
+    assert info.value.chunk_index == opt.pairs[first][0].index
+    assert opt.pipeline.failed == [info.value.chunk_index]
+    _train(model, ddp, opt, steps=1, first=2)  # the next forward runs it again: it succeeds
+    assert opt.pipeline.failed == []
+    _same_run(ref, (model, ddp, opt), "after a failed lane update")
+
+
+def test_a_lane_update_that_fails_on_the_worker_runs_again_where_it_is_waited_for():
+    ref = _build(0.0, "static-1.0")
+    _train(*ref, steps=3)
+    model, ddp, opt = _build(0.5, "static-1.0")  # overlap_cpu_step: on the worker
+    lane = opt._lane
+    first = min(lane.homes)
+    real = lane.staging.run
+    faults = {"left": 0}
+
+    def flaky(homes, *args):
+        if homes is lane.homes[first] and faults["left"] > 0:
+            faults["left"] -= 1
+            raise RuntimeError("injected device fault")
+        return real(homes, *args)
+
+    lane.staging.run = flaky
+    _train(model, ddp, opt, steps=1)
+    faults["left"] = 2  # on the worker, then where it is waited for
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=100)
+    opt.backward(ddp(idx, tgt).float())
+    opt.step()
+    with pytest.raises(CpuStepError, match=r"the device update of chunk \d+ failed"):
+        ddp.wait_updates()
+    assert faults["left"] == 0 and opt.pipeline.failed == [opt.pairs[first][0].index]
+    opt.retry_failed_updates()
+    assert opt.pipeline.failed == []
+    _train(model, ddp, opt, steps=1, first=2)
+    _same_run(ref, (model, ddp, opt), "after a lane update failed on the worker")
+
+
+def test_a_dropped_batch_leaves_no_trace():
+    ref = _build(0.0, "static-0.5")
+    _train(*ref, steps=3)
+    model, ddp, opt = _build(0.5, "static-0.5")
+    _train(model, ddp, opt, steps=1)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=7)
+    opt.backward(ddp(idx, tgt).float())  # a batch whose step never comes
+    opt.zero_grad()
+    _train(model, ddp, opt, steps=2, first=1)
+    _same_run(ref, (model, ddp, opt), "after a dropped batch")
+
+
+def test_a_checkpoint_moves_between_fractions():
+    ref = _build(0.0, "static-0.5")
+    _train(*ref, steps=2)
+    model, ddp, opt = _build(0.5, "static-0.5")
+    ddp.load_state_dict(ref[1].state_dict())
+    opt.load_state_dict(ref[2].state_dict())  # copied into the homes at the next step
+    assert _train(model, ddp, opt, steps=2, first=2) == _train(*ref, steps=2, first=2)
+    _same_run(ref, (model, ddp, opt), "loaded at f=0.5")
+    back = _build(0.0, "static-0.5")
+    back[1].load_state_dict(ddp.state_dict())
+    back[2].load_full_state_dict(opt.full_state_dict())
+    assert _train(*back, steps=1, first=4) == _train(*ref, steps=1, first=4)
+
+
+def test_a_dropped_model_and_optimizer_are_freed_with_lane_updates_pending():
+    import threading
+    import time
+    import weakref
+
+    before = set(threading.enumerate())
+    model, ddp, opt = _build(0.5, "static-0.5")
+    _train(model, ddp, opt, steps=1)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=1)
+    opt.backward(ddp(idx, tgt).float())
+    opt.step()  # no wait_updates(): the updates stay held until the next forward
+    assert opt.pipeline.updates.held, "no update left pending: the test would not cover the leak"
+    workers = [t for t in threading.enumerate() if t not in before]
+    alive = [weakref.ref(opt), weakref.ref(ddp), weakref.ref(opt._lane)]
+    del model, ddp, opt
+    deadline = time.monotonic() + 30
+    while any(r() is not None for r in alive) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert [r() is None for r in alive] == [True, True, True]
+    for thread in workers:
+        thread.join(30)
+    assert [t.is_alive() for t in workers] == [False] * len(workers)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda ps: torch.optim.AdamW(ps), NotImplementedError,
+         r"GeminiOptimizer: gpu_update_fraction steps Adam/AdamW in fused-adam's kernels \(got "
+         r"AdamW\); use zerostack.fused_adam's HybridAdam"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), NotImplementedError, r"\(got SGD\)"),
+        (lambda ps: HybridAdam(ps, nvme_offload_fraction=0.5), NotImplementedError,
+         r"gpu_update_fraction with Adam states on disk is not implemented \(got "
+         r"nvme_offload_fraction=0.5\)"),
+    ],
+    ids=["torch-adamw", "sgd", "nvme"],
+)  # fmt: skip
+def test_what_the_lane_cannot_step_is_refused(make, error, match, tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
+                    offload_optim_frac=1.0)  # fmt: skip
+    with pytest.raises(error, match=match):
+        GeminiOptimizer(make(list(model.parameters())), ddp, gpu_update_fraction=0.5)
+
+
+@pytest.mark.parametrize(
+    ("fraction", "error", "match"),
+    [
+        (1.5, ValueError, r"GeminiOptimizer: gpu_update_fraction must be in \[0, 1\] \(got 1.5\)"),
+        ("0.5", TypeError, r"gpu_update_fraction must be a number in \[0, 1\] \(got '0.5'\)"),
+    ],
+)
+def test_bad_fractions(fraction, error, match):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
+                    offload_optim_frac=1.0)  # fmt: skip
+    with pytest.raises(error, match=match):
+        GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=fraction)
+
+
+def test_without_cpu_held_chunks_it_warns_and_does_nothing():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu")
+    with pytest.warns(UserWarning, match=r"gpu_update_fraction has no effect when no optimizer"):
+        opt = GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=0.5)
+    assert opt._lane is None
+
+
+# -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
+
+
+def _cuda_run(fraction, dtype, steps=STEPS):
+    run = _build(fraction, "static-1.0", dtype=dtype, device="cuda", max_norm=1.0)
+    return run, _train(*run, steps=steps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_lane_is_within_fp32_rounding_of_cpu_adam_on_cuda():
+    # fp32 parameters: the kernels' rounding is all that differs (CUDA forms
+    # sqrt(v) / sqrt(bc2) where the CPU multiplies by its inverse), a few ulp
+    # per step, carried through the trajectory.
+    ref, ref_losses = _cuda_run(0.0, torch.float32)
+    run, losses = _cuda_run(0.5, torch.float32)
+    eps, lr = torch.finfo(torch.float32).eps, 1e-2
+    torch.testing.assert_close(losses, ref_losses, rtol=STEPS * 64 * eps, atol=0)
+    a, b = run[1].state_dict(), ref[1].state_dict()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
+    assert run[2]._lane.updates == STEPS * len(run[2]._lane.homes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
+    def allocated():
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    base = allocated()
+    ref, _ = _cuda_run(0.0, torch.bfloat16, steps=2)
+    ref_use = allocated() - base
+    del ref
+    base = allocated()
+    run, _ = _cuda_run(0.5, torch.bfloat16, steps=2)
+    use = allocated() - base
+    lane: GeminiLane = run[2]._lane
+    assert lane.updates == 2 * len(lane.homes)
+    assert all(h.master.is_pinned() and h.exp_avg.is_pinned() for h in lane.homes.values())
+    slack = 1 << 20
+    assert use <= ref_use + lane.staging.staging_bytes() + slack, (use, ref_use)
+    _train(*run, steps=1, first=2)
+    assert allocated() - base <= use + slack, "device memory grew per step"

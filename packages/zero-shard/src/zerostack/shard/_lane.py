@@ -1,0 +1,238 @@
+"""The device lane's mechanism, shared by ZeroOptimizer(cpu_offload) and
+GeminiOptimizer (CPU-held chunks): pinned host homes of masters and Adam
+states, two staging slots on the compute device, the ``up`` and ``down``
+streams and the window loop that copies a home in, steps it in
+zerostack-fused-adam's ``adam_update`` and copies it back. What each owner
+keeps itself: which of its units (buckets, chunks) are in the lane, how the
+inner optimizer's states become views of the homes, and where the new
+fp16/bf16 values go (``write``). See [Note: Adam where the bandwidth is] in
+zerostack.shard's ``_device_lane.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+LANE_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
+_SLOTS = 2  # staging slots: one window copied in while the one before is copied back
+_ALIGN = 1024  # a window's elements: slot boundaries keep the kernels' vector alignment
+
+# One kernel call of a unit's update: adam_update's keywords (LANE_HYPER), the
+# step count after it, and (offset in the unit's homes, elements, gradient
+# on the device) per tensor.
+Launch = tuple[dict[str, Any], float, list[tuple[int, int, torch.Tensor]]]
+
+
+@dataclass(slots=True)
+class LaneHomes:
+    """A device-lane unit's pinned host homes (flat) and its events (CUDA
+    only). See [Note: Adam where the bandwidth is]."""
+
+    master: torch.Tensor  # the masters' dtype; each master is (a view of) it
+    exp_avg: torch.Tensor  # fp32; the inner optimizer's states are (views of) these
+    exp_avg_sq: torch.Tensor
+    updated: Any = None  # on ``up``: the owner's parameters hold the update
+    stored: Any = None  # on ``down``: the homes hold it
+
+    @classmethod
+    def new(
+        cls, total: int, dtype: torch.dtype, pin: bool, cuda: bool,
+        master: torch.Tensor | None = None,
+    ) -> LaneHomes:  # fmt: skip
+        """Homes of ``total`` elements (zeros; ``master`` kept as the master
+        home when given)."""
+        return cls(
+            master=torch.empty(total, dtype=dtype, pin_memory=pin) if master is None else master,
+            exp_avg=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
+            exp_avg_sq=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
+            updated=torch.cuda.Event() if cuda else None,
+            stored=torch.cuda.Event(blocking=True) if cuda else None,  # a host waits: no spinning
+        )
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Master, exp_avg, exp_avg_sq: what crosses PCIe each way."""
+        return self.master, self.exp_avg, self.exp_avg_sq
+
+
+def lane_prefix(sizes: Sequence[int], fraction: float) -> int:
+    """How many units, from the first of ``sizes`` (their elements, in the
+    order the next forward needs them), hold the share of elements nearest
+    ``fraction`` (ties to fewer)."""
+    total = sum(sizes)
+    best, best_gap, held = 0, fraction, 0
+    for k, size in enumerate(sizes, start=1):
+        held += size
+        gap = abs(held / total - fraction)
+        if gap < best_gap:
+            best, best_gap = k, gap
+    return best
+
+
+def check_lane_optimizer(
+    api: str, optimizer: torch.optim.Optimizer, device: torch.device, torch_adam: bool
+) -> None:
+    """What a device lane needs: Adam/AdamW in fused-adam's kernels (torch's
+    Adam/AdamW too with ``torch_adam``, which ZeroOptimizer steps in
+    fused-adam's), its states in host memory, and on CUDA the CUDA kernel.
+
+    Raises:
+        NotImplementedError: another optimizer, or Adam states on disk.
+        RuntimeError: a CUDA device without fused-adam's CUDA kernel.
+    """
+    kind = type(optimizer)
+    fused = kind.__module__.startswith("zerostack.fused_adam") and kind.__name__ != "FusedAdam"
+    if not fused and not (torch_adam and kind in (torch.optim.Adam, torch.optim.AdamW)):
+        wanted = "torch.optim.AdamW or Adam" if torch_adam else "zerostack.fused_adam's HybridAdam"
+        raise NotImplementedError(
+            f"{api}: gpu_update_fraction steps Adam/AdamW in fused-adam's kernels (got "
+            f"{kind.__name__}); use {wanted}, or pass gpu_update_fraction=0.0"
+        )
+    from zerostack.fused_adam import cuda_kernel_available  # importable: checked above
+
+    if getattr(optimizer, "nvme_offload_fraction", 0.0) > 0:
+        raise NotImplementedError(
+            f"{api}: gpu_update_fraction with Adam states on disk is not implemented (got "
+            f"nvme_offload_fraction={optimizer.nvme_offload_fraction}); pass one of them as 0"
+        )
+    if device.type == "cuda" and not cuda_kernel_available():
+        raise RuntimeError(
+            f"{api}: gpu_update_fraction on {device} needs zerostack-fused-adam's CUDA kernel, "
+            "which this install lacks (it is built where nvcc is found): reinstall with "
+            "`ZEROSTACK_BUILD_CUDA=1 pip install --force-reinstall zerostack-fused-adam`"
+        )
+
+
+class LaneStaging:
+    """The device lane's streams, staging slots and window loop (see [Note:
+    Adam where the bandwidth is]).
+
+    Args:
+        device: the compute device.
+        window: elements of a staging slot (rounded up to a multiple of
+            1024, at most ``largest``).
+        largest: elements of the largest unit the lane updates.
+    """
+
+    def __init__(self, device: torch.device, window: int, largest: int) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.up = torch.cuda.Stream(device) if cuda else None
+        self.down = torch.cuda.Stream(device) if cuda else None
+        # Staging per dtypes (master, moments, parameter), allocated at first
+        # use: a unit of other dtypes than the first's (an fp32 layer beside
+        # bf16 ones, no fp32 masters) steps in slots of its own.
+        self._slots: dict[tuple[torch.dtype, ...], list[tuple[torch.Tensor, ...]]] = {}
+        self._free: dict[tuple[torch.dtype, ...], list[Any]] = {}
+        self._next: dict[tuple[torch.dtype, ...], int] = {}
+        self.window = min(largest, -(-window // _ALIGN) * _ALIGN)
+        # The worker and a retry on the main thread share the slots: an
+        # owner holds this across a unit's update.
+        self.lock = threading.Lock()
+        self._last: Any = None  # the last ``stored`` event recorded
+
+    def staging_bytes(self) -> int:
+        """Bytes of the staging slots on the device (allocated at the first update)."""
+        slots = (slot for ring in self._slots.values() for slot in ring)
+        return sum(t.numel() * t.element_size() for slot in slots for t in slot)
+
+    def start(self) -> None:
+        """At ``step()``, before the updates are queued: the lane's copies and
+        kernels come after the work queued so far (the last backward and its
+        reductions) and after the last step's copies back."""
+        if self.up is not None:
+            self.up.wait_stream(torch.cuda.current_stream(self.device))
+            self.up.wait_stream(self.down)
+
+    def settle(self) -> None:
+        """Wait until the homes hold every update queued so far (a host wait)."""
+        if self._last is not None:
+            self._last.synchronize()
+
+    def _slot(self, dtypes: tuple[torch.dtype, ...], numel: int) -> tuple[list, Any]:
+        """The next staging slot's four buffers, cut to ``numel``, and the
+        event its last copies back recorded."""
+        if dtypes not in self._slots:
+            ring = [
+                tuple(torch.empty(self.window, dtype=d, device=self.device) for d in dtypes)
+                for _ in range(_SLOTS)
+            ]
+            if self.up is not None:  # freed with the lane: reused only after its copies
+                for t in (t for slot in ring for t in slot):
+                    t.record_stream(self.up)
+                    t.record_stream(self.down)
+            self._slots[dtypes] = ring
+            self._free[dtypes] = [torch.cuda.Event() if self.up is not None else None for _ in ring]
+            self._next[dtypes] = 0
+        i = self._next[dtypes]
+        self._next[dtypes] = (i + 1) % _SLOTS
+        return [t[:numel] for t in self._slots[dtypes][i]], self._free[dtypes][i]
+
+    def run(
+        self, homes: LaneHomes, total: int, launches: list[Launch], div_scale: float,
+        out_dtype: torch.dtype, write: Callable[[torch.Tensor, tuple[int, int]], None],
+    ) -> None:  # fmt: skip
+        """Step ``total`` elements of ``homes``, one window after the other:
+        ``write(out, (w0, w1))`` gets each window's new values in
+        ``out_dtype`` (on ``up``, after the kernels; copy them where they go)."""
+        dtypes = (homes.master.dtype, torch.float32, torch.float32, out_dtype)
+        for w0 in range(0, total, self.window):
+            self._step_window(homes, launches, (w0, min(total, w0 + self.window)), div_scale,
+                              dtypes, write)  # fmt: skip
+
+    def _step_window(
+        self, homes: LaneHomes, launches: list[Launch], window: tuple[int, int],
+        div_scale: float, dtypes: tuple, write: Callable,
+    ) -> None:  # fmt: skip
+        """Elements ``window``: homes to a staging slot, the kernels, the new
+        values to ``write``, the slot back home."""
+        from zerostack.fused_adam import adam_update  # checked by check_lane_optimizer
+
+        w0, w1 = window
+        (master, m, v, out), free = self._slot(dtypes, w1 - w0)
+        up = self.up
+        with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
+            if up is not None:
+                up.wait_event(free)  # the slot's last copies back are done
+            for stage, home in zip((master, m, v), homes.flat(), strict=True):
+                stage.copy_(home[w0:w1], non_blocking=True)
+            for hyper, step, items in launches:
+                cut = [(max(off, w0), min(off + n, w1), off, g) for off, n, g in items]
+                cut = [
+                    (lo - w0, hi - w0, g[lo - off : hi - off]) for lo, hi, off, g in cut if lo < hi
+                ]
+                if not cut:
+                    continue
+                ps, ms, vs, outs = ([t[a:b] for a, b, _ in cut] for t in (master, m, v, out))
+                adam_update(ps, [g for _, _, g in cut], ms, vs, step=step, div_scale=div_scale,
+                            outs=outs, **hyper)  # fmt: skip
+                if up is not None:
+                    for _, _, g in cut:  # read on this stream; the step may drop them before
+                        g.record_stream(up)
+            write(out, window)
+            if up is not None:
+                homes.updated.record(up)
+        self._store(homes, (master, m, v), window, free)
+
+    def _store(
+        self, homes: LaneHomes, staged: tuple[torch.Tensor, ...], window: tuple[int, int],
+        free: Any,
+    ) -> None:  # fmt: skip
+        """The stepped masters and moments of ``window`` back into their
+        homes: on ``down``, after the kernel; then the slot may be taken again."""
+        w0, w1 = window
+        down = self.down
+        with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
+            if down is not None:
+                down.wait_event(homes.updated)
+            for home, stage in zip(homes.flat(), staged, strict=True):
+                home[w0:w1].copy_(stage, non_blocking=True)
+            if down is not None:
+                homes.stored.record(down)
+                free.record(down)
+                self._last = homes.stored
