@@ -25,7 +25,10 @@
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
-#                              give one fraction per call (each run is up to ~9 min: the call limit is 10)
+#                              give one fraction per call (each run is up to ~9 min: the call limit is 10);
+#                              BATCH (default 1), PLAIN_TFLOPS (plain's TFLOPS on the 1.5B model, for the
+#                              share), SCALE_ARGS (more scale.py options). The 2026-12-02 8B row:
+#                              BATCH=24 PLAIN_TFLOPS=288 SCALE_ARGS="--raw-gb 0 --force --steps 2" ... scale 8B 0
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
@@ -186,6 +189,7 @@ scale)
   { df -h /tmp; free -g; } > "$OUT/disk.txt" 2>&1
   for f in ${2:-0 1}; do
     timeout 530 python3 benchmarks/scale.py --params "${1:-8B}" --nvme-fraction "$f" --nvme-dir /tmp \
+      --batch-size "${BATCH:-1}" ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} \
       > "$OUT/scale_${1:-8B}_$f.log" 2>&1; echo "exit $?"; grep -vE "^\[scale\] step" "$OUT/scale_${1:-8B}_$f.log" | tail -30
   done
   ;;
