@@ -104,7 +104,6 @@ def adam_update(
         bias_correction=bias_correction,
     )  # fmt: skip
     launch = _launcher(group, 1.0 / div_scale if div_scale > 0 else 1.0)
-    items = list(
-        zip(params, grads, exp_avgs, exp_avg_sqs, outs or [None] * len(params), strict=True)
-    )
+    no_outs: list[torch.Tensor | None] = [None] * len(params)
+    items = list(zip(params, grads, exp_avgs, exp_avg_sqs, outs or no_outs, strict=True))
     launch(items, float(step))

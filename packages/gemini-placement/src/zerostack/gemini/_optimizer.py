@@ -550,7 +550,7 @@ class GeminiOptimizer:
         if self._lane is not None:
             self.pipeline.lane_settle = self._lane.staging.settle
 
-    def _home_lane_states(self, unused: list[torch.Tensor]) -> None:
+    def _home_lane_states(self, unused: Sequence[torch.Tensor]) -> None:
         """Before the step saves any slice: the lane's moments in their homes
         (a loaded state copied in), and their last copies back done when a
         slice is read."""

@@ -197,6 +197,7 @@ class DeviceLane:
             # value (the write-back adopts it into its master).
             mine = [s for s, _ in pairs if s.param._version == versions[s.index]]
             dtype = bucket.shards[0].param.dtype
+            assert bucket.lane is not None  # a lane bucket: chosen at construction
             try:
                 self.staging.run(
                     bucket.lane, bucket.piece_total, self._launches(pairs), div_scale, dtype,

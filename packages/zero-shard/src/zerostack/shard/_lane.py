@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from zerostack.chunk import pinned_empty
+
 LANE_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SLOTS = 2  # staging slots: one window copied in while the one before is copied back
 _ALIGN = 1024  # a window's elements: slot boundaries keep the kernels' vector alignment
@@ -47,10 +49,18 @@ class LaneHomes:
     ) -> LaneHomes:  # fmt: skip
         """Homes of ``total`` elements (zeros; ``master`` kept as the master
         home when given)."""
+
+        def host(
+            dtype: torch.dtype, zero: bool
+        ) -> torch.Tensor:  # See [Note: exact pinned buffers]
+            if pin:
+                return pinned_empty(total, dtype, zero=zero)
+            return (torch.zeros if zero else torch.empty)(total, dtype=dtype)
+
         return cls(
-            master=torch.empty(total, dtype=dtype, pin_memory=pin) if master is None else master,
-            exp_avg=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
-            exp_avg_sq=torch.zeros(total, dtype=torch.float32, pin_memory=pin),
+            master=host(dtype, zero=False) if master is None else master,
+            exp_avg=host(torch.float32, zero=True),
+            exp_avg_sq=host(torch.float32, zero=True),
             updated=torch.cuda.Event() if cuda else None,
             stored=torch.cuda.Event(blocking=True) if cuda else None,  # a host waits: no spinning
         )
@@ -95,10 +105,11 @@ def check_lane_optimizer(
         )
     from zerostack.fused_adam import cuda_kernel_available  # importable: checked above
 
-    if getattr(optimizer, "nvme_offload_fraction", 0.0) > 0:
+    on_disk = getattr(optimizer, "nvme_offload_fraction", 0.0)
+    if on_disk > 0:
         raise NotImplementedError(
             f"{api}: gpu_update_fraction with Adam states on disk is not implemented (got "
-            f"nvme_offload_fraction={optimizer.nvme_offload_fraction}); pass one of them as 0"
+            f"nvme_offload_fraction={on_disk}); pass one of them as 0"
         )
     if device.type == "cuda" and not cuda_kernel_available():
         raise RuntimeError(
@@ -145,7 +156,7 @@ class LaneStaging:
         """At ``step()``, before the updates are queued: the lane's copies and
         kernels come after the work queued so far (the last backward and its
         reductions) and after the last step's copies back."""
-        if self.up is not None:
+        if self.up is not None and self.down is not None:
             self.up.wait_stream(torch.cuda.current_stream(self.device))
             self.up.wait_stream(self.down)
 
@@ -162,8 +173,8 @@ class LaneStaging:
                 tuple(torch.empty(self.window, dtype=d, device=self.device) for d in dtypes)
                 for _ in range(_SLOTS)
             ]
-            if self.up is not None:  # freed with the lane: reused only after its copies
-                for t in (t for slot in ring for t in slot):
+            if self.up is not None and self.down is not None:  # freed with the lane: reused
+                for t in (t for slot in ring for t in slot):  # only after its copies
                     t.record_stream(self.up)
                     t.record_stream(self.down)
             self._slots[dtypes] = ring
@@ -202,9 +213,11 @@ class LaneStaging:
             for stage, home in zip((master, m, v), homes.flat(), strict=True):
                 stage.copy_(home[w0:w1], non_blocking=True)
             for hyper, step, items in launches:
-                cut = [(max(off, w0), min(off + n, w1), off, g) for off, n, g in items]
+                spans = [(max(off, w0), min(off + n, w1), off, g) for off, n, g in items]
                 cut = [
-                    (lo - w0, hi - w0, g[lo - off : hi - off]) for lo, hi, off, g in cut if lo < hi
+                    (lo - w0, hi - w0, g[lo - off : hi - off])
+                    for lo, hi, off, g in spans
+                    if lo < hi
                 ]
                 if not cut:
                     continue
