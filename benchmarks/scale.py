@@ -310,6 +310,8 @@ def build(a, config: GPTConfig, device: torch.device, directory: str):
         kwargs.update(placement_policy="auto", gpu_capacity_bytes=int(a.gpu_cap_gib * 2**30))
     else:
         kwargs.update(offload_optim_frac=1.0, offload_param_frac=1.0)
+    if a.pin_memory:
+        kwargs["pin_memory"] = True
     t0 = time.perf_counter()
     ddp = GeminiDDP(model, **kwargs)
     adam = HybridAdam(
@@ -424,6 +426,11 @@ def main() -> int:
                     help="cpu: every chunk and master on the CPU (static); auto: Gemini auto "
                     "under the cap (default %(default)s)")  # fmt: skip
     ap.add_argument(
+        "--pin-memory", action="store_true",
+        help="GeminiDDP(pin_memory=True): host chunks page-locked (at their exact size), so they "
+        "cross PCIe at the pinned copy's rate; auto placement pins them anyway",
+    )  # fmt: skip
+    ap.add_argument(
         "--gpu-cap-gib", type=float, default=24.0, help="GPU memory cap, GiB (default %(default)s)"
     )
     ap.add_argument("--nvme-fraction", type=float, default=0.0,
@@ -524,7 +531,8 @@ def main() -> int:
           f"({platform.processor() or platform.machine()}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"- TinyGPT {config.num_layers} x {config.dim}, {n / 1e9:.3f}B params, bf16, activation "
-          f"checkpointing, batch {a.batch_size} x {a.seq_len}, placement {a.placement}, "
+          f"checkpointing, batch {a.batch_size} x {a.seq_len}, placement {a.placement}"
+          f"{', pin_memory' if a.pin_memory else ''}, "
           f"HybridAdam nvme_offload_fraction={a.nvme_fraction:g}; median of {a.steps} step(s) "
           f"after {a.warmup}; built in {build_s:.0f} s")  # fmt: skip
     if disk is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, ChunkManager, phase
+from zerostack.chunk import Chunk, ChunkManager, phase, pinned_empty
 from zerostack.shard import CpuStepError, CpuUpdatePipeline
 
 __all__ = ["CpuStepError", "CpuStepPipeline", "write_back"]
@@ -101,8 +101,8 @@ class CpuStepPipeline:
         with self._free_lock:
             free = self._free.get((numel, dtype))
             buf, event = free.pop() if free else (None, None)
-        if buf is None:
-            return torch.empty(numel, dtype=dtype, pin_memory=pin)
+        if buf is None:  # kept for reuse: exactly its size (see [Note: exact pinned buffers])
+            return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
         if event is not None:  # an asynchronous copy to the device may still read it
             event.synchronize()
         return buf

@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, phase
+from zerostack.chunk import Chunk, phase, pinned_empty
 from zerostack.shard import LANE_HYPER, LaneHomes, LaneStaging, lane_prefix
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,12 @@ class GeminiLane:
         with torch.no_grad():
             for i in members:
                 master = masters[i]
-                if cuda and not master.is_pinned():
-                    master.data = master.detach().pin_memory()  # the same tensor object
+                if cuda and not master.is_pinned():  # the same tensor object, pinned
+                    master.data = (
+                        pinned_empty(master.numel(), master.dtype)
+                        .copy_(master.detach().reshape(-1))
+                        .view_as(master)
+                    )
                 self.homes[i] = LaneHomes.new(master.numel(), master.dtype, cuda, cuda, master)
         self.updates = 0  # chunks updated by the device's Adam
 

@@ -23,6 +23,7 @@ from zerostack.chunk._comm import (
 )
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
+from zerostack.chunk._pinned import pinned_empty
 from zerostack.chunk._profiling import phase
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState, path_between
@@ -49,6 +50,7 @@ __all__ = [
     "path_between",
     "persistent_buffers",
     "phase",
+    "pinned_empty",
     "rank_and_world",
     "reduce_scatter_sum",
     "search_chunk_configuration",

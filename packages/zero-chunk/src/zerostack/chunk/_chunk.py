@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from zerostack.chunk import _comm
+from zerostack.chunk._pinned import pinned_empty
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
 
 logger = logging.getLogger(__name__)
@@ -77,10 +78,18 @@ def _check_tensor(api: str, tensor: object) -> None:
         raise TypeError(f"{api}: expected a tensor (got {type(tensor).__name__})")
 
 
-def _empty_on(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+def _empty_on(
+    numel: int, dtype: torch.dtype, device: torch.device, pin: bool, exact: bool
+) -> torch.Tensor:
+    """``numel`` elements on ``device``; pinned on the CPU when asked: at
+    their exact size when ``exact`` (a shard's first place, where it usually
+    stays), else from torch's allocator (a move). See [Note: exact pinned
+    buffers] in ``_pinned.py``."""
     global _warned_pin
     if pin and device.type == "cpu":
         if torch.cuda.is_available():
+            if exact:
+                return pinned_empty(numel, dtype)
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         if not _warned_pin:
             _warned_pin = True
@@ -213,7 +222,9 @@ class Chunk:
         self.closed = True
         if not self.keep_gathered:
             mine = self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
-            self.shard = _empty_on(self.shard_size, self.dtype, self.shard_device, self.pin_memory)
+            self.shard = _empty_on(
+                self.shard_size, self.dtype, self.shard_device, self.pin_memory, exact=True
+            )
             self.shard.copy_(mine)
             self._drop_buffer()
 
@@ -401,7 +412,7 @@ class Chunk:
             self.shard_device = device
             return
         if device.type == "cpu":
-            moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory)
+            moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory, exact=False)
             moved.copy_(self.shard, non_blocking=non_blocking)
         else:
             moved = self.shard.to(device, non_blocking=non_blocking)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from zerostack.chunk import pinned_empty
 from zerostack.shard import _partition as part
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
 
@@ -242,11 +243,17 @@ def pin_offload_buffers(
             continue
         p_dtype = bucket.shards[0].param.dtype
         g_dtype = comm_dtype or p_dtype
-        bucket.host_grads = torch.empty(bucket.piece_total, dtype=g_dtype, pin_memory=pin)
-        bucket.host_params = torch.empty(bucket.piece_total, dtype=p_dtype, pin_memory=pin)
+        bucket.host_grads = _host(bucket.piece_total, g_dtype, pin)
+        bucket.host_params = _host(bucket.piece_total, p_dtype, pin)
         for s, off in zip(bucket.shards, bucket.offsets, strict=True):
             view = bucket.host_params[off : off + s.piece]
             view.copy_(s.master)  # the step refreshes it; params without grads keep this
             if copy_out:
                 s.copy_out = view
                 optimizer.set_copy_out(s.master, view)  # type: ignore[attr-defined]
+
+
+def _host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """A bucket's host buffer: pinned at its exact size when ``pin`` (see
+    zerostack.chunk's [Note: exact pinned buffers])."""
+    return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)

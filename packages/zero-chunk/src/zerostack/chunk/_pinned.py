@@ -1,0 +1,100 @@
+"""Page-locked host buffers of exactly the size asked for.
+
+[Note: exact pinned buffers] torch's pinned allocator (``pin_memory=True``)
+rounds every block up to the next power of two, so that a freed block can
+serve a later request. A chunk shard of 2**26 + 20480 bf16 elements (what the
+chunk search picks for an 8B GPT) then takes 256 MiB instead of 128: twice the
+host memory, for the whole run. Buffers that live as long as the model or the
+optimizer (a chunk shard where it is first placed, ZeRO's host bucket
+buffers, the device lanes' masters and Adam states, the CPU step's cached
+buffers) come from ``pinned_empty`` instead: an anonymous mapping of the
+exact size (zero-filled pages), page-locked with ``cudaHostRegister``. torch
+sees it as pinned (``is_pinned()``), so copies to and from it are
+asynchronous, as from torch's pinned blocks.
+
+When the last tensor over such a buffer is freed, its device is synchronized
+before the pages are unlocked and unmapped: an asynchronous copy may still
+read or write them, and unlike torch's allocator (which records an event on
+each copy's stream) this one cannot know the streams. That wait is why a
+buffer freed every step must not come from here: a chunk moved by auto
+placement after its first place gets torch's allocator (``Chunk.shard_move``).
+
+Requests under 1 MiB, and any machine without CUDA, use torch's allocator;
+so does a request the driver refuses to lock (a warning, once).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EXACT_FROM_BYTES = 1 << 20  # smaller requests: torch's allocator (its rounding costs little)
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
+_warned = False
+
+
+class _LockedPages(mmap.mmap):
+    """An anonymous mapping, page-locked for CUDA until it is collected."""
+
+    locked_on: int | None = None  # the device current when it was locked
+    address = 0
+
+    def __del__(self) -> None:
+        device = self.locked_on
+        if device is None:
+            return
+        self.locked_on = None
+        try:  # at interpreter exit CUDA may be gone already: nothing left to unlock
+            torch.cuda.synchronize(device)  # See [Note: exact pinned buffers]
+            _cudart().cudaHostUnregister(self.address)
+        except Exception:
+            logger.debug("zerostack.chunk: unlocking %d host bytes failed", len(self))
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()
+
+
+def _torch_pinned(numel: int, dtype: torch.dtype, zero: bool) -> torch.Tensor:
+    make = torch.zeros if zero else torch.empty
+    return make(numel, dtype=dtype, pin_memory=True)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+    """A page-locked host tensor of ``numel`` elements of ``dtype`` taking
+    exactly its bytes, for buffers that live long; see [Note: exact pinned
+    buffers].
+
+    Args:
+        numel: elements.
+        dtype: their dtype.
+        zero: filled with zeros (else as ``torch.empty``).
+
+    Raises:
+        RuntimeError: CUDA is not available (nothing can pin host memory).
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("zerostack.chunk.pinned_empty: page-locked memory needs CUDA")
+    nbytes = numel * dtype.itemsize
+    if nbytes < EXACT_FROM_BYTES:
+        return _torch_pinned(numel, dtype, zero)
+    pages = _LockedPages(-1, nbytes)
+    tensor = torch.frombuffer(pages, dtype=dtype, count=numel)  # zeros; holds ``pages``
+    status = _cudart().cudaHostRegister(tensor.data_ptr(), nbytes, _PORTABLE)
+    if int(status) != 0:
+        global _warned
+        if not _warned:
+            _warned = True
+            logger.warning(
+                "zerostack.chunk: cudaHostRegister of %d bytes failed (%s); pinned buffers come "
+                "from torch's allocator, which rounds each up to a power of two",
+                nbytes, status,
+            )  # fmt: skip
+        return _torch_pinned(numel, dtype, zero)
+    pages.address, pages.locked_on = tensor.data_ptr(), torch.cuda.current_device()
+    return tensor
