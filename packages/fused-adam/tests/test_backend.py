@@ -180,3 +180,14 @@ def test_a_kernel_that_failed_to_load_keeps_no_frame_of_the_first_importer():
     assert done.returncode == 0, done.stderr[-2000:]
     # The error is kept as text: kept whole, its traceback's frames held the Owner.
     assert done.stdout.split() == ["False", "str", "True"], done.stdout
+
+
+def test_a_kernel_that_was_never_built_says_so_not_what_python_guesses():
+    from zerostack.fused_adam import _kernels
+
+    # Python's text for a missing submodule blames "a circular import".
+    guess = ImportError("cannot import name '_adam_gone' (most likely due to a circular import)")
+    text = _kernels._import_error("_adam_gone", guess)
+    assert text.startswith("no compiled module _adam_gone in ") and "circular" not in text
+    present = ImportError("undefined symbol: foo")
+    assert _kernels._import_error("_adam_cpu", present) == "undefined symbol: foo"

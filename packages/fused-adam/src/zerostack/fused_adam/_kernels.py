@@ -67,11 +67,20 @@ def cpu_threads() -> int:
 # The import errors are kept as text: an exception kept whole keeps its
 # traceback, whose frames reach whatever imported this module first (a
 # ZeroOptimizer being built, say), and that object would never be freed.
+def _import_error(name: str, error: ImportError) -> str:
+    """Why kernel module ``name`` did not load: a module that was never built
+    says so (Python's own text blames a circular import)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not any(f.startswith(name + ".") for f in os.listdir(here)):
+        return f"no compiled module {name} in {here}"
+    return str(error)
+
+
 try:
     from zerostack.fused_adam import _adam_cpu as _cpu  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - only a broken install gets here
     _cpu = None
-    _cpu_error: str | None = str(exc)
+    _cpu_error: str | None = _import_error("_adam_cpu", exc)
 else:
     _cpu_error = None
 
@@ -79,7 +88,7 @@ try:
     from zerostack.fused_adam import _adam_cuda as _cuda  # type: ignore[attr-defined]
 except ImportError as exc:
     _cuda = None
-    _cuda_error: str | None = str(exc)
+    _cuda_error: str | None = _import_error("_adam_cuda", exc)
 else:
     _cuda_error = None
 
