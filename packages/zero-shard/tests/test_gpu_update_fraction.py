@@ -20,7 +20,7 @@ import importlib.util
 import pytest
 import torch
 
-from zerostack.shard import ZeroOptimizer
+from zerostack.shard import CpuStepError, ZeroOptimizer
 from zerostack.shard._lane import lane_prefix
 from zerostack.shard._reduction import GradientReduction
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
@@ -173,6 +173,51 @@ def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypa
     # bucket, the embedding's (8192 elements) too: master, m, v, bf16 out.
     assert len(zero.buckets) > 2 and max(b.piece_total for b in zero.buckets) > 2048
     assert zero._lane.staging_bytes() == 2 * 2048 * (4 + 4 + 4 + 2)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["worker", "synchronous"])
+def test_a_bucket_that_fails_in_a_later_window_goes_on_from_there_when_run_again(overlap):
+    # The embedding's bucket crosses in 4 windows of 2048 elements. Its update
+    # fails once in the third window, after two were stepped; the retry (at
+    # the write-back) must step windows 3 and 4 only: stepping 1 and 2 again
+    # would update them twice. Bitwise against CPU Adam alone.
+    ref_model, ref = _build(0.0, overlap_cpu_step=overlap)
+    ref_losses = _train(ref_model, ref, steps=3)
+    model, zero = _build(1.0, overlap_cpu_step=overlap)
+    staging = zero._lane.staging
+    first = zero._order[0]
+    assert first.piece_total > 3 * staging.window, "the first bucket must span several windows"
+    real = staging._step_window
+    faults = {"left": 0, "at": []}
+
+    def flaky(homes, launches, window, *args):
+        if homes is first.lane and window[0] == 2 * staging.window and faults["left"]:
+            faults["left"] -= 1
+            faults["at"].append(window)
+            raise RuntimeError("injected device fault")
+        return real(homes, launches, window, *args)
+
+    staging._step_window = flaky
+    losses = _train(model, zero, steps=1)
+    faults["left"] = 1
+    for step in (1, 2):
+        idx, tgt = make_batch(CONFIG, 2, 16, seed=100 * step)
+        try:
+            loss = model(idx, tgt).float()  # a failure on the worker runs again here
+        except CpuStepError:
+            pytest.fail("a retry of the remaining windows failed")
+        zero.backward(loss)
+        try:
+            zero.step()
+        except CpuStepError:  # synchronous: the retry at the write-back succeeded
+            pytest.fail("the retry at the write-back should have succeeded")
+        losses.append(loss.item())
+    zero.wait_updates()
+    assert faults["at"] == [(2 * staging.window, 3 * staging.window)]
+    assert losses == ref_losses
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b), "parameters differ after the retry"
+    _same_state(zero.state_dict(), ref.state_dict(), "after a failure in a later window")
 
 
 def test_a_checkpoint_moves_between_fractions():

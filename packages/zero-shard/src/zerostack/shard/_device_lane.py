@@ -64,8 +64,12 @@ writes nothing when it fails in its first window (the kernels' argument
 checks, an injected fault): the kernels step the staging copies, the
 parameters and homes are written after them and the step counts at the
 end, so its retry gives the uninterrupted run's values. A bucket of
-several windows that fails after its first leaves those updated, as CPU
-Adam's NVMe pieces do (see [Note: a failed CPU update]).
+several windows that fails in a later one keeps the windows it stepped:
+the step's ``LaneProgress`` (given again to the retry) says how far it
+got, and the retry goes on from there, so no window is stepped twice and
+the run again equals the uninterrupted one. ``zero_grad()`` dropping such
+an update leaves those windows stepped (as CPU Adam's NVMe pieces, see
+[Note: a failed CPU update]).
 """
 
 from __future__ import annotations
@@ -76,7 +80,14 @@ import torch
 
 from zerostack.chunk import phase
 from zerostack.shard import _partition as part
-from zerostack.shard._lane import LANE_HYPER, LaneHomes, LaneStaging, Launch, lane_prefix
+from zerostack.shard._lane import (
+    LANE_HYPER,
+    LaneHomes,
+    LaneProgress,
+    LaneStaging,
+    Launch,
+    lane_prefix,
+)
 
 if TYPE_CHECKING:
     from zerostack.shard._bucket import _Bucket, _Shard
@@ -184,13 +195,15 @@ class DeviceLane:
     @torch.no_grad()
     def update(
         self, bucket: _Bucket, pairs: list[tuple[_Shard, torch.Tensor]], div_scale: float,
-        versions: list[int],
+        versions: list[int], progress: LaneProgress,
     ) -> None:  # fmt: skip
         """Step ``pairs`` (each used shard of ``bucket`` and its reduced
         gradient on the device) in the device's Adam, one staging window
         after the other; on the worker when overlapping. ``versions``: the
         owner's parameter versions, kept current for the parameters written
-        here (see [Note: parameters written in place])."""
+        here (see [Note: parameters written in place]). ``progress``: this
+        step's, the same object in a retry, which goes on from the first
+        window not stepped."""
         with phase("zerostack::device_update"), self.staging.lock:
             created = self._states(pairs, bucket)
             # A parameter written since the last write-back keeps the user's
@@ -201,11 +214,15 @@ class DeviceLane:
             try:
                 self.staging.run(
                     bucket.lane, bucket.piece_total, self._launches(pairs), div_scale, dtype,
-                    lambda out, window: self._write_params(mine, out, window),
+                    lambda out, window: self._write_params(mine, out, window), progress,
                 )  # fmt: skip
             except BaseException:
-                for s in created:
-                    self.optimizer.state.pop(s.master, None)
+                if progress.done == 0:  # nothing stepped: as if it never began
+                    for s in created:
+                        self.optimizer.state.pop(s.master, None)
+                else:  # the windows stepped wrote these; the retry writes the rest
+                    for s in mine:
+                        versions[s.index] = s.param._version
                 raise
             for s, _ in pairs:
                 self.optimizer.state[s.master]["step"] += 1

@@ -119,6 +119,15 @@ def check_lane_optimizer(
         )
 
 
+@dataclass
+class LaneProgress:
+    """How far one unit's update of one step got: elements stepped, window by
+    window. A retry after a failure in a later window goes on from here, so
+    no window is stepped twice (see [Note: Adam where the bandwidth is])."""
+
+    done: int = 0
+
+
 class LaneStaging:
     """The device lane's streams, staging slots and window loop (see [Note:
     Adam where the bandwidth is]).
@@ -187,14 +196,19 @@ class LaneStaging:
     def run(
         self, homes: LaneHomes, total: int, launches: list[Launch], div_scale: float,
         out_dtype: torch.dtype, write: Callable[[torch.Tensor, tuple[int, int]], None],
+        progress: LaneProgress | None = None,
     ) -> None:  # fmt: skip
         """Step ``total`` elements of ``homes``, one window after the other:
         ``write(out, (w0, w1))`` gets each window's new values in
-        ``out_dtype`` (on ``up``, after the kernels; copy them where they go)."""
+        ``out_dtype`` (on ``up``, after the kernels; copy them where they go).
+        With ``progress`` (one per unit and step, given again to its retry) a
+        run that failed goes on from the first window not yet stepped."""
         dtypes = (homes.master.dtype, torch.float32, torch.float32, out_dtype)
-        for w0 in range(0, total, self.window):
-            self._step_window(homes, launches, (w0, min(total, w0 + self.window)), div_scale,
-                              dtypes, write)  # fmt: skip
+        for w0 in range(progress.done if progress else 0, total, self.window):
+            w1 = min(total, w0 + self.window)
+            self._step_window(homes, launches, (w0, w1), div_scale, dtypes, write)
+            if progress is not None:
+                progress.done = w1
 
     def _step_window(
         self, homes: LaneHomes, launches: list[Launch], window: tuple[int, int],

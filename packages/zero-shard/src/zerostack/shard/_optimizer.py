@@ -39,7 +39,7 @@ from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
-from zerostack.shard._lane import check_lane_optimizer, lane_prefix
+from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_prefix
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
@@ -742,8 +742,9 @@ class ZeroOptimizer:
             if bucket.lane is not None:  # See [Note: Adam where the bandwidth is]
                 pairs = [(s, s.grad) for s in shards]
                 pipe.submit(
-                    k, self._lane.update, bucket, pairs, div_scale, self._versions, lane="device"
-                )
+                    k, self._lane.update, bucket, pairs, div_scale, self._versions,
+                    LaneProgress(), lane="device",
+                )  # fmt: skip
             else:
                 pipe.submit(
                     k, self._cpu_update, bucket, [(s.master, s.grad) for s in shards], div_scale
