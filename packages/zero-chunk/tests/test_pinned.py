@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from zerostack.chunk import _chunk, _pinned, pinned_empty
+from zerostack.chunk import Chunk, _chunk, _pinned, pinned_empty
 
 MIB = 1 << 20
 
@@ -100,24 +100,28 @@ def test_a_refused_lock_falls_back_to_torch_allocator_with_one_warning(runtime, 
     assert "unregister" not in [c[0] for c in runtime.calls]  # nothing was locked
 
 
-def test_a_chunk_shard_is_exact_where_first_placed_and_torch_allocated_when_moved(monkeypatch):
+def test_pinned_chunk_shards_are_exact_where_placed_and_where_moved(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
-        _chunk, "pinned_empty", lambda n, d: made.append("exact") or torch.zeros(n, dtype=d)
+        _chunk, "pinned_empty", lambda n, d: made.append(("exact", n)) or torch.zeros(n, dtype=d)
     )
+    chunk = Chunk(
+        64, None, torch.float32, compute_device="cpu", shard_device="cpu", pin_memory=True
+    )
+    chunk.append_tensor(torch.randn(40))
+    chunk.close_chunk()  # the shard's first place
+    assert made == [("exact", 64)]
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
-        made.append("torch pinned" if pin_memory else "torch")
+        assert not pin_memory, "a pinned shard came from torch's power-of-two allocator"
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", empty)
-    cpu = torch.device("cpu")
-    _chunk._empty_on(8, torch.float32, cpu, pin=True, exact=True)
-    _chunk._empty_on(8, torch.float32, cpu, pin=True, exact=False)
-    _chunk._empty_on(8, torch.float32, cpu, pin=False, exact=True)
-    assert made == ["exact", "torch pinned", "torch"]
+    _chunk._empty_on(8, torch.float32, torch.device("cpu"), pin=True)  # a move to the CPU
+    _chunk._empty_on(8, torch.float32, torch.device("cpu"), pin=False)
+    assert made == [("exact", 64), ("exact", 8)]
 
 
 def _rss_bytes() -> int:

@@ -78,19 +78,14 @@ def _check_tensor(api: str, tensor: object) -> None:
         raise TypeError(f"{api}: expected a tensor (got {type(tensor).__name__})")
 
 
-def _empty_on(
-    numel: int, dtype: torch.dtype, device: torch.device, pin: bool, exact: bool
-) -> torch.Tensor:
-    """``numel`` elements on ``device``; pinned on the CPU when asked: at
-    their exact size when ``exact`` (a shard's first place, where it usually
-    stays), else from torch's allocator (a move). See [Note: exact pinned
-    buffers] in ``_pinned.py``."""
+def _empty_on(numel: int, dtype: torch.dtype, device: torch.device, pin: bool) -> torch.Tensor:
+    """``numel`` elements on ``device``; on the CPU pinned at their exact size
+    when asked (a shard moves only when its placement is decided: see [Note:
+    exact pinned buffers] in ``_pinned.py``)."""
     global _warned_pin
     if pin and device.type == "cpu":
         if torch.cuda.is_available():
-            if exact:
-                return pinned_empty(numel, dtype)
-            return torch.empty(numel, dtype=dtype, pin_memory=True)
+            return pinned_empty(numel, dtype)
         if not _warned_pin:
             _warned_pin = True
             warnings.warn("Chunk: pin_memory=True has no effect without CUDA", stacklevel=3)
@@ -222,9 +217,7 @@ class Chunk:
         self.closed = True
         if not self.keep_gathered:
             mine = self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
-            self.shard = _empty_on(
-                self.shard_size, self.dtype, self.shard_device, self.pin_memory, exact=True
-            )
+            self.shard = _empty_on(self.shard_size, self.dtype, self.shard_device, self.pin_memory)
             self.shard.copy_(mine)
             self._drop_buffer()
 
@@ -412,7 +405,7 @@ class Chunk:
             self.shard_device = device
             return
         if device.type == "cpu":
-            moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory, exact=False)
+            moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory)
             moved.copy_(self.shard, non_blocking=non_blocking)
         else:
             moved = self.shard.to(device, non_blocking=non_blocking)

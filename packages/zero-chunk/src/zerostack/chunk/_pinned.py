@@ -5,9 +5,9 @@ rounds every block up to the next power of two, so that a freed block can
 serve a later request. A chunk shard of 2**26 + 20480 bf16 elements (what the
 chunk search picks for an 8B GPT) then takes 256 MiB instead of 128: twice the
 host memory, for the whole run. Buffers that live as long as the model or the
-optimizer (a chunk shard where it is first placed, ZeRO's host bucket
-buffers, the device lanes' masters and Adam states, the CPU step's cached
-buffers) come from ``pinned_empty`` instead: an anonymous mapping of the
+optimizer (chunk shards on the CPU, ZeRO's host bucket buffers, the device
+lanes' masters and Adam states, the CPU step's cached buffers) come from
+``pinned_empty`` instead: an anonymous mapping of the
 exact size (zero-filled pages), page-locked with ``cudaHostRegister``. torch
 sees it as pinned (``is_pinned()``), so copies to and from it are
 asynchronous, as from torch's pinned blocks.
@@ -16,8 +16,10 @@ When the last tensor over such a buffer is freed, its device is synchronized
 before the pages are unlocked and unmapped: an asynchronous copy may still
 read or write them, and unlike torch's allocator (which records an event on
 each copy's stream) this one cannot know the streams. That wait is why a
-buffer freed every step must not come from here: a chunk moved by auto
-placement after its first place gets torch's allocator (``Chunk.shard_move``).
+buffer freed every step must not come from here. A chunk shard qualifies:
+it moves only when its placement is decided (auto placement's warm-up and
+its plan at the first step, never in steady state, whose evictions release
+gathered copies, not shards), so the wait happens once per moved shard.
 
 Requests under 1 MiB, and any machine without CUDA, use torch's allocator;
 so does a request the driver refuses to lock (a warning, once).
