@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from zerostack.chunk import Chunk, _chunk, _pinned, pinned_empty
+from zerostack.chunk import Chunk, _chunk, _pinned, exact_pinned, pinned_empty
 
 MIB = 1 << 20
 
@@ -71,6 +71,7 @@ def test_the_pages_are_unlocked_after_the_last_view_dies_and_the_device_is_synch
     t = pinned_empty(MIB, torch.float32)
     address = t.data_ptr()
     view = t[10:20]
+    assert exact_pinned(t) and exact_pinned(view) and not exact_pinned(torch.empty(MIB))
     del t
     gc.collect()
     assert [c[0] for c in runtime.calls] == ["register"]  # a view still reads the pages
@@ -78,6 +79,7 @@ def test_the_pages_are_unlocked_after_the_last_view_dies_and_the_device_is_synch
     del view
     gc.collect()
     assert runtime.calls[1:] == [("sync", 3), ("unregister", address)]
+    assert not _pinned._locked  # forgotten with its pages
 
 
 def test_small_requests_use_torch_allocator(runtime):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk
+from zerostack.chunk import Chunk, exact_pinned
 
 TIERS = ("gpu", "pinned", "pageable", "disk")
 _KINDS = (("fp16_param", "param"), ("fp32_param", "master"), ("frozen_param", "frozen"))
@@ -373,6 +373,7 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
     seen: set[int] = set()
     owners = dict.fromkeys(HOST_OWNERS, 0)
     pinned = dict.fromkeys(HOST_OWNERS, 0)
+    from_allocator = [0]  # pinned owner bytes in torch's host allocator's blocks
 
     def add(owner: str, t: Any) -> None:
         if not torch.is_tensor(t) or t.device.type != "cpu" or t.numel() == 0:
@@ -386,6 +387,8 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
         owners[owner] += n
         if t.is_pinned():
             pinned[owner] += n
+            if not exact_pinned(t):  # zerostack.chunk.pinned_empty's are not its blocks
+                from_allocator[0] += n
 
     manager = ddp.chunk_manager
     for prefix, owner in (("fp16_param", "param_chunks"), ("frozen_param", "param_chunks"),
@@ -424,7 +427,7 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
         pinned=pinned,
         num_params=sum(_param_numels(ddp)),
         rss=rss_bytes(),
-        pinned_cached=max(0, allocator - sum(pinned.values())) if allocator else 0,
+        pinned_cached=max(0, allocator - from_allocator[0]) if allocator else 0,
     )
 
 

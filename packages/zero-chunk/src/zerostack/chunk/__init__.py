@@ -23,7 +23,7 @@ from zerostack.chunk._comm import (
 )
 from zerostack.chunk._lazy import LazyInitContext
 from zerostack.chunk._manager import ChunkManager
-from zerostack.chunk._pinned import pinned_empty
+from zerostack.chunk._pinned import exact_pinned, pinned_empty
 from zerostack.chunk._profiling import phase
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState, path_between
@@ -47,6 +47,7 @@ __all__ = [
     "check_device",
     "debug_collectives",
     "default_compute_device",
+    "exact_pinned",
     "path_between",
     "persistent_buffers",
     "phase",

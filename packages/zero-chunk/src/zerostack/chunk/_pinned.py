@@ -38,6 +38,14 @@ logger = logging.getLogger(__name__)
 EXACT_FROM_BYTES = 1 << 20  # smaller requests: torch's allocator (its rounding costs little)
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 _warned = False
+_locked: dict[int, int] = {}  # address -> bytes of every buffer locked here and alive
+
+
+def exact_pinned(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s storage is a buffer ``pinned_empty`` locked:
+    page-locked, but not a block of torch's pinned allocator, whose
+    statistics (``torch.cuda.host_memory_stats``) do not count it."""
+    return tensor.untyped_storage().data_ptr() in _locked
 
 
 class _LockedPages(mmap.mmap):
@@ -51,6 +59,7 @@ class _LockedPages(mmap.mmap):
         if device is None:
             return
         self.locked_on = None
+        _locked.pop(self.address, None)
         try:  # at interpreter exit CUDA may be gone already: nothing left to unlock
             torch.cuda.synchronize(device)  # See [Note: exact pinned buffers]
             _cudart().cudaHostUnregister(self.address)
@@ -99,4 +108,5 @@ def pinned_empty(numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Te
             )  # fmt: skip
         return _torch_pinned(numel, dtype, zero)
     pages.address, pages.locked_on = tensor.data_ptr(), torch.cuda.current_device()
+    _locked[pages.address] = nbytes
     return tensor
