@@ -51,6 +51,11 @@ def test_static_fractions_are_shares_of_bytes(frac):
     # Exact books: the manager's total is the sum over chunks.
     total = sum(sum(c.memory_usage().values()) for c in ddp.chunk_manager.chunks())
     assert ddp.chunk_manager.total_mem["cpu"] == total
+    # What the step-time floor takes: master elements on the host and on the device.
+    host, on_device = ddp.master_elements()
+    assert host == sum(m.shard_size for m in offloaded)
+    assert on_device == sum(m.shard_size for m in masters if m not in offloaded)
+    assert (host > 0) == (frac > 0) and (on_device > 0) == (frac < 1)
 
 
 def test_auto_records_plans_evicts_and_prefetches():

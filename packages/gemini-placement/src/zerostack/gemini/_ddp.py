@@ -341,6 +341,14 @@ class GeminiDDP(nn.Module):
         """The fp32 master chunks stepped on the CPU (the placement decides them)."""
         return frozenset(self.placement.offloaded_masters)
 
+    def master_elements(self) -> tuple[int, int]:
+        """This rank's fp32 master elements stepped on the CPU and on the
+        compute device (shard sizes): ``zerostack.shard.step_floor``'s
+        ``host_numel`` and ``gpu_numel``."""
+        host = sum(c.shard_size for c in self.placement.offloaded_masters)
+        every = sum(c.shard_size for c in self.chunk_manager.chunks("fp32"))
+        return host, every - host
+
     @property
     def training_state(self) -> TrainingState:
         return self._state
