@@ -191,3 +191,14 @@ def test_a_kernel_that_was_never_built_says_so_not_what_python_guesses():
     assert text.startswith("no compiled module _adam_gone in ") and "circular" not in text
     present = ImportError("undefined symbol: foo")
     assert _kernels._import_error("_adam_cpu", present) == "undefined symbol: foo"
+
+
+def test_a_kernel_built_for_another_python_says_so(monkeypatch):
+    from zerostack.fused_adam import _kernels
+
+    monkeypatch.setattr(
+        _kernels.os, "listdir", lambda _: ["_adam_cuda.cpython-39-x86_64-linux-gnu.so"]
+    )
+    monkeypatch.setattr(_kernels, "EXTENSION_SUFFIXES", [".cpython-312-x86_64-linux-gnu.so", ".so"])
+    text = _kernels._import_error("_adam_cuda", ImportError("circular import"))
+    assert "built for another Python (found _adam_cuda.cpython-39-x86_64-linux-gnu.so)" in text

@@ -18,6 +18,7 @@ class _Runtime:
 
     def __init__(self, status=0):
         self.calls, self.status = [], status
+        self.contexts, self.sync_fails = {3}, False  # devices with a CUDA context
 
     def cudaHostRegister(self, address, nbytes, flags):
         self.calls.append(("register", address, nbytes, flags))
@@ -33,10 +34,19 @@ def runtime(monkeypatch):
     rt = _Runtime()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+
+    def synchronize(device=None):
+        if rt.sync_fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        rt.calls.append(("sync", device))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(
-        torch.cuda, "synchronize", lambda device=None: rt.calls.append(("sync", device))
+        torch._C, "_cuda_hasPrimaryContext", lambda d: d in rt.contexts, raising=False
     )
     monkeypatch.setattr(_pinned, "_cudart", lambda: rt)
+    monkeypatch.setattr(_pinned, "_clear_cuda_error", lambda: rt.calls.append(("clear",)))
     torch_blocks = []
 
     def torch_pinned(numel, dtype, zero):
@@ -82,6 +92,26 @@ def test_the_pages_are_unlocked_after_the_last_view_dies_and_the_device_is_synch
     assert not _pinned._locked  # forgotten with its pages
 
 
+def test_every_device_with_a_context_is_synchronized_and_none_is_created(runtime):
+    # Locked while device 3 was current, copies may have run on device 1 as well.
+    runtime.contexts = {1, 3}
+    t = pinned_empty(MIB, torch.float32)
+    del t
+    gc.collect()
+    assert [c for c in runtime.calls if c[0] == "sync"] == [("sync", 1), ("sync", 3)]
+
+
+def test_pages_whose_device_cannot_be_synchronized_stay_mapped_and_locked(runtime):
+    t = pinned_empty(MIB, torch.float32)
+    runtime.sync_fails = True
+    kept = len(_pinned._kept)
+    del t
+    gc.collect()
+    assert "unregister" not in [c[0] for c in runtime.calls]
+    assert len(_pinned._kept) == kept + 1 and len(_pinned._kept[-1]) == MIB * 4
+    _pinned._kept.pop()  # this test's: let it go (its locked_on is None already)
+
+
 def test_small_requests_use_torch_allocator(runtime):
     t = pinned_empty(100, torch.float32, zero=True)
     assert runtime.torch_blocks == [(100, torch.float32, True)] and runtime.calls == []
@@ -97,12 +127,14 @@ def test_a_refused_lock_falls_back_to_torch_allocator_with_one_warning(runtime, 
     assert a.numel() == b.numel() == MIB
     warnings = [r for r in caplog.records if "cudaHostRegister" in r.getMessage()]
     assert len(warnings) == 1 and "power of two" in warnings[0].getMessage()
+    # The refusal is read away, not left for torch's next kernel-launch check.
+    assert [c[0] for c in runtime.calls] == ["register", "clear", "register", "clear"]
     del a, b
     gc.collect()
     assert "unregister" not in [c[0] for c in runtime.calls]  # nothing was locked
 
 
-def test_pinned_chunk_shards_are_exact_where_placed_and_where_moved(monkeypatch):
+def test_pinned_chunk_shards_are_exact_where_placed_and_when_allocated_for_a_move(monkeypatch):
     made = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(
@@ -160,7 +192,10 @@ def test_asynchronous_copies_through_a_locked_buffer_and_its_release_mid_copy():
     assert torch.equal(host[-5:], torch.arange(numel - 5, numel, dtype=torch.float32))
     host.mul_(2)
     dev = host.to("cuda", non_blocking=True)
-    del host  # its release waits for the copy still reading it
+    # Released mid-copy: the release synchronizes first. (The CPU tests check
+    # that order; freed pages often keep their data a while, so this alone
+    # could pass without it.)
+    del host
     gc.collect()
     torch.cuda.synchronize()
     assert torch.equal(dev, src * 2)

@@ -209,7 +209,7 @@ def test_a_bucket_that_fails_in_a_later_window_goes_on_from_there_when_run_again
         zero.backward(loss)
         try:
             zero.step()
-        except CpuStepError:  # synchronous: the retry at the write-back succeeded
+        except CpuStepError:  # raised only if the retry at the write-back failed too
             pytest.fail("the retry at the write-back should have succeeded")
         losses.append(loss.item())
     zero.wait_updates()

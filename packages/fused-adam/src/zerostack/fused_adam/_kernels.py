@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from importlib.machinery import EXTENSION_SUFFIXES
 from typing import Any
 
 import torch
@@ -68,11 +69,17 @@ def cpu_threads() -> int:
 # traceback, whose frames reach whatever imported this module first (a
 # ZeroOptimizer being built, say), and that object would never be freed.
 def _import_error(name: str, error: ImportError) -> str:
-    """Why kernel module ``name`` did not load: a module that was never built
-    says so (Python's own text blames a circular import)."""
+    """Why kernel module ``name`` did not load: one never built, or built for
+    another Python, says so (Python's own text blames a circular import)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    if not any(f.startswith(name + ".") for f in os.listdir(here)):
+    try:
+        built = sorted(f for f in os.listdir(here) if f.startswith(name + "."))
+    except OSError:
+        return str(error)
+    if not built:
         return f"no compiled module {name} in {here}"
+    if not any(f == name + suffix for f in built for suffix in EXTENSION_SUFFIXES):
+        return f"{name} in {here} was built for another Python (found {', '.join(built)})"
     return str(error)
 
 

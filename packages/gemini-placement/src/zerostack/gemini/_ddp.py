@@ -342,9 +342,13 @@ class GeminiDDP(nn.Module):
         return frozenset(self.placement.offloaded_masters)
 
     def master_elements(self) -> tuple[int, int]:
-        """This rank's fp32 master elements stepped on the CPU and on the
-        compute device (shard sizes): ``zerostack.shard.step_floor``'s
-        ``host_numel`` and ``gpu_numel``."""
+        """This rank's fp32 master elements held on the host and on the
+        compute device (shard sizes).
+
+        Returns:
+            ``(host, device)``: ``zerostack.shard.step_floor``'s ``host_numel``
+            and ``gpu_numel``.
+        """
         host = sum(c.shard_size for c in self.placement.offloaded_masters)
         every = sum(c.shard_size for c in self.chunk_manager.chunks("fp32"))
         return host, every - host

@@ -210,7 +210,10 @@ class DeviceLane:
             # value (the write-back adopts it into its master).
             mine = [s for s, _ in pairs if s.param._version == versions[s.index]]
             dtype = bucket.shards[0].param.dtype
-            assert bucket.lane is not None  # a lane bucket: chosen at construction
+            if bucket.lane is None:  # a lane bucket has homes from construction on
+                raise AssertionError(
+                    f"rank {self.rank}: DeviceLane.update of a bucket without homes"
+                )
             try:
                 self.staging.run(
                     bucket.lane, bucket.piece_total, self._launches(pairs), div_scale, dtype,
