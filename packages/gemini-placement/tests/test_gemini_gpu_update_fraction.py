@@ -187,10 +187,9 @@ def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes():
     assert lane.staging.staging_bytes() == 2 * shard * (4 + 4 + 4 + 2)
 
 
-def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
-    ref = _build(0.0, "static-1.0", overlap_cpu_step=False)
-    _train(*ref, steps=3)
-    model, ddp, opt = _build(0.5, "static-1.0", overlap_cpu_step=False)
+def _flaky_first_lane_chunk(opt):
+    """The first lane chunk's update raises while ``faults["left"]`` > 0 (one
+    fewer each time). Returns its pair index and ``faults``."""
     lane = opt._lane
     first = min(lane.homes)
     real = lane.staging.run
@@ -203,6 +202,14 @@ def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
         return real(homes, *args)
 
     lane.staging.run = flaky
+    return first, faults
+
+
+def test_a_failed_lane_update_runs_again_and_the_run_goes_on_as_without_it():
+    ref = _build(0.0, "static-1.0", overlap_cpu_step=False)
+    _train(*ref, steps=3)
+    model, ddp, opt = _build(0.5, "static-1.0", overlap_cpu_step=False)
+    first, faults = _flaky_first_lane_chunk(opt)
     _train(model, ddp, opt, steps=1)
     faults["left"] = 2  # the step's update and its retry at the end of step() fail
     idx, tgt = make_batch(CONFIG, 2, 16, seed=100)
@@ -220,18 +227,7 @@ def test_a_lane_update_that_fails_on_the_worker_runs_again_where_it_is_waited_fo
     ref = _build(0.0, "static-1.0")
     _train(*ref, steps=3)
     model, ddp, opt = _build(0.5, "static-1.0")  # overlap_cpu_step: on the worker
-    lane = opt._lane
-    first = min(lane.homes)
-    real = lane.staging.run
-    faults = {"left": 0}
-
-    def flaky(homes, *args):
-        if homes is lane.homes[first] and faults["left"] > 0:
-            faults["left"] -= 1
-            raise RuntimeError("injected device fault")
-        return real(homes, *args)
-
-    lane.staging.run = flaky
+    first, faults = _flaky_first_lane_chunk(opt)
     _train(model, ddp, opt, steps=1)
     faults["left"] = 2  # on the worker, then where it is waited for
     idx, tgt = make_batch(CONFIG, 2, 16, seed=100)
