@@ -65,9 +65,6 @@ def cpu_threads() -> int:
     return n
 
 
-# The import errors are kept as text: an exception kept whole keeps its
-# traceback, whose frames reach whatever imported this module first (a
-# ZeroOptimizer being built, say), and that object would never be freed.
 def _import_error(name: str, error: ImportError) -> str:
     """Why kernel module ``name`` did not load: one never built, or built for
     another Python, says so (Python's own text blames a circular import)."""
@@ -83,6 +80,9 @@ def _import_error(name: str, error: ImportError) -> str:
     return str(error)
 
 
+# The import errors are kept as text: an exception kept whole keeps its
+# traceback, whose frames reach whatever imported this module first (a
+# ZeroOptimizer being built, say), and that object would never be freed.
 try:
     from zerostack.fused_adam import _adam_cpu as _cpu  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - only a broken install gets here

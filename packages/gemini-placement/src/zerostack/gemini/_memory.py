@@ -373,9 +373,10 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
     seen: set[int] = set()
     owners = dict.fromkeys(HOST_OWNERS, 0)
     pinned = dict.fromkeys(HOST_OWNERS, 0)
-    from_allocator = [0]  # pinned owner bytes in torch's host allocator's blocks
+    from_allocator = 0  # pinned owner bytes in torch's host allocator's blocks
 
     def add(owner: str, t: Any) -> None:
+        nonlocal from_allocator
         if not torch.is_tensor(t) or t.device.type != "cpu" or t.numel() == 0:
             return
         storage = t.untyped_storage()
@@ -388,7 +389,7 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
         if t.is_pinned():
             pinned[owner] += n
             if not exact_pinned(t):  # zerostack.chunk.pinned_empty's are not its blocks
-                from_allocator[0] += n
+                from_allocator += n
 
     manager = ddp.chunk_manager
     for prefix, owner in (("fp16_param", "param_chunks"), ("frozen_param", "param_chunks"),
@@ -427,7 +428,7 @@ def host_bytes(ddp: Any, optimizer: Any = None) -> HostBytes:
         pinned=pinned,
         num_params=sum(_param_numels(ddp)),
         rss=rss_bytes(),
-        pinned_cached=max(0, allocator - from_allocator[0]) if allocator else 0,
+        pinned_cached=max(0, allocator - from_allocator) if allocator else 0,
     )
 
 

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 EXACT_FROM_BYTES = 1 << 20  # smaller requests: torch's allocator (its rounding costs little)
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
 _warned = False
-_locked: dict[int, int] = {}  # address -> bytes of every buffer locked here and alive
+_locked: set[int] = set()  # the address of every buffer locked here and alive
 _kept: list[mmap.mmap] = []  # pages whose unlock could not be done safely: never unmapped
 
 
@@ -72,7 +72,7 @@ class _LockedPages(mmap.mmap):
         if device is None:
             return
         self.locked_on = None
-        _locked.pop(self.address, None)
+        _locked.discard(self.address)
         try:  # See [Note: exact pinned buffers]
             _synchronize_devices(device)
         except Exception:  # a CUDA error, or CUDA gone at exit: unlocking is unsafe
@@ -162,5 +162,5 @@ def pinned_empty(numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Te
             )  # fmt: skip
         return _torch_pinned(numel, dtype, zero)
     pages.address, pages.locked_on = tensor.data_ptr(), torch.cuda.current_device()
-    _locked[pages.address] = nbytes
+    _locked.add(pages.address)
     return tensor

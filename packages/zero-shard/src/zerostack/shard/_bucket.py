@@ -243,8 +243,8 @@ def pin_offload_buffers(
             continue
         p_dtype = bucket.shards[0].param.dtype
         g_dtype = comm_dtype or p_dtype
-        bucket.host_grads = _host(bucket.piece_total, g_dtype, pin)
-        bucket.host_params = _host(bucket.piece_total, p_dtype, pin)
+        bucket.host_grads = host_buffer(bucket.piece_total, g_dtype, pin)
+        bucket.host_params = host_buffer(bucket.piece_total, p_dtype, pin)
         for s, off in zip(bucket.shards, bucket.offsets, strict=True):
             view = bucket.host_params[off : off + s.piece]
             view.copy_(s.master)  # the step refreshes it; params without grads keep this
@@ -253,7 +253,10 @@ def pin_offload_buffers(
                 optimizer.set_copy_out(s.master, view)  # type: ignore[attr-defined]
 
 
-def _host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A bucket's host buffer: pinned at its exact size when ``pin`` (see
-    zerostack.chunk's [Note: exact pinned buffers])."""
-    return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
+def host_buffer(numel: int, dtype: torch.dtype, pin: bool, zero: bool = False) -> torch.Tensor:
+    """A long-lived host buffer (a bucket's, a device lane's home): pinned at
+    its exact size when ``pin`` (see zerostack.chunk's [Note: exact pinned
+    buffers]); zeros when ``zero``."""
+    if pin:
+        return pinned_empty(numel, dtype, zero=zero)
+    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype)

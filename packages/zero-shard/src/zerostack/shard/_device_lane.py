@@ -204,16 +204,14 @@ class DeviceLane:
         here (see [Note: parameters written in place]). ``progress``: this
         step's, the same object in a retry, which goes on from the first
         window not stepped."""
+        if bucket.lane is None:  # a lane bucket has homes from construction on
+            raise AssertionError(f"rank {self.rank}: DeviceLane.update of a bucket without homes")
         with phase("zerostack::device_update"), self.staging.lock:
             created = self._states(pairs, bucket)
             # A parameter written since the last write-back keeps the user's
             # value (the write-back adopts it into its master).
             mine = [s for s, _ in pairs if s.param._version == versions[s.index]]
             dtype = bucket.shards[0].param.dtype
-            if bucket.lane is None:  # a lane bucket has homes from construction on
-                raise AssertionError(
-                    f"rank {self.rank}: DeviceLane.update of a bucket without homes"
-                )
             try:
                 self.staging.run(
                     bucket.lane, bucket.piece_total, self._launches(pairs), div_scale, dtype,

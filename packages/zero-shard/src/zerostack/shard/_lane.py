@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import pinned_empty
+from zerostack.shard._bucket import host_buffer
 
 LANE_HYPER = ("lr", "betas", "eps", "weight_decay", "adamw_mode", "bias_correction")
 _SLOTS = 2  # staging slots: one window copied in while the one before is copied back
@@ -50,17 +50,10 @@ class LaneHomes:
         """Homes of ``total`` elements (zeros; ``master`` kept as the master
         home when given)."""
 
-        def host(
-            dtype: torch.dtype, zero: bool
-        ) -> torch.Tensor:  # See [Note: exact pinned buffers]
-            if pin:
-                return pinned_empty(total, dtype, zero=zero)
-            return (torch.zeros if zero else torch.empty)(total, dtype=dtype)
-
         return cls(
-            master=host(dtype, zero=False) if master is None else master,
-            exp_avg=host(torch.float32, zero=True),
-            exp_avg_sq=host(torch.float32, zero=True),
+            master=host_buffer(total, dtype, pin) if master is None else master,
+            exp_avg=host_buffer(total, torch.float32, pin, zero=True),
+            exp_avg_sq=host_buffer(total, torch.float32, pin, zero=True),
             updated=torch.cuda.Event() if cuda else None,
             stored=torch.cuda.Event(blocking=True) if cuda else None,  # a host waits: no spinning
         )
