@@ -360,6 +360,14 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        if backend == "gloo":
+            # gloo connects every pair inside init_process_group, and a rank can
+            # return from it while a peer still reads its side of the handshake; a
+            # rank whose fn communicates nothing then exits and its peer fails
+            # with "Connection closed by peer". Once the barrier returns, every
+            # rank's connections are complete. (NCCL connects at its first
+            # collective, so there is nothing to wait for.)
+            dist.barrier()
         try:
             fn(rank, world_size, *args)
         finally:
