@@ -80,6 +80,24 @@ def test_world_size_one_is_a_real_group_and_partials_work(monkeypatch) -> None:
     spawn(functools.partial(_all_reduce_sums, case=case), 1, backend="gloo")
 
 
+def _environment_has(rank: int, world_size: int, name: str, value: str | None) -> None:
+    if os.environ.get(name) != value:
+        raise AssertionError(f"rank {rank}: {name}={os.environ.get(name)!r}, expected {value!r}")
+
+
+def test_ranks_see_the_callers_environment_as_it_is_at_each_call(monkeypatch) -> None:
+    # The fork server the ranks come from keeps the environment it started
+    # with: each call hands the ranks the caller's (see [Note: ranks forked
+    # from a server that imported torch]).
+    name = "ZEROSTACK_SPAWN_TEST_VARIABLE"
+    for value in ("first", "second", None):
+        if value is None:
+            monkeypatch.delenv(name)
+        else:
+            monkeypatch.setenv(name, value)
+        spawn(_environment_has, 2, args=(name, value), backend="gloo")
+
+
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
