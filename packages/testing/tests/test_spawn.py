@@ -10,8 +10,10 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -80,22 +82,47 @@ def test_world_size_one_is_a_real_group_and_partials_work(monkeypatch) -> None:
     spawn(functools.partial(_all_reduce_sums, case=case), 1, backend="gloo")
 
 
-def _environment_has(rank: int, world_size: int, name: str, value: str | None) -> None:
+def _environment_has(
+    rank: int, world_size: int, name: str, value: str | None, caller: int, forked: bool
+) -> None:
     if os.environ.get(name) != value:
         raise AssertionError(f"rank {rank}: {name}={os.environ.get(name)!r}, expected {value!r}")
+    # A rank forked from the fork server is that server's child, not the caller's.
+    if (os.getppid() != caller) != forked:
+        raise AssertionError(f"rank {rank}: forked from the fork server is not {forked}")
 
 
-def test_ranks_see_the_callers_environment_as_it_is_at_each_call(monkeypatch) -> None:
-    # The fork server the ranks come from keeps the environment it started
-    # with: each call hands the ranks the caller's (see [Note: ranks forked
-    # from a server that imported torch]).
-    name = "ZEROSTACK_SPAWN_TEST_VARIABLE"
-    for value in ("first", "second", None):
-        if value is None:
-            monkeypatch.delenv(name)
-        else:
-            monkeypatch.setenv(name, value)
-        spawn(_environment_has, 2, args=(name, value), backend="gloo")
+# In a fresh interpreter, so that this script's first spawn starts the fork server.
+_FORK_OR_FRESH = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from test_spawn import _environment_has
+from zerostack.testing import spawn
+
+name = "ZEROSTACK_SPAWN_TEST_VARIABLE"
+os.environ.pop(name, None)
+spawn(_environment_has, 2, args=(name, None, os.getpid(), True), backend="gloo")
+for value in ("first", "second"):
+    os.environ[name] = value
+    spawn(_environment_has, 2, args=(name, value, os.getpid(), False), backend="gloo")
+del os.environ[name]
+spawn(_environment_has, 2, args=(name, None, os.getpid(), True), backend="gloo")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(
+    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server here"
+)
+def test_ranks_fork_from_the_server_only_under_its_environment() -> None:
+    # What a process reads from its environment at start-up (glibc, libgomp,
+    # modules at import) must be the caller's: see [Note: ranks forked from a
+    # server that imported torch].
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_OR_FRESH, os.path.dirname(__file__)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch) -> None:

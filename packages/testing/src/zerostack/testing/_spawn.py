@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -52,6 +53,9 @@ _DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
 # Worker -> parent messages: (kind, rank, traceback text or None).
 _STARTED = "started"  # imports done, about to join the process group
 _DONE = "done"  # fn returned (None) or raised (its traceback)
+# The environment multiprocessing's fork server started with, once this module
+# started it; see [Note: ranks forked from a server that imported torch].
+_server_environ: dict[str, str] | None = None
 
 
 class SpawnError(RuntimeError):
@@ -99,7 +103,8 @@ def spawn(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
 
     Each process (forked from multiprocessing's fork server, which imported
-    torch once; start method "spawn" where there is none) joins a process group
+    torch once, while the environment is the one it started with; else a
+    fresh interpreter, start method "spawn") joins a process group
     through a file rendezvous in a fresh temporary directory, runs ``fn``, and
     destroys the group in a ``finally``. Each rank gets
     ``max(1, num_cpus // world_size)`` intra-op threads, so that ranks do not
@@ -139,19 +144,20 @@ def spawn(
     fn_ref, payload = _pack(fn, tuple(args))
     num_threads = max(1, _num_cpus() // world_size)
 
-    ctx = _context()
-    queue = ctx.SimpleQueue()
     tmpdir = tempfile.mkdtemp(prefix="zerostack-spawn-")
     init_method = Path(tmpdir, "rendezvous").as_uri()
     procs: list[multiprocessing.process.BaseProcess] = []
+    queue = None
     logger.debug("spawn: %d ranks, backend %s, rendezvous %s", world_size, backend, init_method)
     try:
         with _child_environment(OMP_WAIT_POLICY="PASSIVE"):
+            ctx = _context()
+            queue = ctx.SimpleQueue()
             for rank in range(world_size):
                 proc = ctx.Process(
                     target=_worker,
                     args=(rank, world_size, backend, init_method, timeout_s, num_threads, tmpdir)
-                    + (fn_ref, payload, queue, dict(os.environ)),  # read at each start
+                    + (fn_ref, payload, queue),
                     name=f"zerostack-spawn-rank{rank}",
                 )
                 proc.start()
@@ -159,31 +165,47 @@ def spawn(
         error = _supervise(procs, queue, timeout_s, tmpdir)
     finally:
         _reap(procs)
-        queue.close()
+        if queue is not None:
+            queue.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
     if error is not None:
         raise error
 
 
 def _context() -> Any:
-    """The multiprocessing context ranks start from.
+    """The multiprocessing context this spawn's ranks start from.
 
-    [Note: ranks forked from a server that imported torch] Each rank used to
-    be a fresh interpreter (start method "spawn"), importing torch itself:
-    about 1.5 s of one core per rank, more than many tests' own work. Where
-    the platform has it, ranks now fork from multiprocessing's fork server,
-    which imports torch and torch.distributed once (nothing else: a module
-    that reads the environment at import, as zerostack.chunk does for
-    ZEROSTACK_DEBUG_COLLECTIVES, must see the caller's). The server starts
-    with the first spawn and keeps the environment of that moment, so each
-    rank is handed the caller's ``os.environ`` as it is at that spawn and
-    installs it first. Nothing in the server initializes CUDA or starts a
-    thread, so forking it is as safe as a fresh interpreter. The unit
-    sessions on a 2-core machine: gemini-placement 248 -> 146 s,
-    booster-api 252 -> 152 s, zero-shard 211 -> 124 s.
+    [Note: ranks forked from a server that imported torch] A rank started as
+    a fresh interpreter (start method "spawn") imports torch itself: about
+    1.5 s of one core per rank, more than many tests' own work. Where the
+    platform has it, ranks fork from multiprocessing's fork server instead,
+    which imports torch and torch.distributed once (nothing else: zerostack's
+    modules, some of which read the environment at import, are imported by
+    each rank). What a process reads from its environment when it starts
+    (glibc's ``MALLOC_*``, libgomp's ``OMP_*``, the modules above) it reads
+    in the server, which keeps the environment it started with: so ranks
+    fork from it only while ``os.environ`` is what it was when this module
+    started the server, and a spawn under any other environment (a test's
+    ``monkeypatch.setenv``) starts fresh interpreters, as before. A server
+    that something else in the process started is never used (its
+    environment is not known). Nothing in the server initializes CUDA or
+    starts a thread, so forking it is as safe as a fresh interpreter. Unit
+    sessions on a 2-core machine: gemini-placement 248 -> 146 s, booster-api
+    252 -> 152 s, zero-shard 211 -> 124 s.
     """
+    global _server_environ
+    fresh = multiprocessing.get_context("spawn")
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
+        return fresh
+    environ = dict(os.environ)
+    if _server_environ is None:
+        server = getattr(multiprocessing.forkserver, "_forkserver", None)
+        if server is None or getattr(server, "_forkserver_pid", 0) is not None:
+            return fresh  # already started by someone else (or an unknown Python)
+        _server_environ = environ
+        logger.debug("spawn: ranks fork from a server that imported torch")
+    if environ != _server_environ:
+        return fresh
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     return ctx
@@ -200,10 +222,8 @@ def _child_environment(**defaults: str) -> Iterator[None]:
     cores: beside two busy loops on 2 cores, 40 steps of TinyGPT with 2
     threads took 16-29 s spinning and 0.4-0.6 s with ``OMP_WAIT_POLICY=PASSIVE``
     (1 thread: 0.4-1.4 s). libgomp reads the variable once, when torch loads
-    it, so it must be in the environment the child starts with; where ranks
-    fork from the server that loaded torch (see [Note: ranks forked from a
-    server that imported torch]), that is the environment of the process's
-    first spawn, whose wait policy then holds for every later one.
+    it, so it must be in the environment the child starts with (or the fork
+    server's: see [Note: ranks forked from a server that imported torch]).
     """
     added = [name for name in defaults if name not in os.environ]
     for name in added:
@@ -366,12 +386,7 @@ def _worker(
     fn_ref: _FnRef | None,
     payload: bytes,
     queue: Any,
-    environ: dict[str, str],
 ) -> None:
-    # The caller's environment, not the fork server's: see [Note: ranks forked
-    # from a server that imported torch].
-    os.environ.clear()
-    os.environ.update(environ)
     # Kept open for the life of the process: faulthandler writes a crash's stack
     # here, and every thread's stack on SIGUSR1, which the parent sends to a
     # rank that is stuck before terminating it.
