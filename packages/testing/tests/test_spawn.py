@@ -102,6 +102,10 @@ from zerostack.testing import spawn
 name = "ZEROSTACK_SPAWN_TEST_VARIABLE"
 os.environ.pop(name, None)
 spawn(_environment_has, 2, args=(name, None, os.getpid(), True), backend="gloo")
+for test in ("a", "b"):  # pytest's, set for every test: ranks still fork, and see it
+    os.environ["PYTEST_CURRENT_TEST"] = test
+    args = ("PYTEST_CURRENT_TEST", test, os.getpid(), True)
+    spawn(_environment_has, 2, args=args, backend="gloo")
 for value in ("first", "second"):
     os.environ[name] = value
     spawn(_environment_has, 2, args=(name, value, os.getpid(), False), backend="gloo")

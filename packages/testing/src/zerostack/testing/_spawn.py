@@ -56,6 +56,9 @@ _DONE = "done"  # fn returned (None) or raised (its traceback)
 # The environment multiprocessing's fork server started with, once this module
 # started it; see [Note: ranks forked from a server that imported torch].
 _server_environ: dict[str, str] | None = None
+# Set by pytest for every test phase, read by nothing at start-up: left out of
+# the comparison with the server's environment.
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class SpawnError(RuntimeError):
@@ -157,7 +160,7 @@ def spawn(
                 proc = ctx.Process(
                     target=_worker,
                     args=(rank, world_size, backend, init_method, timeout_s, num_threads, tmpdir)
-                    + (fn_ref, payload, queue),
+                    + (fn_ref, payload, queue, dict(os.environ)),
                     name=f"zerostack-spawn-rank{rank}",
                 )
                 proc.start()
@@ -185,8 +188,10 @@ def _context() -> Any:
     (glibc's ``MALLOC_*``, libgomp's ``OMP_*``, the modules above) it reads
     in the server, which keeps the environment it started with: so ranks
     fork from it only while ``os.environ`` is what it was when this module
-    started the server, and a spawn under any other environment (a test's
-    ``monkeypatch.setenv``) starts fresh interpreters, as before. A server
+    started the server (but for pytest's ``PYTEST_CURRENT_TEST``, which
+    changes with every test), and a spawn under any other environment (a
+    test's ``monkeypatch.setenv``) starts fresh interpreters, as before. Each
+    rank installs the caller's ``os.environ`` of the call first. A server
     that something else in the process started is never used (its
     environment is not known). Nothing in the server initializes CUDA or
     starts a thread, so forking it is as safe as a fresh interpreter. Unit
@@ -197,7 +202,7 @@ def _context() -> Any:
     fresh = multiprocessing.get_context("spawn")
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return fresh
-    environ = dict(os.environ)
+    environ = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
     if _server_environ is None:
         server = getattr(multiprocessing.forkserver, "_forkserver", None)
         if server is None or getattr(server, "_forkserver_pid", 0) is not None:
@@ -386,7 +391,12 @@ def _worker(
     fn_ref: _FnRef | None,
     payload: bytes,
     queue: Any,
+    environ: dict[str, str],
 ) -> None:
+    # A forked rank's differs from the caller's in PYTEST_CURRENT_TEST at most:
+    # see [Note: ranks forked from a server that imported torch].
+    os.environ.clear()
+    os.environ.update(environ)
     # Kept open for the life of the process: faulthandler writes a crash's stack
     # here, and every thread's stack on SIGUSR1, which the parent sends to a
     # rank that is stuck before terminating it.
