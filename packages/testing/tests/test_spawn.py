@@ -10,7 +10,6 @@ import ctypes
 import dataclasses
 import functools
 import logging
-import multiprocessing
 import os
 import re
 import subprocess
@@ -62,8 +61,10 @@ def _all_reduce_sums(rank: int, world_size: int, case: _Case, path: str = "") ->
         raise AssertionError(f"rank {rank}: all_reduce gave {t.tolist()}, expected {expected}")
     if torch.get_num_threads() != max(1, len(os.sched_getaffinity(0)) // world_size):
         raise AssertionError(f"rank {rank}: {torch.get_num_threads()} threads")
-    if os.environ.get("OMP_WAIT_POLICY") != case.wait_policy:
-        raise AssertionError(f"rank {rank}: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    # What libgomp read: the environment the process started with.
+    policy = _at_start_up("OMP_WAIT_POLICY") if sys.platform == "linux" else None
+    if (policy or os.environ.get("OMP_WAIT_POLICY")) != case.wait_policy:
+        raise AssertionError(f"rank {rank}: started with OMP_WAIT_POLICY={policy}")
 
 
 def test_all_reduce_sums_across_two_ranks(tmp_path, monkeypatch) -> None:
@@ -82,14 +83,35 @@ def test_world_size_one_is_a_real_group_and_partials_work(monkeypatch) -> None:
     spawn(functools.partial(_all_reduce_sums, case=case), 1, backend="gloo")
 
 
+def _at_start_up(name: str) -> str | None:
+    """``name`` in the environment this process started with (what glibc and
+    libgomp read), not ``os.environ``; None where Linux's /proc is missing."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    found = [e[len(prefix) :].decode() for e in entries if e.startswith(prefix)]
+    return found[0] if found else None
+
+
 def _environment_has(
     rank: int, world_size: int, name: str, value: str | None, caller: int, forked: bool
 ) -> None:
     if os.environ.get(name) != value:
         raise AssertionError(f"rank {rank}: {name}={os.environ.get(name)!r}, expected {value!r}")
+    # What the process started with, too, but for the variable spawn ignores.
+    if name != "PYTEST_CURRENT_TEST" and _at_start_up(name) != value:
+        raise AssertionError(f"rank {rank}: started with {name}={_at_start_up(name)!r}")
     # A rank forked from the fork server is that server's child, not the caller's.
     if (os.getppid() != caller) != forked:
         raise AssertionError(f"rank {rank}: forked from the fork server is not {forked}")
+
+
+def _print_on_both(rank: int, world_size: int, label: str) -> None:
+    print(f"rank {rank} {label} on stdout", flush=True)
+    print(f"rank {rank} {label} on stderr", file=sys.stderr, flush=True)
 
 
 # In a fresh interpreter, so that this script's first spawn starts the fork server.
@@ -113,11 +135,22 @@ del os.environ[name]
 spawn(_environment_has, 2, args=(name, None, os.getpid(), True), backend="gloo")
 print("ok")
 """
+# The fork server starts while the script's output is a pipe; then it is a file.
+_OUTPUT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from test_spawn import _print_on_both
+from zerostack.testing import spawn
+
+spawn(_print_on_both, 2, args=("first",), backend="gloo")
+with open(sys.argv[2], "w") as f:
+    os.dup2(f.fileno(), 1)
+    os.dup2(f.fileno(), 2)
+spawn(_print_on_both, 2, args=("second",), backend="gloo")
+"""
 
 
-@pytest.mark.skipif(
-    "forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server here"
-)
+@pytest.mark.skipif(sys.platform != "linux", reason="ranks fork from the fork server on Linux")
 def test_ranks_fork_from_the_server_only_under_its_environment() -> None:
     # What a process reads from its environment at start-up (glibc, libgomp,
     # modules at import) must be the caller's: see [Note: ranks forked from a
@@ -127,6 +160,23 @@ def test_ranks_fork_from_the_server_only_under_its_environment() -> None:
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_ranks_print_where_the_caller_prints_now(tmp_path) -> None:
+    # A rank forked from the fork server writes to the caller's standard
+    # output and error of the call, not to the server's (under pytest's
+    # capture, another test's).
+    done = subprocess.run(
+        [sys.executable, "-c", _OUTPUT, os.path.dirname(__file__), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    later = (tmp_path / "out").read_text()
+    for rank in range(2):
+        for stream in ("stdout", "stderr"):
+            assert f"rank {rank} first on {stream}" in getattr(done, stream)
+            assert f"rank {rank} second on {stream}" in later, (later, done.stdout, done.stderr)
+            assert f"rank {rank} second" not in getattr(done, stream)
 
 
 def test_default_backend_is_nccl_only_with_a_gpu_per_rank(monkeypatch) -> None:

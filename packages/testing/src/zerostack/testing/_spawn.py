@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import pickle
 import shutil
@@ -58,7 +59,7 @@ _DONE = "done"  # fn returned (None) or raised (its traceback)
 _server_environ: dict[str, str] | None = None
 # Set by pytest for every test phase, read by nothing at start-up: left out of
 # the comparison with the server's environment.
-_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+_IGNORED_VARIABLES = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class SpawnError(RuntimeError):
@@ -160,7 +161,7 @@ def spawn(
                 proc = ctx.Process(
                     target=_worker,
                     args=(rank, world_size, backend, init_method, timeout_s, num_threads, tmpdir)
-                    + (fn_ref, payload, queue, dict(os.environ)),
+                    + (fn_ref, payload, queue, dict(os.environ), _CallerStdio()),
                     name=f"zerostack-spawn-rank{rank}",
                 )
                 proc.start()
@@ -175,45 +176,79 @@ def spawn(
         raise error
 
 
-def _context() -> Any:
+def _context() -> Any:  # a SpawnContext or a ForkServerContext
     """The multiprocessing context this spawn's ranks start from.
 
     [Note: ranks forked from a server that imported torch] A rank started as
     a fresh interpreter (start method "spawn") imports torch itself: about
-    1.5 s of one core per rank, more than many tests' own work. Where the
-    platform has it, ranks fork from multiprocessing's fork server instead,
-    which imports torch and torch.distributed once (nothing else: zerostack's
-    modules, some of which read the environment at import, are imported by
-    each rank). What a process reads from its environment when it starts
+    1.5 s of one core per rank, more than many tests' own work. On Linux,
+    ranks fork from multiprocessing's fork server instead, which imports
+    torch and torch.distributed once (nothing else: zerostack's modules,
+    some of which read the environment at import, are imported by each
+    rank). What a process reads from its environment when it starts
     (glibc's ``MALLOC_*``, libgomp's ``OMP_*``, the modules above) it reads
     in the server, which keeps the environment it started with: so ranks
-    fork from it only while ``os.environ`` is what it was when this module
-    started the server (but for pytest's ``PYTEST_CURRENT_TEST``, which
-    changes with every test), and a spawn under any other environment (a
-    test's ``monkeypatch.setenv``) starts fresh interpreters, as before. Each
-    rank installs the caller's ``os.environ`` of the call first. A server
-    that something else in the process started is never used (its
-    environment is not known). Nothing in the server initializes CUDA or
-    starts a thread, so forking it is as safe as a fresh interpreter. Unit
-    sessions on a 2-core machine: gemini-placement 248 -> 146 s, booster-api
-    252 -> 152 s, zero-shard 211 -> 124 s.
+    fork from it only while ``os.environ`` is what it was when spawn started
+    the server (ignoring pytest's ``PYTEST_CURRENT_TEST``, which changes
+    with every test and which nothing reads at start-up), and a spawn under
+    any other environment (a test's ``monkeypatch.setenv``) starts fresh
+    interpreters, as before; so does every spawn of a process whose fork
+    server something else started (its environment is not known), and, for
+    the process's life, of one whose first spawn ran under a changed
+    environment. A forked rank installs the caller's ``os.environ`` before
+    it loads ``fn``, and writes to the caller's standard output and error
+    (passed to it as file descriptors), not the server's: under pytest's
+    capture, what a rank prints shows in its own test's report. Nothing in
+    the server initializes CUDA or starts a thread, so forking it is as
+    safe as a fresh interpreter. Not on macOS, where system frameworks that
+    torch loads are not safe to fork. Unit sessions on a 2-core machine:
+    gemini-placement 248 -> 146-155 s, booster-api 252 -> 152 s, zero-shard
+    211 -> 124 s.
     """
     global _server_environ
     fresh = multiprocessing.get_context("spawn")
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if sys.platform != "linux":
         return fresh
-    environ = {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+    environ = {k: v for k, v in os.environ.items() if k not in _IGNORED_VARIABLES}
     if _server_environ is None:
         server = getattr(multiprocessing.forkserver, "_forkserver", None)
         if server is None or getattr(server, "_forkserver_pid", 0) is not None:
             return fresh  # already started by someone else (or an unknown Python)
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+        multiprocessing.forkserver.ensure_running()
         _server_environ = environ
-        logger.debug("spawn: ranks fork from a server that imported torch")
+        logger.debug("spawn: ranks fork from a server that imports torch")
     if environ != _server_environ:
         return fresh
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
+    return multiprocessing.get_context("forkserver")
+
+
+class _CallerStdio:
+    """The caller's standard output and error, handed to a rank as file
+    descriptors and put in place of its own as the rank unpickles its
+    arguments, before ``fn``'s module loads: a rank forked from the fork
+    server would otherwise write to the server's (see [Note: ranks forked
+    from a server that imported torch])."""
+
+    def __reduce__(self) -> tuple:
+        fds: list[Any] = []
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed in the caller: the rank keeps its own
+                fds.append(None)
+            else:  # only while a process starts (the popen duplicates it for the child)
+                fds.append(multiprocessing.reduction.DupFd(fd))
+        return (_install_stdio, tuple(fds))
+
+
+def _install_stdio(*wrapped: Any) -> None:
+    for target, fd in zip((1, 2), wrapped, strict=True):
+        if fd is not None:
+            received = fd.detach()
+            if received != target:
+                os.dup2(received, target)
+                os.close(received)
 
 
 @contextlib.contextmanager
@@ -392,9 +427,11 @@ def _worker(
     payload: bytes,
     queue: Any,
     environ: dict[str, str],
+    stdio: None,  # _CallerStdio: installed as it was unpickled
 ) -> None:
-    # A forked rank's differs from the caller's in PYTEST_CURRENT_TEST at most:
-    # see [Note: ranks forked from a server that imported torch].
+    # A forked rank's environment is the fork server's, which differs from the
+    # caller's in PYTEST_CURRENT_TEST at most: see [Note: ranks forked from a
+    # server that imported torch].
     os.environ.clear()
     os.environ.update(environ)
     # Kept open for the life of the process: faulthandler writes a crash's stack
@@ -418,15 +455,16 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        if backend == "gloo":
-            # gloo connects every pair inside init_process_group, and a rank can
-            # return from it while a peer still reads its side of the handshake; a
-            # rank whose fn communicates nothing then exits and its peer fails
-            # with "Connection closed by peer". Once the barrier returns, every
-            # rank's connections are complete. (NCCL connects at its first
-            # collective, so there is nothing to wait for.)
-            dist.barrier()
         try:
+            if backend == "gloo":
+                # gloo connects every pair inside init_process_group, and a rank
+                # can return from it while a peer still reads its side of the
+                # handshake; a rank whose fn communicates nothing then exits and
+                # its peer fails with "Connection closed by peer". A rank leaves
+                # the barrier only once every rank has entered it, that is, has
+                # returned from init_process_group. (NCCL connects at its first
+                # collective: nothing to wait for.)
+                dist.barrier()
             fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
