@@ -62,8 +62,9 @@ def _all_reduce_sums(rank: int, world_size: int, case: _Case, path: str = "") ->
     if torch.get_num_threads() != max(1, len(os.sched_getaffinity(0)) // world_size):
         raise AssertionError(f"rank {rank}: {torch.get_num_threads()} threads")
     # What libgomp read: the environment the process started with.
-    policy = _at_start_up("OMP_WAIT_POLICY") if sys.platform == "linux" else None
-    if (policy or os.environ.get("OMP_WAIT_POLICY")) != case.wait_policy:
+    linux = sys.platform == "linux"
+    policy = _at_start_up("OMP_WAIT_POLICY") if linux else os.environ.get("OMP_WAIT_POLICY")
+    if policy != case.wait_policy:
         raise AssertionError(f"rank {rank}: started with OMP_WAIT_POLICY={policy}")
 
 

@@ -104,7 +104,7 @@ def spawn(
     backend: str | None = None,
     timeout_s: float = 120.0,
 ) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes.
 
     Each process (forked from multiprocessing's fork server, which imported
     torch once, while the environment is the one it started with; else a
@@ -199,9 +199,10 @@ def _context() -> Any:  # a SpawnContext or a ForkServerContext
     it loads ``fn``, and writes to the caller's standard output and error
     (passed to it as file descriptors), not the server's: under pytest's
     capture, what a rank prints shows in its own test's report. Nothing in
-    the server initializes CUDA or starts a thread, so forking it is as
-    safe as a fresh interpreter. Not on macOS, where system frameworks that
-    torch loads are not safe to fork. Unit sessions on a 2-core machine:
+    the server initializes CUDA; importing torch leaves one native thread
+    idle in it (a library's), as in every process that forks after
+    importing torch (DataLoader workers on Linux, say). Not on macOS, where
+    system frameworks that torch loads are not safe to fork. Unit sessions on a 2-core machine:
     gemini-placement 248 -> 146-155 s, booster-api 252 -> 152 s, zero-shard
     211 -> 124 s.
     """
