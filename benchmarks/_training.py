@@ -300,6 +300,12 @@ def measure(
         return
     left = torch.cuda.memory_allocated() / 1e9
     print(f"[bench] {name} ... ({left:.2f} GB still allocated)", file=sys.stderr, flush=True)
+    # ZEROSTACK_BENCH_MEMORY_SNAPSHOT=PREFIX: each row leaves the CUDA caching
+    # allocator's history (up to its end or its OOM) in PREFIX.NAME.RUN.pickle,
+    # for https://pytorch.org/memory_viz or torch.cuda.memory's tools.
+    snapshot = os.environ.get("ZEROSTACK_BENCH_MEMORY_SNAPSHOT")
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
         results.append(dict(fn(), run=run))
     except torch.OutOfMemoryError as exc:
@@ -308,6 +314,9 @@ def measure(
     except Exception as exc:  # one broken configuration must not hide the others
         traceback.print_exc()
         results.append(dict(name=name, run=run, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(f"{snapshot}.{name}.{run}.pickle")
+        torch.cuda.memory._record_memory_history(enabled=None)
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -102,3 +102,41 @@ def test_scatter_after_inference(scatter):
     with torch.no_grad():
         ddp(idx, tgt)
     assert (not ddp.chunk_manager.accessed_chunks) == scatter
+
+
+def test_auto_keeps_the_device_lanes_staging_out_of_the_room_for_gathered_chunks():
+    # The plan takes the device lane's staging (gpu_update_fraction) out of its
+    # room; the steady state's evictions must too. They once counted shards,
+    # gathered chunks and optimizer chunks only, so gathered chunks filled the
+    # staging's bytes: LLaMA 1.1B capped at 12 GiB kept every chunk gathered,
+    # 1.2 GB over the plan, and ran out of memory in most runs.
+    n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.bfloat16, chunk_config_dict=CHUNKS, compute_device="cpu",
+        placement_policy="auto", gpu_capacity_bytes=2 * n + 12 * 20_000 * 2 + 6 * n,
+        steady_cuda_cap_ratio=1.0, max_prefetch=0,
+    )  # fmt: skip
+    opt = GeminiOptimizer(
+        HybridAdam(list(model.parameters()), lr=1e-3), ddp, gpu_update_fraction=1.0
+    )
+    auto = ddp.auto
+    worst = [0]
+    after = auto.after_access
+
+    def staging():  # the lane's slots (made at the first update; planned from the first step)
+        return opt._lane.staging.staging_bytes() if opt._lane is not None else 0
+
+    def books(chunks, training):  # what the device holds, counted apart from model_bytes()
+        after(chunks, training)
+        shards = sum(auto.shard_bytes(c) for c in auto.param_chunks if c in auto.on_device)
+        held = shards + auto.gathered_bytes() + auto.optim_bytes_on_device + staging()
+        worst[0] = max(worst[0], held if not auto.warming_up else 0)
+
+    auto.after_access = books
+    _steps(ddp, opt, 4)
+    assert opt.device_lane_chunks and staging() > 0, "no device lane: nothing to test"
+    assert auto.evictions > 0, "nothing evicted: the capacity leaves the test no limit to keep"
+    assert 0 < worst[0] <= auto.steady_limit(), (worst[0], auto.steady_limit())
+    assert auto.reserved_bytes == staging()

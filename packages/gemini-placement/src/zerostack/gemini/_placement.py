@@ -214,6 +214,7 @@ class AutoPlacement(Placement):
         self.moment = 0
         self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
         self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
+        self.reserved_bytes = 0  # the optimizer's own bytes there (plan's reserve_bytes)
         self.evictions = 0
         self.prefetches = 0
         self.peak_model_bytes = 0
@@ -255,9 +256,12 @@ class AutoPlacement(Placement):
 
     def model_bytes(self) -> int:
         """Model data on the compute device by this placement's books: param
-        shards there, gathered buffers, optimizer chunks there with states."""
+        shards there, gathered buffers, optimizer chunks there with states,
+        and what the plan reserved for the optimizer (the device lane's
+        staging): the steady state's evictions keep all of it under the
+        limit, as the plan did."""
         shards = sum(self.shard_bytes(c) for c in self.param_chunks if c in self.on_device)
-        return shards + self.gathered_bytes() + self.optim_bytes_on_device
+        return shards + self.gathered_bytes() + self.optim_bytes_on_device + self.reserved_bytes
 
     def warmup_limit(self) -> int:
         return int((1.0 - self.warmup_ratio) * self.capacity)
@@ -445,6 +449,7 @@ class AutoPlacement(Placement):
             return False
         self.end_warmup()
         self.planned = True
+        self.reserved_bytes = reserve_bytes
         room = self.steady_limit() - self.stats.max_gathered_bytes - reserve_bytes
         order = {i: k for k, i in enumerate(self.stats.chunk_order())}
         ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
