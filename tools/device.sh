@@ -27,8 +27,8 @@
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
 #                              give one fraction per call (each run is up to ~9 min: the call limit is 10);
 #                              BATCH (default 1), PLAIN_TFLOPS (plain's TFLOPS on the 1.5B model, for the
-#                              share), SCALE_ARGS (more scale.py options). The 2026-12-02 8B row:
-#                              BATCH=24 PLAIN_TFLOPS=288 SCALE_ARGS="--raw-gb 0 --force --steps 2" ... scale 8B 0
+#                              share), SCALE_ARGS (more scale.py options). The 2026-12-02 8B row (pinned):
+#                              BATCH=24 PLAIN_TFLOPS=291 SCALE_ARGS="--raw-gb 0 --force --steps 4 --pin-memory" ... scale 8B 0
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]

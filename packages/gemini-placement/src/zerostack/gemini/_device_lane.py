@@ -37,7 +37,10 @@ A staging slot holds one chunk shard, so every chunk crosses in one window
 and an update that fails (an argument check, an injected fault) has written
 nothing: its retry gives the uninterrupted run's values. The device holds two
 slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters); auto
-placement plans with them subtracted from the capacity. A chunk whose shard
+placement plans with them subtracted from the capacity, and its steady-state
+evictions count them as held (``AutoPlacement.reserved_bytes``; when they
+did not, gathered chunks took the staging's bytes over the plan: LLaMA 1.1B
+under a 12 GiB cap ran out of memory in most runs). A chunk whose shard
 lives on the host that step (``offload_param_frac``, or evicted by auto
 placement) has its gradient on the host: that step it runs in CPU Adam, on
 the same homes, after their last copy back.
