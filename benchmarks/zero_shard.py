@@ -69,6 +69,7 @@ def zero(
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
+    zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
     if zopt._pipe is not None:  # per step, warm-up included
         result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
         result["cpu_step_s"] = zopt._pipe.update_s / (steps + warmup)

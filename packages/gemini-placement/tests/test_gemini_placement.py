@@ -137,6 +137,23 @@ def test_auto_keeps_the_device_lanes_staging_out_of_the_room_for_gathered_chunks
     auto.after_access = books
     _steps(ddp, opt, 4)
     assert opt.device_lane_chunks and staging() > 0, "no device lane: nothing to test"
-    assert auto.evictions > 0, "nothing evicted: the capacity leaves the test no limit to keep"
     assert 0 < worst[0] <= auto.steady_limit(), (worst[0], auto.steady_limit())
+    assert auto.evictions > 0, "nothing evicted: the capacity leaves the test no limit to keep"
     assert auto.reserved_bytes == staging()
+
+
+def test_auto_keeps_no_room_for_a_device_lane_that_took_no_chunk():
+    # Every optimizer chunk fits on the device: gpu_update_fraction finds no
+    # CPU-held chunk, no staging is allocated, and none may be counted as held.
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.bfloat16, chunk_config_dict=CHUNKS, compute_device="cpu",
+        placement_policy="auto", gpu_capacity_bytes=10**9,
+    )  # fmt: skip
+    opt = GeminiOptimizer(
+        HybridAdam(list(model.parameters()), lr=1e-3), ddp, gpu_update_fraction=0.5
+    )
+    _steps(ddp, opt, 2)
+    assert not ddp.offloaded_masters and not opt.device_lane_chunks
+    assert ddp.auto.reserved_bytes == 0

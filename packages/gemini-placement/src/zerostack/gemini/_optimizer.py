@@ -153,7 +153,8 @@ class GeminiOptimizer:
         self._copy_out = hasattr(optimizer, "set_copy_out")
         self.collector = collector
         # The one finalizer; it holds neither self nor the pipeline, whose
-        # held updates hold self (then neither would ever be freed).
+        # failed updates kept to run again hold self (then neither would ever
+        # be freed). See zerostack.shard's [Note: a dropped owner is freed]
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
@@ -481,6 +482,9 @@ class GeminiOptimizer:
                     for k, v in self.optimizer.state.pop(old).items()
                 }
         self._choose_lane()
+        auto = self.module.auto
+        if auto is not None and self._lane is None:  # no CPU-held chunk: no staging to keep free
+            auto.reserved_bytes = 0
         self._stage_grads()  # the plan moved shards: stage from where the gradients are now
 
     def _step(self) -> bool:

@@ -57,10 +57,12 @@ until the next full cycle collection, with its masters, states and device
 buffers: a ``gc.collect()`` at once found the worker still holding the call
 and freed nothing. Measured: 6.9 GB of the GPU (GPT-2 1.5B under ZeRO-2
 ``cpu_offload``) still allocated when the next configuration of one
-benchmark process started. The worker holds the call only while it runs,
-and only a failed call is kept (``_again``), to run again as [Note: a
-failed CPU update] says; so an owner is freed by reference counting as soon
-as the user's last reference and its running updates are gone.
+benchmark process started. The executor holds a call while it is queued
+or running, and only a failed call is kept after (``_again``), to run again
+as [Note: a failed CPU update] says; so an owner is freed by reference
+counting as soon as the user's last reference and its queued and running
+updates are gone (unless an update failed and is kept: then at the next
+cycle collection).
 
 [Note: offloaded step pipeline] With ``cpu_offload`` a step moves, per
 parameter and per rank (N ranks, bf16/fp16 parameters, fp32 masters):
@@ -268,9 +270,10 @@ class CpuUpdatePipeline:
 
     def closer(self) -> Callable[[], None]:
         """What stops the worker without holding this pipeline, for the
-        owner's ``weakref.finalize``: the pipeline's held updates hold the
-        owner (bound methods), so a finalizer holding the pipeline would
-        keep the owner, its masters and states alive for the whole process."""
+        owner's ``weakref.finalize``: a failed update kept to run again
+        holds the owner (a bound method), so a finalizer holding the
+        pipeline would keep the owner, its masters and states alive for the
+        whole process. See [Note: a dropped owner is freed]."""
         executor, idents = self._executor, self._idents
 
         def stop() -> None:

@@ -365,7 +365,8 @@ class ZeroOptimizer:
         self._pipe: CpuUpdatePipeline | None = None
         if cpu_offload:
             self._pipe = _offload_pipeline(overlap_cpu_step, self.device)
-            weakref.finalize(self, self._pipe.closer())  # not the pipeline: it holds self
+            # Not the pipeline: its failed updates, kept, hold self. See [Note: a dropped owner is freed]
+            weakref.finalize(self, self._pipe.closer())
             if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
                 self.optimizer.set_step_waiter(self._pipe.settle)
             if self._pipe.stream is not None:
