@@ -80,9 +80,16 @@ def test_the_entry_for_the_group_size_is_used_at_world_2():
     spawn(_entry_per_world, 2, backend="gloo", timeout_s=120)
 
 
+def test_max_prefetch_is_an_option_of_either_policy():
+    for policy in ("static", "auto"):
+        config = GeminiConfig.from_kwargs(placement_policy=policy, max_prefetch=2)
+        assert config.placement.max_prefetch == 2
+    with pytest.raises(ValueError, match=r"max_prefetch must be >= 0 \(got -1\)"):
+        StaticPlacementConfig(max_prefetch=-1)
+
+
 def test_static_ignores_auto_options_with_a_warning():
     for name, value in (
-        ("max_prefetch", 2),
         ("steady_cuda_cap_ratio", 0.5),
         ("gpu_capacity_bytes", 1 << 30),
         ("warmup_non_model_data_ratio", 0.3),

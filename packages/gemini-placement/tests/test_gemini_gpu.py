@@ -30,6 +30,8 @@ GPU_CASES = [
     "fp32-tied-embeddings",
     "fp32-auto-evicting",
     "bf16-auto-evicting",
+    "fp32-offload-prefetch",
+    "fp32-accum4-prefetch",
 ]
 
 
@@ -45,3 +47,18 @@ def _all_cuda(rank, world, names):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_parity_with_ddp_on_cuda():
     spawn(_all_cuda, 1, args=(GPU_CASES,), backend="nccl", timeout_s=300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pin", [False, True])
+def test_static_gathers_ahead_on_the_copy_stream_train_the_same(pin):
+    # One process, no process group: host shards gathered ahead are copied on
+    # the copy stream and waited for by an event (see zerostack.chunk's
+    # [Note: a prefetch copies beside compute]); bitwise the run without.
+    from test_gemini_placement import _blocks, _train
+
+    want = _train(*_blocks(0, "cuda", pin_memory=pin), 5, skip_at=2, fail_at=3)
+    model, ddp, opt = _blocks(2, "cuda", pin_memory=pin)
+    got = _train(model, ddp, opt, 5, skip_at=2, fail_at=3)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert ddp.placement.prefetches > 0

@@ -28,6 +28,8 @@ CHUNKS = {"chunk_size": 20_000, "keep_gathered": False}
 # auto with a capacity (set per case by _capacity) that holds every param
 # shard but only part of the optimizer chunks and of the gathered-chunk cache.
 AUTO = dict(placement_policy="auto", steady_cuda_cap_ratio=1.0)
+PREFETCH = dict(offload_param_frac=1.0, max_prefetch=2)
+PREFETCH_OFFLOAD = dict(PREFETCH, offload_optim_frac=0.5)
 # (id, mixed_precision, optimizer, max_norm, freeze, micro_steps, GeminiDDP arguments)
 CASES = [
     ("fp32-adamw", torch.float32, "adamw", 0.0, False, 1, {}),
@@ -44,6 +46,9 @@ CASES = [
     ("fp32-tied-embeddings", torch.float32, "adamw", 0.0, False, 1, {}),
     ("fp32-auto-evicting", torch.float32, "adam", 0.05, False, 1, dict(AUTO, max_prefetch=2)),
     ("bf16-auto-evicting", torch.bfloat16, "adamw", 0.0, False, 1, AUTO),
+    # Static gathers ahead (max_prefetch), host shards (on a GPU: the copy stream).
+    ("fp32-offload-prefetch", torch.float32, "adam", 0.05, False, 1, PREFETCH_OFFLOAD),
+    ("fp32-accum4-prefetch", torch.float32, "adamw", 0.0, False, 4, dict(PREFETCH, max_prefetch=1)),
 ]
 TIED = GPTConfig(add_unused_param=True, bias=False, tie_embeddings=True)
 # Chunks reduce in a fixed order, so the unused parameter's chunk (the last
@@ -142,6 +147,8 @@ def _run_case(rank, world, case, device="cpu"):
         assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
             f"{name}: unused param moved"
         )
+    if kwargs.get("max_prefetch"):
+        assert ddp.placement.prefetches > 0, f"{name}: nothing was gathered ahead"
     if ddp.auto is not None and device == "cpu":  # on a GPU, real non-model memory counts too
         auto = ddp.auto
         assert auto.evictions > 0, f"{name}: the capacity should force evictions"

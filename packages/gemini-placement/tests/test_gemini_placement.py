@@ -157,3 +157,95 @@ def test_auto_keeps_no_room_for_a_device_lane_that_took_no_chunk():
     _steps(ddp, opt, 2)
     assert not ddp.offloaded_masters and not opt.device_lane_chunks
     assert ddp.auto.reserved_bytes == 0
+
+
+class _Blocks(torch.nn.Module):
+    """Six linear layers, one chunk each; ``skip`` leaves one out of forward
+    (an order the first iteration did not record); ``fail`` raises in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(6))
+        self.skip = self.fail = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == self.fail:
+                raise RuntimeError("a failing forward")
+            if i != self.skip:
+                x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+def _blocks(max_prefetch, device="cpu", **kwargs):
+    torch.manual_seed(0)
+    model = _Blocks()
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device=device,
+        chunk_config_dict={1: {"chunk_size": 64 * 64, "keep_gathered": False}},
+        offload_param_frac=1.0, max_prefetch=max_prefetch, **kwargs,
+    )  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ddp)
+    return model, ddp, opt
+
+
+def _watch(placement):
+    """Per gather: how many of its chunks were gathered ahead, and the most
+    chunks in flight at once."""
+    seen = {"ahead": [], "in_flight": 0}
+    before = placement.before_access
+
+    def watched(chunks, training):
+        seen["ahead"].append(sum(c in placement.prefetched for c in chunks))
+        seen["in_flight"] = max(seen["in_flight"], len(placement._prefetched))
+        before(chunks, training)
+
+    placement.before_access = watched
+    return seen
+
+
+def _train(model, ddp, opt, steps, skip_at=None, fail_at=None):
+    for step in range(steps):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+        x = x.to(ddp.compute_device)
+        model.skip = 3 if step == skip_at else None
+        model.fail = 4 if step == fail_at else None
+        try:
+            loss = ddp(x)
+        except RuntimeError:
+            opt.zero_grad()
+            assert not ddp.placement.prefetched, "a forward that raised left gathers in flight"
+            continue
+        opt.backward(loss)
+        assert not ddp.placement.prefetched, "gathers in flight after backward"
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in ddp.state_dict().items()}
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_static_gathers_ahead_in_the_recorded_order_and_trains_the_same(depth):
+    want = _train(*_blocks(0), 4)
+    model, ddp, opt = _blocks(depth)
+    seen = _watch(ddp.placement)
+    got = _train(model, ddp, opt, 4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    per_iteration = len(ddp.placement.order)
+    assert per_iteration == 6 + 6  # one gather per layer in forward and in backward
+    ahead = seen["ahead"]
+    assert sum(ahead[:per_iteration]) == 0, "the recording iteration gathered ahead"
+    # Later iterations: every gather but the first of a forward and of a
+    # backward finds its chunk gathered ahead (static releases every chunk
+    # at the end of forward, so backward's first gather is the one forward
+    # just released).
+    assert sum(ahead[per_iteration:]) >= 3 * (per_iteration - 2)
+    assert ddp.placement.prefetches == sum(ahead)
+    assert seen["in_flight"] <= depth
+
+
+def test_static_gathers_ahead_survive_a_changed_order_and_a_failing_forward():
+    want = _train(*_blocks(0), 6, skip_at=2, fail_at=4)
+    model, ddp, opt = _blocks(2)
+    got = _train(model, ddp, opt, 6, skip_at=2, fail_at=4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert ddp.placement.prefetches > 0

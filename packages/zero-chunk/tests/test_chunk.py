@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerostack.chunk import Chunk, ChunkFullError, TensorState
+from zerostack.chunk import Chunk, ChunkFullError, ChunkManager, TensorState
 from zerostack.testing import spawn
 
 SIZES = [5, 1, 17, 8, 3]  # 34 elements in a 37-element chunk: padding at every world size
@@ -169,6 +169,35 @@ def test_chunk_operations_match_the_unsharded_reference(world_size):
 
 def test_without_a_process_group_the_chunk_is_one_rank():
     _check_gather_release(0, 1)
+
+
+def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():
+    # A gather issued ahead (Gemini's max_prefetch) and then used without its
+    # handle: access, release and reduce wait for it first, so no tensor is
+    # read unbound and no buffer is dropped with a copy into it in flight.
+    for use in ("access", "release", "reduce"):
+        chunk, tensors, ref = _filled()
+        handle = chunk.access(async_op=True)
+        assert not handle.is_completed() and all(t.numel() == 0 for t in tensors)
+        if use == "access":
+            assert chunk.access() is None
+            assert all(torch.equal(t, r) for t, r in zip(tensors, ref, strict=True))
+        elif use == "release":
+            chunk.release()
+            assert not chunk.is_gathered
+        else:
+            _to_ready(chunk, tensors)  # states only: a reduce needs the tensors bound
+            chunk.reduce()
+        assert handle.is_completed(), use
+    manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")
+    tensors = _tensors()
+    for t in tensors:
+        manager.register_tensor(t, "fp32", 1)
+    manager.close_all_groups()
+    (chunk,) = manager.chunks()
+    handle = manager.access_chunk(chunk, async_op=True)
+    assert manager.access_chunk(chunk) is None and handle.is_completed()
+    assert all(torch.equal(t, r) for t, r in zip(tensors, _tensors(), strict=True))
 
 
 def test_shard_move_and_pin_memory_without_cuda(monkeypatch):
@@ -354,3 +383,34 @@ def test_phase_is_a_profiler_range_only_under_a_profiler():
     with profile(activities=[ProfilerActivity.CPU]) as prof, phase("zerostack::x"):
         torch.ones(1).add_(1)
     assert any(e.name == "zerostack::x" for e in prof.events())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pin", [False, True])
+def test_an_async_gather_of_a_host_shard_copies_beside_the_compute_stream(pin):
+    # See [Note: a prefetch copies beside compute]: the copy waits for the
+    # kernels queued before it, then runs while those queued after it run.
+    from zerostack.chunk._chunk import copy_stream
+
+    tensors = [torch.randn(1 << 20) for _ in range(4)]
+    ref = [t.clone() for t in tensors]
+    chunk = Chunk(4 << 20, None, torch.float32, compute_device="cuda", shard_device="cpu",
+                  pin_memory=pin)  # fmt: skip
+    for t in tensors:
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    before = torch.cuda.Event(enable_timing=False)
+    torch.cuda._sleep(100_000_000)  # queued before the gather (~50 ms)
+    before.record()
+    handle = chunk.access(async_op=True)
+    after = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # queued after it (~1 s)
+    after.record()
+    copy_stream(chunk.compute_device).synchronize()
+    assert before.query(), "the copy did not wait for the kernels queued before it"
+    assert not after.query(), "the copy waited for the kernels queued after it"
+    handle.wait()
+    assert all(torch.equal(t.cpu(), r) for t, r in zip(tensors, ref, strict=True))
+    chunk.release()
+    torch.cuda.synchronize()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -117,10 +117,15 @@ class StaticPlacementConfig:
     the CPU: the last ones in registration order. Default 0.0."""
     offload_param_frac: float = 0.0
     """Share of parameter shards kept on the CPU between uses. Default 0.0."""
+    max_prefetch: int = 0
+    """Gather up to this many chunks ahead of use, asynchronously, in the
+    order the first training iteration recorded (a shard on the host is
+    copied beside compute). Default 0."""
 
     def __post_init__(self) -> None:
         for name in ("shard_param_frac", "offload_optim_frac", "offload_param_frac"):
             _share(_API, name, getattr(self, name))
+        _prefetch_depth(self.max_prefetch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -136,20 +141,26 @@ class AutoPlacementConfig:
     """Device memory to plan for. Default: the CUDA device's total memory;
     required on a CPU compute device (placement is bookkeeping there)."""
     max_prefetch: int = 0
-    """Gather up to this many chunks ahead of use, asynchronously. Default 0."""
+    """Gather up to this many chunks ahead of use, asynchronously, while
+    they fit under the steady limit (a shard on the host is copied beside
+    compute). Default 0."""
 
     def __post_init__(self) -> None:
         _share(_API, "warmup_non_model_data_ratio", self.warmup_non_model_data_ratio)
         _share(_API, "steady_cuda_cap_ratio", self.steady_cuda_cap_ratio)
-        _int(_API, "max_prefetch", self.max_prefetch)
+        _prefetch_depth(self.max_prefetch)
         if self.gpu_capacity_bytes is not None:
             _int(_API, "gpu_capacity_bytes", self.gpu_capacity_bytes)
-        if self.max_prefetch < 0:
-            raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {self.max_prefetch})")
         if self.gpu_capacity_bytes is not None and self.gpu_capacity_bytes <= 0:
             raise ValueError(
                 f"{_API}: gpu_capacity_bytes must be > 0 (got {self.gpu_capacity_bytes})"
             )
+
+
+def _prefetch_depth(value: Any) -> None:
+    _int(_API, "max_prefetch", value)
+    if value < 0:
+        raise ValueError(f"{_API}: max_prefetch must be >= 0 (got {value})")
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -274,6 +285,7 @@ class GeminiConfig:
             shard_param_frac=shard_param_frac,
             offload_optim_frac=offload_optim_frac,
             offload_param_frac=offload_param_frac,
+            max_prefetch=max_prefetch,
         )
         auto = AutoPlacementConfig(
             warmup_non_model_data_ratio=warmup_non_model_data_ratio,
@@ -308,14 +320,14 @@ def _choose_placement(
     """The placement ``policy`` names; options of the other policy are refused
     ("auto" with static shares) or warned about (static with auto's ratios)."""
     if policy == "auto":
-        if static != _STATIC:
+        if replace(static, max_prefetch=0) != _STATIC:
             raise ValueError(
                 f"{_API}: shard_param_frac, offload_optim_frac and offload_param_frac are for "
                 "placement_policy='static'; 'auto' decides placement itself"
             )
     else:
         _warn_unused(
-            auto, _AUTO, "under placement_policy='static'; it is an option "
+            replace(auto, max_prefetch=0), _AUTO, "under placement_policy='static'; it is an option "
             "of placement_policy='auto'",
         )  # fmt: skip
         if pin_memory and static.offload_optim_frac == 0 and static.offload_param_frac == 0:

@@ -118,7 +118,7 @@ class GeminiDDP(nn.Module):
         placement_policy: "static" (shard_param_frac, offload_optim_frac,
             offload_param_frac) or "auto" (see AutoPlacement and
             warmup_non_model_data_ratio, steady_cuda_cap_ratio,
-            gpu_capacity_bytes, max_prefetch). Default "static".
+            gpu_capacity_bytes); max_prefetch under either. Default "static".
         search_range_m: see ChunkConfig, as for hidden_dim, min_chunk_size_m,
             chunk_config_dict, pin_memory and enable_gradient_accumulation.
         mixed_precision: the compute dtype, torch.float16 (default),
@@ -573,8 +573,9 @@ class GeminiDDP(nn.Module):
     def _release_idle(self, chunks: Iterable[Chunk]) -> None:
         if self.placement.keeps_cache:
             return  # auto keeps gathered chunks as a cache, trimmed by next use
+        ahead = self.placement.prefetched  # gathered ahead of their use: kept
         for chunk in chunks:
-            if chunk.can_release:
+            if chunk.can_release and chunk not in ahead:
                 self.chunk_manager.release_chunk(chunk)
 
     def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk], label: str) -> None:
@@ -698,6 +699,7 @@ class GeminiDDP(nn.Module):
 
     def _finish_backward(self) -> None:
         self.placement.end_warmup()
+        self.placement.drain()  # gathers ahead that this backward did not use
         if self._no_sync:
             self._transition(T.ACCUMULATED)
             self._accumulated = True
@@ -836,6 +838,7 @@ class GeminiDDP(nn.Module):
             if handle is not None:
                 handle.wait()
         self._pending.clear()
+        self.placement.abandon_iteration()  # before the host shards are written back
         self._next_reduce = 0
         for chunk in self.param_chunks:
             for info in chunk.tensors_info.values():
@@ -852,7 +855,6 @@ class GeminiDDP(nn.Module):
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
         self._used.clear()
         self._accumulated = False
-        self.placement.abandon_iteration()
         self._transition(T.IDLE)
         for p in self._guarded:  # no gradient is left in the shards either
             p.grad = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,18 +40,28 @@ class Placement:
     ``keeps_cache`` says whether idle gathered chunks stay gathered; ``busy``
     holds the chunks with an optimizer update not written back (GeminiDDP
     sets it to its optimizer's CPU-step pipeline), which are not prefetched.
+
+    Both policies gather up to ``max_prefetch`` chunks ahead of use, in the
+    order of gathers a training iteration recorded (``moment`` counts the
+    gathers of the current one); ``prefetched`` holds those not yet used,
+    which GeminiDDP does not release, and ``drain`` waits for them.
     """
 
     warming_up = False
     planned = True
     keeps_cache = False
 
-    def __init__(self, keep_gathered: bool) -> None:
+    def __init__(self, keep_gathered: bool, max_prefetch: int = 0) -> None:
         self.keep_gathered = keep_gathered
+        self.max_prefetch = max_prefetch
         self.offloaded_masters: set[Chunk] = set()
         self.manager: ChunkManager | None = None
         self.param_chunks: list[Chunk] = []
         self.busy: Container = ()
+        self.moment = 0
+        self.prefetches = 0
+        self._by_index: dict[int, Chunk] = {}
+        self._prefetched: dict[Chunk, Any] = {}
 
     def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
         """Place a parameter of ``numel`` elements after ``seen`` of ``total``."""
@@ -59,6 +69,7 @@ class Placement:
 
     def attach(self, manager: ChunkManager, param_chunks: list[Chunk]) -> None:
         self.manager, self.param_chunks = manager, param_chunks
+        self._by_index = {c.index: c for c in param_chunks}
 
     def offload_master(self, chunk: Chunk) -> None:
         """A master chunk ``decide`` put on the CPU was created: it is stepped there."""
@@ -85,6 +96,51 @@ class Placement:
         """Decide where chunks live for good; True when masters moved."""
         return False
 
+    # -- prefetch ------------------------------------------------------------------
+
+    @property
+    def prefetched(self) -> Container[Chunk]:
+        """Chunks gathered ahead and not yet used (GeminiDDP keeps them gathered)."""
+        return self._prefetched
+
+    def wait_prefetched(self, chunk: Chunk) -> None:
+        handle = self._prefetched.pop(chunk, None)
+        if handle is not None:
+            handle.wait()
+
+    def drain(self) -> None:
+        """Wait for every gather prefetched ahead and not used (the order
+        changed, or the iteration ended early): collectives every rank
+        issued, and on CUDA copies that read host shards, which the host
+        waits for too, before an optimizer update writes them (see
+        zerostack.chunk's [Note: a prefetch copies beside compute])."""
+        left = list(self._prefetched)
+        for chunk in left:
+            self.wait_prefetched(chunk)
+        if left and left[0].compute_device.type == "cuda":
+            torch.cuda.current_stream(left[0].compute_device).synchronize()
+
+    def _prefetch(self, order: list[tuple[int, ...]], fits: Callable[[Chunk], bool]) -> None:
+        """Gather, asynchronously, the chunks the next moments of ``order``
+        need, so that at most ``max_prefetch`` are in flight, while ``fits``
+        says one fits; chunks with an update pending are left alone."""
+        wanted: list[Chunk] = []
+        room = self.max_prefetch - len(self._prefetched)
+        for m in range(self.moment, min(len(order), self.moment + 4 * self.max_prefetch)):
+            if len(wanted) >= room:
+                break
+            for i in order[m]:
+                c = self._by_index.get(i)
+                if c is not None and not c.is_gathered and c not in wanted and c not in self.busy:
+                    wanted.append(c)
+        for c in wanted[: max(room, 0)]:
+            if not fits(c):
+                break
+            handle = self.manager.access_chunk(c, async_op=True)
+            if handle is not None:
+                self._prefetched[c] = handle
+            self.prefetches += 1
+
 
 class StaticPlacement(Placement):
     """``placement_policy="static"``: fixed shares, decided at registration.
@@ -94,11 +150,16 @@ class StaticPlacement(Placement):
     hide behind. The first ``offload_param_frac`` have their shards on the
     CPU, and the first ``shard_param_frac`` are sharded (all of them unless
     the chunk configuration keeps chunks gathered and the share is 1).
+
+    With ``max_prefetch`` the first training iteration records the order of
+    its gathers, and later ones gather that many chunks ahead of it.
     """
 
     def __init__(self, config: StaticPlacementConfig, keep_gathered: bool) -> None:
-        super().__init__(keep_gathered)
+        super().__init__(keep_gathered, config.max_prefetch)
         self.config = config
+        self.order: list[tuple[int, ...]] = []
+        self.recording = config.max_prefetch > 0
 
     def decide(self, seen: int, numel: int, total: int) -> TensorPlacement:
         c = self.config
@@ -111,6 +172,39 @@ class StaticPlacement(Placement):
             param_on_cpu=seen < c.offload_param_frac * total,
             master_on_cpu=seen + numel > total - c.offload_optim_frac * total,
         )
+
+    def start_iteration(self) -> None:
+        self.moment = 0
+
+    def abandon_iteration(self) -> None:
+        """Wait for the gathers prefetched ahead; a recording iteration is recorded again."""
+        self.drain()
+        if self.recording:
+            self.order = []
+        self.moment = 0
+
+    def before_access(self, chunks: list[Chunk], training: bool) -> None:
+        if self.max_prefetch == 0:
+            return
+        for c in chunks:
+            self.wait_prefetched(c)
+        if training:
+            if self.recording:
+                self.order.append(tuple(c.index for c in chunks))
+            self.moment += 1
+
+    def after_access(self, chunks: list[Chunk], training: bool) -> None:
+        if training and self.max_prefetch > 0 and not self.recording:
+            self._prefetch(self.order, lambda c: True)
+
+    def end_warmup(self) -> None:
+        """The end of a backward: the recording (the first iteration) ends."""
+        if self.recording:
+            self.recording = False
+            logger.info(
+                "Gemini static: recorded %d gathers over %d chunks; %d chunks gathered ahead",
+                len(self.order), len({i for m in self.order for i in m}), self.max_prefetch,
+            )  # fmt: skip
 
 
 @dataclass
@@ -192,7 +286,7 @@ class AutoPlacement(Placement):
         world_size: int,
         process_group=None,
     ) -> None:
-        super().__init__(keep_gathered)
+        super().__init__(keep_gathered, config.max_prefetch)
         capacity = config.gpu_capacity_bytes
         self._cuda = compute_device.type == "cuda"
         if capacity is None:
@@ -207,19 +301,15 @@ class AutoPlacement(Placement):
         self.capacity = int(capacity)
         self.warmup_ratio = config.warmup_non_model_data_ratio
         self.steady_ratio = config.steady_cuda_cap_ratio
-        self.max_prefetch = config.max_prefetch
         self._item = param_bytes_per_element
         self._world = world_size
         self.stats = MemStats()
-        self.moment = 0
         self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
         self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
         self.reserved_bytes = 0  # the optimizer's own bytes there (plan's reserve_bytes)
         self.evictions = 0
-        self.prefetches = 0
         self.peak_model_bytes = 0
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
-        self._prefetched: dict[Chunk, Any] = {}
         self._period_open: int | None = None
         self._model_after_gather = 0
 
@@ -238,7 +328,6 @@ class AutoPlacement(Placement):
 
     def attach(self, manager: ChunkManager, param_chunks: list[Chunk]) -> None:
         super().attach(manager, param_chunks)
-        self._by_index = {c.index: c for c in param_chunks}
         self.initial_placement()
 
     # -- byte accounting ---------------------------------------------------------
@@ -298,8 +387,7 @@ class AutoPlacement(Placement):
         """Wait for the gathers prefetched ahead (collectives every rank
         issued); during the warm-up, forget what it recorded: the next
         iteration is the warm-up."""
-        for chunk in list(self._prefetched):
-            self.wait_prefetched(chunk)
+        self.drain()
         if self.warming_up:
             self.stats = MemStats()
             self._period_open = None
@@ -322,13 +410,11 @@ class AutoPlacement(Placement):
                 self._model_after_gather = self._cuda_model_bytes()
                 self.stats.gathered_bytes.append(self.gathered_bytes())
         elif training and self.max_prefetch > 0:
-            self._prefetch()
+            limit = self.steady_limit()
+            self._prefetch(
+                self.stats.order, lambda c: self.model_bytes() + self.chunk_bytes(c) <= limit
+            )
         self.peak_model_bytes = max(self.peak_model_bytes, self.model_bytes())
-
-    def wait_prefetched(self, chunk: Chunk) -> None:
-        handle = self._prefetched.pop(chunk, None)
-        if handle is not None:
-            handle.wait()
 
     def end_warmup(self) -> None:
         """The end of the first backward: close the last period and stop recording."""
@@ -406,27 +492,6 @@ class AutoPlacement(Placement):
             if use > best_use:
                 best, best_use = c, use
         return best
-
-    def _prefetch(self) -> None:
-        """Gather, asynchronously, the chunks of the next moments (up to
-        ``max_prefetch`` not yet gathered) when they fit without evicting."""
-        order = self.stats.order
-        wanted: list[Chunk] = []
-        for m in range(self.moment, min(len(order), self.moment + 4 * self.max_prefetch)):
-            for i in order[m]:
-                c = self._by_index.get(i)
-                if c is not None and not c.is_gathered and c not in wanted and c not in self.busy:
-                    wanted.append(c)
-            if len(wanted) >= self.max_prefetch:
-                break
-        limit = self.steady_limit()
-        for c in wanted[: self.max_prefetch]:
-            if self.model_bytes() + self.chunk_bytes(c) > limit:
-                break
-            handle = self.manager.access_chunk(c, async_op=True)
-            if handle is not None:
-                self._prefetched[c] = handle
-            self.prefetches += 1
 
     # -- the plan ------------------------------------------------------------------
 

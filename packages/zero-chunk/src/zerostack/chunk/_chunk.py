@@ -41,6 +41,36 @@ class Handle:
         return self._finish is None
 
 
+_copy_streams: dict[torch.device, Any] = {}
+
+
+def copy_stream(device: torch.device) -> Any:
+    """The side stream that prefetched gathers copy host shards on (one per
+    CUDA device; see [Note: a prefetch copies beside compute])."""
+    stream = _copy_streams.get(device)
+    if stream is None:
+        stream = _copy_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
+class _CopyIn:
+    """The work of a gather whose host-to-device copy runs on the copy stream:
+    ``wait()`` makes the current stream wait for it (and for the all-gather
+    that follows it, when there is one); the host shard it reads stays
+    referenced until then."""
+
+    def __init__(self, device: torch.device, shard: torch.Tensor, collective: Any) -> None:
+        self._device, self._shard, self._collective = device, shard, collective
+        self.copied = copy_stream(device).record_event()
+
+    def wait(self) -> None:
+        if self._collective is not None:
+            self._collective.wait()
+        else:
+            torch.cuda.current_stream(self._device).wait_event(self.copied)
+        self._shard = None
+
+
 def default_compute_device() -> torch.device:
     """The compute device when none is given: the current CUDA device, else the CPU."""
     return (
@@ -164,6 +194,7 @@ class Chunk:
         self.state_count: Counter[TensorState] = Counter()
         self.paired_chunk: Chunk | None = None
         self.grad_chunk: Chunk | None = None
+        self._in_flight: Handle | None = None  # an async gather not yet waited on
 
     # -- filling -----------------------------------------------------------
 
@@ -232,6 +263,7 @@ class Chunk:
         return len(self.tensors_info)
 
     def _rebind(self) -> None:
+        self._in_flight = None
         for t, info in self.tensors_info.items():
             t.data = self.buffer[info.offset : info.end].view(info.shape)
 
@@ -244,19 +276,71 @@ class Chunk:
         """Gather the whole chunk on the compute device (all-gather of the shards).
 
         With ``async_op`` returns a Handle; the tensors point into the chunk
-        once it is waited on. A gathered chunk returns None at once.
+        once it is waited on (a later ``access``, ``release`` or ``reduce``
+        waits for it first). A shard on the host of a CUDA compute device is
+        then copied on a side stream, beside the compute stream's work (see
+        [Note: a prefetch copies beside compute]). A gathered chunk returns
+        None at once.
         """
         self._check_closed("access")
         if self.is_gathered:
+            self.settle()
             return None
-        shard = self.shard.to(self.compute_device, non_blocking=True)
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
-        work = _comm.all_gather_into(self.buffer, shard, self.process_group, async_op)
+        if async_op and self.compute_device.type == "cuda" and self.shard.device.type == "cpu":
+            work = self._copy_in()
+        else:
+            shard = self.shard.to(self.compute_device, non_blocking=True)
+            work = _comm.all_gather_into(self.buffer, shard, self.process_group, async_op)
         handle = Handle(work, self._rebind)
         if not async_op:
             handle.wait()
             return None
+        self._in_flight = handle
         return handle
+
+    def _copy_in(self) -> _CopyIn:
+        """The host shard to the gathered buffer on the copy stream.
+
+        [Note: a prefetch copies beside compute] A gather issued ahead of
+        use (Gemini's ``max_prefetch``) whose shard lives on the host copies
+        it on a side stream, so the copy runs while the compute stream
+        computes; a gather on the compute stream would wait for the kernels
+        queued before it and hold back those queued after. Memory: the
+        buffer (and the staging of an all-gather) is allocated in the
+        compute stream's order and the copy stream first waits for the work
+        queued there, so no earlier user of that memory is still running;
+        the compute stream waits for the copy (``Handle.wait``) before any
+        kernel reads the buffer, and a release or free comes after that
+        wait, so the memory is reused in the compute stream's order only.
+        With several ranks the all-gather is issued from the copy stream
+        (the collective's stream waits for the copy) and waited as usual.
+        The host shard is read until the copy ends: the chunk is not
+        prefetched while its optimizer update is pending, and Gemini's
+        placement waits for every copy, the host included, before a batch
+        ends or is dropped (``Placement.drain``)."""
+        side = copy_stream(self.compute_device)
+        collective = None
+        staging = (
+            torch.empty(self.shard_size, dtype=self.dtype, device=self.compute_device)
+            if dist.is_initialized()
+            else None
+        )
+        side.wait_stream(torch.cuda.current_stream(self.compute_device))
+        with torch.cuda.stream(side):
+            if staging is None:
+                self.buffer.copy_(self.shard, non_blocking=True)
+            else:
+                staging.copy_(self.shard, non_blocking=True)
+                collective = _comm.all_gather_into(
+                    self.buffer, staging, self.process_group, async_op=True
+                )
+        return _CopyIn(self.compute_device, self.shard, collective)
+
+    def settle(self) -> None:
+        """Finish a gather issued with ``async_op`` (nothing if none is in flight)."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
 
     @property
     def can_release(self) -> bool:
@@ -273,6 +357,7 @@ class Chunk:
         self._check_closed("release")
         if not self.is_gathered:
             return
+        self.settle()
         if not self.can_release:
             states = {s.name: c for s, c in self.state_count.items() if c}
             raise RuntimeError(
@@ -347,6 +432,7 @@ class Chunk:
                 left unchanged), or there is no gathered gradient buffer.
         """
         self._check_closed("reduce")
+        self.settle()
         if not self.can_reduce:
             states = {s.name: c for s, c in self.state_count.items() if c}
             raise RuntimeError(

@@ -198,8 +198,10 @@ class ChunkManager:
     # -- operations --------------------------------------------------------------
 
     def access_chunk(self, chunk: Chunk, async_op: bool = False) -> Handle | None:
-        """Gather ``chunk`` on the compute device."""
+        """Gather ``chunk`` on the compute device (an earlier ``async_op``
+        gather of it in flight is waited for, and None returned)."""
         if chunk in self.accessed_chunks:
+            chunk.settle()
             return None
         if chunk.is_gathered:  # kept gathered (or zero-filled): nothing moves, nothing to count
             if not chunk.keep_gathered:

@@ -397,7 +397,7 @@ class GeminiPlugin(Plugin):
             GPU) are taken as those shares. Default "static".
         enable_gradient_accumulation: gradients in chunks of their own, so
             that ``booster.no_sync`` works. Default False.
-        max_prefetch: chunks gathered ahead ("auto"). Default 0.
+        max_prefetch: chunks gathered ahead (either policy). Default 0.
         shard_param_frac, offload_optim_frac, offload_param_frac: "static"
             placement shares. Defaults 1.0, 0.0, 0.0.
         warmup_non_model_data_ratio, steady_cuda_cap_ratio: "auto"
