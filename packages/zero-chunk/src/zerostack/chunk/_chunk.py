@@ -277,17 +277,17 @@ class Chunk:
 
         With ``async_op`` returns a Handle; the tensors point into the chunk
         once it is waited on (a later ``access``, ``release`` or ``reduce``
-        waits for it first). A shard on the host of a CUDA compute device is
-        then copied on a side stream, beside the compute stream's work (see
-        [Note: a prefetch copies beside compute]). A gathered chunk returns
-        None at once.
+        waits for it first). A pinned shard on the host of a CUDA compute
+        device is then copied on a side stream, beside the compute stream's
+        work (see [Note: a prefetch copies beside compute]). A gathered
+        chunk returns None at once.
         """
         self._check_closed("access")
         if self.is_gathered:
             self.settle()
             return None
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
-        if async_op and self.compute_device.type == "cuda" and self.shard.device.type == "cpu":
+        if async_op and self.compute_device.type == "cuda" and self._pinned_on_host():
             work = self._copy_in()
         else:
             shard = self.shard.to(self.compute_device, non_blocking=True)
@@ -299,14 +299,20 @@ class Chunk:
         self._in_flight = handle
         return handle
 
+    def _pinned_on_host(self) -> bool:
+        return self.shard.device.type == "cpu" and self.shard.is_pinned()
+
     def _copy_in(self) -> _CopyIn:
         """The host shard to the gathered buffer on the copy stream.
 
         [Note: a prefetch copies beside compute] A gather issued ahead of
-        use (Gemini's ``max_prefetch``) whose shard lives on the host copies
-        it on a side stream, so the copy runs while the compute stream
-        computes; a gather on the compute stream would wait for the kernels
-        queued before it and hold back those queued after. Memory: the
+        use (Gemini's ``max_prefetch``) whose shard lives in pinned host
+        memory copies it on a side stream, so the copy runs while the
+        compute stream computes; a gather on the compute stream would wait
+        for the kernels queued before it and hold back those queued after.
+        (A pageable shard stays on the compute stream: its copy would make
+        the host wait for the side stream, and so for the kernels queued
+        before it.) Memory: the
         buffer (and the staging of an all-gather) is allocated in the
         compute stream's order and the copy stream first waits for the work
         queued there, so no earlier user of that memory is still running;
