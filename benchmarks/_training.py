@@ -270,6 +270,63 @@ def _profile(name, model, step_fn, idx, tgt, autocast) -> None:
         torch.cuda.synchronize()
     print(f"\n[profile] {name}: 3 steps", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
+    print(f"[profile] {name}: {device_time(prof.events())}", flush=True)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans merged, in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """Time in both of two merged span lists."""
+    total, j = 0.0, 0
+    for a, b in x:
+        while j < len(y) and y[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(y) and y[k][0] < b:
+            total += min(b, y[k][1]) - max(a, y[k][0])
+            k += 1
+    return total
+
+
+def device_time(events) -> str:
+    """Where the GPU's time went in a torch.profiler trace (its events):
+    kernels, copies host to device and device to host (and how much of each
+    ran beside no kernel), idle, over the span from the first device event
+    to the last; one line for a log."""
+    spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": []}
+    streams: set = set()
+    for e in events:
+        if str(e.device_type) != "DeviceType.CUDA":
+            continue
+        kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernel"
+        spans[kind].append((e.time_range.start / 1e6, e.time_range.end / 1e6))
+        streams.add(e.device_resource_id)
+    if not any(spans.values()):
+        return "no device events"
+    merged = {k: _union(v) for k, v in spans.items()}
+    busy = _union([s for v in spans.values() for s in v])
+    wall = busy[-1][1] - busy[0][0]
+    kernel = _length(merged["kernel"])
+    parts = [f"device span {wall:.3f} s: kernels {kernel:.3f} s ({kernel / wall:.0%})"]
+    for way in ("h2d", "d2h"):
+        t = _length(merged[way])
+        alone = t - _overlap(merged[way], merged["kernel"])
+        parts.append(f"{way.upper()} {t:.3f} s ({alone:.3f} s beside no kernel)")
+    parts.append(f"idle {wall - _length(busy):.3f} s; {len(streams)} streams")
+    return ", ".join(parts)
 
 
 def plain(config, batch, steps, warmup) -> dict:

@@ -117,28 +117,39 @@ def _configurations(a, args, wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+    ahead = dict(max_prefetch=a.max_prefetch) if a.max_prefetch else {}
+    said = f", max_prefetch {a.max_prefetch}" if a.max_prefetch else ""
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
-        label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB"
+        label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
         yield (
             "gemini_auto",
             lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap
+                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap, **ahead
             ),
         )
         yield (
             "gemini_auto_split",
             lambda label=label, norm=norm: gemini(
                 *args, label, a.lazy, norm, fraction=a.gpu_update_fraction,
-                placement_policy="auto", gpu_capacity_bytes=cap,
+                placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
             ),
         )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
-            label = f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB"
+            label = (
+                f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB{said}"
+            )
             for nvme in [float(f) for f in a.nvme_fractions.split(",") if f]:
                 yield (
                     "gemini_static",
                     lambda frac=frac, label=label, norm=norm, nvme=nvme: gemini(
-                        *args, label, a.lazy, norm, nvme, a.nvme_dir, offload_optim_frac=frac
+                        *args,
+                        label,
+                        a.lazy,
+                        norm,
+                        nvme,
+                        a.nvme_dir,
+                        offload_optim_frac=frac,
+                        **ahead,
                     ),
                 )
 
@@ -167,6 +178,10 @@ def main() -> int:
         ap.add_argument(
             "--max-norms", default="0",
             help="comma-separated max_norm values for the capped Gemini rows (0: no clipping)",
+        )  # fmt: skip
+        ap.add_argument(
+            "--max-prefetch", type=int, default=0,
+            help="the capped rows' max_prefetch: chunks gathered ahead (default %(default)s)",
         )  # fmt: skip
         ap.add_argument(
             "--gpu-update-fraction", type=float, default=0.5,

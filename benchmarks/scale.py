@@ -312,13 +312,15 @@ def build(a, config: GPTConfig, device: torch.device, directory: str):
         kwargs.update(offload_optim_frac=1.0, offload_param_frac=1.0)
     if a.pin_memory:
         kwargs["pin_memory"] = True
+    if a.max_prefetch:
+        kwargs["max_prefetch"] = a.max_prefetch
     t0 = time.perf_counter()
     ddp = GeminiDDP(model, **kwargs)
     adam = HybridAdam(
         list(model.parameters()), nvme_offload_fraction=a.nvme_fraction,
         nvme_offload_dir=directory if a.nvme_fraction else None, **HYPER,
     )  # fmt: skip
-    opt = GeminiOptimizer(adam, ddp)
+    opt = GeminiOptimizer(adam, ddp, gpu_update_fraction=a.gpu_update_fraction)
     return ddp, adam, opt, time.perf_counter() - t0
 
 
@@ -334,6 +336,13 @@ def train(a, config, ddp, opt, device) -> dict:
     times, losses = [], []
     cpu_step0 = wait0 = nvme0 = 0.0
     peak = None
+
+    def step() -> float:
+        loss = ddp(idx, tgt)
+        opt.backward(loss)
+        opt.step()
+        return float(loss.detach())
+
     for i in range(a.warmup + a.steps):
         if i == a.warmup:
             ddp.wait_updates()
@@ -342,28 +351,48 @@ def train(a, config, ddp, opt, device) -> dict:
             cpu_step0, wait0, nvme0 = opt.cpu_step_s, ddp.update_wait_s, opt.nvme_wait_s
         sync()
         t0 = time.perf_counter()
-        loss = ddp(idx, tgt)
-        opt.backward(loss)
-        opt.step()
+        losses.append(step())
         sync()
         dt = time.perf_counter() - t0
-        losses.append(float(loss.detach()))
         log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}")
         if i >= a.warmup:
             times.append(dt)
     ddp.wait_updates()
-    steps = len(times)
+    stats = dict(
+        cpu_step_s=(opt.cpu_step_s - cpu_step0) / len(times),
+        wait_s=(ddp.update_wait_s - wait0) / len(times),
+        nvme_wait_s=(opt.nvme_wait_s - nvme0) / len(times),
+        peak_rss=peak.stop(),
+    )
+    if a.profile:
+        profile_steps(step, sync)
     return dict(
+        stats,
         step_s=statistics.median(times),
         spread=max(times) / min(times),
         tokens_s=a.batch_size * a.seq_len / statistics.median(times),
-        peak_rss=peak.stop(),
-        cpu_step_s=(opt.cpu_step_s - cpu_step0) / steps,
-        wait_s=(ddp.update_wait_s - wait0) / steps,
-        nvme_wait_s=(opt.nvme_wait_s - nvme0) / steps,
         loss=losses[-1],
         peak_gpu=torch.cuda.max_memory_allocated() if device.type == "cuda" else 0,
     )
+
+
+def profile_steps(step, sync) -> None:
+    """Two more steps under torch.profiler: where the device's time went
+    (kernels, copies each way, idle) and the operators by device time."""
+    from _training import device_time
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        sync()
+    log(f"profile: 2 steps in {time.perf_counter() - t0:.2f} s (profiler on); "
+        f"{device_time(prof.events())}")  # fmt: skip
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    log("profile by operator:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
 
 
 def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes: int) -> list[str]:
@@ -428,6 +457,19 @@ def main() -> int:
         "--pin-memory", action="store_true",
         help="GeminiDDP(pin_memory=True): host chunks page-locked (at their exact size), so they "
         "cross PCIe at the pinned copy's rate; auto placement pins them anyway",
+    )  # fmt: skip
+    ap.add_argument(
+        "--max-prefetch", type=int, default=0,
+        help="GeminiDDP(max_prefetch=N): chunks gathered ahead of use (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gpu-update-fraction", type=float, default=0.0,
+        help="GeminiOptimizer(gpu_update_fraction=F): about this share of the CPU-held "
+        "optimizer chunks stepped by the GPU's Adam (default %(default)s)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="two more steps under torch.profiler: the device's kernels, copies and idle time",
     )  # fmt: skip
     ap.add_argument(
         "--gpu-cap-gib", type=float, default=24.0, help="GPU memory cap, GiB (default %(default)s)"
@@ -531,7 +573,9 @@ def main() -> int:
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"- TinyGPT {config.num_layers} x {config.dim}, {n / 1e9:.3f}B params, bf16, activation "
           f"checkpointing, batch {a.batch_size} x {a.seq_len}, placement {a.placement}"
-          f"{', pin_memory' if a.pin_memory else ''}, "
+          f"{', pin_memory' if a.pin_memory else ''}"
+          f"{f', max_prefetch={a.max_prefetch}' if a.max_prefetch else ''}"
+          f"{f', gpu_update_fraction={a.gpu_update_fraction:g}' if a.gpu_update_fraction else ''}, "
           f"HybridAdam nvme_offload_fraction={a.nvme_fraction:g}; median of {a.steps} step(s) "
           f"after {a.warmup}; built in {build_s:.0f} s")  # fmt: skip
     if disk is not None:

@@ -29,6 +29,11 @@
 #                              BATCH (default 1), PLAIN_TFLOPS (plain's TFLOPS on the 1.5B model, for the
 #                              share), SCALE_ARGS (more scale.py options). The 2026-12-02 8B row (pinned):
 #                              BATCH=24 PLAIN_TFLOPS=291 SCALE_ARGS="--raw-gb 0 --force --steps 4 --pin-memory" ... scale 8B 0
+#   tools/device.sh prefetch [SIZE]  gathers ahead (max_prefetch): their GPU tests (zero-chunk's copy
+#                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
+#                              (default 2B) pinned, every chunk on the CPU, batch BATCH (default 8), once per
+#                              max_prefetch in PREFETCHES (default "0 2"), each with --profile (the device's
+#                              kernels, copies and idle time), PLAIN_TFLOPS and SCALE_ARGS as for scale
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
@@ -191,6 +196,19 @@ scale)
     timeout 530 python3 benchmarks/scale.py --params "${1:-8B}" --nvme-fraction "$f" --nvme-dir /tmp \
       --batch-size "${BATCH:-1}" ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} \
       > "$OUT/scale_${1:-8B}_$f.log" 2>&1; echo "exit $?"; grep -vE "^\[scale\] step" "$OUT/scale_${1:-8B}_$f.log" | tail -30
+  done
+  ;;
+prefetch)
+  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  build; sources; machine
+  { timeout 200 python3 -m pytest packages/zero-chunk/tests/test_chunk.py -m gpu -q -p no:cacheprovider
+    timeout 400 python3 -m pytest packages/gemini-placement/tests/test_gemini_gpu.py -m gpu -q \
+      -p no:cacheprovider; } 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped"
+  for d in ${PREFETCHES:-0 2}; do
+    timeout 500 python3 benchmarks/scale.py --params "${1:-2B}" --nvme-fraction 0 --raw-gb 0 --force \
+      --pin-memory --batch-size "${BATCH:-8}" --max-prefetch "$d" --profile \
+      ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} > "$OUT/prefetch_$d.log" 2>&1
+    echo "exit $?"; grep -E "profile:|^\| [0-9]|TFLOPS|floor|Error" "$OUT/prefetch_$d.log" | tail -8
   done
   ;;
 multi-gpu)
