@@ -423,6 +423,9 @@ def print_table(
         print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")
 
 
+MOVED = ("host_numel", "gpu_numel", "h2d_bytes_per_param", "d2h_bytes_per_param", "streamed_bytes")
+
+
 def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict | str:
     """The floor of an offloaded row (one with ``host_numel``) from the plain
     row of the same run (its forward and backward, all on the GPU), or why
@@ -431,11 +434,12 @@ def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict
     if plain_row is None or "error" in plain_row:
         return "n/a (no plain row in this run)"
     disk = row.get("disk_bytes", 0)
+    moved = {k: row[k] for k in MOVED if k in row}  # GeminiDDP.step_amounts(), or host_numel
     try:
         est = step_floor(
             profile, forward_s=plain_row["fwd_s"],
-            backward_s=plain_row["fwd_bwd_s"] - plain_row["fwd_s"], host_numel=row["host_numel"],
-            gpu_numel=row.get("gpu_numel", 0), disk_read_bytes=disk, disk_write_bytes=disk,
+            backward_s=plain_row["fwd_bwd_s"] - plain_row["fwd_s"], disk_read_bytes=disk,
+            disk_write_bytes=disk, **moved,
         )  # fmt: skip
     except ValueError as exc:  # a figure the profile lacks: the row says which
         return f"n/a ({exc})"

@@ -78,10 +78,9 @@ def gemini(
     model.wait_updates()
     result["wait_s"] = model.update_wait_s / steps
     result["cpu_step_s"] = opt.cpu_step_s / steps
-    host, on_gpu = model.master_elements()
-    if host:  # what --machine's floor needs: masters on the host, on the GPU, states on disk
-        result["host_numel"], result["gpu_numel"] = host, on_gpu
-        result["disk_bytes"] = adam.nvme_bytes_on_disk()
+    amounts = model.step_amounts()
+    if amounts["host_numel"]:  # what --machine's floor needs: the placement's traffic, the disk's
+        result.update(amounts, disk_bytes=adam.nvme_bytes_on_disk())
     if nvme > 0:  # bytes on disk, and the worker's time waiting for the disk (exposed I/O)
         result["name"] += (
             f" [{adam.nvme_bytes_on_disk() / 1e9:.1f} GB of Adam states on disk, the CPU step "

@@ -410,13 +410,11 @@ def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes:
     lines[0] += f": {tflops / a.plain_tflops:.1%} of plain PyTorch's {a.plain_tflops:g}"
     if a.machine is None:
         return lines + ["- no --machine PROFILE.json: no floor"]
-    host, on_gpu = ddp.master_elements()
     compute = a.batch_size * a.seq_len * per_token / (a.plain_tflops * 1e12)
     try:
         est = step_floor(
             MachineProfile.load(a.machine), forward_s=compute / 4, backward_s=compute * 3 / 4,
-            host_numel=host, gpu_numel=on_gpu, disk_read_bytes=disk_bytes,
-            disk_write_bytes=disk_bytes,
+            disk_read_bytes=disk_bytes, disk_write_bytes=disk_bytes, **ddp.step_amounts(),
         )  # fmt: skip
     except ValueError as exc:
         return lines + [f"- no floor: {exc}"]

@@ -214,12 +214,10 @@ def step_floor_of(args, shape: dict, batch, ddp, nvme_bytes: int, step_s: float)
             "why_not": "the floor models offloaded steps on a GPU; this run computes on the CPU"
         }
     forward_s, backward_s = plain_times(shape, *batch)
-    host, on_gpu = ddp.master_elements()
     try:
         est = step_floor(
             MachineProfile.load(args.machine), forward_s=forward_s, backward_s=backward_s,
-            host_numel=host, gpu_numel=on_gpu, disk_read_bytes=nvme_bytes,
-            disk_write_bytes=nvme_bytes,
+            disk_read_bytes=nvme_bytes, disk_write_bytes=nvme_bytes, **ddp.step_amounts(),
         )  # fmt: skip
     except ValueError as error:
         return {"why_not": str(error)}

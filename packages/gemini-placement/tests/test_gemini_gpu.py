@@ -62,3 +62,19 @@ def test_static_gathers_ahead_on_the_copy_stream_train_the_same(pin):
     got = _train(model, ddp, opt, 5, skip_at=2, fail_at=3)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert ddp.placement.prefetches > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_amounts_count_the_parameters_streamed_from_the_host():
+    # zerostack.shard.step_floor's keywords from the placement: shards on the
+    # host cross for forward and backward, and their updates stay there.
+    from test_gemini_placement import _blocks
+
+    for param_frac in (1.0, 0.0):
+        _, ddp, _ = _blocks(0, "cuda", offload_optim_frac=1.0, offload_param_frac=param_frac)
+        amounts = ddp.step_amounts()
+        shards = sum(c.shard_size * 4 for c in ddp.param_chunks)
+        assert amounts["host_numel"] == sum(c.shard_size for c in ddp.param_chunks)
+        assert amounts["streamed_bytes"] == (shards if param_frac else 0)
+        assert amounts["h2d_bytes_per_param"] == (0 if param_frac else 4)
+        assert amounts["d2h_bytes_per_param"] == 4

@@ -51,11 +51,16 @@ def test_static_fractions_are_shares_of_bytes(frac):
     # Exact books: the manager's total is the sum over chunks.
     total = sum(sum(c.memory_usage().values()) for c in ddp.chunk_manager.chunks())
     assert ddp.chunk_manager.total_mem["cpu"] == total
-    # What the step-time floor takes: master elements on the host and on the device.
-    host, on_device = ddp.master_elements()
+    # What the step-time floor takes: master elements on the host and on the
+    # device; on a CPU compute device nothing is streamed, and a host update's
+    # new value counts as copied to the device (fp32 here: 4 B each way).
+    amounts = ddp.step_amounts()
+    host, on_device = amounts["host_numel"], amounts["gpu_numel"]
     assert host == sum(m.shard_size for m in offloaded)
     assert on_device == sum(m.shard_size for m in masters if m not in offloaded)
     assert (host > 0) == (frac > 0) and (on_device > 0) == (frac < 1)
+    assert amounts["streamed_bytes"] == 0
+    assert amounts["h2d_bytes_per_param"] == amounts["d2h_bytes_per_param"] == (4 if host else 0)
 
 
 def test_auto_records_plans_evicts_and_prefetches():
@@ -183,7 +188,7 @@ def _blocks(max_prefetch, device="cpu", **kwargs):
     ddp = GeminiDDP(
         model, mixed_precision=torch.float32, compute_device=device,
         chunk_config_dict={1: {"chunk_size": 64 * 64, "keep_gathered": False}},
-        offload_param_frac=1.0, max_prefetch=max_prefetch, **kwargs,
+        max_prefetch=max_prefetch, **{"offload_param_frac": 1.0, **kwargs},
     )  # fmt: skip
     opt = GeminiOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), ddp)
     return model, ddp, opt

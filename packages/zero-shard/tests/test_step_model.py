@@ -235,3 +235,20 @@ def test_gpu_held_updates_lengthen_the_backward_at_the_gpu_adam_rate() -> None:
     assert f.backward_s == pytest.approx(base.backward_s + 0.01)  # 1e9 / 100 G params/s
     assert f.step_s == pytest.approx(base.step_s + 0.01)
     assert step_floor(with_gpu, **STEP, gpu_numel=0).cpu_only == base
+
+
+def test_parameters_streamed_from_the_host_bound_forward_and_backward() -> None:
+    # Gemini's host-held shards: 3 GB cross for forward and again for backward
+    # at 10 GB/s (0.3 s each), longer than both passes; their updates stay on
+    # the host (no copy at the update).
+    est = step_floor(CPU_ONLY, **STEP, h2d_bytes_per_param=0, streamed_bytes=3e9)
+    f = est.cpu_only
+    assert f.forward_s == pytest.approx(0.3) and f.backward_s == pytest.approx(0.3)
+    assert f.h2d_s == 0.0 and f.hidden_s == pytest.approx(0.3)  # the longer forward hides more
+    assert f.step_s == pytest.approx(0.3 + 0.3 + 1.0 - 0.3)
+    # A stream shorter than the passes changes nothing.
+    short = step_floor(CPU_ONLY, **STEP, h2d_bytes_per_param=0, streamed_bytes=1e8).cpu_only
+    assert short.forward_s == 0.1 and short.backward_s == pytest.approx(0.2)
+    bare = MachineProfile(cpu_adam_bytes_s=1e10, d2h_bytes_s=1e10)
+    with pytest.raises(ValueError, match=r"streamed_bytes is 1e\+06 but the profile has no h2d"):
+        step_floor(bare, **STEP, h2d_bytes_per_param=0, streamed_bytes=1e6)

@@ -341,17 +341,39 @@ class GeminiDDP(nn.Module):
         """The fp32 master chunks stepped on the CPU (the placement decides them)."""
         return frozenset(self.placement.offloaded_masters)
 
-    def master_elements(self) -> tuple[int, int]:
-        """This rank's fp32 master elements held on the host and on the
-        compute device (shard sizes).
+    def step_amounts(self) -> dict[str, float]:
+        """What one training step moves under this rank's placement now, as
+        ``zerostack.shard.step_floor``'s keywords (see its [Note: step-time
+        floor]).
 
         Returns:
-            ``(host, device)``: ``zerostack.shard.step_floor``'s ``host_numel``
-            and ``gpu_numel``.
+            ``host_numel`` and ``gpu_numel``: fp32 master elements on the
+            host and on the compute device; ``h2d_bytes_per_param``: per
+            host-updated element, the bytes of its new value copied to the
+            compute device (its parameter dtype's size where its parameter
+            shard lives there, 0 where that shard lives on the host too),
+            as a mean; ``d2h_bytes_per_param``: its gradient's bytes;
+            ``streamed_bytes``: parameter shard bytes on the host of a CUDA
+            compute device, copied for the forward and again for the backward.
         """
-        host = sum(c.shard_size for c in self.placement.offloaded_masters)
+        host = h2d = d2h = streamed = 0
+        for c in self.param_chunks:
+            item = c.dtype.itemsize
+            # A shard on the host of a GPU (on a CPU compute device nothing moves).
+            gpu = c.compute_device.type != "cpu"
+            on_host = gpu and c.shard_device.type == "cpu" and not c.keep_gathered
+            if on_host:
+                streamed += c.shard_size * item
+            master = c.paired_chunk
+            if master is not None and master in self.placement.offloaded_masters:
+                host += master.shard_size
+                d2h += master.shard_size * item
+                h2d += 0 if on_host else master.shard_size * item
         every = sum(c.shard_size for c in self.chunk_manager.chunks("fp32"))
-        return host, every - host
+        return dict(
+            host_numel=host, gpu_numel=every - host, h2d_bytes_per_param=h2d / max(host, 1),
+            d2h_bytes_per_param=d2h / max(host, 1), streamed_bytes=streamed,
+        )  # fmt: skip
 
     @property
     def training_state(self) -> TrainingState:

@@ -13,7 +13,13 @@ time one resource needs at its measured bandwidth:
 - CPU Adam: 28 B of host memory traffic per parameter (read master,
   exp_avg, exp_avg_sq 12 B and the bf16/fp16 gradient 2 B; write the three
   12 B and the copy-out 2 B; see [Note: offloaded step pipeline]);
-- parameters host to device, ``h2d_bytes_per_param`` each;
+- parameters host to device, ``h2d_bytes_per_param`` each (the new value
+  of a parameter whose copy on the GPU is kept there);
+- parameters streamed, ``streamed_bytes``: parameters that live on the
+  host between uses (Gemini's host-held shards) cross to the GPU for the
+  forward and again for the backward, so each lasts at least as long as
+  that copy: ``forward = max(forward_s, streamed / h2d)`` and the backward
+  likewise (their updated values stay on the host: no copy at the update);
 - disk: the bytes of Adam states read and written per step (NVMe offload),
   one after the other on one device: ``read / read_bw + write / write_bw``.
 
@@ -27,8 +33,8 @@ behind the share ``forward_hide_fraction`` of the next forward (a module
 waits only for the buckets it uses), and behind backward too when they may
 start earlier. So::
 
-    step   = forward_s + max(backward_s, d2h) + max(0, update - window)
-    window = forward_hide_fraction * forward_s  (+ backward_s if they may start early)
+    step   = forward + max(backward_s, d2h, streamed) + max(0, update - window)
+    window = forward_hide_fraction * forward  (+ backward_s if they may start early)
 
 The split: a share ``f`` of the host-held updates runs in the GPU's Adam
 instead, fed over PCIe: master and both moments, 12 B per parameter, go to
@@ -171,8 +177,10 @@ class StepFloor:
 
     step_s: float
     """The floor: forward + the backward phase + the update's exposed part."""
+    forward_s: float
+    """max(forward, parameters streamed host to device)."""
     backward_s: float
-    """max(backward, gradients device to host)."""
+    """max(backward, gradients device to host, parameters streamed host to device)."""
     update_s: float
     """The update phase: its slowest resource + the GPU's Adam."""
     hidden_s: float
@@ -266,7 +274,8 @@ def _floor(
     gpu_rate: float | None,
 ) -> StepFloor:  # fmt: skip
     """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
-    D2H B/s during the update); ``times`` = (forward, backward, disk, window)."""
+    D2H B/s during the update); ``times`` = (forward, backward, disk, window),
+    the forward and backward already at least their streamed copies."""
     cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
     forward_s, backward_s, disk_s, window = times
     backward = max(backward_s, _secs(numel * (1 - f) * d2h_bytes, bwd_d2h_rate))
@@ -279,7 +288,8 @@ def _floor(
     update = terms[bound] + gpu_adam_s
     hidden = min(update, window)
     return StepFloor(
-        step_s=forward_s + backward + update - hidden, backward_s=backward, update_s=update,
+        step_s=forward_s + backward + update - hidden, forward_s=forward_s, backward_s=backward,
+        update_s=update,
         hidden_s=hidden, cpu_s=cpu_s, h2d_s=h2d_s, d2h_s=d2h_s, disk_s=disk_s,
         gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
     )  # fmt: skip
@@ -298,6 +308,11 @@ def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -
         )
     if not isinstance(clip, bool):
         raise TypeError(f"step_floor: clip_before_update must be a bool (got {clip!r})")
+    if amounts["streamed_bytes"] > 0 and profile.h2d_bytes_s is None:
+        raise ValueError(
+            f"step_floor: streamed_bytes is {amounts['streamed_bytes']:g} but the profile has no "
+            f"h2d_bytes_s (got None); {_HOW} on a CUDA machine"
+        )
     for way in ("h2d", "d2h"):
         rate = getattr(profile, f"{way}_bytes_s")
         if amounts["host_numel"] > 0 and amounts[f"{way}_bytes_per_param"] > 0 and rate is None:
@@ -331,6 +346,7 @@ def step_floor(
     d2h_bytes_per_param: float = 2,
     disk_read_bytes: float = 0,
     disk_write_bytes: float = 0,
+    streamed_bytes: float = 0,
     clip_before_update: bool = True,
     forward_hide_fraction: float = 1.0,
 ) -> FloorEstimate:
@@ -348,6 +364,9 @@ def step_floor(
         d2h_bytes_per_param: gradient bytes copied to the host per update. Default 2 (bf16).
         disk_read_bytes: Adam-state bytes read from disk per step. Default 0.
         disk_write_bytes: Adam-state bytes written to disk per step. Default 0.
+        streamed_bytes: parameter bytes (this rank's) that live on the host
+            and are copied to the GPU for the forward, and again for the
+            backward. Default 0.
         clip_before_update: updates wait for the global gradient norm, so
             none overlaps backward. Default True (what the CPU-step pipeline
             does, with or without clipping).
@@ -368,10 +387,12 @@ def step_floor(
         forward_s=forward_s, backward_s=backward_s, host_numel=host_numel, gpu_numel=gpu_numel,
         h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
         disk_read_bytes=disk_read_bytes, disk_write_bytes=disk_write_bytes,
-        forward_hide_fraction=forward_hide_fraction,
+        streamed_bytes=streamed_bytes, forward_hide_fraction=forward_hide_fraction,
     )  # fmt: skip
     _check_inputs(profile, amounts, clip_before_update)
-    backward_s += _secs(gpu_numel, profile.gpu_adam_params_s)
+    stream = _secs(streamed_bytes, profile.h2d_bytes_s)
+    forward_s = max(forward_s, stream)
+    backward_s = max(backward_s + _secs(gpu_numel, profile.gpu_adam_params_s), stream)
     disk_s = _secs(disk_read_bytes, profile.disk_read_bytes_s) + _secs(
         disk_write_bytes, profile.disk_write_bytes_s
     )
