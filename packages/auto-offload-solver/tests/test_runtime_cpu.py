@@ -19,6 +19,7 @@ from offload_helpers import (
 )
 
 from zerostack.auto_offload import memory_optimize
+from zerostack.testing import training_tolerance
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
 SGD = dict(lr=0.5, weight_decay=0.01, clip=0.3)
@@ -105,10 +106,13 @@ def test_torch_adam_steps_the_bf16_gradients_unclipped():
     assert isinstance(opt.optim, torch.optim.Adam)
     assert all(m.grad is None and len(opt.optim.state[m]) for m in masters)  # stepped
     torch.testing.assert_close(losses, hybrid_losses, rtol=1e-3, atol=1e-3)
+    # Two fp32 Adam kernels whose roundings differ: where two masters round to
+    # different bf16 copies the next gradients differ, and a gradient at the
+    # rounding level can flip an Adam update: training_tolerance's bound (a
+    # bound observed on one machine, 1e-5, failed on another at 8.8e-5).
+    rtol, atol = training_tolerance(torch.bfloat16, steps=3, lr=hyper["lr"])
     for m, h in zip(masters, hybrid_masters, strict=True):
-        # Two fp32 Adam kernels; where their masters round to different bf16
-        # copies the next gradients differ: observed up to 3.4e-6 (lr 1e-2).
-        torch.testing.assert_close(m.detach(), h.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(m.detach(), h.detach(), rtol=rtol, atol=atol)
     assert losses[-1] < losses[0]
 
 

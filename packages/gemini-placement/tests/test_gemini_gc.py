@@ -24,6 +24,7 @@ CASES = {
     "fp16-offload": dict(dtype=torch.float16, offload_optim_frac=0.5),
     "zero2-accumulation": dict(shard_param_frac=0.0, enable_gradient_accumulation=True),
     "auto-prefetch": dict(placement_policy="auto", gpu_capacity_bytes=10**7, max_prefetch=2),
+    "static-prefetch": dict(offload_param_frac=1.0, offload_optim_frac=0.5, max_prefetch=2),
     "inline-cpu-step": dict(offload_optim_frac=1.0, overlap=False),
     # Half the CPU-held chunks in the device's Adam (gpu_update_fraction).
     "offload-device-lane": dict(offload_optim_frac=1.0, gpu_update_fraction=0.5, max_norm=1.0),

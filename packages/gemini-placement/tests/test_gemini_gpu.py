@@ -51,17 +51,34 @@ def test_parity_with_ddp_on_cuda():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pin", [False, True])
-def test_static_gathers_ahead_on_the_copy_stream_train_the_same(pin):
-    # One process, no process group: host shards gathered ahead are copied on
-    # the copy stream and waited for by an event (see zerostack.chunk's
-    # [Note: a prefetch copies beside compute]); bitwise the run without.
+def test_static_gathers_ahead_train_the_same_on_one_gpu(pin, monkeypatch):
+    # One process, no process group. Pinned host shards gathered ahead are
+    # copied on the copy stream and waited for by an event (see
+    # zerostack.chunk's [Note: a prefetch copies beside compute]); the copy
+    # stream is held back 10 ms before each copy, so a kernel that did not
+    # wait would read the buffer before the copy lands. Pageable shards are
+    # gathered on the compute stream. Bitwise the run without.
     from test_gemini_placement import _blocks, _train
 
-    want = _train(*_blocks(0, "cuda", pin_memory=pin), 5, skip_at=2, fail_at=3)
-    model, ddp, opt = _blocks(2, "cuda", pin_memory=pin)
-    got = _train(model, ddp, opt, 5, skip_at=2, fail_at=3)
+    import zerostack.chunk._chunk as chunk_module
+
+    real, delayed = chunk_module.copy_stream, []
+
+    def late(device):
+        stream = real(device)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+        delayed.append(device)
+        return stream
+
+    monkeypatch.setattr(chunk_module, "copy_stream", late)
+    kwargs = dict(pin_memory=pin, offload_optim_frac=0.5)
+    want = _train(*_blocks(0, "cuda", **kwargs), 6, skip_at=2, fail_at=3, fail_backward_at=4)
+    model, ddp, opt = _blocks(2, "cuda", **kwargs)
+    got = _train(model, ddp, opt, 6, skip_at=2, fail_at=3, fail_backward_at=4)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert ddp.placement.prefetches > 0
+    assert bool(delayed) == pin, "pinned shards go through the copy stream, pageable ones do not"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

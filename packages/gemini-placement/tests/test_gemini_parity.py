@@ -89,8 +89,7 @@ def _run_case(rank, world, case, device="cpu"):
     # Only where a parameter is unused: DDP warns about the flag otherwise.
     ref = DDP(ref_model, find_unused_parameters=config.add_unused_param)
     ref_trainable = [p for p in ref.parameters() if p.requires_grad]
-    if kwargs.get("placement_policy") == "auto":
-        kwargs = dict(kwargs, gpu_capacity_bytes=_capacity(model, dtype, world))
+    kwargs = _placed(kwargs, model, dtype, world, device)
     ddp = GeminiDDP(
         model,
         mixed_precision=dtype,
@@ -156,6 +155,16 @@ def _run_case(rank, world, case, device="cpu"):
         assert auto.peak_model_bytes <= auto.steady_limit(), (
             f"{name}: {auto.peak_model_bytes} model bytes over the limit {auto.steady_limit()}"
         )
+
+
+def _placed(kwargs, model, dtype, world, device):
+    """The case's placement: auto's capacity; on a GPU, pinned host shards
+    for the gathers ahead (the copy stream, then NCCL's all-gather)."""
+    if kwargs.get("placement_policy") == "auto":
+        kwargs = dict(kwargs, gpu_capacity_bytes=_capacity(model, dtype, world))
+    if kwargs.get("max_prefetch") and device != "cpu":
+        kwargs = dict(kwargs, pin_memory=True)
+    return kwargs
 
 
 def _capacity(model, dtype, world):

@@ -3,8 +3,11 @@ the auto plan put where, MemStats, eviction and prefetch counts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer, MemStats
@@ -164,21 +167,37 @@ def test_auto_keeps_no_room_for_a_device_lane_that_took_no_chunk():
     assert ddp.auto.reserved_bytes == 0
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a failing backward")
+
+
 class _Blocks(torch.nn.Module):
     """Six linear layers, one chunk each; ``skip`` leaves one out of forward
-    (an order the first iteration did not record); ``fail`` raises in it."""
+    (an order the first iteration did not record); ``fail`` raises in it,
+    ``fail_backward`` in its backward; ``checkpointed`` layers recompute."""
 
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(6))
-        self.skip = self.fail = None
+        self.skip = self.fail = self.fail_backward = None
+        self.checkpointed: tuple[int, ...] = ()
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             if i == self.fail:
                 raise RuntimeError("a failing forward")
-            if i != self.skip:
+            if i in self.checkpointed:
+                x = checkpoint(lambda y, f=layer: torch.tanh(f(y)), x, use_reentrant=False)
+            elif i != self.skip:
                 x = torch.tanh(layer(x))
+            if i == self.fail_backward:
+                x = _FailingBackward.apply(x)
         return x.square().mean()
 
 
@@ -209,22 +228,28 @@ def _watch(placement):
     return seen
 
 
-def _train(model, ddp, opt, steps, skip_at=None, fail_at=None):
+def _train(
+    model, ddp, opt, steps, skip_at=None, fail_at=None, fail_backward_at=None, evaluate=True
+):
     for step in range(steps):
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
         x = x.to(ddp.compute_device)
         model.skip = 3 if step == skip_at else None
         model.fail = 4 if step == fail_at else None
+        model.fail_backward = 2 if step == fail_backward_at else None
         try:
             loss = ddp(x)
+            opt.backward(loss)
         except RuntimeError:
             opt.zero_grad()
-            assert not ddp.placement.prefetched, "a forward that raised left gathers in flight"
+            assert not ddp.placement.prefetched, "a failed batch left gathers in flight"
             continue
-        opt.backward(loss)
         assert not ddp.placement.prefetched, "gathers in flight after backward"
         opt.step()
         opt.zero_grad()
+        if evaluate:  # an evaluation between steps (it waits for every update)
+            with torch.no_grad():
+                ddp(x)
     return {k: v.clone() for k, v in ddp.state_dict().items()}
 
 
@@ -248,9 +273,99 @@ def test_static_gathers_ahead_in_the_recorded_order_and_trains_the_same(depth):
     assert seen["in_flight"] <= depth
 
 
-def test_static_gathers_ahead_survive_a_changed_order_and_a_failing_forward():
-    want = _train(*_blocks(0), 6, skip_at=2, fail_at=4)
-    model, ddp, opt = _blocks(2)
-    got = _train(model, ddp, opt, 6, skip_at=2, fail_at=4)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+@pytest.mark.parametrize("checkpointed", [(), (1, 2, 3)])
+def test_static_gathers_ahead_survive_a_changed_order_and_failing_passes(checkpointed):
+    runs = []
+    for depth in (0, 2):
+        model, ddp, opt = _blocks(depth)
+        model.checkpointed = checkpointed
+        runs.append(_train(model, ddp, opt, 7, skip_at=2, fail_at=4, fail_backward_at=5))
+    assert all(torch.equal(runs[1][k], runs[0][k]) for k in runs[0])
     assert ddp.placement.prefetches > 0
+
+
+def test_static_records_one_iteration_whatever_runs_before_its_backward():
+    # A forward with grad enabled but no backward (a sanity check), and an
+    # evaluation forward that raises, before the first backward: the order is
+    # still the iteration's twelve gathers, and every gather ahead is used.
+    model, ddp, opt = _blocks(2)
+    seen = _watch(ddp.placement)
+    x = torch.randn(8, 64)
+    ddp(x)
+    loss = ddp(x)
+    model.fail = 4
+    with pytest.raises(RuntimeError, match="a failing forward"), torch.no_grad():
+        ddp(x)
+    model.fail = None
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    assert len(ddp.placement.order) == 12
+    _train(model, ddp, opt, 3)
+    assert ddp.placement.prefetches == sum(seen["ahead"]) > 0
+
+
+def test_a_chunk_whose_cpu_update_is_pending_is_not_gathered_ahead():
+    # Every master on the CPU: updates run on the CPU-step worker beside the
+    # next forward (slowed down here, so that the forward catches up with
+    # them), and a chunk is gathered ahead only once its update is in.
+    want = _train(*_blocks(0, offload_optim_frac=1.0), 4, evaluate=False)
+    model, ddp, opt = _blocks(2, offload_optim_frac=1.0)
+    pipeline, access = ddp.step_pipeline, ddp.chunk_manager.access_chunk
+    submit, early = pipeline.submit, []
+
+    def slow_submit(chunk, update, *args, **kwargs):
+        def slow(*a):
+            time.sleep(0.02)
+            update(*a)
+
+        return submit(chunk, slow, *args, **kwargs)
+
+    pipeline.submit = slow_submit
+
+    def checked(chunk, async_op=False):
+        if async_op and chunk in pipeline:
+            early.append(chunk.index)
+        return access(chunk, async_op)
+
+    ddp.chunk_manager.access_chunk = checked
+    got = _train(model, ddp, opt, 4, evaluate=False)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not early and ddp.placement.prefetches > 0
+
+
+@pytest.mark.parametrize("policy", ["static", "auto"])
+def test_a_load_keeps_its_values_in_chunks_gathered_or_gathered_ahead(policy):
+    # A frozen layer (no master): its values are written into its chunk. A
+    # gathered copy (auto's cache; static's gathers ahead of a backward) took
+    # them and was released unwritten to the shard: the load was lost.
+    from zerostack.gemini._local_state import load_local_model_state, local_model_state
+
+    torch.manual_seed(0)
+    model = _Blocks()
+    model.layers[4].weight.requires_grad_(False)
+    placement = (
+        dict(placement_policy="auto", gpu_capacity_bytes=10**8)
+        if policy == "auto"
+        else dict(offload_param_frac=1.0, max_prefetch=2)
+    )
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu",
+        chunk_config_dict={1: {"chunk_size": 64 * 64, "keep_gathered": False}}, **placement,
+    )  # fmt: skip
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = GeminiOptimizer(torch.optim.SGD(trainable, lr=0.1), ddp)
+    x = torch.randn(8, 64)
+    for _ in range(3):
+        opt.backward(ddp(x))
+        opt.step()
+        opt.zero_grad()
+    if policy == "static":
+        loss = ddp(x)  # the load comes between forward and backward
+        assert ddp.placement.prefetched, "nothing gathered ahead: nothing to test"
+    (name,) = [n for n in local_model_state(ddp) if n.startswith("layers.4")]
+    load_local_model_state(ddp, {name: torch.full((64 * 64,), 7.0)})
+    if policy == "static":
+        opt.backward(loss)
+        opt.step()
+    assert bool((ddp.state_dict()[name] == 7).all())

@@ -595,7 +595,9 @@ class GeminiDDP(nn.Module):
     def _release_idle(self, chunks: Iterable[Chunk]) -> None:
         if self.placement.keeps_cache:
             return  # auto keeps gathered chunks as a cache, trimmed by next use
-        ahead = self.placement.prefetched  # gathered ahead of their use: kept
+        # Gathered ahead of their use: kept (see zerostack.chunk's [Note: a
+        # prefetch copies beside compute]; drain() waits for those left unused).
+        ahead = self.placement.prefetched
         for chunk in chunks:
             if chunk.can_release and chunk not in ahead:
                 self.chunk_manager.release_chunk(chunk)
@@ -786,6 +788,8 @@ class GeminiDDP(nn.Module):
             idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]
             if self.auto is not None and not training:
                 for c in idle:
+                    if c in self.placement.prefetched:
+                        continue  # gathered ahead by a training iteration: kept
                     self.chunk_manager.release_chunk(c)
             else:
                 self._release_idle(idle)
@@ -799,7 +803,10 @@ class GeminiDDP(nn.Module):
             for info in chunk.tensors_info.values():
                 if info.state is S.COMPUTE:
                     chunk.trans_info_state(info, S.HOLD)
-        self.placement.abandon_iteration()
+        if before is None:
+            self.placement.drain()  # an inference forward: no gather of it was recorded
+        else:
+            self.placement.abandon_iteration()
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
         if before is not None:
             self._transition(before)
@@ -834,6 +841,8 @@ class GeminiDDP(nn.Module):
         ``zero_grad()``."""
         if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
             self._drop_batch()
+        else:
+            self.placement.drain()  # gathers ahead read the host shards a load writes
 
     def _drop_accumulated(self) -> None:
         """Zero the gradients that no_sync backwards left in the grad chunks."""
@@ -860,7 +869,9 @@ class GeminiDDP(nn.Module):
             if handle is not None:
                 handle.wait()
         self._pending.clear()
-        self.placement.abandon_iteration()  # before the host shards are written back
+        # Before the host shards are written back: see zerostack.chunk's
+        # [Note: a prefetch copies beside compute].
+        self.placement.abandon_iteration()
         self._next_reduce = 0
         for chunk in self.param_chunks:
             for info in chunk.tensors_info.values():

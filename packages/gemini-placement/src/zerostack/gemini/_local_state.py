@@ -94,8 +94,10 @@ def load_local_model_state(ddp: GeminiDDP, values: dict[str, torch.Tensor]) -> N
             write_back(ddp.chunk_manager, chunk)  # the masters become the parameters
         elif chunk.keep_gathered:
             chunk.sync_gathered()
-        elif chunk in touched and chunk.is_gathered and chunk.can_release:
-            ddp.chunk_manager.release_chunk(chunk)  # a stale gathered copy
+        elif chunk in touched and chunk.is_gathered:
+            chunk.commit_share()  # the values went into the gathered copy: keep them
+            if chunk.can_release:
+                ddp.chunk_manager.release_chunk(chunk)
 
 
 def local_optim_state(opt: Any) -> dict[str, Any]:

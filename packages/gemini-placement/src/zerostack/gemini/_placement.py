@@ -174,7 +174,11 @@ class StaticPlacement(Placement):
         )
 
     def start_iteration(self) -> None:
+        """A training forward: while recording, a forward without a backward
+        before it (a sanity check, say) is not part of the order."""
         self.moment = 0
+        if self.recording:
+            self.order = []
 
     def abandon_iteration(self) -> None:
         """Wait for the gathers prefetched ahead; a recording iteration is recorded again."""
@@ -381,6 +385,10 @@ class AutoPlacement(Placement):
     # -- hooks -------------------------------------------------------------------
 
     def start_iteration(self) -> None:
+        """A training forward: during the warm-up, a forward without a
+        backward before it is not part of what the warm-up records."""
+        if self.warming_up:
+            self._forget()
         self.moment = 0
 
     def abandon_iteration(self) -> None:
@@ -389,9 +397,12 @@ class AutoPlacement(Placement):
         iteration is the warm-up."""
         self.drain()
         if self.warming_up:
-            self.stats = MemStats()
-            self._period_open = None
+            self._forget()
         self.moment = 0
+
+    def _forget(self) -> None:
+        self.stats = MemStats()
+        self._period_open = None
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         """Called before ``chunks`` are gathered: record (warm-up) or make

@@ -47,6 +47,8 @@ _copy_streams: dict[torch.device, Any] = {}
 def copy_stream(device: torch.device) -> Any:
     """The side stream that prefetched gathers copy host shards on (one per
     CUDA device; see [Note: a prefetch copies beside compute])."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     stream = _copy_streams.get(device)
     if stream is None:
         stream = _copy_streams[device] = torch.cuda.Stream(device)
@@ -55,20 +57,18 @@ def copy_stream(device: torch.device) -> Any:
 
 class _CopyIn:
     """The work of a gather whose host-to-device copy runs on the copy stream:
-    ``wait()`` makes the current stream wait for it (and for the all-gather
-    that follows it, when there is one); the host shard it reads stays
-    referenced until then."""
+    ``wait()`` makes the current stream wait for the copy, or for the
+    all-gather issued after it on the collective's stream."""
 
-    def __init__(self, device: torch.device, shard: torch.Tensor, collective: Any) -> None:
-        self._device, self._shard, self._collective = device, shard, collective
-        self.copied = copy_stream(device).record_event()
+    def __init__(self, device: torch.device, collective: Any) -> None:
+        self._device, self._collective = device, collective
+        self._copied = copy_stream(device).record_event() if collective is None else None
 
     def wait(self) -> None:
         if self._collective is not None:
             self._collective.wait()
         else:
-            torch.cuda.current_stream(self._device).wait_event(self.copied)
-        self._shard = None
+            torch.cuda.current_stream(self._device).wait_event(self._copied)
 
 
 def default_compute_device() -> torch.device:
@@ -287,11 +287,15 @@ class Chunk:
             self.settle()
             return None
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
-        if async_op and self.compute_device.type == "cuda" and self._pinned_on_host():
-            work = self._copy_in()
-        else:
-            shard = self.shard.to(self.compute_device, non_blocking=True)
-            work = _comm.all_gather_into(self.buffer, shard, self.process_group, async_op)
+        try:
+            if async_op and self.compute_device.type == "cuda" and self._pinned_on_host():
+                work = self._copy_in()
+            else:
+                shard = self.shard.to(self.compute_device, non_blocking=True)
+                work = _comm.all_gather_into(self.buffer, shard, self.process_group, async_op)
+        except BaseException:
+            self.buffer = None  # not gathered: no garbage buffer that looks gathered
+            raise
         handle = Handle(work, self._rebind)
         if not async_op:
             handle.wait()
@@ -321,10 +325,17 @@ class Chunk:
         wait, so the memory is reused in the compute stream's order only.
         With several ranks the all-gather is issued from the copy stream
         (the collective's stream waits for the copy) and waited as usual.
-        The host shard is read until the copy ends: the chunk is not
-        prefetched while its optimizer update is pending, and Gemini's
-        placement waits for every copy, the host included, before a batch
-        ends or is dropped (``Placement.drain``)."""
+        Anything that reads or writes the chunk's buffer or shard finishes
+        the gather first (``settle``: access, release, reduce, the share
+        helpers, ``shard_move``). The host shard is read until the copy ends,
+        and the host writes it only in an optimizer update or a load: a
+        chunk is not gathered ahead while its update is pending; a gather
+        that was used is followed, before the update, by the blocking copy
+        of its reduced gradient to the host (or the event the CPU step waits
+        for), which comes after the compute stream's wait for the copy; and
+        Gemini's placement waits for the gathers ahead left unused, the host
+        too, at the end of a backward and when a batch is dropped or a
+        checkpoint loaded (``Placement.drain``)."""
         side = copy_stream(self.compute_device)
         collective = None
         staging = (
@@ -341,7 +352,7 @@ class Chunk:
                 collective = _comm.all_gather_into(
                     self.buffer, staging, self.process_group, async_op=True
                 )
-        return _CopyIn(self.compute_device, self.shard, collective)
+        return _CopyIn(self.compute_device, collective)
 
     def settle(self) -> None:
         """Finish a gather issued with ``async_op`` (nothing if none is in flight)."""
@@ -493,6 +504,7 @@ class Chunk:
         """Move this rank's shard to ``device`` (pinned on the CPU when asked)."""
         self._check_closed("shard_move")
         device = check_device(f"Chunk {self.index}.shard_move", "device", device)
+        self.settle()  # a copy in flight reads the shard
         if self.shard is None or self.shard.device == device:
             self.shard_device = device
             return
@@ -515,7 +527,8 @@ class Chunk:
 
     def local_share(self) -> torch.Tensor:
         """This rank's ``shard_size`` elements: the shard, or its slice of the
-        gathered buffer (a view either way)."""
+        gathered buffer (a view either way; a gather in flight is finished first)."""
+        self.settle()
         if self.shard is not None and not self.is_gathered:
             return self.shard
         return self.buffer[self.rank * self.shard_size : (self.rank + 1) * self.shard_size]
@@ -534,6 +547,7 @@ class Chunk:
         """After the gathered tensors were written: copy this rank's slice of
         the buffer into its shard, so a release keeps the new values."""
         self._check_closed("commit_share")
+        self.settle()
         if self.shard is not None and self.is_gathered:
             lo = self.rank * self.shard_size
             self.shard.copy_(self.buffer[lo : lo + self.shard_size])
@@ -594,6 +608,8 @@ class Chunk:
         master = self.paired_chunk
         if master is None:
             raise RuntimeError(f"Chunk {self.index}.copy_from_paired: no paired chunk")
+        self.settle()
+        master.settle()
         if self.is_gathered and master.is_gathered:
             self.buffer.copy_(master.buffer)
         else:
