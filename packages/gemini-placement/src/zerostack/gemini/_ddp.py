@@ -595,9 +595,9 @@ class GeminiDDP(nn.Module):
     def _release_idle(self, chunks: Iterable[Chunk]) -> None:
         if self.placement.keeps_cache:
             return  # auto keeps gathered chunks as a cache, trimmed by next use
-        # Gathered ahead of their use: kept (see zerostack.chunk's [Note: a
-        # prefetch copies beside compute]; drain() waits for those left unused).
-        ahead = self.placement.prefetched
+        # Gathered ahead of their use, or needed next: kept (see zerostack.chunk's
+        # [Note: a prefetch copies beside compute]; drain() waits for those left unused).
+        ahead = self.placement.kept()
         for chunk in chunks:
             if chunk.can_release and chunk not in ahead:
                 self.chunk_manager.release_chunk(chunk)

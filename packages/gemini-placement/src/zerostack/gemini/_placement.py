@@ -100,7 +100,12 @@ class Placement:
 
     @property
     def prefetched(self) -> Container[Chunk]:
-        """Chunks gathered ahead and not yet used (GeminiDDP keeps them gathered)."""
+        """Chunks gathered ahead and not yet used."""
+        return self._prefetched
+
+    def kept(self) -> Container[Chunk]:
+        """Chunks GeminiDDP does not release when idle: those gathered ahead
+        and not yet used."""
         return self._prefetched
 
     def wait_prefetched(self, chunk: Chunk) -> None:
@@ -200,6 +205,18 @@ class StaticPlacement(Placement):
     def after_access(self, chunks: list[Chunk], training: bool) -> None:
         if training and self.max_prefetch > 0 and not self.recording:
             self._prefetch(self.order, lambda c: True)
+
+    def kept(self) -> Container[Chunk]:
+        """Those gathered ahead, and those the next ``max_prefetch`` moments
+        need: a chunk forward used last and backward needs first stays
+        gathered across the end of forward, instead of a release and a
+        gather again."""
+        if self.recording or self.max_prefetch == 0:
+            return self._prefetched
+        soon = set(self._prefetched)
+        for m in range(self.moment, min(len(self.order), self.moment + 1 + self.max_prefetch)):
+            soon.update(self._by_index[i] for i in self.order[m] if i in self._by_index)
+        return soon
 
     def end_warmup(self) -> None:
         """The end of a backward: the recording (the first iteration) ends."""
