@@ -53,13 +53,15 @@ def defaults(fn: Any) -> dict[str, Any]:
 
 def field_defaults(*configs: Any) -> dict[str, Any]:
     """Every field of the default-built ``configs`` and of the configs they
-    hold, by name."""
+    hold, by name; a name in two of them (``max_prefetch``, in both
+    placement configs) has one default."""
     out: dict[str, Any] = {}
     for config in configs:
         for f in dataclasses.fields(config):
             value = getattr(config, f.name)
             inner = field_defaults(value) if dataclasses.is_dataclass(value) else {f.name: value}
-            assert not set(inner) & set(out), f"{sorted(set(inner) & set(out))} in two configs"
+            clash = sorted(n for n in set(inner) & set(out) if not same(inner[n], out[n]))
+            assert not clash, f"{clash} in two configs with two defaults"
             out.update(inner)
     return out
 
@@ -156,3 +158,14 @@ def test_a_disagreeing_default_is_reported():
         check("GeminiPlugin", {"search_range_m": 64}, gemini_expected())
     with pytest.raises(AssertionError, match=r"no config holds: \['new_option'\]"):
         check("GeminiPlugin", {"new_option": 1}, gemini_expected())
+
+    @dataclasses.dataclass
+    class One:
+        x: int = 1
+
+    @dataclasses.dataclass
+    class Two:
+        x: int = 2
+
+    with pytest.raises(AssertionError, match=r"\['x'\] in two configs with two defaults"):
+        field_defaults(One(), Two())
