@@ -133,3 +133,37 @@ def test_a_lazy_transformers_model_is_materialized_with_its_eager_values(plugin)
     idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     booster.backward(model(idx, labels=idx).loss, opt)
     assert opt.step()
+
+
+def test_a_loaded_checkpoint_reaches_frozen_parameters_under_auto_placement(tmp_path):
+    # Auto placement keeps gathered chunks as a cache: a frozen parameter (no
+    # master) loaded into a cached chunk was written there and the copy
+    # released unwritten, so the model kept its old values.
+    def boosted(seed):
+        torch.manual_seed(seed)
+        config = GPTConfig(bias=False, vocab_size=64, dim=16, max_seq_len=16, num_layers=2)
+        model = TinyGPT(config)
+        model.tok_emb.weight.requires_grad_(False)
+        plugin = GeminiPlugin(
+            precision="fp32", placement_policy="auto", gpu_capacity_bytes=10**8,
+            chunk_config_dict={1: {"chunk_size": 2_000}},
+        )  # fmt: skip
+        booster = Booster(plugin=plugin)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        model, opt, *_ = booster.boost(model, HybridAdam(trainable, lr=1e-3))
+        for step in range(2):
+            idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
+            booster.backward(model(idx, idx), opt)
+            opt.step()
+            opt.zero_grad()
+        return booster, model
+
+    booster, model = boosted(0)
+    booster.save_model(model, tmp_path / "model", shard=True)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    booster, model = boosted(1)
+    frozen = "module.tok_emb.weight"  # the boosted model wraps the module
+    assert not torch.equal(model.state_dict()[frozen], want[frozen])
+    booster.load_model(model, tmp_path / "model")
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
