@@ -787,10 +787,10 @@ class GeminiDDP(nn.Module):
         if training or self.config.scatter_after_inference:
             idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]
             if self.auto is not None and not training:
+                kept = self.placement.kept()  # gathered ahead by a training iteration
                 for c in idle:
-                    if c in self.placement.prefetched:
-                        continue  # gathered ahead by a training iteration: kept
-                    self.chunk_manager.release_chunk(c)
+                    if c not in kept:
+                        self.chunk_manager.release_chunk(c)
             else:
                 self._release_idle(idle)
         return out

@@ -79,7 +79,11 @@ class Placement:
         pass
 
     def abandon_iteration(self) -> None:
-        """The iteration's forward or backward raised (its batch is dropped)."""
+        """The iteration's forward or backward raised (its batch is dropped):
+        wait for the gathers prefetched ahead (collectives every rank
+        issued), and record again what a recording iteration recorded."""
+        self.drain()
+        self.start_iteration()
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         pass
@@ -184,13 +188,6 @@ class StaticPlacement(Placement):
         self.moment = 0
         if self.recording:
             self.order = []
-
-    def abandon_iteration(self) -> None:
-        """Wait for the gathers prefetched ahead; a recording iteration is recorded again."""
-        self.drain()
-        if self.recording:
-            self.order = []
-        self.moment = 0
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         if self.max_prefetch == 0:
@@ -405,21 +402,9 @@ class AutoPlacement(Placement):
         """A training forward: during the warm-up, a forward without a
         backward before it is not part of what the warm-up records."""
         if self.warming_up:
-            self._forget()
+            self.stats = MemStats()
+            self._period_open = None
         self.moment = 0
-
-    def abandon_iteration(self) -> None:
-        """Wait for the gathers prefetched ahead (collectives every rank
-        issued); during the warm-up, forget what it recorded: the next
-        iteration is the warm-up."""
-        self.drain()
-        if self.warming_up:
-            self._forget()
-        self.moment = 0
-
-    def _forget(self) -> None:
-        self.stats = MemStats()
-        self._period_open = None
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         """Called before ``chunks`` are gathered: record (warm-up) or make
