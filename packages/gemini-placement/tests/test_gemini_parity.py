@@ -146,7 +146,10 @@ def _run_case(rank, world, case, device="cpu"):
         assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
             f"{name}: unused param moved"
         )
-    if kwargs.get("max_prefetch"):
+    # Auto gathers ahead only within its limit; on a GPU the measured non-model
+    # memory there holds the reference DDP model and its Adam states too, which
+    # leaves this small capacity no room.
+    if kwargs.get("max_prefetch") and (ddp.auto is None or device == "cpu"):
         assert ddp.placement.prefetches > 0, f"{name}: nothing was gathered ahead"
     if ddp.auto is not None and device == "cpu":  # on a GPU, real non-model memory counts too
         auto = ddp.auto
