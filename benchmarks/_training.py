@@ -309,7 +309,9 @@ def device_time(events) -> str:
     spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": []}
     streams: set = set()
     for e in events:
-        if str(e.device_type) != "DeviceType.CUDA":
+        # A record_function range (zerostack::step) also shows as a device
+        # event spanning its kernels: it is no work of its own.
+        if str(e.device_type) != "DeviceType.CUDA" or getattr(e, "is_user_annotation", False):
             continue
         kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernel"
         spans[kind].append((e.time_range.start / 1e6, e.time_range.end / 1e6))

@@ -391,8 +391,16 @@ def profile_steps(step, sync) -> None:
         sync()
     log(f"profile: 2 steps in {time.perf_counter() - t0:.2f} s (profiler on); "
         f"{device_time(prof.events())}")  # fmt: skip
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    log("profile by operator:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
+    table = prof.key_averages().table
+    if torch.cuda.is_available():
+        log("profile by device time:\n" + table(sort_by="self_device_time_total", row_limit=20))
+    # The host side: the zerostack:: phases (their totals include the waits
+    # inside them) and the operators that held the threads longest.
+    log("profile by host time:\n" + table(sort_by="cpu_time_total", row_limit=25))
+    trace = os.environ.get("ZEROSTACK_BENCH_TRACE")
+    if trace:  # a Chrome trace of the two steps (chrome://tracing, ui.perfetto.dev)
+        prof.export_chrome_trace(trace)
+        log(f"profile: trace in {trace}")
 
 
 def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes: int) -> list[str]:

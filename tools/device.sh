@@ -33,7 +33,8 @@
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
 #                              (default 2B) pinned, every chunk on the CPU, batch BATCH (default 8), once per
 #                              max_prefetch in PREFETCHES (default "0 2"), each with --profile (the device's
-#                              kernels, copies and idle time), PLAIN_TFLOPS and SCALE_ARGS as for scale
+#                              kernels, copies and idle time; a Chrome trace, trace_D.json.gz), PLAIN_TFLOPS
+#                              and SCALE_ARGS as for scale; SKIP_TESTS=1: no tests
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
@@ -201,14 +202,18 @@ scale)
 prefetch)
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   build; sources; machine
-  { timeout 200 python3 -m pytest packages/zero-chunk/tests/test_chunk.py -m gpu -q -p no:cacheprovider
-    timeout 400 python3 -m pytest packages/gemini-placement/tests/test_gemini_gpu.py -m gpu -q \
-      -p no:cacheprovider; } 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped"
+  if [ "${SKIP_TESTS:-0}" != 1 ]; then
+    { timeout 200 python3 -m pytest packages/zero-chunk/tests/test_chunk.py -m gpu -q -p no:cacheprovider
+      timeout 400 python3 -m pytest packages/gemini-placement/tests/test_gemini_gpu.py -m gpu -q \
+        -p no:cacheprovider; } 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped"
+  fi
   for d in ${PREFETCHES:-0 2}; do
-    timeout 500 python3 benchmarks/scale.py --params "${1:-2B}" --nvme-fraction 0 --raw-gb 0 --force \
-      --pin-memory --batch-size "${BATCH:-8}" --max-prefetch "$d" --profile \
-      ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} > "$OUT/prefetch_$d.log" 2>&1
+    ZEROSTACK_BENCH_TRACE="$OUT/trace_$d.json" timeout 500 python3 benchmarks/scale.py \
+      --params "${1:-2B}" --nvme-fraction 0 --raw-gb 0 --force --pin-memory --batch-size "${BATCH:-8}" \
+      --max-prefetch "$d" --profile ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} \
+      > "$OUT/prefetch_$d.log" 2>&1
     echo "exit $?"; grep -E "profile:|^\| [0-9]|TFLOPS|floor|Error" "$OUT/prefetch_$d.log" | tail -8
+    gzip -f "$OUT/trace_$d.json" 2>/dev/null
   done
   ;;
 multi-gpu)
