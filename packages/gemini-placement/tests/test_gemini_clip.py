@@ -95,16 +95,36 @@ def _bf16_norms(rank, world):
     # Synchronous CPU step: an update on the worker would write over the
     # gradient this test reads (the step's own norm takes it before).
     opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, overlap_cpu_step=False)
+    read = _count_norm_reads()
     for step in range(3):
         idx, tgt = make_batch(CONFIG, 4, 16, seed=100 * step + rank)
         opt.backward(ddp(idx, tgt).float())
         # The chunks' reduced bf16 gradients, whole, in fp32: a DDP reference's.
         grads = [_whole(_grad_share(chunk), chunk) for chunk, _ in opt.pairs]
         expected = torch.nn.utils.get_total_norm(grads, 2.0).item()
+        read.clear()
         assert opt.step()
         assert opt.last_grad_norm == pytest.approx(expected, rel=NORM_RTOL), step
         assert float(torch.tensor(opt.last_grad_norm).bfloat16()) != opt.last_grad_norm
+        # Every share's norm came from its reduction (half of them are on the
+        # host): the step read none. See zero-chunk's [Note: the reduced share's norm].
+        assert read == [0], (step, read)
     opt.close()
+
+
+def _count_norm_reads() -> list[int]:
+    """How many gradient shares each of the optimizer's norms reads itself."""
+    import zerostack.gemini._optimizer as optimizer_module
+
+    counts: list[int] = []
+    inner = optimizer_module.norm_part
+
+    def counted(tensors, norm_type, device):
+        counts.append(len(tensors))
+        return inner(tensors, norm_type, device)
+
+    optimizer_module.norm_part = counted
+    return counts
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

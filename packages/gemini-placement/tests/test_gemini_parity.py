@@ -146,6 +146,11 @@ def _run_case(rank, world, case, device="cpu"):
         assert torch.equal(ddp.state_dict()["unused.weight"], unused_before), (
             f"{name}: unused param moved"
         )
+    _check_placement(name, ddp, kwargs, device)
+
+
+def _check_placement(name, ddp, kwargs, device):
+    """Gathers ahead happened; auto's capacity forced evictions and held."""
     # Auto gathers ahead only within its limit; on a GPU the measured non-model
     # memory there holds the reference DDP model and its Adam states too, which
     # leaves this small capacity no room.

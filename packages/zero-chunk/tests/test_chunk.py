@@ -71,6 +71,10 @@ def _check_reduce(rank, world, async_op, use_grad_chunk):
     torch.testing.assert_close(target.shard, mine)
     assert all(chunk.tensor_state(t) is TensorState.HOLD for t in tensors)
     assert target.buffer is None
+    # The share's norm, taken by the reduction; stale once the share changes.
+    torch.testing.assert_close(target.reduced_norm(), mine.norm())
+    target.shard.mul_(2.0)
+    assert target.reduced_norm() is None
     if not use_grad_chunk:
         assert all(t.numel() == 0 for t in tensors)
 
@@ -87,6 +91,7 @@ def _check_keep_gathered(rank, world):
     chunk.reduce()
     expected = sum(range(world)) / world
     assert all(torch.allclose(t, torch.full_like(t, expected)) for t in tensors)
+    assert chunk.reduced_norm() is None  # all-reduced: no share of its own
 
 
 def _check_norms(rank, world):
@@ -259,6 +264,10 @@ def test_reduce_writes_into_the_host_shard_it_replaces(pin):
     assert not chunk.is_gathered
     used = sum(t.numel() for t in tensors)
     assert torch.equal(chunk.shard[:used], torch.full((used,), 2.5))
+    # Its norm was taken on the device, before the copy to the host.
+    norm = chunk.reduced_norm()
+    assert norm.is_cuda
+    torch.testing.assert_close(norm.cpu(), chunk.shard.norm())
 
 
 # -- bad input ----------------------------------------------------------------

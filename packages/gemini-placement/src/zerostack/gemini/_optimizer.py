@@ -397,10 +397,9 @@ class GeminiOptimizer:
                 "clip, step)"
             )
         self._check_scaled("clip_grad_by_norm")
-        grads = [_grad_share(c) for c, _ in self.pairs]
         with phase("zerostack::reduce"):
             total, self._clip = record_clip(
-                api, norm_part(grads, norm_type, module.compute_device),
+                api, self._norm_part(norm_type),
                 max_norm=max_norm, norm_type=norm_type, group=module.process_group,
                 scale=self.scaler.scale if self.scaler is not None else 1.0,
                 applied=self._clip, error_if_nonfinite=error_if_nonfinite,
@@ -492,7 +491,7 @@ class GeminiOptimizer:
         grads = [_grad_share(c) for c, _ in self.pairs]
         trainable = self._trainable_params
         used = torch.tensor(module.take_used(trainable), device=module.compute_device)
-        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_sq(grads))
+        stats = grad_stats([], used, module.process_group, norm_sq=self._norm_part(2.0))
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self._clip = 1.0
         if plan.skip:
@@ -567,10 +566,25 @@ class GeminiOptimizer:
         if unused:
             lane.settle()
 
-    def _norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's squared gradient norm, as zerostack.shard's grad_stats
-        takes it: accumulated in fp32 on the compute device."""
-        return norm_part(grads, 2.0, self.module.compute_device)
+    def _norm_part(self, norm_type: float) -> torch.Tensor:
+        """This rank's part of the gradients' p-norm as zerostack.shard's
+        norm_part gives it (the sum of p-th powers, or the max for inf), in
+        fp32 on the compute device. A 2-norm takes each share's norm from its
+        reduction where that still holds (zero-chunk's [Note: the reduced
+        share's norm]): a share on the host is not read there."""
+        device = self.module.compute_device
+        shares, known = [], []
+        for chunk, _ in self.pairs:
+            target = chunk.grad_chunk if chunk.grad_chunk is not None else chunk
+            norm = target.reduced_norm() if norm_type == 2.0 else None
+            if norm is None:
+                shares.append(target.local_share())
+            else:
+                known.append(norm.to(device))
+        part = norm_part(shares, norm_type, device)
+        if known:
+            part = part + torch.stack(known).pow(2).sum()
+        return part
 
     def _as_grad(self, grad: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
         """``grad`` as ``master``'s gradient: on its device (a shard kept on the
