@@ -27,7 +27,7 @@
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
 #                              give one fraction per call (each run is up to ~9 min: the call limit is 10);
 #                              BATCH (default 1), PLAIN_TFLOPS (plain's TFLOPS on the 1.5B model, for the
-#                              share), SCALE_ARGS (more scale.py options). The 2026-12-02 8B row (pinned):
+#                              share), SCALE_ARGS (more scale.py options), SCALE_TIMEOUT (s a run, default 530). The 2026-12-02 8B row (pinned):
 #                              BATCH=24 PLAIN_TFLOPS=291 SCALE_ARGS="--raw-gb 0 --force --steps 4 --pin-memory" ... scale 8B 0
 #   tools/device.sh prefetch [SIZE]  gathers ahead (max_prefetch): their GPU tests (zero-chunk's copy
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
@@ -194,7 +194,7 @@ scale)
   build; sources; machine
   { df -h /tmp; free -g; } > "$OUT/disk.txt" 2>&1
   for f in ${2:-0 1}; do
-    timeout 530 python3 benchmarks/scale.py --params "${1:-8B}" --nvme-fraction "$f" --nvme-dir /tmp \
+    timeout "${SCALE_TIMEOUT:-530}" python3 benchmarks/scale.py --params "${1:-8B}" --nvme-fraction "$f" --nvme-dir /tmp \
       --batch-size "${BATCH:-1}" ${PLAIN_TFLOPS:+--plain-tflops "$PLAIN_TFLOPS"} ${SCALE_ARGS:-} \
       > "$OUT/scale_${1:-8B}_$f.log" 2>&1; echo "exit $?"; grep -vE "^\[scale\] step" "$OUT/scale_${1:-8B}_$f.log" | tail -30
   done
