@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent(
     """
 )
 KINDS = ("ddp", "zero2-offload", "gemini-nvme")
-LAUNCHES = 60 if os.environ.get("ZEROSTACK_RELIABILITY_FULL") == "1" else 12
+LAUNCHES = 60 if os.environ.get("ZEROSTACK_RELIABILITY_FULL") == "1" else 6
 
 
 def _free_port() -> int:

@@ -187,6 +187,17 @@ def _all(rank, world, cases):
         _run_case(rank, world, case)
 
 
+# At 4 ranks, the cases whose shards and collectives change with the world
+# size in ways 2 ranks do not show (uneven padding, ranks holding halves of
+# offloaded and gathered-ahead chunks); all of them at 1 and 2.
+AT_FOUR = {
+    "fp32-sgd-clip-offload", "fp32-half-sharded", "fp32-frozen-embedding", "bf16-clip-offload",
+    "fp32-zero2-accum4", "fp32-auto-evicting", "fp32-offload-prefetch",
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_ddp(world_size):
-    spawn(_all, world_size, args=(CASES,), backend="gloo", timeout_s=300)
+    cases = [c for c in CASES if world_size < 4 or c[0] in AT_FOUR]
+    assert world_size < 4 or len(cases) == len(AT_FOUR)
+    spawn(_all, world_size, args=(cases,), backend="gloo", timeout_s=300)

@@ -174,9 +174,20 @@ def _cases():
     return [c for c in CASES if HAVE_FUSED_ADAM or not c.offload]
 
 
+# At 4 ranks, the cases whose buckets and partitions change with the world
+# size in ways 2 ranks do not show (clipping's norm over four partitions,
+# accumulation, offloaded steps); all of them at 1 and 2.
+AT_FOUR = {
+    "s1-fp32-sgd-clip", "s2-fp32-accum4", "s2-fp16-adamw-clip", "s2-fp32-offload",
+    "s1-bf16-offload-accum", "s2-fp32-offload-sgd-clip", "s2-fp32-sgd-clip-no-overlap-accum2",
+}  # fmt: skip
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parity_with_ddp(world_size):
-    spawn(_all_cases, world_size, args=(_cases(),), backend="gloo", timeout_s=300)
+    cases = [c for c in _cases() if world_size < 4 or c.name in AT_FOUR]
+    assert {c.name for c in CASES} >= AT_FOUR  # no name mistyped
+    spawn(_all_cases, world_size, args=(cases,), backend="gloo", timeout_s=300)
 
 
 SUBGROUP_CASES = [
