@@ -30,12 +30,13 @@ One configuration per run (a model of billions of parameters is built once):
     python benchmarks/scale.py --params 8B --batch-size 8 --plain-tflops TFLOPS --machine m.json
 
 With ``--plain-tflops`` (what plain PyTorch reaches on a model that fits,
-benchmarks/gemini.py's TFLOPS column) the run's share of it is printed; with
-``--machine`` too (benchmarks/machine.py's profile), the step's floor.
+benchmarks/gemini.py's TFLOPS column) the run's share of it is printed. With
+``--machine`` (benchmarks/machine.py's profile), the step's floor: its compute
+term is measured first, the same model all on the GPU without an optimizer
+(bf16 parameters and gradients: 32 GB at 8B, before the cap).
 
 The peer of this benchmark is the raw disk, and the target the bytes per
-parameter (issue 12: at most 14 B/param with states in RAM, 6 with them on
-disk); tokens/s compares runs at fractions 0 and 1 of the same size.
+parameter (at most 14 B/param with states in RAM, 6 with them on disk); tokens/s compares runs at fractions 0 and 1 of the same size.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -324,14 +326,56 @@ def build(a, config: GPTConfig, device: torch.device, directory: str):
     return ddp, adam, opt, time.perf_counter() - t0
 
 
-def train(a, config, ddp, opt, device) -> dict:
+def batch_of(a, config, device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, config.vocab_size, (a.batch_size, a.seq_len), generator=gen)
-    idx, tgt = idx.to(device), torch.roll(idx, -1, dims=1).to(device)
+    return idx.to(device), torch.roll(idx, -1, dims=1).to(device)
 
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+
+def sync_of(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
+def compute_pass(a, config, device) -> dict:
+    """The floor's compute term: forward, and forward plus backward, of the
+    same model all on the compute device (bf16 parameters, the same
+    checkpointing and batch, no optimizer), 1 warm-up and 2 timed passes,
+    medians. Run before the GPU cap, which an 8B model's parameters and
+    gradients (32 GB) do not fit; its memory is given back before the
+    Gemini run and the peak statistics reset."""
+    sync = sync_of(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TinyGPT(config).to(torch.bfloat16)
+    checkpoint_blocks(model)
+    idx, tgt = batch_of(a, config, device)
+    fwd, both = [], []
+    for i in range(3):
+        sync()
+        t0 = time.perf_counter()
+        loss = model(idx, tgt)
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        if i:
+            fwd.append(t1 - t0)
+            both.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    del model, loss
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return dict(
+        forward_s=statistics.median(fwd),
+        backward_s=statistics.median(both) - statistics.median(fwd),
+    )
+
+
+def train(a, config, ddp, opt, device) -> dict:
+    idx, tgt = batch_of(a, config, device)
+    sync = sync_of(device)
 
     times, losses = [], []
     cpu_step0 = wait0 = nvme0 = 0.0
@@ -403,26 +447,27 @@ def profile_steps(step, sync) -> None:
         log(f"profile: trace in {trace}")
 
 
-def throughput_and_floor(a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes: int) -> list[str]:
+def throughput_and_floor(
+    a, config: GPTConfig, n: int, r: dict, ddp, disk_bytes: int, compute: dict | None
+) -> list[str]:
     """TFLOPS by the training benchmarks' formula (model FLOPs 6N + 12 L d s
     per token, recomputation not counted), its share of ``--plain-tflops``,
-    and with ``--machine`` the step's floor: forward and backward as plain
-    PyTorch would take them at ``--plain-tflops`` (the forward a quarter of
-    it: 2N of the 8N FLOPs per token a step with activation checkpointing
-    runs), the updates as [Note: step-time floor] in zero-shard says."""
+    and with ``--machine`` the step's floor: forward and backward as
+    ``compute_pass`` measured them, the updates as [Note: step-time floor]
+    in zero-shard says."""
     per_token = 6 * n + 12 * config.num_layers * config.dim * a.seq_len
     tflops = r["tokens_s"] * per_token / 1e12
     lines = [f"- {tflops:.2f} TFLOPS (6N + 12 L d s per token)"]
     if a.plain_tflops is None:
-        return lines + ["- no --plain-tflops: no share of plain PyTorch's TFLOPS, no floor"]
-    lines[0] += f": {tflops / a.plain_tflops:.1%} of plain PyTorch's {a.plain_tflops:g}"
-    if a.machine is None:
+        lines.append("- no --plain-tflops: no share of plain PyTorch's TFLOPS")
+    else:
+        lines[0] += f": {tflops / a.plain_tflops:.1%} of plain PyTorch's {a.plain_tflops:g}"
+    if a.machine is None or compute is None:
         return lines + ["- no --machine PROFILE.json: no floor"]
-    compute = a.batch_size * a.seq_len * per_token / (a.plain_tflops * 1e12)
     try:
         est = step_floor(
-            MachineProfile.load(a.machine), forward_s=compute / 4, backward_s=compute * 3 / 4,
-            disk_read_bytes=disk_bytes, disk_write_bytes=disk_bytes, **ddp.step_amounts(),
+            MachineProfile.load(a.machine), **compute, disk_read_bytes=disk_bytes,
+            disk_write_bytes=disk_bytes, **ddp.step_amounts(),
         )  # fmt: skip
     except ValueError as exc:
         return lines + [f"- no floor: {exc}"]
@@ -509,13 +554,13 @@ def main() -> int:
     ap.add_argument(
         "--plain-tflops", type=float, default=None,
         help="the TFLOPS plain PyTorch reaches on a model that fits the GPU (the TFLOPS column of "
-        "benchmarks/gemini.py --only plain): the table gives this run's share of it, and with "
-        "--machine the step's floor",
+        "benchmarks/gemini.py --only plain): the table gives this run's share of it",
     )  # fmt: skip
     ap.add_argument(
         "--machine", default=None, metavar="PROFILE.json",
-        help="a MachineProfile written by benchmarks/machine.py: with --plain-tflops, the floor "
-        "of this step (zerostack.shard.step_floor) and achieved / floor",
+        help="a MachineProfile written by benchmarks/machine.py: the floor of this step "
+        "(zerostack.shard.step_floor, its forward and backward measured first with the model all "
+        "on the GPU) and achieved / floor",
     )  # fmt: skip
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s")
@@ -552,6 +597,11 @@ def main() -> int:
     for line in plan(a, n, device, directory, disk):
         log(line)
     cut_steps(a, n, disk)
+    compute = None
+    if a.machine is not None:  # See [Note: step-time floor] in zero-shard
+        compute = compute_pass(a, config, device)
+        log(f"the model all on {device.type}, no optimizer: forward {compute['forward_s']:.3f} s, "
+            f"backward {compute['backward_s']:.3f} s (the floor's compute term)")  # fmt: skip
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_cap_gib * 2**30 / _gpu_total()))
 
@@ -614,7 +664,7 @@ def main() -> int:
         f"{k} {hb.per_param(hb.owners[k]):.2f}" for k in HOST_OWNERS if hb.owners[k]
     ))  # fmt: skip
     print(f"final loss {r['loss']:.4f}")
-    print("\n".join(throughput_and_floor(a, config, n, r, ddp, on_disk)))
+    print("\n".join(throughput_and_floor(a, config, n, r, ddp, on_disk, compute)))
     opt.close()
     return 0
 
