@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -77,6 +79,21 @@ def _check_reduce(rank, world, async_op, use_grad_chunk):
     assert target.reduced_norm() is None
     if not use_grad_chunk:
         assert all(t.numel() == 0 for t in tensors)
+
+
+def test_a_dropped_share_is_freed_with_its_norm_kept_weakly():
+    # The reduced share's norm keeps no share alive: consume_grad drops a
+    # grad chunk's share to free it. See [Note: the reduced share's norm].
+    chunk, tensors, _ = _filled()
+    chunk.access()
+    grad = chunk.init_grad_chunk()
+    grad.buffer.fill_(2.0)
+    _to_ready(chunk, tensors)
+    chunk.reduce()
+    torch.testing.assert_close(grad.reduced_norm(), grad.shard.norm())
+    share = weakref.ref(grad.shard)
+    grad.shard = None
+    assert share() is None and grad.reduced_norm() is None
 
 
 def _check_keep_gathered(rank, world):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -195,8 +196,9 @@ class Chunk:
         self.paired_chunk: Chunk | None = None
         self.grad_chunk: Chunk | None = None
         self._in_flight: Handle | None = None  # an async gather not yet waited on
-        # See [Note: the reduced share's norm]: (norm, the share, its version).
-        self._reduced_norm: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # See [Note: the reduced share's norm]: (norm, the share (weakly: a
+        # dropped share is freed), its version).
+        self._reduced_norm: tuple[torch.Tensor, weakref.ref, int] | None = None
 
     # -- filling -----------------------------------------------------------
 
@@ -492,7 +494,7 @@ class Chunk:
                     old.copy_(out)
                 else:
                     target.shard = out.to(self.shard_device)
-                target._reduced_norm = (norm, target.shard, target.shard._version)
+                target._reduced_norm = (norm, weakref.ref(target.shard), target.shard._version)
                 if target is self:
                     self._drop_buffer()
                 else:
@@ -547,8 +549,14 @@ class Chunk:
         record = self._reduced_norm
         if record is None:
             return None
-        norm, share, version = record
-        if self.is_gathered or share is not self.shard or share._version != version:
+        norm, ref, version = record
+        share = ref()
+        if (
+            self.is_gathered
+            or share is None
+            or share is not self.shard
+            or share._version != version
+        ):
             self._reduced_norm = None
             return None
         return norm
