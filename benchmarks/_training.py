@@ -311,7 +311,7 @@ def device_time(events) -> str:
     for e in events:
         # A record_function range (zerostack::step) also shows as a device
         # event spanning its kernels: it is no work of its own.
-        if str(e.device_type) != "DeviceType.CUDA" or getattr(e, "is_user_annotation", False):
+        if str(e.device_type) != "DeviceType.CUDA" or e.is_user_annotation:
             continue
         kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernel"
         spans[kind].append((e.time_range.start / 1e6, e.time_range.end / 1e6))

@@ -36,7 +36,8 @@ term is measured first, the same model all on the GPU without an optimizer
 (bf16 parameters and gradients: 32 GB at 8B, before the cap).
 
 The peer of this benchmark is the raw disk, and the target the bytes per
-parameter (at most 14 B/param with states in RAM, 6 with them on disk); tokens/s compares runs at fractions 0 and 1 of the same size.
+parameter (at most 14 B/param with states in RAM, 6 with them on disk);
+tokens/s compares runs at fractions 0 and 1 of the same size.
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ def compute_pass(a, config, device) -> dict:
     """The floor's compute term: forward, and forward plus backward, of the
     same model all on the compute device (bf16 parameters, the same
     checkpointing and batch, no optimizer), 1 warm-up and 2 timed passes,
-    medians. Run before the GPU cap, which an 8B model's parameters and
+    medians and the spread of forward plus backward. Run before the GPU cap, which an 8B model's parameters and
     gradients (32 GB) do not fit; its memory is given back before the
     Gemini run and the peak statistics reset."""
     sync = sync_of(device)
@@ -370,6 +371,7 @@ def compute_pass(a, config, device) -> dict:
     return dict(
         forward_s=statistics.median(fwd),
         backward_s=statistics.median(both) - statistics.median(fwd),
+        spread=max(both) / min(both),
     )
 
 
@@ -466,7 +468,8 @@ def throughput_and_floor(
         return lines + ["- no --machine PROFILE.json: no floor"]
     try:
         est = step_floor(
-            MachineProfile.load(a.machine), **compute, disk_read_bytes=disk_bytes,
+            MachineProfile.load(a.machine), forward_s=compute["forward_s"],
+            backward_s=compute["backward_s"], disk_read_bytes=disk_bytes,
             disk_write_bytes=disk_bytes, **ddp.step_amounts(),
         )  # fmt: skip
     except ValueError as exc:
@@ -601,7 +604,8 @@ def main() -> int:
     if a.machine is not None:  # See [Note: step-time floor] in zero-shard
         compute = compute_pass(a, config, device)
         log(f"the model all on {device.type}, no optimizer: forward {compute['forward_s']:.3f} s, "
-            f"backward {compute['backward_s']:.3f} s (the floor's compute term)")  # fmt: skip
+            f"backward {compute['backward_s']:.3f} s, spread {compute['spread']:.2f} (the floor's "
+            "compute term)")  # fmt: skip
     if device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(min(1.0, a.gpu_cap_gib * 2**30 / _gpu_total()))
 

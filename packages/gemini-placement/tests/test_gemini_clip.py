@@ -7,6 +7,7 @@ for bf16 chunks. See zerostack.shard's [Note: gradient clipping] and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerostack.chunk import all_gather_into
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
-from zerostack.gemini._optimizer import _grad_share
+from zerostack.gemini._optimizer import _grad_share, _grad_target
 from zerostack.shard import ShardedGradient
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
@@ -95,24 +96,27 @@ def _bf16_norms(rank, world):
     # Synchronous CPU step: an update on the worker would write over the
     # gradient this test reads (the step's own norm takes it before).
     opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, overlap_cpu_step=False)
-    read = _count_norm_reads()
-    for step in range(3):
-        idx, tgt = make_batch(CONFIG, 4, 16, seed=100 * step + rank)
-        opt.backward(ddp(idx, tgt).float())
-        # The chunks' reduced bf16 gradients, whole, in fp32: a DDP reference's.
-        grads = [_whole(_grad_share(chunk), chunk) for chunk, _ in opt.pairs]
-        expected = torch.nn.utils.get_total_norm(grads, 2.0).item()
-        read.clear()
-        assert opt.step()
-        assert opt.last_grad_norm == pytest.approx(expected, rel=NORM_RTOL), step
-        assert float(torch.tensor(opt.last_grad_norm).bfloat16()) != opt.last_grad_norm
-        # Every share's norm came from its reduction (half of them are on the
-        # host): the step read none. See zero-chunk's [Note: the reduced share's norm].
-        assert read == [0], (step, read)
+    with _norm_reads() as read:
+        for step in range(3):
+            idx, tgt = make_batch(CONFIG, 4, 16, seed=100 * step + rank)
+            opt.backward(ddp(idx, tgt).float())
+            # The chunks' reduced bf16 gradients, whole, in fp32: a DDP reference's.
+            grads = [_whole(_grad_share(chunk), chunk) for chunk, _ in opt.pairs]
+            expected = torch.nn.utils.get_total_norm(grads, 2.0).item()
+            read.clear()
+            assert opt.step()
+            assert opt.last_grad_norm == pytest.approx(expected, rel=NORM_RTOL), step
+            assert float(torch.tensor(opt.last_grad_norm).bfloat16()) != opt.last_grad_norm
+            # Every share's norm came from its reduction: the step read none (here
+            # every share is in host memory). See zero-chunk's [Note: the reduced
+            # share's norm]. The updates wrote over the shares: no norm is left.
+            assert read == [0], (step, read)
+            assert all(_grad_target(c).reduced_norm() is None for c, _ in opt.pairs), step
     opt.close()
 
 
-def _count_norm_reads() -> list[int]:
+@contextlib.contextmanager
+def _norm_reads():
     """How many gradient shares each of the optimizer's norms reads itself."""
     import zerostack.gemini._optimizer as optimizer_module
 
@@ -124,7 +128,10 @@ def _count_norm_reads() -> list[int]:
         return inner(tensors, norm_type, device)
 
     optimizer_module.norm_part = counted
-    return counts
+    try:
+        yield counts
+    finally:
+        optimizer_module.norm_part = inner
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -91,6 +91,13 @@ def test_a_dropped_share_is_freed_with_its_norm_kept_weakly():
     _to_ready(chunk, tensors)
     chunk.reduce()
     torch.testing.assert_close(grad.reduced_norm(), grad.shard.norm())
+    grad.forget_reduced_norm()  # a writer the version counter does not see
+    assert grad.reduced_norm() is None
+    chunk.access()
+    _to_ready(chunk, tensors)
+    chunk.init_grad_chunk().buffer.fill_(2.0)
+    chunk.reduce()
+    assert grad.reduced_norm() is not None
     share = weakref.ref(grad.shard)
     grad.shard = None
     assert share() is None and grad.reduced_norm() is None

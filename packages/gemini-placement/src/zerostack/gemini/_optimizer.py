@@ -442,6 +442,7 @@ class GeminiOptimizer:
     def _drop_grads(self) -> None:
         self._clip = 1.0
         for chunk, _ in self.pairs:
+            _grad_target(chunk).forget_reduced_norm()
             write_back(self.manager, chunk)
         self.module.finish_step()
 
@@ -492,6 +493,8 @@ class GeminiOptimizer:
         trainable = self._trainable_params
         used = torch.tensor(module.take_used(trainable), device=module.compute_device)
         stats = grad_stats([], used, module.process_group, norm_sq=self._norm_part(2.0))
+        for chunk, _ in self.pairs:  # the updates write new values over these shares
+            _grad_target(chunk).forget_reduced_norm()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self._clip = 1.0
         if plan.skip:
@@ -575,7 +578,7 @@ class GeminiOptimizer:
         device = self.module.compute_device
         shares, known = [], []
         for chunk, _ in self.pairs:
-            target = chunk.grad_chunk if chunk.grad_chunk is not None else chunk
+            target = _grad_target(chunk)
             norm = target.reduced_norm() if norm_type == 2.0 else None
             if norm is None:
                 shares.append(target.local_share())
@@ -801,10 +804,15 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 0 if isinstance(optimizer, torch.optim.SGD) else 8
 
 
+def _grad_target(chunk: Chunk) -> Chunk:
+    """The chunk that holds ``chunk``'s reduced gradient: its grad chunk under
+    gradient accumulation, else itself (written over the parameter shard)."""
+    return chunk.grad_chunk if chunk.grad_chunk is not None else chunk
+
+
 def _grad_share(chunk: Chunk) -> torch.Tensor:
-    """This rank's share of ``chunk``'s reduced gradient (in its grad chunk
-    under gradient accumulation, else over the parameter shard)."""
-    return (chunk.grad_chunk if chunk.grad_chunk is not None else chunk).local_share()
+    """This rank's share of ``chunk``'s reduced gradient."""
+    return _grad_target(chunk).local_share()
 
 
 # Each GeminiDDP's live GeminiOptimizer, and the inner optimizers wrapped already.

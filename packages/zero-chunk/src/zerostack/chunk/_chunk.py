@@ -446,7 +446,9 @@ class Chunk:
         parameters, `reuse_fp16_chunk`). Sharded chunks reduce-scatter, so each
         rank keeps the mean of its shard in ``shard`` (of the grad chunk, or of
         this chunk, replacing its parameter shard); kept-gathered chunks
-        all-reduce in place. Every tensor goes back to HOLD.
+        all-reduce in place. Every tensor goes back to HOLD. A reduce-scattered
+        share's norm is taken on the compute device and kept
+        (:meth:`reduced_norm`).
 
         Raises:
             RuntimeError: not every tensor is READY_FOR_REDUCE (the chunk is
@@ -476,7 +478,8 @@ class Chunk:
             work = _comm.reduce_scatter_sum(out, full, self.process_group, async_op)
 
             def finish() -> None:
-                # See [Note: the reduced share's norm]
+                # See [Note: the reduced share's norm]. foreach, as zero-shard's
+                # norm_part takes the shares' norms: the same kernel, the same rounding.
                 norm = torch._foreach_norm([out], 2.0, dtype=torch.float32)[0]
                 old = target.shard
                 if self.shard_device == self.compute_device:
@@ -535,17 +538,25 @@ class Chunk:
 
     # [Note: the reduced share's norm] Clipping and the overflow check need
     # the norm of every gradient share at the step. A share kept on the host
-    # (offloaded masters) would be read there by torch's CPU norm, which ran
-    # at about 1.2 G elements/s on a 16-core H200 host: 1.75 s of a 2.7 s step
-    # on a 2B model. So reduce takes the share's norm on the compute device,
-    # while it is still there, and keeps it with the share and the share's
-    # version counter; any later in-place write to the share, or a new share,
-    # makes it stale, and the caller computes the norm itself.
+    # (offloaded masters) would be read there by torch's CPU norm, far slower
+    # than the host's memory bandwidth (docs/benchmarks.md, 2026-12-02: most
+    # of a 2B model's step). So reduce takes the share's norm on the compute
+    # device, while the share is still there, and keeps it with a weak
+    # reference to the share and the share's version counter: a torch op
+    # that writes the share moves the counter, and a new share or a gathered
+    # chunk does not match, so the record goes stale and the caller computes
+    # the norm itself. A writer through the data pointer (fused-adam's
+    # kernels writing new values into a share) moves no counter: its caller
+    # calls forget_reduced_norm() first.
     def reduced_norm(self) -> torch.Tensor | None:
-        """The fp32 2-norm of this rank's share as the last ``reduce`` left it
-        (a 0-dim tensor on the compute device), or None when the share has
-        changed since, was never reduce-scattered or was all-reduced (kept
-        gathered). See [Note: the reduced share's norm]."""
+        """The fp32 2-norm of this rank's share as the last ``reduce`` left it.
+        See [Note: the reduced share's norm].
+
+        Returns:
+            A 0-dim fp32 tensor on the compute device, or None when the share
+            has changed since, was never reduce-scattered, was all-reduced
+            (kept gathered) or ``forget_reduced_norm`` was called.
+        """
         record = self._reduced_norm
         if record is None:
             return None
@@ -560,6 +571,11 @@ class Chunk:
             self._reduced_norm = None
             return None
         return norm
+
+    def forget_reduced_norm(self) -> None:
+        """Drop the reduced share's norm: the share is about to be written in a
+        way its version counter does not see. See [Note: the reduced share's norm]."""
+        self._reduced_norm = None
 
     def local_share(self) -> torch.Tensor:
         """This rank's ``shard_size`` elements: the shard, or its slice of the
