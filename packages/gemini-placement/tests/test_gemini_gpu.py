@@ -95,3 +95,42 @@ def test_step_amounts_count_the_parameters_streamed_from_the_host():
         assert amounts["streamed_bytes"] == (shards if param_frac else 0)
         assert amounts["h2d_bytes_per_param"] == (0 if param_frac else 4)
         assert amounts["d2h_bytes_per_param"] == 4
+
+
+def _norm_on_device(rank, world, device="cuda"):
+    from test_gemini_clip import CHUNKS, CONFIG, _norm_reads
+
+    from zerostack.gemini import GeminiDDP, GeminiOptimizer
+    from zerostack.gemini._optimizer import _grad_share, _grad_target
+    from zerostack.testing import TinyGPT, make_batch
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    torch.manual_seed(0)
+    ddp = GeminiDDP(
+        TinyGPT(CONFIG), mixed_precision=torch.bfloat16, chunk_config_dict={world: CHUNKS},
+        compute_device=device, offload_param_frac=1.0, offload_optim_frac=1.0,
+    )  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp, max_norm=1.0)
+    with _norm_reads() as read:
+        for step in range(3):
+            idx, tgt = (t.to(device) for t in make_batch(CONFIG, 4, 16, seed=100 * step + rank))
+            opt.backward(ddp(idx, tgt).float())
+            shares = [_grad_share(c) for c, _ in opt.pairs]
+            assert all(s.device.type == "cpu" for s in shares), step
+            norms = [_grad_target(c).reduced_norm() for c, _ in opt.pairs]
+            assert all(n.device.type == device for n in norms), step
+            expected = torch.nn.utils.get_total_norm([s.float() for s in shares], 2.0).item()
+            read.clear()
+            assert opt.step()
+            assert read == [0], (step, read)  # no host share read at the step
+            assert opt.last_grad_norm == pytest.approx(expected, rel=1e-5), step
+    opt.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_step_takes_host_shares_norms_from_their_reductions_on_the_device():
+    # Every gradient share lives in host memory; the step's norm (clipping,
+    # max_norm=1) comes from norms the reductions took on the GPU. See
+    # zerostack.chunk's [Note: the reduced share's norm].
+    spawn(_norm_on_device, 1, backend="nccl", timeout_s=300)
