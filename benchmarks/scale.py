@@ -233,7 +233,7 @@ def plan(a, n: int, device: torch.device, directory: str, disk: dict | None) -> 
         f"decided: {n / gb:.2f}B params on {device}, {where}; HybridAdam "
         f"nvme_offload_fraction={a.nvme_fraction:g}"
         + (f" in {directory}" if a.nvme_fraction else "")
-        + f"; batch {a.batch_size} x {a.seq_len}, {a.warmup} warm-up + {a.steps} timed steps"
+        + f"; batch {a.batch_size} x {a.seq_len}, {a.warmup} warm-up + 1 + {a.steps} timed steps"
     ]
     states_ram = 8 * n * (1 - a.nvme_fraction)
     states_disk = 8 * n * a.nvme_fraction
@@ -286,7 +286,7 @@ def cut_steps(a, n: int, disk: dict | None) -> None:
         return
     rw = 2 / (1 / disk["write_gbps"] + 1 / disk["read_gbps"]) * 1e9
     per_step = 16 * n * a.nvme_fraction / rw
-    fit = int(a.time_budget_s * 0.6 / max(per_step, 1e-9)) - a.warmup
+    fit = int(a.time_budget_s * 0.6 / max(per_step, 1e-9)) - a.warmup - 1
     if fit < a.steps:
         steps = max(1, fit)
         log(
@@ -395,6 +395,14 @@ def train(a, config, ddp, opt, device) -> dict:
             log("host bytes after the warm-up:\n" + opt.host_bytes().table())
             peak = PeakRss()
             cpu_step0, wait0, nvme0 = opt.cpu_step_s, ddp.update_wait_s, opt.nvme_wait_s
+            # One more step, untimed: its forward finds no CPU update pending
+            # (all were waited for above), so timed, it would be the fastest
+            # step and the spread would show the wait, not the steady state.
+            sync()
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            log(f"untimed step: {time.perf_counter() - t0:.2f} s, loss {loss:.3f}")
         sync()
         t0 = time.perf_counter()
         losses.append(step())
@@ -404,10 +412,12 @@ def train(a, config, ddp, opt, device) -> dict:
         if i >= a.warmup:
             times.append(dt)
     ddp.wait_updates()
+    # The counters hold the updates of the untimed step and of every timed
+    # one; the forward waits of the timed ones only (the untimed waited none).
     stats = dict(
-        cpu_step_s=(opt.cpu_step_s - cpu_step0) / len(times),
+        cpu_step_s=(opt.cpu_step_s - cpu_step0) / (len(times) + 1),
         wait_s=(ddp.update_wait_s - wait0) / len(times),
-        nvme_wait_s=(opt.nvme_wait_s - nvme0) / len(times),
+        nvme_wait_s=(opt.nvme_wait_s - nvme0) / (len(times) + 1),
         peak_rss=peak.stop(),
     )
     if a.profile:
@@ -637,7 +647,7 @@ def main() -> int:
           f"{f', max_prefetch={a.max_prefetch}' if a.max_prefetch else ''}"
           f"{f', gpu_update_fraction={a.gpu_update_fraction:g}' if a.gpu_update_fraction else ''}, "
           f"HybridAdam nvme_offload_fraction={a.nvme_fraction:g}; median of {a.steps} step(s) "
-          f"after {a.warmup}; built in {build_s:.0f} s")  # fmt: skip
+          f"after {a.warmup} and 1 untimed after the updates were waited for; built in {build_s:.0f} s")  # fmt: skip
     if disk is not None:
         print(f"- raw disk ({directory}): {disk['bytes'] / 1e9:.2f} GB, {disk['method']}: write+fsync "
               f"{disk['write_gbps']:.2f} GB/s, read {disk['read_gbps']:.2f} GB/s")  # fmt: skip
