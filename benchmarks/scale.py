@@ -233,7 +233,7 @@ def plan(a, n: int, device: torch.device, directory: str, disk: dict | None) -> 
         f"decided: {n / gb:.2f}B params on {device}, {where}; HybridAdam "
         f"nvme_offload_fraction={a.nvme_fraction:g}"
         + (f" in {directory}" if a.nvme_fraction else "")
-        + f"; batch {a.batch_size} x {a.seq_len}, {a.warmup} warm-up + 1 + {a.steps} timed steps"
+        + f"; batch {a.batch_size} x {a.seq_len}, {a.warmup} warm-up, 1 untimed, {a.steps} timed steps"
     ]
     states_ram = 8 * n * (1 - a.nvme_fraction)
     states_disk = 8 * n * a.nvme_fraction
@@ -340,10 +340,11 @@ def sync_of(device: torch.device) -> Callable[[], None]:
 def compute_pass(a, config, device) -> dict:
     """The floor's compute term: forward, and forward plus backward, of the
     same model all on the compute device (bf16 parameters, the same
-    checkpointing and batch, no optimizer), 1 warm-up and 2 timed passes,
-    medians and the spread of forward plus backward. Run before the GPU cap, which an 8B model's parameters and
-    gradients (32 GB) do not fit; its memory is given back before the
-    Gemini run and the peak statistics reset."""
+    checkpointing and batch, no optimizer), 1 warm-up and 2 timed passes:
+    medians, and the spread of forward plus backward. Run before the GPU
+    cap, which an 8B model's parameters and gradients (32 GB) do not fit;
+    its memory is given back before the Gemini run and the peak statistics
+    reset."""
     sync = sync_of(device)
     torch.manual_seed(0)
     with torch.device(device):
