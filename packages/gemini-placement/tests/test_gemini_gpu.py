@@ -82,6 +82,36 @@ def test_static_gathers_ahead_train_the_same_on_one_gpu(pin, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_updates_read_reduced_shares_after_they_land_in_pinned_host_memory(monkeypatch):
+    # See zerostack.chunk's [Note: a reduced share lands on the host]: every
+    # gradient share's copy to pinned host memory is held back 10 ms on the
+    # compute stream, so a CPU update that read its share before the copy
+    # landed would step on the parameters instead of the gradient. Bitwise
+    # the run with pageable shards, whose copies make the host wait.
+    from test_gemini_placement import _blocks, _train
+
+    from zerostack.chunk import Chunk
+
+    real, held = Chunk._land, []
+
+    def late(self, share, out):
+        if share.is_pinned():
+            torch.cuda._sleep(20_000_000)
+            held.append(self.index)
+        real(self, share, out)
+
+    monkeypatch.setattr(Chunk, "_land", late)
+    kwargs = dict(offload_optim_frac=1.0, offload_param_frac=1.0)
+    want = _train(*_blocks(0, "cuda", pin_memory=False, **kwargs), 6, skip_at=2, fail_at=3,
+                  fail_backward_at=4)  # fmt: skip
+    assert not held
+    got = _train(*_blocks(0, "cuda", pin_memory=True, **kwargs), 6, skip_at=2, fail_at=3,
+                 fail_backward_at=4)  # fmt: skip
+    assert held, "no reduced share was copied to pinned host memory"
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_step_amounts_count_the_parameters_streamed_from_the_host():
     # zerostack.shard.step_floor's keywords from the placement: shards on the
     # host cross for forward and backward, and their updates stay there.

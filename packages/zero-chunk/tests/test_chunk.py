@@ -294,6 +294,33 @@ def test_reduce_writes_into_the_host_shard_it_replaces(pin):
     torch.testing.assert_close(norm.cpu(), chunk.shard.norm())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_reduced_share_lands_in_pinned_host_memory_without_making_the_host_wait():
+    # See [Note: a reduced share lands on the host]: reduce returns while
+    # the kernels queued before it still run; reading the shard waits for
+    # the copy.
+    tensors = [torch.randn(1 << 20) for _ in range(4)]
+    chunk = Chunk(4 << 20, None, torch.float32, compute_device="cuda", shard_device="cpu",
+                  pin_memory=True)  # fmt: skip
+    for t in tensors:
+        chunk.append_tensor(t)
+    chunk.close_chunk()
+    share = chunk.shard
+    chunk.access()
+    for t in tensors:
+        t.data.fill_(2.5)
+    _to_ready(chunk, tensors)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s queued before the reduction
+    busy = torch.cuda.Event()
+    busy.record()
+    chunk.reduce()
+    assert not busy.query(), "reduce made the host wait for the kernels queued before it"
+    assert chunk.shard is share and busy.query(), "reading the shard did not wait for the copy"
+    assert torch.equal(share, torch.full_like(share, 2.5))
+    torch.testing.assert_close(chunk.reduced_norm().cpu(), share.norm())
+
+
 # -- bad input ----------------------------------------------------------------
 
 

@@ -188,7 +188,7 @@ class Chunk:
         self.buffer: torch.Tensor | None = torch.zeros(
             self.chunk_size, dtype=dtype, device=self.compute_device
         )
-        self.shard: torch.Tensor | None = None
+        self._shard: torch.Tensor | None = None
         self.utilized_size = 0
         self.closed = False
         self.tensors_info: dict[torch.Tensor, TensorInfo] = {}
@@ -196,6 +196,8 @@ class Chunk:
         self.paired_chunk: Chunk | None = None
         self.grad_chunk: Chunk | None = None
         self._in_flight: Handle | None = None  # an async gather not yet waited on
+        # See [Note: a reduced share lands on the host]: the event of its copy.
+        self._landing: Any = None
         # See [Note: the reduced share's norm]: (norm, the share (weakly: a
         # dropped share is freed), its version).
         self._reduced_norm: tuple[torch.Tensor, weakref.ref, int] | None = None
@@ -257,6 +259,21 @@ class Chunk:
             self._drop_buffer()
 
     # -- gather / release --------------------------------------------------
+
+    @property
+    def shard(self) -> torch.Tensor | None:
+        """This rank's shard (None while the chunk is open or gathered for
+        good); a reduced gradient's copy into it has landed (see [Note: a
+        reduced share lands on the host])."""
+        landing = self._landing
+        if landing is not None:
+            landing.synchronize()
+            self._landing = None
+        return self._shard
+
+    @shard.setter
+    def shard(self, value: torch.Tensor | None) -> None:
+        self._shard = value
 
     @property
     def is_gathered(self) -> bool:
@@ -359,9 +376,39 @@ class Chunk:
         return _CopyIn(self.compute_device, collective)
 
     def settle(self) -> None:
-        """Finish a gather issued with ``async_op`` (nothing if none is in flight)."""
+        """Finish a gather issued with ``async_op``, and wait until a reduced
+        share's copy to the host has landed (nothing if neither is in flight)."""
         if self._in_flight is not None:
             self._in_flight.wait()
+        _ = self.shard  # See [Note: a reduced share lands on the host]
+
+    def _land(self, share: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy the reduced ``out`` into the host ``share``.
+
+        [Note: a reduced share lands on the host] A share whose home is
+        pinned host memory (``pin_memory``, offloaded parameters) receives
+        its reduced gradient asynchronously, on the compute stream, with an
+        event recorded after the copy: a blocking copy made the host wait,
+        in every chunk's reduction, for all the backward queued so far, so
+        the GPU then idled while the host queued the next kernels
+        (docs/benchmarks.md, 2026-12-03). ``out`` is freed at once: the
+        caching allocator reuses its memory only for work queued after the
+        copy on the same stream. Nothing on the device reads the share
+        before the copy ends (the gathers and write-backs that read it are
+        queued on the compute stream after it, or on the copy stream after
+        waiting for the compute stream), and the host reaches the share only
+        through the ``shard`` property, which waits for the event first (so
+        do ``settle`` and every helper that reads or writes the share; the
+        optimizer step takes each gradient share through ``local_share``, so
+        its CPU updates read landed gradients). A pageable share keeps the
+        blocking copy: its copy makes the host wait anyway."""
+        if out.device.type == "cuda" and share.is_pinned():
+            share.copy_(out, non_blocking=True)
+            landing = torch.cuda.Event(blocking=True)  # a host waits: no spinning
+            landing.record(torch.cuda.current_stream(out.device))
+            self._landing = landing
+        else:
+            share.copy_(out)
 
     @property
     def can_release(self) -> bool:
@@ -494,7 +541,7 @@ class Chunk:
                     # consumed gradient): no fresh pages every step, and a
                     # pinned shard stays pinned instead of going to the
                     # pinned allocator's cache.
-                    old.copy_(out)
+                    target._land(old, out)
                 else:
                     target.shard = out.to(self.shard_device)
                 target._reduced_norm = (norm, weakref.ref(target.shard), target.shard._version)
@@ -565,7 +612,7 @@ class Chunk:
         if (
             self.is_gathered
             or share is None
-            or share is not self.shard
+            or share is not self._shard  # identity only: no wait for a landing copy
             or share._version != version
         ):
             self._reduced_norm = None
