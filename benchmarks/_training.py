@@ -26,6 +26,24 @@ FLOPS_PER_TOKEN = [0.0]  # set by setup: 6N + 12 L d s (model FLOPs, recomputati
 MACHINE: list[MachineProfile | None] = [None]  # set by setup from --machine
 
 
+def fraction_arg(text: str) -> float | str:
+    """``--gpu-update-fraction``: a number in [0, 1], or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number in [0, 1] or 'auto' (got {text!r})") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a number in [0, 1] or 'auto' (got {text!r})")
+    return value
+
+
+def fraction_label(asked: float | str, chosen: float) -> str:
+    """How a row names its gpu_update_fraction: the share, and "auto" when chosen so."""
+    return f"gpu_update_fraction={chosen:.3g}" + (" (auto)" if asked == "auto" else "")
+
+
 def _rss_gb() -> float:
     """Resident memory of this process now (VmRSS), GB."""
     with open("/proc/self/status") as f:

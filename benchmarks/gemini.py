@@ -41,7 +41,7 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float = 0.0, **kwargs,
+    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float | str = 0.0, **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
@@ -72,8 +72,8 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if fraction > 0:
-        label += f", gpu_update_fraction={fraction:g}"
+    if fraction == "auto" or fraction > 0:
+        label += ", " + T.fraction_label(fraction, opt.gpu_update_fraction)
     result = T.run(label, model, step, batch, steps, warmup, False)
     model.wait_updates()
     result["wait_s"] = model.update_wait_s / steps
@@ -183,8 +183,9 @@ def main() -> int:
             help="the capped rows' max_prefetch: chunks gathered ahead (default %(default)s)",
         )  # fmt: skip
         ap.add_argument(
-            "--gpu-update-fraction", type=float, default=0.5,
-            help="gemini_auto_split's gpu_update_fraction (default %(default)s)",
+            "--gpu-update-fraction", type=T.fraction_arg, default="auto",
+            help="gemini_auto_split's gpu_update_fraction, a number in [0, 1] or auto (the "
+            "step-time model's fastest split on this machine; default %(default)s)",
         )  # fmt: skip
 
     ready = T.setup(

@@ -61,6 +61,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _training import fraction_arg
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
@@ -528,9 +529,9 @@ def main() -> int:
         help="GeminiDDP(max_prefetch=N): chunks gathered ahead of use (default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
-        "--gpu-update-fraction", type=float, default=0.0,
+        "--gpu-update-fraction", type=fraction_arg, default=0.0,
         help="GeminiOptimizer(gpu_update_fraction=F): about this share of the CPU-held "
-        "optimizer chunks stepped by the GPU's Adam (default %(default)s)",
+        "optimizer chunks stepped by the GPU's Adam, or auto (default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",
@@ -646,7 +647,8 @@ def main() -> int:
           f"checkpointing, batch {a.batch_size} x {a.seq_len}, placement {a.placement}"
           f"{', pin_memory' if a.pin_memory else ''}"
           f"{f', max_prefetch={a.max_prefetch}' if a.max_prefetch else ''}"
-          f"{f', gpu_update_fraction={a.gpu_update_fraction:g}' if a.gpu_update_fraction else ''}, "
+          f"{f', gpu_update_fraction={opt.gpu_update_fraction:.3g}' if a.gpu_update_fraction else ''}"
+          f"{' (auto)' if a.gpu_update_fraction == 'auto' else ''}, "
           f"HybridAdam nvme_offload_fraction={a.nvme_fraction:g}; median of {a.steps} step(s) "
           f"after {a.warmup} and 1 untimed after the updates were waited for; built in {build_s:.0f} s")  # fmt: skip
     if disk is not None:

@@ -42,7 +42,7 @@ from zerostack.shard import ZeroOptimizer
 
 def zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
-    fraction: float = 0.0,
+    fraction: float | str = 0.0,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -64,8 +64,8 @@ def zero(
     label = "ZeRO-2 (bf16 params, fp32 masters)"
     if offload:
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
-    if fraction:
-        label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam on {fraction:g})"
+    if fraction == "auto" or fraction:
+        label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam, {T.fraction_label(fraction, zopt.gpu_update_fraction)})"
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
     result = T.run(label, model, step, batch, steps, warmup, False)
@@ -86,8 +86,9 @@ def main() -> int:
             "clipping; plain PyTorch and FSDP2 do not clip)",
         )  # fmt: skip
         ap.add_argument(
-            "--gpu-update-fraction", type=float, default=0.5,
-            help="zero2_offload_split's gpu_update_fraction (default %(default)s)",
+            "--gpu-update-fraction", type=T.fraction_arg, default="auto",
+            help="zero2_offload_split's gpu_update_fraction, a number in [0, 1] or auto (the "
+            "step-time model's fastest split on this machine; default %(default)s)",
         )  # fmt: skip
 
     ready = T.setup(

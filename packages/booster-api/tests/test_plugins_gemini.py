@@ -99,6 +99,25 @@ def test_colossalai_arguments_build_one_config_handed_to_gemini_ddp():
     assert static.placement == StaticPlacementConfig(offload_optim_frac=0.25, shard_param_frac=0.5)
 
 
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        lambda: GeminiPlugin(precision="fp32", offload_optim_frac=1.0, gpu_update_fraction="auto"),
+        lambda: LowLevelZeroPlugin(precision="fp32", cpu_offload=True, gpu_update_fraction="auto"),
+    ],
+    ids=["gemini", "zero"],
+)
+def test_gpu_update_fraction_auto_reaches_the_optimizer(plugin, caplog):
+    # On a CPU compute device there is no GPU Adam: "auto" chooses 0.0 and says so.
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    with caplog.at_level("INFO", logger="zerostack.shard._machine"):
+        model, opt, *_ = Booster(plugin=plugin()).boost(model, HybridAdam(model.parameters()))
+    inner = getattr(opt, "optim", opt)
+    assert inner.gpu_update_fraction == 0.0
+    assert "gpu_update_fraction='auto' chose 0.0: the compute device is cpu" in caplog.text
+
+
 def _gpt2(transformers):
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32,

@@ -325,7 +325,11 @@ def test_what_the_lane_cannot_step_is_refused(make, error, match, tmp_path):
     ("fraction", "error", "match"),
     [
         (1.5, ValueError, r"GeminiOptimizer: gpu_update_fraction must be in \[0, 1\] \(got 1.5\)"),
-        ("0.5", TypeError, r"gpu_update_fraction must be a number in \[0, 1\] \(got '0.5'\)"),
+        (
+            "0.5",
+            TypeError,
+            r"gpu_update_fraction must be a number in \[0, 1\] or 'auto' \(got '0.5'\)",
+        ),
     ],
 )
 def test_bad_fractions(fraction, error, match):
@@ -344,6 +348,25 @@ def test_without_cpu_held_chunks_it_warns_and_does_nothing():
     with pytest.warns(UserWarning, match=r"gpu_update_fraction has no effect when no optimizer"):
         opt = GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=0.5)
     assert opt._lane is None
+
+
+@pytest.mark.parametrize(
+    ("placement", "why"),
+    [
+        ({"offload_optim_frac": 1.0}, "the compute device is cpu"),
+        ({}, "the static placement offloads no optimizer chunk (offload_optim_frac=0.0)"),
+    ],
+)
+def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, caplog):
+    # See zerostack.shard's [Note: gpu_update_fraction="auto"].
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
+                    **placement)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        opt = GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction="auto")
+    assert opt.gpu_update_fraction == 0.0 and opt._lane is None
+    assert f"GeminiOptimizer: gpu_update_fraction='auto' chose 0.0: {why}" in caplog.text
 
 
 # -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
@@ -392,3 +415,24 @@ def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
     assert use <= ref_use + lane.staging.staging_bytes() + slack, (use, ref_use)
     _train(*run, steps=1, first=2)
     assert allocated() - base <= use + slack, "device memory grew per step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, monkeypatch):
+    # See zerostack.shard's [Note: gpu_update_fraction="auto"]: the share
+    # the profile's floor favours; the lane takes the first CPU-held chunks.
+    from zerostack.shard import PROFILE_ENV, MachineProfile, best_gpu_update_fraction
+
+    profile = MachineProfile(
+        cpu_adam_bytes_s=111.6e9, h2d_bytes_s=55e9, d2h_bytes_s=55e9,
+        cpu_adam_with_copies_bytes_s=88.5e9, h2d_with_adam_bytes_s=35.3e9,
+        d2h_with_adam_bytes_s=46e9, gpu_adam_params_s=140.5e9,
+    )  # fmt: skip
+    profile.save(tmp_path / "machine.json")
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
+    model, ddp, opt = _build("auto", "static-1.0", device="cuda")
+    assert opt.gpu_update_fraction == pytest.approx(best_gpu_update_fraction(profile))
+    assert opt._lane is not None and 0 < len(opt._lane.homes) < len(opt.pairs)
+    _train(model, ddp, opt, steps=2)
+    opt.close()

@@ -28,11 +28,13 @@ from zerostack.shard import (
     check_state_keys,
     grad_stats,
     hyperparameters,
+    lane_refusal,
     make_loss_scaler,
     mark_stepped,
     norm_part,
     plan_step,
     record_clip,
+    resolve_gpu_update_fraction,
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
@@ -89,7 +91,12 @@ class GeminiOptimizer:
             gradients stay on the device (see [Note: Gemini's device lane]).
             The same math: bitwise on a CPU compute device, within fp32
             rounding on CUDA. In [0, 1]; needs HybridAdam (or CPUAdam)
-            without NVMe. Default 0.0 (every CPU-held chunk in CPU Adam).
+            without NVMe. ``"auto"``: the share the step-time model finds
+            fastest on this machine (measured once per process, about a
+            second, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
+            names), 0.0 where no split can run; the log says what it chose
+            and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
+            Default 0.0 (every CPU-held chunk in CPU Adam).
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -117,7 +124,7 @@ class GeminiOptimizer:
         *,
         max_norm: float = 0.0,
         overlap_cpu_step: bool = True,
-        gpu_update_fraction: float = 0.0,
+        gpu_update_fraction: float | str = 0.0,
         gc_every_n_steps: int = 50,
         loss_scaler: DynamicLossScaler | None = None,
         **scaler_kwargs: Any,
@@ -127,7 +134,7 @@ class GeminiOptimizer:
         check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
-        _check_fraction(optimizer, module, gpu_update_fraction)
+        why_not = _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
         # bound (attach_step would run them too, after this one's setup).
         module.retry_failed_updates()
@@ -158,7 +165,10 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
-        self.gpu_update_fraction = float(gpu_update_fraction)
+        self.gpu_update_fraction = resolve_gpu_update_fraction(
+            _API, gpu_update_fraction, module.compute_device, why_not,
+            module.mixed_precision.itemsize,
+        )  # fmt: skip
         self._lane: GeminiLane | None = None
         self._bind_masters()
         if not module.config.auto:  # auto placement: at its plan (the first step)
@@ -755,15 +765,23 @@ def _host_hint(module: GeminiDDP) -> str:
     )
 
 
-def _check_fraction(optimizer: torch.optim.Optimizer, module: GeminiDDP, fraction: object) -> None:
+def _check_fraction(
+    optimizer: torch.optim.Optimizer, module: GeminiDDP, fraction: object
+) -> str | None:
     """``gpu_update_fraction``: in [0, 1], for fused-adam's Adam without
-    NVMe; a warning where no chunk is CPU-held."""
+    NVMe; a warning where no chunk is CPU-held. For ``"auto"``: why no
+    split can run (None: one can)."""
     check_fraction(_API, fraction)
-    if fraction == 0:
-        return
-    check_lane_optimizer(_API, optimizer, module.compute_device, torch_adam=False)
     placement = module.config.placement
-    if not module.config.auto and placement.offload_optim_frac == 0:  # type: ignore[union-attr]
+    offloads = module.config.auto or placement.offload_optim_frac > 0  # type: ignore[union-attr]
+    if fraction == "auto":
+        if not offloads:
+            return "the static placement offloads no optimizer chunk (offload_optim_frac=0.0)"
+        return lane_refusal(_API, optimizer, module.compute_device, torch_adam=False)
+    if fraction == 0:
+        return None
+    check_lane_optimizer(_API, optimizer, module.compute_device, torch_adam=False)
+    if not offloads:
         warnings.warn(
             f"{_API}: gpu_update_fraction has no effect when no optimizer chunk is on the CPU "
             f"(got offload_optim_frac=0.0, gpu_update_fraction={fraction}); every update runs on "
@@ -771,6 +789,7 @@ def _check_fraction(optimizer: torch.optim.Optimizer, module: GeminiDDP, fractio
             UserWarning,
             stacklevel=4,
         )
+    return None
 
 
 def _raise_first(errors: list[CpuStepError]) -> None:

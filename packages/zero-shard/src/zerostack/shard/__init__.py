@@ -21,8 +21,16 @@ from zerostack.shard._lane import (
     LaneStaging,
     check_lane_optimizer,
     lane_prefix,
+    lane_refusal,
 )
 from zerostack.shard._loss_scaler import SCALER_KEYS, DynamicLossScaler, LossScalerConfig
+from zerostack.shard._machine import (
+    PROFILE_ENV,
+    best_gpu_update_fraction,
+    machine_profile,
+    measure_machine,
+    resolve_gpu_update_fraction,
+)
 from zerostack.shard._mixed_precision import (
     StepPlan,
     make_loss_scaler,
@@ -37,6 +45,7 @@ from zerostack.shard._step_model import FloorEstimate, MachineProfile, StepFloor
 
 __all__ = [
     "LANE_HYPER",
+    "PROFILE_ENV",
     "SCALER_KEYS",
     "CollectorSchedule",
     "CpuStepError",
@@ -55,6 +64,7 @@ __all__ = [
     "ZeroOptimizer",
     "__version__",
     "as_kwargs",
+    "best_gpu_update_fraction",
     "changed_fields",
     "check_clip_args",
     "check_fraction",
@@ -66,12 +76,16 @@ __all__ = [
     "grad_stats",
     "hyperparameters",
     "lane_prefix",
+    "lane_refusal",
     "local_grad",
+    "machine_profile",
     "make_loss_scaler",
     "mark_stepped",
+    "measure_machine",
     "norm_part",
     "plan_step",
     "record_clip",
+    "resolve_gpu_update_fraction",
     "shard_bounds",
     "shard_numel",
     "step_floor",

@@ -28,11 +28,12 @@ class ZeroConfig:
     """Masters and optimizer states on the CPU. Default False."""
     overlap_cpu_step: bool = True
     """With cpu_offload, update buckets on a worker thread. Default True."""
-    gpu_update_fraction: float = 0.0
+    gpu_update_fraction: float | str = 0.0
     """With cpu_offload, the share of the offloaded elements (whole buckets,
     the first the next forward uses) whose Adam update runs in the compute
     device's fused Adam, masters and states streamed from and back to the
-    host; 0.0 updates all in CPU Adam. In [0, 1]. Default 0.0."""
+    host; 0.0 updates all in CPU Adam. In [0, 1], or "auto": the share the
+    step-time model finds fastest on this machine. Default 0.0."""
     master_weights: bool = True
     """Keep fp32 masters for fp16/bf16 parameters. Default True."""
     max_norm: float = 0.0
@@ -69,10 +70,13 @@ class ZeroConfig:
 
 
 def check_fraction(api: str, fraction: object) -> None:
-    """``gpu_update_fraction``: a number in [0, 1]."""
+    """``gpu_update_fraction``: a number in [0, 1], or ``"auto"``."""
+    if fraction == "auto":
+        return
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise TypeError(
-            f"{api}: gpu_update_fraction must be a number in [0, 1] (got {fraction!r}); e.g. 0.25"
+            f"{api}: gpu_update_fraction must be a number in [0, 1] or 'auto' (got {fraction!r}); "
+            "e.g. 0.25"
         )
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(

@@ -112,6 +112,18 @@ def check_lane_optimizer(
         )
 
 
+def lane_refusal(
+    api: str, optimizer: torch.optim.Optimizer, device: torch.device, torch_adam: bool
+) -> str | None:
+    """Why ``check_lane_optimizer`` refuses a device lane (the first clause
+    of its error), or None where it takes one."""
+    try:
+        check_lane_optimizer(api, optimizer, device, torch_adam)
+    except (NotImplementedError, RuntimeError, ImportError) as refused:
+        return str(refused).removeprefix(f"{api}: ").split(";")[0]
+    return None
+
+
 @dataclass
 class LaneProgress:
     """How far one unit's update of one step got: elements stepped, window by

@@ -39,8 +39,9 @@ from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
-from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_prefix
+from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_prefix, lane_refusal
 from zerostack.shard._loss_scaler import DynamicLossScaler
+from zerostack.shard._machine import resolve_gpu_update_fraction
 from zerostack.shard._mixed_precision import (
     make_loss_scaler,
     plan_step,
@@ -64,7 +65,7 @@ def _check_args(
     max_norm: float,
     communication_dtype: torch.dtype | None,
     module: object,
-    gpu_update_fraction: float,
+    gpu_update_fraction: float | str,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
         raise TypeError(
@@ -128,16 +129,34 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
     return {id(p): n for n, p in module.named_parameters()}
 
 
+def _offload_fraction(
+    optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
+    fraction: float | str, param: torch.Tensor,
+) -> float:  # fmt: skip
+    """The offload arguments checked, and ``gpu_update_fraction`` as a number
+    (``"auto"`` resolved, see [Note: gpu_update_fraction="auto"])."""
+    why_not = _check_offload_args(optimizer, cpu_offload, overlap_cpu_step, fraction, param.device)
+    if not cpu_offload and fraction != "auto":
+        return 0.0
+    return resolve_gpu_update_fraction(_API, fraction, param.device, why_not, param.element_size())
+
+
 def _check_offload_args(
     optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
-    fraction: float, device: torch.device,
-) -> None:  # fmt: skip
+    fraction: float | str, device: torch.device,
+) -> str | None:  # fmt: skip
+    """Raises for bad offload arguments; for ``gpu_update_fraction="auto"``
+    returns why no split can run (None: one can)."""
     if not isinstance(overlap_cpu_step, bool):
         raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
     if cpu_offload:
         _check_cpu_kernel(optimizer)
+    if fraction == "auto":
+        if not cpu_offload:
+            return "cpu_offload is off: every update runs on the compute device already"
+        return lane_refusal(_API, optimizer, device, torch_adam=True)
     if fraction == 0:
-        return
+        return None
     if not cpu_offload:
         warnings.warn(
             f"{_API}: gpu_update_fraction has no effect without cpu_offload (got "
@@ -146,8 +165,9 @@ def _check_offload_args(
             UserWarning,
             stacklevel=3,
         )
-        return
+        return None
     check_lane_optimizer(_API, optimizer, device, torch_adam=True)
+    return None
 
 
 def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
@@ -278,7 +298,12 @@ class ZeroOptimizer:
             Adam where the bandwidth is]). The same math: bitwise on a CPU
             compute device, within fp32 rounding on CUDA. ``step_floor``'s
             ``split.gpu_fraction`` gives the share a measured machine favours.
-            In [0, 1]; needs Adam/AdamW. Default 0.0 (every update in CPU Adam).
+            In [0, 1]; needs Adam/AdamW. ``"auto"``: that share, from this
+            machine's profile (measured once per process, about a second, or
+            read from the file ``ZEROSTACK_MACHINE_PROFILE`` names), 0.0
+            where no split can run; the log says what it chose and why (see
+            [Note: gpu_update_fraction="auto"]). Default 0.0 (every update in
+            CPU Adam).
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -321,7 +346,7 @@ class ZeroOptimizer:
         communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
         overlap_cpu_step: bool = True,
-        gpu_update_fraction: float = 0.0,
+        gpu_update_fraction: float | str = 0.0,
         master_weights: bool = True,
         max_norm: float = 0.0,
         gc_every_n_steps: int = 50,
@@ -337,10 +362,9 @@ class ZeroOptimizer:
         )  # fmt: skip
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
-        _check_offload_args(
-            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, self.device
+        self.gpu_update_fraction = _offload_fraction(
+            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, params[0]
         )
-        self.gpu_update_fraction = float(gpu_update_fraction) if cpu_offload else 0.0
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)

@@ -425,7 +425,9 @@ class GeminiPlugin(Plugin):
             CPU-held optimizer chunks (``offload_optim_frac``, or what auto
             placement leaves on the CPU) is updated by the GPU's Adam, their
             masters and states streamed from the host and back; HybridAdam
-            only. In [0, 1]. Default 0.0 (every CPU-held chunk in CPU Adam).
+            only. In [0, 1], or "auto": the share the step-time model finds
+            fastest on this machine (0.0 where none can run; the log says
+            why). Default 0.0 (every CPU-held chunk in CPU Adam).
         force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
@@ -475,7 +477,7 @@ class GeminiPlugin(Plugin):
         gpu_capacity_bytes: int | None = _AUTO.gpu_capacity_bytes,
         scatter_after_inference: bool = _GEMINI.scatter_after_inference,
         overlap_cpu_step: bool = _OPTIM["overlap_cpu_step"],
-        gpu_update_fraction: float = _OPTIM["gpu_update_fraction"],
+        gpu_update_fraction: float | str = _OPTIM["gpu_update_fraction"],
         gc_every_n_steps: int = _OPTIM["gc_every_n_steps"],
     ) -> None:  # fmt: skip
         _refuse_not_built(dict(

@@ -392,7 +392,9 @@ class LowLevelZeroPlugin(Plugin):
             offloaded parameters (the first buckets the forward uses) is
             updated by the GPU's fused Adam, their masters and states
             streamed from the host and back (ZeroOptimizer's argument; not a
-            ColossalAI one). In [0, 1]. Default 0.0 (all in CPU Adam).
+            ColossalAI one). In [0, 1], or "auto": the share the step-time
+            model finds fastest on this machine (0.0 where none can run; the
+            log says why). Default 0.0 (all in CPU Adam).
         master_weights: keep fp32 masters. Default True.
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
@@ -423,7 +425,7 @@ class LowLevelZeroPlugin(Plugin):
         overlap_communication: bool = _ZERO.overlap_communication,
         overlap_allgather: bool = False,
         cpu_offload: bool = _ZERO.cpu_offload,
-        gpu_update_fraction: float = _ZERO.gpu_update_fraction,
+        gpu_update_fraction: float | str = _ZERO.gpu_update_fraction,
         master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,

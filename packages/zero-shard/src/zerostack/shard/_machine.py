@@ -1,0 +1,320 @@
+"""Measuring the machine (the figures of :class:`MachineProfile`), and
+``gpu_update_fraction="auto"``: the CPU/GPU split of the host-held Adam
+updates that the step-time model says finishes first.
+
+[Note: gpu_update_fraction="auto"] The best share of the host-held updates
+to run in the GPU's Adam depends on the machine alone: CPU Adam's bandwidth
+over host memory against PCIe's both ways, each measured while the others
+run (see [Note: step-time floor]; every term grows with the parameters
+updated, so the best share does not depend on the model's size, only on
+the bytes a parameter moves). "auto" takes the profile from the JSON file
+that ``ZEROSTACK_MACHINE_PROFILE`` names (``MachineProfile.save``, or
+``benchmarks/machine.py --json``), else measures it once per process and
+device (about a second: CPU Adam over ``AUTO_NUMEL`` parameters, copies of
+``AUTO_COPY_BYTES`` each way, each alone and all at once; the GPU's Adam),
+and uses the share whose update phase ``step_floor`` finds shortest; 0.0
+where the split is not faster. It chooses 0.0, and says why in the log,
+where no split can run: no CUDA compute device, no host-held update, an
+optimizer or an Adam-state placement the device lane does not step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerostack.chunk import pinned_empty
+from zerostack.shard._step_model import CPU_ADAM_BYTES_PER_PARAM, MachineProfile, step_floor
+
+logger = logging.getLogger(__name__)
+
+PROFILE_ENV = "ZEROSTACK_MACHINE_PROFILE"
+"""Names a MachineProfile JSON file that "auto" uses instead of measuring."""
+AUTO_NUMEL = 32 * 2**20
+"""Parameters of the CPU and GPU Adam runs that "auto" measures."""
+AUTO_COPY_BYTES = 256 * 2**20
+"""Bytes of each pinned copy that "auto" measures."""
+_PARTS = 8  # the parameters as a few large tensors, as chunks and buckets are
+_HYPER: dict[str, Any] = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+_measured: dict[torch.device, MachineProfile] = {}
+_measured_lock = threading.Lock()
+
+
+def _median_s(run: Callable[[], Any], cuda: bool, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _parts(numel: int, dtype: torch.dtype, device: Any, scale: float) -> list[torch.Tensor]:
+    size = -(-numel // _PARTS)
+    return [torch.randn(min(size, numel - k), device=device).mul_(scale).to(dtype)
+            for k in range(0, numel, size)]  # fmt: skip
+
+
+def _cpu_adam_step(numel: int) -> Callable[[], Any]:
+    """One CPUAdam step over ``numel`` fp32 masters with bf16 gradients and
+    the bf16 copy-out (as ZeRO ``cpu_offload`` and Gemini step host-held ones)."""
+    from zerostack.fused_adam import CPUAdam
+
+    masters = _parts(numel, torch.float32, "cpu", 0.02)
+    for m, g in zip(masters, _parts(numel, torch.bfloat16, "cpu", 1e-3), strict=True):
+        if hasattr(m, "grad_dtype"):
+            m.grad_dtype = None  # torch >= 2.10 pins a gradient's dtype unless told not to
+        m.grad = g
+    opt = CPUAdam(masters, adamw_mode=True, **_HYPER)
+    for m in masters:
+        opt.set_copy_out(m, m.to(torch.bfloat16))
+    return opt.step
+
+
+class _Copies:
+    """Pinned host buffers and device buffers for copies each way, on two streams."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.nbytes = nbytes
+        self.host_up = pinned_empty(nbytes, torch.uint8).fill_(1)
+        self.host_down = pinned_empty(nbytes, torch.uint8)
+        self.dev_up = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.dev_down = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self.streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+    def _one(self, up: bool) -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.streams[0 if up else 1]):
+            start.record()
+            if up:
+                self.dev_up.copy_(self.host_up, non_blocking=True)
+            else:
+                self.host_down.copy_(self.dev_down, non_blocking=True)
+            end.record()
+        return start, end
+
+    def run(
+        self, up: bool, down: bool, rounds: int = 0, stop: threading.Event | None = None
+    ) -> tuple[float | None, float | None]:
+        """Copies in the asked directions, ``rounds`` times or until ``stop``
+        (at least once then); bytes/s of each direction from its own events
+        (None where not run)."""
+        busy = {True: 0.0, False: 0.0}
+        done = 0
+        while done < rounds if stop is None else (done == 0 or not stop.is_set()):
+            pairs = {d: self._one(d) for d, on in ((True, up), (False, down)) if on}
+            for d, (start, end) in pairs.items():
+                end.synchronize()
+                busy[d] += start.elapsed_time(end) / 1e3
+            done += 1
+        rate = {d: done * self.nbytes / busy[d] if busy[d] > 0 else None for d in busy}
+        return (rate[True] if up else None), (rate[False] if down else None)
+
+
+def _copies_alone(c: _Copies, warmup: int, repeats: int) -> dict[str, float | None]:
+    c.run(True, True, warmup)
+    h2d, _ = c.run(True, False, repeats)
+    _, d2h = c.run(False, True, repeats)
+    h2d_both, d2h_both = c.run(True, True, repeats)
+    return dict(
+        h2d_bytes_s=h2d, d2h_bytes_s=d2h, h2d_both_bytes_s=h2d_both, d2h_both_bytes_s=d2h_both
+    )
+
+
+def _adam_with_copies(
+    c: _Copies, step: Callable[[], Any], numel: int, warmup: int, repeats: int
+) -> dict[str, float | None]:
+    """CPU Adam's timed steps while a thread copies both ways until they end."""
+    for _ in range(warmup):
+        step()
+    stop = threading.Event()
+    rates: list[tuple[float | None, float | None]] = []
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            rates.append(c.run(True, True, stop=stop))
+        except BaseException as exc:  # re-raised below, in the calling thread
+            failed.append(exc)
+
+    worker = threading.Thread(target=copy, name="zerostack-machine-copies")
+    worker.start()
+    try:
+        seconds = _median_s(step, False, 0, repeats)
+    finally:
+        stop.set()
+        worker.join()
+    if failed:
+        raise failed[0]
+    return dict(
+        cpu_adam_with_copies_bytes_s=numel * CPU_ADAM_BYTES_PER_PARAM / seconds,
+        h2d_with_adam_bytes_s=rates[0][0],
+        d2h_with_adam_bytes_s=rates[0][1],
+    )
+
+
+def _gpu_adam(numel: int, device: torch.device, warmup: int, repeats: int) -> float:
+    """fused-adam's FusedAdam over ``numel`` fp32 parameters, parameters/s."""
+    from zerostack.fused_adam import FusedAdam
+
+    params = _parts(numel, torch.float32, device, 0.02)
+    for p, g in zip(params, _parts(numel, torch.float32, device, 1e-3), strict=True):
+        p.grad = g
+    opt = FusedAdam(params, adamw_mode=True, **_HYPER)
+    return numel / _median_s(opt.step, True, warmup, repeats)
+
+
+def measure_machine(
+    device: torch.device | str | None = None,
+    *,
+    numel: int = AUTO_NUMEL,
+    copy_bytes: int = AUTO_COPY_BYTES,
+    warmup: int = 1,
+    repeats: int = 5,
+) -> MachineProfile:
+    """Measure CPU Adam (zerostack-fused-adam's CPUAdam, bf16 gradients and
+    copy-out), and on a CUDA ``device`` pinned copies each way alone and both
+    at once, all three at once, and the GPU's Adam (FusedAdam). No disk
+    figures (``benchmarks/machine.py --disk-dir`` measures those). CPU work
+    is timed with ``time.perf_counter``, GPU work with CUDA events; each
+    figure is the median of ``repeats`` runs after ``warmup``.
+
+    Args:
+        device: the GPU to measure the copies and the GPU's Adam on; None or
+            a CPU device: CPU Adam only. Default None.
+        numel: parameters of the Adam runs. Default ``AUTO_NUMEL``.
+        copy_bytes: bytes of each copy. Default ``AUTO_COPY_BYTES``.
+        warmup: untimed runs first. Default 1.
+        repeats: timed runs. Default 5.
+
+    Raises:
+        ImportError: zerostack-fused-adam is not installed.
+        ValueError: ``numel`` or ``copy_bytes`` < 1, ``warmup`` < 0, ``repeats`` < 1.
+    """
+    if numel < 1 or copy_bytes < 1 or warmup < 0 or repeats < 1:
+        raise ValueError(
+            "measure_machine: numel and copy_bytes must be >= 1, warmup >= 0 and repeats >= 1 "
+            f"(got {numel}, {copy_bytes}, {warmup}, {repeats})"
+        )
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    step = _cpu_adam_step(numel)
+    seconds = _median_s(step, False, warmup, repeats)
+    figures: dict[str, Any] = {"cpu_adam_bytes_s": numel * CPU_ADAM_BYTES_PER_PARAM / seconds}
+    where = "CPU only"
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            copies = _Copies(copy_bytes, device)
+            figures |= _copies_alone(copies, warmup, repeats)
+            figures |= _adam_with_copies(copies, step, numel, warmup, repeats)
+            del copies
+            figures["gpu_adam_params_s"] = _gpu_adam(numel, device, warmup, repeats)
+        where = torch.cuda.get_device_name(device)
+    return MachineProfile(
+        **figures,
+        machine=f"measure_machine: {where}, {os.cpu_count()} cores, {torch.get_num_threads()} "
+        f"torch threads, Adam over {numel} parameters, copies of {copy_bytes} B",
+    )
+
+
+def machine_profile(device: torch.device) -> tuple[MachineProfile, str]:
+    """The profile "auto" uses, and where it came from: the file that
+    ``ZEROSTACK_MACHINE_PROFILE`` names, else this process's measurement of
+    ``device`` (made at the first call).
+
+    Raises:
+        OSError, ValueError: the named file cannot be read or holds no profile.
+    """
+    path = os.environ.get(PROFILE_ENV)
+    if path:
+        return MachineProfile.load(path), f"{PROFILE_ENV}={path}"
+    with _measured_lock:
+        profile = _measured.get(device)
+        if profile is None:
+            t0 = time.perf_counter()
+            profile = _measured[device] = measure_machine(device)
+            logger.info("measured this machine in %.2f s: %s", time.perf_counter() - t0,
+                        _figures(profile))  # fmt: skip
+    return profile, f"measured on {device} (set {PROFILE_ENV} to a saved profile to skip this)"
+
+
+def _figures(p: MachineProfile) -> str:
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value / 1e9:.1f}"
+
+    return (
+        f"CPU Adam {rate(p.cpu_adam_bytes_s)} GB/s alone, {rate(p.cpu_adam_with_copies_bytes_s)} "
+        f"beside copies; copies {rate(p.h2d_bytes_s)}/{rate(p.d2h_bytes_s)} GB/s each way alone, "
+        f"{rate(p.h2d_with_adam_bytes_s)}/{rate(p.d2h_with_adam_bytes_s)} beside CPU Adam; GPU "
+        f"Adam {rate(p.gpu_adam_params_s)} G params/s"
+    )
+
+
+def best_gpu_update_fraction(
+    profile: MachineProfile, *, h2d_bytes_per_param: float = 2, d2h_bytes_per_param: float = 2
+) -> float:
+    """The share of the host-held updates whose update phase (and the
+    gradients' copies to the host, which the GPU's share saves) is shortest
+    on ``profile``'s machine: ``step_floor``'s best split, or 0.0 where the
+    profile lacks the "all at once" figures or the split is not faster. See
+    [Note: gpu_update_fraction="auto"].
+
+    Args:
+        profile: the machine's figures.
+        h2d_bytes_per_param: parameter bytes copied to the GPU per CPU
+            update (2 for bf16/fp16 parameters; 0 where they live on the host).
+        d2h_bytes_per_param: gradient bytes copied to the host per CPU update.
+    """
+    needed = (
+        profile.h2d_bytes_s, profile.d2h_bytes_s, profile.cpu_adam_with_copies_bytes_s,
+        profile.h2d_with_adam_bytes_s, profile.d2h_with_adam_bytes_s, profile.gpu_adam_params_s,
+    )  # fmt: skip
+    if any(figure is None for figure in needed):  # no GPU measured: no split to weigh
+        return 0.0
+    estimate = step_floor(
+        profile, forward_s=0.0, backward_s=0.0, host_numel=2**30,
+        h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
+    )  # fmt: skip
+    return estimate.best.gpu_fraction
+
+
+def resolve_gpu_update_fraction(
+    api: str, fraction: float | str, device: torch.device, why_not: str | None,
+    param_bytes: int = 2,
+) -> float:  # fmt: skip
+    """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
+    machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
+    ``why_not`` says no split can run (logged once here)."""
+    if fraction != "auto":
+        return float(fraction)
+    if why_not is None and device.type != "cuda":
+        why_not = f"the compute device is {device}: there is no GPU Adam to share the updates with"
+    if why_not is not None:
+        logger.info("%s: gpu_update_fraction='auto' chose 0.0: %s", api, why_not)
+        return 0.0
+    profile, source = machine_profile(device)
+    best = best_gpu_update_fraction(
+        profile, h2d_bytes_per_param=param_bytes, d2h_bytes_per_param=param_bytes
+    )
+    logger.info(
+        "%s: gpu_update_fraction='auto' chose %.3f of the host-held updates for the GPU's Adam "
+        "(the step-time model's fastest split; %s; profile %s)",
+        api, best, _figures(profile), source,
+    )  # fmt: skip
+    return best

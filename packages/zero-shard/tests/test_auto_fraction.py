@@ -1,0 +1,160 @@
+"""``gpu_update_fraction="auto"`` (see [Note: gpu_update_fraction="auto"]):
+the share comes from the step-time model over the machine's profile, read
+from ``ZEROSTACK_MACHINE_PROFILE`` or measured once per process; 0.0, with
+the reason in the log, where no split can run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+import pytest
+import torch
+
+from zerostack.shard import (
+    PROFILE_ENV,
+    MachineProfile,
+    ZeroConfig,
+    ZeroOptimizer,
+    _machine,
+    best_gpu_update_fraction,
+    measure_machine,
+    resolve_gpu_update_fraction,
+    step_floor,
+)
+from zerostack.testing import GPTConfig, TinyGPT
+
+needs_fused_adam = pytest.mark.skipif(
+    importlib.util.find_spec("zerostack.fused_adam") is None,
+    reason="CPU Adam is zerostack-fused-adam's",
+)
+# The H200 host of docs/benchmarks.md ("The machine's profile"), rounded.
+PROFILE = MachineProfile(
+    cpu_adam_bytes_s=111.6e9, h2d_bytes_s=55e9, d2h_bytes_s=55e9,
+    cpu_adam_with_copies_bytes_s=88.5e9, h2d_with_adam_bytes_s=35.3e9,
+    d2h_with_adam_bytes_s=46e9, gpu_adam_params_s=140.5e9,
+)  # fmt: skip
+CUDA = torch.device("cuda", 0)  # named only: nothing runs on it with a profile file
+
+
+def test_the_share_is_the_floors_best_split_and_does_not_depend_on_the_model_size():
+    f = best_gpu_update_fraction(PROFILE)
+    # cpu(f) meets the H2D line: (1 - f) 28 / 88.5 = (12 f + 2 (1 - f)) / 35.3
+    assert f == pytest.approx((28 * 35.3 - 2 * 88.5) / (28 * 35.3 + 10 * 88.5))
+    for numel in (10**6, 10**9, 10**11):
+        split = step_floor(PROFILE, forward_s=0, backward_s=0, host_numel=numel).split
+        assert split is not None and split.gpu_fraction == pytest.approx(f)
+    # fp32 parameters cross at 4 B: the H2D line is busier, the share smaller
+    assert 0 < best_gpu_update_fraction(PROFILE, h2d_bytes_per_param=4) < f
+
+
+def test_no_share_without_the_all_at_once_figures_or_when_the_split_is_slower():
+    assert best_gpu_update_fraction(dataclasses.replace(PROFILE, h2d_with_adam_bytes_s=None)) == 0
+    # PCIe that barely moves: any GPU share makes the update phase longer
+    slow = dataclasses.replace(PROFILE, h2d_with_adam_bytes_s=1e8, d2h_with_adam_bytes_s=1e8)
+    assert best_gpu_update_fraction(slow) == 0.0
+
+
+def test_auto_reads_the_profile_file_and_logs_what_it_chose(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "machine.json"
+    PROFILE.save(path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    monkeypatch.setattr(_machine, "measure_machine", _must_not_measure)
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        f = resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None)
+    assert f == pytest.approx(best_gpu_update_fraction(PROFILE))
+    assert f"chose {f:.3f}" in caplog.text and str(path) in caplog.text
+    assert "CPU Adam 111.6 GB/s alone, 88.5 beside copies" in caplog.text
+
+
+def _must_not_measure(*args, **kwargs):
+    raise AssertionError("measured although a profile file was given")
+
+
+def test_without_a_file_the_machine_is_measured_once_per_process_and_device(monkeypatch):
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    monkeypatch.setattr(_machine, "_measured", {})
+    calls = []
+
+    def fake(device):
+        calls.append(device)
+        return PROFILE
+
+    monkeypatch.setattr(_machine, "measure_machine", fake)
+    first = resolve_gpu_update_fraction("GeminiOptimizer", "auto", CUDA, None)
+    again = resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None)
+    assert first == again == pytest.approx(best_gpu_update_fraction(PROFILE))
+    assert calls == [CUDA]
+
+
+def test_auto_chooses_nothing_where_no_split_can_run_and_says_why(caplog):
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        assert resolve_gpu_update_fraction("X", "auto", torch.device("cpu"), None) == 0.0
+        assert resolve_gpu_update_fraction("X", "auto", CUDA, "no host-held update") == 0.0
+    assert "chose 0.0: the compute device is cpu" in caplog.text
+    assert "chose 0.0: no host-held update" in caplog.text
+    assert resolve_gpu_update_fraction("X", 0.25, CUDA, None) == 0.25
+
+
+def test_auto_is_the_only_word_taken():
+    assert ZeroConfig(gpu_update_fraction="auto").gpu_update_fraction == "auto"
+    with pytest.raises(TypeError, match=r"a number in \[0, 1\] or 'auto' \(got 'fast'\)"):
+        ZeroConfig(gpu_update_fraction="fast")
+
+
+@needs_fused_adam
+def test_measuring_on_the_cpu_gives_cpu_adam_alone():
+    profile = measure_machine(numel=2**16, warmup=0, repeats=1)
+    assert profile.cpu_adam_bytes_s > 0
+    assert profile.h2d_bytes_s is None and profile.gpu_adam_params_s is None
+    assert best_gpu_update_fraction(profile) == 0.0
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measure_machine(repeats=0)
+
+
+@needs_fused_adam
+def test_zero_optimizer_auto_on_the_cpu_steps_everything_in_cpu_adam(caplog):
+    model = TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2))
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        zero = ZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), cpu_offload=True, gpu_update_fraction="auto"
+        )
+    assert zero.gpu_update_fraction == 0.0 and zero._lane is None
+    assert "ZeroOptimizer: gpu_update_fraction='auto' chose 0.0" in caplog.text
+
+
+@needs_fused_adam
+def test_zero_optimizer_auto_names_what_keeps_the_split_off(caplog):
+    model = TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2))
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        off = ZeroOptimizer(torch.optim.AdamW(model.parameters()), gpu_update_fraction="auto")
+        sgd = ZeroOptimizer(
+            torch.optim.SGD(TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2)).parameters(),
+                            lr=0.1),
+            cpu_offload=True, gpu_update_fraction="auto",
+        )  # fmt: skip
+    assert off.gpu_update_fraction == sgd.gpu_update_fraction == 0.0
+    assert "chose 0.0: cpu_offload is off" in caplog.text
+    assert "chose 0.0: gpu_update_fraction steps Adam/AdamW in fused-adam's kernels (got SGD)" in (
+        caplog.text
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_fused_adam
+def test_auto_on_cuda_measures_the_machine_and_splits(monkeypatch, caplog):
+    monkeypatch.delenv(PROFILE_ENV, raising=False)
+    monkeypatch.setattr(_machine, "_measured", {})
+    model = TinyGPT(GPTConfig(num_layers=2, dim=64, num_heads=2)).cuda().to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        zero = ZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), cpu_offload=True, module=model,
+            gpu_update_fraction="auto", reduce_bucket_size=4096,
+        )  # fmt: skip
+    # Every GPU's Adam is far faster than CPU Adam and PCIe moves both ways
+    # at once: the model puts some, not all, of the updates on the GPU.
+    assert 0.0 < zero.gpu_update_fraction < 1.0, caplog.text
+    assert "measured this machine" in caplog.text
+    assert zero._lane is not None
