@@ -3,7 +3,8 @@ all at once: the figures of zerostack.shard's MachineProfile, from which
 ``step_floor`` computes the floor of an offloaded step (see the Note
 "step-time floor" in zero-shard's ``_step_model.py``).
 
-What is measured:
+What is measured (by ``zerostack.shard.measure_machine``, which
+``gpu_update_fraction="auto"`` runs at a smaller size; the disk here):
 
 * CPU Adam alone: ``zerostack.fused_adam.CPUAdam`` stepping N fp32 masters
   with bf16 gradients and the bf16 copy-out (as ZeRO cpu_offload and Gemini
@@ -35,125 +36,19 @@ import argparse
 import datetime
 import mmap
 import os
-import statistics
 import sys
-import threading
 import time
 
 import adam as A
 import torch
 
-from zerostack.fused_adam import CPUAdam, FusedAdam
-from zerostack.shard import MachineProfile
-from zerostack.shard._step_model import CPU_ADAM_BYTES_PER_PARAM
+from zerostack.shard import MachineProfile, measure_machine
 
-PARTS = 8  # the parameters as a few large tensors, as chunks are
 IO_BLOCK = 64 * 2**20  # bytes per os.write/os.read; a multiple of any O_DIRECT alignment
 
 
 def log(msg: str) -> None:
     print(f"[machine] {msg}", file=sys.stderr, flush=True)
-
-
-def cpu_adam_step(n: int):
-    """One CPUAdam step over n bf16-gradient fp32 masters with copy-out."""
-    return A.mixed_ours(CPUAdam, "cpu", n, PARTS)
-
-
-def cpu_adam(n: int, warmup: int, repeats: int) -> float:
-    """CPU Adam alone, bytes/s at 28 B per parameter."""
-    step = cpu_adam_step(n)
-    t = statistics.median(A.time_it(step, "cpu", warmup, repeats))
-    return n * CPU_ADAM_BYTES_PER_PARAM / t
-
-
-class Copies:
-    """Pinned host buffers and device buffers for copies each way."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.host_up = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.host_down = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.dev_up = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        self.dev_down = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
-
-    def _one(self, up: bool) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.streams[0 if up else 1]):
-            start.record()
-            if up:
-                self.dev_up.copy_(self.host_up, non_blocking=True)
-            else:
-                self.host_down.copy_(self.dev_down, non_blocking=True)
-            end.record()
-        return start, end
-
-    def run(
-        self, up: bool, down: bool, rounds: int = 0, stop: threading.Event | None = None
-    ) -> tuple[float | None, float | None]:
-        """Copies in the asked directions, ``rounds`` times or until ``stop``
-        (at least once then); bytes/s of each direction from its own events
-        (None if not run)."""
-        busy = {True: 0.0, False: 0.0}
-        done = 0
-        while done < rounds if stop is None else (done == 0 or not stop.is_set()):
-            pairs = {d: self._one(d) for d, on in ((True, up), (False, down)) if on}
-            for d, (start, end) in pairs.items():
-                end.synchronize()
-                busy[d] += start.elapsed_time(end) / 1e3
-            done += 1
-        rate = {d: done * self.nbytes / busy[d] if busy[d] > 0 else None for d in busy}
-        return (rate[True] if up else None), (rate[False] if down else None)
-
-
-def copies_alone(c: Copies, warmup: int, repeats: int) -> dict[str, float | None]:
-    c.run(True, True, warmup)
-    h2d, _ = c.run(True, False, repeats)
-    _, d2h = c.run(False, True, repeats)
-    h2d_both, d2h_both = c.run(True, True, repeats)
-    return dict(
-        h2d_bytes_s=h2d, d2h_bytes_s=d2h, h2d_both_bytes_s=h2d_both, d2h_both_bytes_s=d2h_both
-    )
-
-
-def adam_with_copies(c: Copies, n: int, warmup: int, repeats: int) -> dict[str, float | None]:
-    """CPU Adam's timed steps while a thread copies both ways until they end."""
-    step = cpu_adam_step(n)
-    for _ in range(warmup):
-        step()
-    stop = threading.Event()
-    rates: list[tuple[float | None, float | None]] = []
-    failed: list[BaseException] = []
-
-    def copy() -> None:
-        try:
-            rates.append(c.run(True, True, stop=stop))
-        except BaseException as exc:  # re-raised below, in the main thread
-            failed.append(exc)
-
-    worker = threading.Thread(target=copy)
-    worker.start()
-    try:
-        times = A.time_it(step, "cpu", 0, repeats)
-    finally:
-        stop.set()
-        worker.join()
-    if failed:
-        raise failed[0]
-    return dict(
-        cpu_adam_with_copies_bytes_s=n * CPU_ADAM_BYTES_PER_PARAM / statistics.median(times),
-        h2d_with_adam_bytes_s=rates[0][0],
-        d2h_with_adam_bytes_s=rates[0][1],
-    )
-
-
-def gpu_adam(n: int, warmup: int, repeats: int) -> float:
-    """FusedAdam on the GPU over n fp32 parameters, parameters/s."""
-    params = A.make(n, PARTS, torch.float32, "cuda", 0.02)
-    A.set_grads(params, A.make(n, PARTS, torch.float32, "cuda", 1e-3))
-    opt = FusedAdam(params, adamw_mode=True, **A.HYPER)
-    return n / statistics.median(A.time_it(opt.step, "cuda", warmup, repeats))
 
 
 def _open_direct(path: str, flags: int) -> tuple[int, bool]:
@@ -237,22 +132,14 @@ def main() -> int:
     a = _args()
     cuda = torch.cuda.is_available()
     n = a.params or (256 * 10**6 if cuda else 16 * 10**6)
-    figures: dict[str, float | None] = {}
-    log(f"CPU Adam alone, {A.human(n)} parameters")
-    figures["cpu_adam_bytes_s"] = cpu_adam(n, a.warmup, a.repeats)
-    A.free()
-    if cuda:
-        c = Copies(a.copy_bytes)
-        log("pinned copies, one way and both ways")
-        figures |= copies_alone(c, a.warmup, a.repeats)
-        log("CPU Adam and both copies at once")
-        figures |= adam_with_copies(c, n, a.warmup, a.repeats)
-        del c
-        A.free()
-        log("FusedAdam on the GPU")
-        figures["gpu_adam_params_s"] = gpu_adam(n, a.warmup, a.repeats)
-        A.free()
-    else:
+    where = "CPU Adam, pinned copies one way, both ways and beside CPU Adam, GPU Adam"
+    log(f"{where if cuda else 'CPU Adam (no CUDA device)'}: {A.human(n)} parameters")
+    measured = measure_machine(
+        torch.device("cuda", torch.cuda.current_device()) if cuda else None, numel=n,
+        copy_bytes=a.copy_bytes, warmup=a.warmup, repeats=a.repeats,
+    )  # fmt: skip
+    figures = {k: v for k, v in measured.to_dict().items() if k != "machine"}
+    if not cuda:
         print("skipped (no CUDA device): pinned copies, CPU Adam beside the copies, GPU Adam")
     if a.disk_dir is not None:
         figures |= disk(a.disk_dir, a.disk_bytes)

@@ -82,7 +82,7 @@ STATE_BYTES_PER_PARAM = 12
 """fp32 master, exp_avg and exp_avg_sq: what crosses PCIe each way for a GPU update."""
 
 _API = "MachineProfile"
-_HOW = "measure the machine with benchmarks/machine.py"
+_HOW = "measure the machine with zerostack.shard.measure_machine() or benchmarks/machine.py"
 
 
 def _check_rate(name: str, value: Any, optional: bool) -> None:
