@@ -298,8 +298,8 @@ def test_reduce_writes_into_the_host_shard_it_replaces(pin):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_reduced_share_lands_in_pinned_host_memory_without_making_the_host_wait():
     # See [Note: a reduced share lands on the host]: reduce returns while
-    # the kernels queued before it still run; reading the shard waits for
-    # the copy.
+    # the kernels queued before it still run; the copy runs beside those
+    # queued after it, on its side stream; reading the shard waits for it.
     tensors = [torch.randn(1 << 20) for _ in range(4)]
     chunk = Chunk(4 << 20, None, torch.float32, compute_device="cuda", shard_device="cpu",
                   pin_memory=True)  # fmt: skip
@@ -316,7 +316,11 @@ def test_a_reduced_share_lands_in_pinned_host_memory_without_making_the_host_wai
     busy.record()
     chunk.reduce()
     assert not busy.query(), "reduce made the host wait for the kernels queued before it"
+    torch.cuda._sleep(2_000_000_000)  # ~1 s queued after it
+    after = torch.cuda.Event()
+    after.record()
     assert chunk.shard is share and busy.query(), "reading the shard did not wait for the copy"
+    assert not after.query(), "the copy waited for the kernels queued after the reduction"
     assert torch.equal(share, torch.full_like(share, 2.5))
     torch.testing.assert_close(chunk.reduced_norm().cpu(), share.norm())
 

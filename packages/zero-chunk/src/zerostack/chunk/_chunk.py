@@ -42,18 +42,28 @@ class Handle:
         return self._finish is None
 
 
-_copy_streams: dict[torch.device, Any] = {}
+_side_streams: dict[tuple[torch.device, str], Any] = {}
+
+
+def _side_stream(device: torch.device, kind: str) -> Any:
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
+    stream = _side_streams.get((device, kind))
+    if stream is None:
+        stream = _side_streams[(device, kind)] = torch.cuda.Stream(device)
+    return stream
 
 
 def copy_stream(device: torch.device) -> Any:
     """The side stream that prefetched gathers copy host shards on (one per
     CUDA device; see [Note: a prefetch copies beside compute])."""
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    stream = _copy_streams.get(device)
-    if stream is None:
-        stream = _copy_streams[device] = torch.cuda.Stream(device)
-    return stream
+    return _side_stream(device, "gather")
+
+
+def landing_stream(device: torch.device) -> Any:
+    """The side stream that reduced shares are copied to pinned host memory
+    on (one per CUDA device; see [Note: a reduced share lands on the host])."""
+    return _side_stream(device, "land")
 
 
 class _CopyIn:
@@ -387,25 +397,31 @@ class Chunk:
 
         [Note: a reduced share lands on the host] A share whose home is
         pinned host memory (``pin_memory``, offloaded parameters) receives
-        its reduced gradient asynchronously, on the compute stream, with an
-        event recorded after the copy: a blocking copy made the host wait,
-        in every chunk's reduction, for all the backward queued so far, so
-        the GPU then idled while the host queued the next kernels
-        (docs/benchmarks.md, 2026-12-03). ``out`` is freed at once: the
-        caching allocator reuses its memory only for work queued after the
-        copy on the same stream. Nothing on the device reads the share
-        before the copy ends (the gathers and write-backs that read it are
-        queued on the compute stream after it, or on the copy stream after
-        waiting for the compute stream), and the host reaches the share only
-        through the ``shard`` property, which waits for the event first (so
-        do ``settle`` and every helper that reads or writes the share; the
-        optimizer step takes each gradient share through ``local_share``, so
-        its CPU updates read landed gradients). A pageable share keeps the
-        blocking copy: its copy makes the host wait anyway."""
+        its reduced gradient asynchronously, on a side stream of its own
+        (``landing_stream``), with an event recorded after the copy. A
+        blocking copy made the host wait, in every chunk's reduction, for all
+        the backward queued so far; a copy on the compute stream ran beside
+        no kernel (docs/benchmarks.md, "Offloaded steps, 2026-12-02 fourth
+        session"). The side stream first waits for the compute stream (the
+        reduction wrote ``out``, its norm read it, and any gather that read
+        the share was waited for there), and ``out``, freed on the compute
+        stream, is recorded on the side stream, so the allocator does not
+        reuse it before the copy ends. Nothing reads or writes the share
+        before the copy ends: the host reaches it only through the ``shard``
+        property, which waits for the event first (so do ``settle``, every
+        helper that reads or writes the share, and every gather, which
+        copies from the share); the optimizer step takes each gradient share
+        through ``local_share``, so its CPU updates read landed gradients. A
+        pageable share keeps the blocking copy: its copy makes the host wait
+        anyway."""
         if out.device.type == "cuda" and share.is_pinned():
-            share.copy_(out, non_blocking=True)
+            side = landing_stream(out.device)
+            side.wait_stream(torch.cuda.current_stream(out.device))  # `out` is reduced and read
+            with torch.cuda.stream(side):
+                share.copy_(out, non_blocking=True)
+            out.record_stream(side)  # freed on the compute stream: kept until the copy ends
             landing = torch.cuda.Event(blocking=True)  # a host waits: no spinning
-            landing.record(torch.cuda.current_stream(out.device))
+            landing.record(side)
             self._landing = landing
         else:
             share.copy_(out)
@@ -544,7 +560,8 @@ class Chunk:
                     target._land(old, out)
                 else:
                     target.shard = out.to(self.shard_device)
-                target._reduced_norm = (norm, weakref.ref(target.shard), target.shard._version)
+                share = target._shard  # not the property: it would wait for the landing copy
+                target._reduced_norm = (norm, weakref.ref(share), share._version)
                 if target is self:
                     self._drop_buffer()
                 else:
