@@ -55,6 +55,7 @@
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
 #                SPLIT=F: the zero, gpt4b and llama parts add the split row at gpu_update_fraction F
+#                (a number, or auto: the step-time model's share on this machine)
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
