@@ -12,7 +12,8 @@ Configurations:
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
   ``--static-fracs``;
 * Gemini auto split (``gemini_auto_split``): Gemini auto with
-  ``gpu_update_fraction`` (``--gpu-update-fraction``, default 0.5): that
+  ``gpu_update_fraction`` (``--gpu-update-fraction``, a number or, the
+  default, auto: the step-time model's share on this machine): that
   share of the CPU-held optimizer chunks is updated by the GPU's Adam, their
   masters and states streamed over PCIe, the rest by CPU Adam.
 

@@ -14,7 +14,8 @@ GPT-2 1.5B from config, bf16, activation checkpointing on every block, batch
   ``overlap_cpu_step=False``, every update done inside ``step()``: what the
   overlap gains, measured in the same run;
 * ZeRO-2 + cpu_offload, split (``zero2_offload_split``): the same with
-  ``gpu_update_fraction`` (``--gpu-update-fraction``, default 0.5): that
+  ``gpu_update_fraction`` (``--gpu-update-fraction``, a number or, the
+  default, auto: the step-time model's share on this machine): that
   share of the offloaded buckets stepped by the GPU's Adam, fed over PCIe,
   beside CPU Adam on the rest;
 * FSDP2 + CPUOffloadPolicy: fully_shard per block, bf16 MixedPrecisionPolicy,
