@@ -92,8 +92,8 @@ class GeminiOptimizer:
             The same math: bitwise on a CPU compute device, within fp32
             rounding on CUDA. In [0, 1]; needs HybridAdam (or CPUAdam)
             without NVMe. ``"auto"``: the share the step-time model finds
-            fastest on this machine (measured once per process, about a
-            second, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
+            fastest on this machine (measured once per process, a second
+            or more, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
             names), 0.0 where no split can run; the log says what it chose
             and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
             Default 0.0 (every CPU-held chunk in CPU Adam).

@@ -10,10 +10,17 @@ updated, so the best share does not depend on the model's size, only on
 the bytes a parameter moves). "auto" takes the profile from the JSON file
 that ``ZEROSTACK_MACHINE_PROFILE`` names (``MachineProfile.save``, or
 ``benchmarks/machine.py --json``), else measures it once per process and
-device (about a second: CPU Adam over ``AUTO_NUMEL`` parameters, copies of
-``AUTO_COPY_BYTES`` each way, each alone and all at once; the GPU's Adam),
-and uses the share whose update phase ``step_floor`` finds shortest; 0.0
-where the split is not faster. It chooses 0.0, and says why in the log,
+device (CPU Adam over ``AUTO_NUMEL`` parameters, copies of
+``AUTO_COPY_BYTES`` each way, each alone and all at once; the GPU's Adam:
+1.1-1.2 s in a training process on an H200 host, 7.8 s as a process's first
+CUDA work), and uses the share whose update phase ``step_floor`` finds
+shortest; 0.0 where the split is not faster. Measured that small the share
+moves between processes (on one H200 host 0.52-0.56 in a quiet process,
+0.41-0.53 in benchmark processes, against 0.48 from a 256M-parameter
+profile; 128M parameters gave 0.494-0.498 but hold 4 GB of GPU memory for
+the while, too much under a tight cap); a saved profile gives the same
+share every run (docs/benchmarks.md, "Offloaded steps, 2026-12-02 fourth
+session"). It chooses 0.0, and says why in the log,
 where no split can run: no CUDA compute device, no host-held update, an
 optimizer or an Adam-state placement the device lane does not step.
 """

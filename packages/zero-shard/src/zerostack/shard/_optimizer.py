@@ -299,7 +299,7 @@ class ZeroOptimizer:
             compute device, within fp32 rounding on CUDA. ``step_floor``'s
             ``split.gpu_fraction`` gives the share a measured machine favours.
             In [0, 1]; needs Adam/AdamW. ``"auto"``: that share, from this
-            machine's profile (measured once per process, about a second, or
+            machine's profile (measured once per process, a second or more, or
             read from the file ``ZEROSTACK_MACHINE_PROFILE`` names), 0.0
             where no split can run; the log says what it chose and why (see
             [Note: gpu_update_fraction="auto"]). Default 0.0 (every update in
