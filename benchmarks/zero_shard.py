@@ -32,6 +32,7 @@ and optimizer step (synchronised between them). Median of --steps after
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import _training as T
@@ -80,6 +81,10 @@ def zero(
 
 
 def main() -> int:
+    # What gpu_update_fraction="auto" measured and chose (the split row's label has the share).
+    logging.basicConfig(format="[%(name)s] %(message)s")
+    logging.getLogger("zerostack.shard._machine").setLevel(logging.INFO)
+
     def extra(ap):
         ap.add_argument(
             "--max-norms", default="0",
