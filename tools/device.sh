@@ -55,7 +55,7 @@
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
 #                SPLIT=F: the zero, gpt4b and llama parts add the split row at gpu_update_fraction F
-#                (a number, or auto: the step-time model's share on this machine)
+#                (a number, or auto: the step-time model's share from $PROFILE, through ZEROSTACK_MACHINE_PROFILE)
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -274,6 +274,7 @@ floor)
   for part in ${*:-profile zero gpt4b llama main}; do
     if [ "$part" = profile ]; then profile again; else profile; fi
     M=(--machine "$PROFILE"); F=(${SPLIT:+--gpu-update-fraction "$SPLIT"})
+    export ZEROSTACK_MACHINE_PROFILE="$PROFILE"  # SPLIT=auto: the floor's profile, not a new measure
     case "$part" in
     profile) ;;
     zero)

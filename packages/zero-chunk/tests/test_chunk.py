@@ -229,6 +229,43 @@ def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():
     assert all(torch.equal(t, r) for t, r in zip(tensors, _tensors(), strict=True))
 
 
+class _Landing:
+    """Stands in for a landing copy's CUDA event: counts the host's waits."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def synchronize(self):
+        self.waits += 1
+
+
+def test_only_reading_or_replacing_the_shard_waits_for_its_landing_copy():
+    # See [Note: a reduced share lands on the host]. The manager's memory
+    # accounting after every reduction reads sizes only: a wait there made
+    # each reduction wait for the backward queued before it.
+    manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")
+    tensors = _tensors()
+    for t in tensors:
+        manager.register_tensor(t, "fp32", 1)
+    manager.close_all_groups()
+    (chunk,) = manager.chunks()
+    chunk._landing = landing = _Landing()
+    assert chunk.memory_usage() and landing.waits == 0
+    manager.access_chunk(chunk)  # a gather copies from the share: it waits
+    assert landing.waits == 1 and chunk._landing is None
+    _to_ready(chunk, tensors)
+    chunk._landing = landing = _Landing()
+    manager.reduce_chunk(chunk)  # reduce settles first, then accounts sizes only
+    assert landing.waits == 1
+    chunk._landing = landing = _Landing()
+    assert manager.total_mem["cpu"] > 0 and chunk.memory_usage() and landing.waits == 0
+    share = chunk.shard
+    assert landing.waits == 1 and chunk._landing is None
+    chunk._landing = landing = _Landing()
+    chunk.shard = share.clone()  # a replaced share may still be written: wait first
+    assert landing.waits == 1
+
+
 def test_shard_move_and_pin_memory_without_cuda(monkeypatch):
     import zerostack.chunk._chunk as chunk_module
 

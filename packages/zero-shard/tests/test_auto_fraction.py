@@ -101,6 +101,8 @@ def test_auto_is_the_only_word_taken():
     assert ZeroConfig(gpu_update_fraction="auto").gpu_update_fraction == "auto"
     with pytest.raises(TypeError, match=r"a number in \[0, 1\] or 'auto' \(got 'fast'\)"):
         ZeroConfig(gpu_update_fraction="fast")
+    with pytest.raises(TypeError, match=r"X: gpu_update_fraction must be a number"):
+        resolve_gpu_update_fraction("X", True, CUDA, None)
 
 
 @needs_fused_adam

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 import weakref
 from collections import Counter
@@ -43,6 +44,7 @@ class Handle:
 
 
 _side_streams: dict[tuple[torch.device, str], Any] = {}
+_side_streams_lock = threading.Lock()  # the CPU-step worker gathers too
 
 
 def _side_stream(device: torch.device, kind: str) -> Any:
@@ -50,7 +52,8 @@ def _side_stream(device: torch.device, kind: str) -> Any:
         device = torch.device(device.type, torch.cuda.current_device())
     stream = _side_streams.get((device, kind))
     if stream is None:
-        stream = _side_streams[(device, kind)] = torch.cuda.Stream(device)
+        with _side_streams_lock:
+            stream = _side_streams.setdefault((device, kind), torch.cuda.Stream(device))
     return stream
 
 
@@ -275,15 +278,20 @@ class Chunk:
         """This rank's shard (None while the chunk is open or gathered for
         good); a reduced gradient's copy into it has landed (see [Note: a
         reduced share lands on the host])."""
-        landing = self._landing
-        if landing is not None:
-            landing.synchronize()
-            self._landing = None
+        self._wait_landing()
         return self._shard
 
     @shard.setter
     def shard(self, value: torch.Tensor | None) -> None:
+        self._wait_landing()  # a copy may still write the share this replaces
         self._shard = value
+
+    def _wait_landing(self) -> None:
+        landing = self._landing
+        if landing is not None:
+            landing.synchronize()
+            if self._landing is landing:  # not a newer copy's, set meanwhile
+                self._landing = None
 
     @property
     def is_gathered(self) -> bool:
@@ -593,7 +601,7 @@ class Chunk:
     def memory_usage(self) -> dict[str, int]:
         """Bytes this chunk holds, by device type ("cpu", "cuda", ...)."""
         usage: Counter[str] = Counter()
-        for t in (self.buffer, self.shard):
+        for t in (self.buffer, self._shard):  # sizes only: no wait for a landing copy
             if t is not None:
                 usage[t.device.type] += t.numel() * t.element_size()
         return dict(usage)

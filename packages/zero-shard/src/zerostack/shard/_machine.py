@@ -27,6 +27,7 @@ optimizer or an Adam-state placement the device lane does not step.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import statistics
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from zerostack.chunk import pinned_empty
+from zerostack.shard._config import check_fraction
 from zerostack.shard._step_model import CPU_ADAM_BYTES_PER_PARAM, MachineProfile, step_floor
 
 logger = logging.getLogger(__name__)
@@ -215,6 +217,11 @@ def measure_machine(
         ImportError: zerostack-fused-adam is not installed.
         ValueError: ``numel`` or ``copy_bytes`` < 1, ``warmup`` < 0, ``repeats`` < 1.
     """
+    if importlib.util.find_spec("zerostack.fused_adam") is None:
+        raise ImportError(
+            "measure_machine: CPU Adam is zerostack-fused-adam's, which is not installed; "
+            "`pip install zerostack-fused-adam`"
+        )
     if numel < 1 or copy_bytes < 1 or warmup < 0 or repeats < 1:
         raise ValueError(
             "measure_machine: numel and copy_bytes must be >= 1, warmup >= 0 and repeats >= 1 "
@@ -232,6 +239,7 @@ def measure_machine(
             figures |= _adam_with_copies(copies, step, numel, warmup, repeats)
             del copies
             figures["gpu_adam_params_s"] = _gpu_adam(numel, device, warmup, repeats)
+            torch.cuda.empty_cache()  # its buffers are freed: give their memory back
         where = torch.cuda.get_device_name(device)
     return MachineProfile(
         **figures,
@@ -251,6 +259,8 @@ def machine_profile(device: torch.device) -> tuple[MachineProfile, str]:
     path = os.environ.get(PROFILE_ENV)
     if path:
         return MachineProfile.load(path), f"{PROFILE_ENV}={path}"
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one GPU
+        device = torch.device("cuda", torch.cuda.current_device())
     with _measured_lock:
         profile = _measured.get(device)
         if profile is None:
@@ -308,6 +318,7 @@ def resolve_gpu_update_fraction(
     """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
     machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
     ``why_not`` says no split can run (logged once here)."""
+    check_fraction(api, fraction)
     if fraction != "auto":
         return float(fraction)
     if why_not is None and device.type != "cuda":

@@ -362,12 +362,13 @@ class ZeroOptimizer:
         )  # fmt: skip
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
-        self.gpu_update_fraction = _offload_fraction(
-            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, params[0]
-        )
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
+        # After the cheap checks: "auto" may measure the machine for a second.
+        self.gpu_update_fraction = _offload_fraction(
+            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, params[0]
+        )
         if debug_collectives is not None:
             _set_debug(debug_collectives)
         self.stage = stage
