@@ -200,6 +200,17 @@ def test_without_a_process_group_the_chunk_is_one_rank():
     _check_gather_release(0, 1)
 
 
+def _managed():
+    """A manager of one closed 37-element chunk holding ``_tensors()``."""
+    manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")
+    tensors = _tensors()
+    for t in tensors:
+        manager.register_tensor(t, "fp32", 1)
+    manager.close_all_groups()
+    (chunk,) = manager.chunks()
+    return manager, chunk, tensors
+
+
 def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():
     # A gather issued ahead (Gemini's max_prefetch) and then used without its
     # handle: access, release and reduce wait for it first, so no tensor is
@@ -218,12 +229,7 @@ def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():
             _to_ready(chunk, tensors)  # states only: a reduce needs the tensors bound
             chunk.reduce()
         assert handle.is_completed(), use
-    manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")
-    tensors = _tensors()
-    for t in tensors:
-        manager.register_tensor(t, "fp32", 1)
-    manager.close_all_groups()
-    (chunk,) = manager.chunks()
+    manager, chunk, tensors = _managed()
     handle = manager.access_chunk(chunk, async_op=True)
     assert manager.access_chunk(chunk) is None and handle.is_completed()
     assert all(torch.equal(t, r) for t, r in zip(tensors, _tensors(), strict=True))
@@ -243,12 +249,7 @@ def test_only_reading_or_replacing_the_shard_waits_for_its_landing_copy():
     # See [Note: a reduced share lands on the host]. The manager's memory
     # accounting after every reduction reads sizes only: a wait there made
     # each reduction wait for the backward queued before it.
-    manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")
-    tensors = _tensors()
-    for t in tensors:
-        manager.register_tensor(t, "fp32", 1)
-    manager.close_all_groups()
-    (chunk,) = manager.chunks()
+    manager, chunk, tensors = _managed()
     chunk._landing = landing = _Landing()
     assert chunk.memory_usage() and landing.waits == 0
     manager.access_chunk(chunk)  # a gather copies from the share: it waits
