@@ -443,7 +443,14 @@ def print_table(
         print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")
 
 
-MOVED = ("host_numel", "gpu_numel", "h2d_bytes_per_param", "d2h_bytes_per_param", "streamed_bytes")
+MOVED = (
+    "host_numel",
+    "gpu_numel",
+    "h2d_bytes_per_param",
+    "d2h_bytes_per_param",
+    "streamed_bytes",
+    "host_value_fraction",
+)
 
 
 def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict | str:

@@ -195,11 +195,11 @@ def _flaky_first_lane_chunk(opt):
     real = lane.staging.run
     faults = {"left": 0}
 
-    def flaky(homes, *args):
+    def flaky(homes, *args, **kwargs):
         if homes is lane.homes[first] and faults["left"] > 0:
             faults["left"] -= 1
             raise RuntimeError("injected device fault")
-        return real(homes, *args)
+        return real(homes, *args, **kwargs)
 
     lane.staging.run = flaky
     return first, faults
@@ -372,9 +372,72 @@ def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, c
 # -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
 
 
-def _cuda_run(fraction, dtype, steps=STEPS):
-    run = _build(fraction, "static-1.0", dtype=dtype, device="cuda", max_norm=1.0)
+def _cuda_run(fraction, dtype, steps=STEPS, placement="static-1.0"):
+    run = _build(fraction, placement, dtype=dtype, device="cuda", max_norm=1.0)
     return run, _train(*run, steps=steps)
+
+
+PLACEMENTS["host-shards"] = dict(offload_optim_frac=1.0, offload_param_frac=1.0, pin_memory=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_lane_steps_chunks_whose_shards_live_in_pinned_host_memory_on_cuda():
+    # Every parameter shard on the host (offload_param_frac=1.0): the lane
+    # copies each landed gradient up and the new values down into the shard,
+    # which the next forward gathers. fp32 parameters: within the kernels'
+    # rounding of the CPU-Adam-only run, as above.
+    ref, ref_losses = _cuda_run(0.0, torch.float32, placement="host-shards")
+    run, losses = _cuda_run(0.5, torch.float32, placement="host-shards")
+    lane: GeminiLane = run[2]._lane
+    on_host = [i for i in lane.homes if opt_chunk(run, i).shard_device.type == "cpu"]
+    assert on_host == sorted(lane.homes) and lane.host_grads
+    assert lane.updates == STEPS * len(lane.homes)  # none fell back to CPU Adam
+    assert run[2].pipeline.host_buffers("values") == []  # written in the shards themselves
+    eps, lr = torch.finfo(torch.float32).eps, 1e-2
+    torch.testing.assert_close(losses, ref_losses, rtol=STEPS * 64 * eps, atol=0)
+    a, b = run[1].state_dict(), ref[1].state_dict()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
+    # The pinned host shards hold the stepped values: their masters, as the lane wrote them.
+    for i in lane.homes:
+        shard = opt_chunk(run, i).shard
+        assert shard.is_pinned() and torch.equal(shard, run[2].masters[i].reshape(-1)), i
+    # bf16 with the new values' staging: the fifth buffer holds the gradients' copies.
+    run16, _ = _cuda_run(0.5, torch.bfloat16, steps=2, placement="host-shards")
+    lane16 = run16[2]._lane
+    shard = max(run16[2].masters[i].numel() for i in lane16.homes)
+    assert lane16.staging.staging_bytes() == staging_bytes(shard, torch.bfloat16, True)
+    assert lane16.staging.staging_bytes() == 2 * shard * (4 + 4 + 4 + 2 + 2)
+
+
+def opt_chunk(run, i):
+    return run[2].pairs[i][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
+    # See zerostack.shard's [Note: step-time floor]: a shard on the host
+    # copies no new value up after a CPU update, and its gradient and new
+    # value cross under the split.
+    from zerostack.shard import PROFILE_ENV, MachineProfile, best_gpu_update_fraction
+
+    profile = MachineProfile(
+        cpu_adam_bytes_s=111.6e9, h2d_bytes_s=55e9, d2h_bytes_s=55e9,
+        cpu_adam_with_copies_bytes_s=88.5e9, h2d_with_adam_bytes_s=35.3e9,
+        d2h_with_adam_bytes_s=46e9, gpu_adam_params_s=140.5e9,
+    )  # fmt: skip
+    profile.save(tmp_path / "machine.json")
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
+    model, ddp, opt = _build("auto", "host-shards", device="cuda")
+    want = best_gpu_update_fraction(
+        profile, h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0
+    )
+    assert opt.gpu_update_fraction == pytest.approx(want)
+    assert want != pytest.approx(best_gpu_update_fraction(profile))
+    _train(model, ddp, opt, steps=1)
+    opt.close()
 
 
 @pytest.mark.gpu

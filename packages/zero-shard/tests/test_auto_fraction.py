@@ -68,6 +68,28 @@ def test_auto_reads_the_profile_file_and_logs_what_it_chose(tmp_path, monkeypatc
     assert "CPU Adam 111.6 GB/s alone, 88.5 beside copies" in caplog.text
 
 
+def _ranks_take_the_first_ranks_share(rank, world, folder):
+    # Each rank's own profile (ranks of one host measure beside each other):
+    # rank 1's CPU Adam is slower, so alone it would give the GPU more.
+    import os
+
+    profile = dataclasses.replace(PROFILE, cpu_adam_with_copies_bytes_s=(88.5 - 30 * rank) * 1e9)
+    path = os.path.join(folder, f"machine{rank}.json")
+    profile.save(path)
+    os.environ[PROFILE_ENV] = path
+    mine = best_gpu_update_fraction(profile)
+    got = resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None)
+    first = best_gpu_update_fraction(PROFILE)
+    assert got == pytest.approx(first), (rank, got, first)
+    assert (mine == pytest.approx(first)) == (rank == 0)
+
+
+def test_ranks_agree_on_the_first_ranks_share(tmp_path):
+    from zerostack.testing import spawn
+
+    spawn(_ranks_take_the_first_ranks_share, 2, args=(str(tmp_path),), backend="gloo")
+
+
 def _must_not_measure(*args, **kwargs):
     raise AssertionError("measured although a profile file was given")
 

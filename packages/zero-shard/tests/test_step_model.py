@@ -84,6 +84,30 @@ def test_split_under_a_disk_bound_stops_where_cpu_adam_meets_the_disk() -> None:
     assert s.update_s == pytest.approx(0.75 + 0.00625)
 
 
+def test_host_held_values_cross_both_ways_under_the_split() -> None:
+    # Every value on the host (Gemini's host-held shards): a CPU update
+    # copies nothing up (h2d 0), a GPU update moves 12 + 2 B each way (the
+    # landed gradient up, the new value down), and every gradient lands in backward.
+    est = step_floor(PROFILE, **STEP, h2d_bytes_per_param=0, host_value_fraction=1.0)
+    s = est.split
+    assert s is not None
+    # (1 - f) 28/14 = 14 f / 12 (d2h; h2d is the same line)  ->  f = 12/19
+    assert s.gpu_fraction == pytest.approx(12 / 19)
+    assert s.cpu_s == pytest.approx(s.d2h_s) == pytest.approx(s.h2d_s) == pytest.approx(14 / 19)
+    assert s.backward_s == pytest.approx(0.2)  # every gradient, 2 GB at 10 GB/s
+    # The same split with the values on the GPU moves 2 B less each way.
+    on_gpu = step_floor(PROFILE, **STEP, h2d_bytes_per_param=0).split
+    assert on_gpu is not None and on_gpu.gpu_fraction > s.gpu_fraction
+    assert on_gpu.d2h_s == pytest.approx(12 * on_gpu.gpu_fraction / 12)
+    # and leaves the GPU's gradients there: the backward copies only the CPU's share.
+    slow = dataclasses.replace(PROFILE, d2h_bytes_s=1e9)
+    kept = step_floor(slow, **STEP, h2d_bytes_per_param=0).split
+    landed = step_floor(slow, **STEP, h2d_bytes_per_param=0, host_value_fraction=1.0).split
+    assert kept is not None and landed is not None
+    assert kept.backward_s == pytest.approx(2 * (1 - kept.gpu_fraction))
+    assert landed.backward_s == pytest.approx(2.0)
+
+
 def test_a_gpu_adam_slower_than_cpu_adam_gets_no_share() -> None:
     slow_gpu = dataclasses.replace(PROFILE, gpu_adam_params_s=1e8)
     s = step_floor(slow_gpu, **STEP).split
@@ -193,6 +217,12 @@ def test_bandwidth_of_the_wrong_type_raises() -> None:
 def test_hide_fraction_outside_zero_one_raises(hide: float) -> None:
     with pytest.raises(ValueError, match=r"step_floor: forward_hide_fraction must be"):
         step_floor(PROFILE, **STEP, forward_hide_fraction=hide)
+
+
+@pytest.mark.parametrize("values", [-0.5, 1.01, math.inf])
+def test_host_value_fraction_outside_zero_one_raises(values: float) -> None:
+    with pytest.raises(ValueError, match=r"step_floor: host_value_fraction must be"):
+        step_floor(PROFILE, **STEP, host_value_fraction=values)
 
 
 @pytest.mark.parametrize(

@@ -231,10 +231,16 @@ class CpuStepPipeline:
 
     def _finish(self, chunk: Chunk) -> None:
         """Write ``chunk``'s update back (from its staging buffer, or in place;
-        a device-lane chunk's shard holds it once its ``updated`` event is)."""
+        a device-lane chunk's shard holds it once its ``updated`` event is,
+        or its ``stored`` event for a shard in host memory, which the host
+        waits for: the next gather copies from there)."""
         homes = self._lane_homes.pop(chunk, None)
         if homes is not None and homes.updated is not None:
-            torch.cuda.current_stream(chunk.compute_device).wait_event(homes.updated)
+            share = chunk.shard
+            if share is not None and share.device.type == "cpu":  # the update's target
+                homes.stored.synchronize()
+            else:
+                torch.cuda.current_stream(chunk.compute_device).wait_event(homes.updated)
         write_back(self.manager, chunk, self._host_values.get(chunk), staged=True)
         self._release(chunk)
 

@@ -354,9 +354,11 @@ class GeminiDDP(nn.Module):
             shard lives there, 0 where that shard lives on the host too),
             as a mean; ``d2h_bytes_per_param``: its gradient's bytes;
             ``streamed_bytes``: parameter shard bytes on the host of a CUDA
-            compute device, copied for the forward and again for the backward.
+            compute device, copied for the forward and again for the
+            backward; ``host_value_fraction``: the share of ``host_numel``
+            whose parameter shards live on the host.
         """
-        host = h2d = d2h = streamed = 0
+        host = h2d = d2h = streamed = values = 0
         for c in self.param_chunks:
             item = c.dtype.itemsize
             # A shard on the host of a GPU (on a CPU compute device nothing moves).
@@ -369,10 +371,12 @@ class GeminiDDP(nn.Module):
                 host += master.shard_size
                 d2h += master.shard_size * item
                 h2d += 0 if on_host else master.shard_size * item
+                values += master.shard_size if on_host else 0
         every = sum(c.shard_size for c in self.chunk_manager.chunks("fp32"))
         return dict(
             host_numel=host, gpu_numel=every - host, h2d_bytes_per_param=h2d / max(host, 1),
             d2h_bytes_per_param=d2h / max(host, 1), streamed_bytes=streamed,
+            host_value_fraction=values / max(host, 1),
         )  # fmt: skip
 
     @property

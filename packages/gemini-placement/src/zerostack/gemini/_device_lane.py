@@ -18,9 +18,10 @@ in CPU Adam as before. A device-lane chunk:
   flat homes (created as zeros, or a loaded state copied in, at ``step()``
   on the main thread before any slice is saved, and again in the update for
   a retry after a failed first update);
-- keeps its reduced gradient on the device: backward's end stages nothing to
-  the host for it (see [Note: CPU-step buffers]); its norm is taken there as
-  for every chunk, so clipping and the fp16 overflow check cover both lanes;
+- keeps its reduced gradient on the device where its parameter shard lives
+  there: backward's end stages nothing to the host for it (see [Note:
+  CPU-step buffers]); its norm is taken there as for every chunk, so
+  clipping and the fp16 overflow check cover both lanes;
 - at ``step()``, is submitted to the one CpuUpdatePipeline under its chunk
   index like a CPU-lane chunk, so the order, the waits, the failure rule and
   the drop-a-batch rule are the CPU lane's. Its update copies master and
@@ -31,7 +32,17 @@ in CPU Adam as before. A device-lane chunk:
   reduced gradient, window by window after the kernel read it) and copies
   the three back on the ``down`` stream. The write-back (the chunk's next
   use) makes the compute stream wait for the ``updated`` event and copies
-  nothing.
+  nothing;
+- or, where its parameter shard lives in pinned host memory (static
+  ``offload_param_frac``), finds its reduced gradient there (landed in
+  backward: the device has no room to keep the lane's gradients, 2 B a
+  parameter) and copies it up with the window, into a fifth staging buffer;
+  the new values go down into that shard on ``down`` beside the homes, and
+  the write-back makes the host wait for the ``stored`` event, since the
+  next gather copies from that shard. So the split runs where every chunk
+  lives on the host (the 2B and 8B rows of ``benchmarks/scale.py``), at 2 B
+  more each way a parameter (the floor counts them: ``host_value_fraction``
+  in [Note: step-time floor]).
 
 A staging slot holds one chunk shard, so every chunk crosses in one window
 and an update that fails (an argument check, an injected fault) has written
@@ -40,10 +51,11 @@ slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters); auto
 placement plans with them subtracted from the capacity, and its steady-state
 evictions count them as held (``AutoPlacement.reserved_bytes``; when they
 did not, gathered chunks took the staging's bytes over the plan: LLaMA 1.1B
-under a 12 GiB cap ran out of memory in most runs). A chunk whose shard
-lives on the host that step (``offload_param_frac``, or evicted by auto
-placement) has its gradient on the host: that step it runs in CPU Adam, on
-the same homes, after their last copy back.
+under a 12 GiB cap ran out of memory in most runs). Under auto placement a
+chunk whose shard was evicted to the host that step has its gradient on
+the host, and the reserve has no room for its copy up: that step it runs in
+CPU Adam, on the same homes, after their last copy back (as does a chunk
+whose host gradient is pageable, whose copy would make the host wait).
 
 Which chunks: the first in compute order (chunk order under static
 placement, which records none), which the next forward needs first. The
@@ -81,11 +93,13 @@ logger = logging.getLogger(__name__)
 _OUT_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
 
-def staging_bytes(shard_numel: int, dtype: torch.dtype) -> int:
+def staging_bytes(shard_numel: int, dtype: torch.dtype, host_grads: bool = False) -> int:
     """Device bytes of the lane's two staging slots for chunk shards of
     ``shard_numel`` elements with ``dtype`` parameters: fp32 master and
-    moments, and the new values."""
-    return 2 * shard_numel * (3 * 4 + _OUT_BYTES.get(dtype, 4))
+    moments, and the new values (and, with ``host_grads``, the copy of a
+    gradient from the host)."""
+    values = _OUT_BYTES.get(dtype, 4)
+    return 2 * shard_numel * (3 * 4 + values + (values if host_grads else 0))
 
 
 class GeminiLane:
@@ -98,13 +112,17 @@ class GeminiLane:
         optimizer: the inner optimizer (fused-adam's), whose ``state`` holds
             the steps and moments.
         device: the compute device.
+        host_grads: take chunks whose gradient is in pinned host memory
+            (static placement: their staging was planned; see [Note:
+            Gemini's device lane]).
     """
 
     def __init__(
         self, pairs: list[tuple[Chunk, Chunk]], masters: list[torch.Tensor], members: list[int],
-        optimizer: torch.optim.Optimizer, device: torch.device,
+        optimizer: torch.optim.Optimizer, device: torch.device, host_grads: bool = False,
     ) -> None:  # fmt: skip
         self.pairs, self.masters, self.optimizer, self.device = pairs, masters, optimizer, device
+        self.host_grads = host_grads
         cuda = device.type == "cuda"
         largest = max(masters[i].numel() for i in members)
         self.staging = LaneStaging(device, largest, largest)  # a slot holds a whole shard
@@ -125,6 +143,7 @@ class GeminiLane:
     def choose(
         cls, pairs: list[tuple[Chunk, Chunk]], masters: list[torch.Tensor], order: list[int],
         fraction: float, optimizer: torch.optim.Optimizer, device: torch.device,
+        host_grads: bool = False,
     ) -> GeminiLane | None:  # fmt: skip
         """The lane over the first of ``order`` (CPU-held pair indices in
         compute order) holding about ``fraction`` of their elements; None
@@ -136,15 +155,16 @@ class GeminiLane:
                 "chunks to the device's Adam", fraction, len(order),
             )  # fmt: skip
             return None
-        lane = cls(pairs, masters, order[:k], optimizer, device)
+        lane = cls(pairs, masters, order[:k], optimizer, device, host_grads)
         shard = lane.staging.window
+        hosted = sum(pairs[i][0].shard_device.type == "cpu" for i in order[:k])
         logger.info(
             "GeminiOptimizer: gpu_update_fraction %.2f: %d of %d CPU-held optimizer chunks (the "
-            "first in compute order, %d of %d elements) step in the Adam of %s, streamed from "
-            "their host homes; staging %.1f MB there",
+            "first in compute order, %d of %d elements; %d with their parameter shard on the "
+            "host) step in the Adam of %s, streamed from their host homes; staging %.1f MB there",
             fraction, k, len(order), sum(masters[i].numel() for i in order[:k]),
-            sum(masters[i].numel() for i in order), device,
-            staging_bytes(shard, pairs[order[0]][0].dtype) / 2**20,
+            sum(masters[i].numel() for i in order), hosted, device,
+            staging_bytes(shard, pairs[order[0]][0].dtype, host_grads and hosted > 0) / 2**20,
         )  # fmt: skip
         return lane
 
@@ -154,8 +174,11 @@ class GeminiLane:
     def takes(self, i: int, grad: torch.Tensor) -> bool:
         """Pair ``i`` steps in the device's Adam now: in the lane, its
         gradient on the compute device (by type: a device given as "cuda"
-        has no index, its tensors' devices do)."""
-        return i in self.homes and grad.device.type == self.device.type
+        has no index, its tensors' devices do), or with ``host_grads`` in
+        pinned host memory."""
+        if i not in self.homes:
+            return False
+        return grad.device.type == self.device.type or (self.host_grads and grad.is_pinned())
 
     def home_states(self, i: int) -> bool:
         """Pair ``i``'s moments are (views of) its homes: created as zeros
@@ -197,18 +220,21 @@ class GeminiLane:
             # Where the write-back finds the new values: the shard (a
             # gathered copy is released there), or the kept-gathered share.
             target = chunk.shard if chunk.shard is not None else chunk.local_share()
+            # A shard in host memory (its gradient landed there) gets them on
+            # ``down``, beside the homes; the write-back waits for that.
+            on_host = target.device.type == "cpu" and self.device.type != "cpu"
             launch = ({k: hyper[k] for k in LANE_HYPER}, float(state["step"]) + 1,
                       [(0, master.numel(), grad)])  # fmt: skip
 
             def write(out: torch.Tensor, window: tuple[int, int]) -> None:
                 target[window[0] : window[1]].copy_(out)
-                for t, sl, value in saved or ():  # the unstepped values out again
-                    if t is master:
-                        target[sl].copy_(value, non_blocking=True)
+                _unstepped(target, master, saved, non_blocking=True)
 
             try:
-                self.staging.run(self.homes[i], master.numel(), [launch], div_scale,
-                                 target.dtype, write)  # fmt: skip
+                self.staging.run(
+                    self.homes[i], master.numel(), [launch], div_scale, target.dtype,
+                    None if on_host else write, out_home=target if on_host else None,
+                )  # fmt: skip
             except BaseException:
                 if created:
                     self.optimizer.state.pop(master, None)
@@ -218,4 +244,16 @@ class GeminiLane:
                 self.staging.settle()  # the homes hold the step: put those slices back
                 for t, sl, value in saved:
                     t[sl].copy_(value)
+                if on_host:
+                    _unstepped(target, master, saved)
             self.updates += 1
+
+
+def _unstepped(
+    target: torch.Tensor, master: torch.Tensor, saved: list | None, non_blocking: bool = False
+) -> None:
+    """The saved values of parameters no rank gave a gradient over their
+    slices of the new values ``target`` (see GeminiOptimizer._save_slices)."""
+    for t, sl, value in saved or ():
+        if t is master:
+            target[sl].copy_(value, non_blocking=non_blocking)

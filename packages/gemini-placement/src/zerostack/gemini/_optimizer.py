@@ -165,9 +165,12 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
+        # Under static placement the lane takes host-held shards too (their
+        # values cross down): what the share is weighed with.
+        values = 0.0 if module.config.auto else module.step_amounts()["host_value_fraction"]
         self.gpu_update_fraction = resolve_gpu_update_fraction(
             _API, gpu_update_fraction, module.compute_device, why_not,
-            module.mixed_precision.itemsize,
+            module.mixed_precision.itemsize, values, module.process_group,
         )  # fmt: skip
         self._lane: GeminiLane | None = None
         self._bind_masters()
@@ -561,7 +564,7 @@ class GeminiOptimizer:
             return
         self._lane = GeminiLane.choose(
             self.pairs, self.masters, self._cpu_order(), self.gpu_update_fraction,
-            self.optimizer, self.module.compute_device,
+            self.optimizer, self.module.compute_device, host_grads=not self.module.config.auto,
         )  # fmt: skip
         if self._lane is not None:
             self.pipeline.lane_settle = self._lane.staging.settle
@@ -619,7 +622,7 @@ class GeminiOptimizer:
         with its step's hyperparameters (a failed update may run again later)."""
         chunk = self.pairs[i][0]
         if self._lane is not None and i in self._lane:
-            self._lane.settle()  # a lane chunk whose gradient is on the host this step
+            self._lane.settle()  # a lane chunk the lane does not take this step (takes)
         host_grad = self.pipeline.host_grad(chunk, grad)
         master = self.masters[i]
         # The new fp16/bf16 shard goes into the chunk's host share itself, or a

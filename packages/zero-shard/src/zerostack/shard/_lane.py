@@ -26,8 +26,9 @@ _SLOTS = 2  # staging slots: one window copied in while the one before is copied
 _ALIGN = 1024  # a window's elements: slot boundaries keep the kernels' vector alignment
 
 # One kernel call of a unit's update: adam_update's keywords (LANE_HYPER), the
-# step count after it, and (offset in the unit's homes, elements, gradient
-# on the device) per tensor.
+# step count after it, and (offset in the unit's homes, elements, gradient)
+# per tensor. A gradient on the device is read there; one in pinned host
+# memory (Gemini's host-held shards) is copied up with the homes' window.
 Launch = tuple[dict[str, Any], float, list[tuple[int, int, torch.Tensor]]]
 
 
@@ -180,8 +181,9 @@ class LaneStaging:
             self._last.synchronize()
 
     def _slot(self, dtypes: tuple[torch.dtype, ...], numel: int) -> tuple[list, Any]:
-        """The next staging slot's four buffers, cut to ``numel``, and the
-        event its last copies back recorded."""
+        """The next staging slot's buffers (master, moments, new values, and
+        a host gradient's copy where ``dtypes`` has a fifth), cut to
+        ``numel``, and the event its last copies back recorded."""
         if dtypes not in self._slots:
             ring = [
                 tuple(torch.empty(self.window, dtype=d, device=self.device) for d in dtypes)
@@ -200,31 +202,43 @@ class LaneStaging:
 
     def run(
         self, homes: LaneHomes, total: int, launches: list[Launch], div_scale: float,
-        out_dtype: torch.dtype, write: Callable[[torch.Tensor, tuple[int, int]], None],
-        progress: LaneProgress | None = None,
+        out_dtype: torch.dtype, write: Callable[[torch.Tensor, tuple[int, int]], None] | None,
+        progress: LaneProgress | None = None, out_home: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Step ``total`` elements of ``homes``, one window after the other:
         ``write(out, (w0, w1))`` gets each window's new values in
-        ``out_dtype`` (on ``up``, after the kernels; copy them where they go).
-        With ``progress`` (one per unit and step, given again to its retry) a
-        run that failed goes on from the first window not yet stepped."""
-        dtypes = (homes.master.dtype, torch.float32, torch.float32, out_dtype)
+        ``out_dtype`` (on ``up``, after the kernels; copy them where they go
+        on the device); or, with ``out_home`` (pinned host memory of
+        ``total`` elements), they are copied there on ``down`` beside the
+        homes, and the ``stored`` event covers them. With ``progress`` (one
+        per unit and step, given again to its retry) a run that failed goes
+        on from the first window not yet stepped."""
+        dtypes: tuple[torch.dtype, ...] = (homes.master.dtype, torch.float32, torch.float32,
+                                           out_dtype)  # fmt: skip
+        hosted = {
+            g.dtype for _, _, items in launches for _, _, g in items if g.device.type == "cpu"
+        }
+        if self.up is not None and hosted:  # host gradients cross in a fifth buffer
+            if len(hosted) > 1:
+                raise ValueError(f"LaneStaging.run: host gradients of one dtype (got {hosted})")
+            dtypes = (*dtypes, *hosted)
         for w0 in range(progress.done if progress else 0, total, self.window):
             w1 = min(total, w0 + self.window)
-            self._step_window(homes, launches, (w0, w1), div_scale, dtypes, write)
+            self._step_window(homes, launches, (w0, w1), div_scale, dtypes, (write, out_home))
             if progress is not None:
                 progress.done = w1
 
     def _step_window(
         self, homes: LaneHomes, launches: list[Launch], window: tuple[int, int],
-        div_scale: float, dtypes: tuple, write: Callable,
+        div_scale: float, dtypes: tuple, to: tuple[Callable | None, torch.Tensor | None],
     ) -> None:  # fmt: skip
-        """Elements ``window``: homes to a staging slot, the kernels, the new
-        values to ``write``, the slot back home."""
+        """Elements ``window``: homes (and host gradients) to a staging slot,
+        the kernels, the new values to ``write`` or ``out_home`` (``to``),
+        the slot back home."""
         from zerostack.fused_adam import adam_update  # checked by check_lane_optimizer
 
         w0, w1 = window
-        (master, m, v, out), free = self._slot(dtypes, w1 - w0)
+        (master, m, v, out, *host_grad), free = self._slot(dtypes, w1 - w0)
         up = self.up
         with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
             if up is not None:
@@ -240,30 +254,45 @@ class LaneStaging:
                 ]
                 if not cut:
                     continue
+                grads = [self._grad_on_device(g, host_grad, a, b) for a, b, g in cut]
                 ps, ms, vs, outs = ([t[a:b] for a, b, _ in cut] for t in (master, m, v, out))
-                adam_update(ps, [g for _, _, g in cut], ms, vs, step=step, div_scale=div_scale,
-                            outs=outs, **hyper)  # fmt: skip
-                if up is not None:
-                    for _, _, g in cut:  # read on this stream; the step may drop them before
-                        g.record_stream(up)
-            write(out, window)
+                adam_update(ps, grads, ms, vs, step=step, div_scale=div_scale, outs=outs,
+                            **hyper)  # fmt: skip
+            if to[0] is not None:
+                to[0](out, window)
             if up is not None:
                 homes.updated.record(up)
-        self._store(homes, (master, m, v), window, free)
+        self._store(homes, (master, m, v, out), window, free, to[1])
+
+    def _grad_on_device(
+        self, grad: torch.Tensor, host_grad: list[torch.Tensor], a: int, b: int
+    ) -> torch.Tensor:
+        """``grad`` where the kernel reads it, on ``up``: itself on the
+        device (recorded there: the step may drop it before the kernel
+        runs), or copied into the slot's gradient buffer at ``[a:b]``."""
+        if self.up is None:
+            return grad
+        if grad.device.type == "cpu":
+            return host_grad[0][a:b].copy_(grad, non_blocking=True)
+        grad.record_stream(self.up)
+        return grad
 
     def _store(
         self, homes: LaneHomes, staged: tuple[torch.Tensor, ...], window: tuple[int, int],
-        free: Any,
+        free: Any, out_home: torch.Tensor | None,
     ) -> None:  # fmt: skip
         """The stepped masters and moments of ``window`` back into their
-        homes: on ``down``, after the kernel; then the slot may be taken again."""
+        homes (and the new values into ``out_home``): on ``down``, after the
+        kernel; then the slot may be taken again."""
         w0, w1 = window
         down = self.down
         with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
             if down is not None:
                 down.wait_event(homes.updated)
-            for home, stage in zip(homes.flat(), staged, strict=True):
+            for home, stage in zip(homes.flat(), staged, strict=False):  # the homes: not ``out``
                 home[w0:w1].copy_(stage, non_blocking=True)
+            if out_home is not None:
+                out_home[w0:w1].copy_(staged[3], non_blocking=True)
             if down is not None:
                 homes.stored.record(down)
                 free.record(down)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerostack.chunk import pinned_empty
 from zerostack.shard._config import check_fraction
@@ -284,8 +285,9 @@ def _figures(p: MachineProfile) -> str:
 
 
 def best_gpu_update_fraction(
-    profile: MachineProfile, *, h2d_bytes_per_param: float = 2, d2h_bytes_per_param: float = 2
-) -> float:
+    profile: MachineProfile, *, h2d_bytes_per_param: float = 2, d2h_bytes_per_param: float = 2,
+    host_value_fraction: float = 0.0,
+) -> float:  # fmt: skip
     """The share of the host-held updates whose update phase (and the
     gradients' copies to the host, which the GPU's share saves) is shortest
     on ``profile``'s machine: ``step_floor``'s best split, or 0.0 where the
@@ -297,6 +299,8 @@ def best_gpu_update_fraction(
         h2d_bytes_per_param: parameter bytes copied to the GPU per CPU
             update (2 for bf16/fp16 parameters; 0 where they live on the host).
         d2h_bytes_per_param: gradient bytes copied to the host per CPU update.
+        host_value_fraction: the share of the host-held updates whose
+            parameter values live on the host too (``step_floor``'s).
     """
     needed = (
         profile.h2d_bytes_s, profile.d2h_bytes_s, profile.cpu_adam_with_copies_bytes_s,
@@ -307,17 +311,23 @@ def best_gpu_update_fraction(
     estimate = step_floor(
         profile, forward_s=0.0, backward_s=0.0, host_numel=2**30,
         h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
+        host_value_fraction=host_value_fraction,
     )  # fmt: skip
     return estimate.best.gpu_fraction
 
 
 def resolve_gpu_update_fraction(
     api: str, fraction: float | str, device: torch.device, why_not: str | None,
-    param_bytes: int = 2,
+    param_bytes: int = 2, host_value_fraction: float = 0.0, group: Any = None,
 ) -> float:  # fmt: skip
     """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
     machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
-    ``why_not`` says no split can run (logged once here)."""
+    ``why_not`` says no split can run (logged once here).
+    ``host_value_fraction``: the share of the host-held updates whose
+    parameter values live on the host (no new value crosses up for them
+    after a CPU update; ``step_floor``'s). With several ranks in ``group``
+    (a collective: every rank calls this) each takes the first rank's
+    share (``agree_on_share``)."""
     check_fraction(api, fraction)
     if fraction != "auto":
         return float(fraction)
@@ -328,11 +338,28 @@ def resolve_gpu_update_fraction(
         return 0.0
     profile, source = machine_profile(device)
     best = best_gpu_update_fraction(
-        profile, h2d_bytes_per_param=param_bytes, d2h_bytes_per_param=param_bytes
-    )
+        profile, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
+        d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
+    )  # fmt: skip
+    mine, best = best, agree_on_share(best, device, group)
     logger.info(
         "%s: gpu_update_fraction='auto' chose %.3f of the host-held updates for the GPU's Adam "
-        "(the step-time model's fastest split; %s; profile %s)",
-        api, best, _figures(profile), source,
+        "(the step-time model's fastest split%s; %s; profile %s)",
+        api, best, "" if best == mine else f", the first rank's; this rank's was {mine:.3f}",
+        _figures(profile), source,
     )  # fmt: skip
     return best
+
+
+def agree_on_share(share: float, device: torch.device, group: Any = None) -> float:
+    """The first rank of ``group``'s ``share`` on every rank (itself without
+    several ranks). Ranks of one host measure the machine at the same time,
+    each beside the others' measurements, so their shares differ a little;
+    one share keeps the ranks' steps alike. A collective: every rank calls it."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        return share
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    value = torch.tensor([share], dtype=torch.float64, device=on)
+    dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0,
+                   group=group)  # fmt: skip
+    return float(value.item())

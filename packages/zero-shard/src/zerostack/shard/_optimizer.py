@@ -131,14 +131,16 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
 
 def _offload_fraction(
     optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
-    fraction: float | str, param: torch.Tensor,
+    fraction: float | str, param: torch.Tensor, group: Any,
 ) -> float:  # fmt: skip
     """The offload arguments checked, and ``gpu_update_fraction`` as a number
     (``"auto"`` resolved, see [Note: gpu_update_fraction="auto"])."""
     why_not = _check_offload_args(optimizer, cpu_offload, overlap_cpu_step, fraction, param.device)
     if not cpu_offload and fraction != "auto":
         return 0.0
-    return resolve_gpu_update_fraction(_API, fraction, param.device, why_not, param.element_size())
+    return resolve_gpu_update_fraction(
+        _API, fraction, param.device, why_not, param.element_size(), group=group
+    )
 
 
 def _check_offload_args(
@@ -366,9 +368,8 @@ class ZeroOptimizer:
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
         # After the cheap checks: "auto" may measure the machine for a second.
-        self.gpu_update_fraction = _offload_fraction(
-            optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction, params[0]
-        )
+        offload = (optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction)
+        self.gpu_update_fraction = _offload_fraction(*offload, params[0], process_group)
         if debug_collectives is not None:
             _set_debug(debug_collectives)
         self.stage = stage

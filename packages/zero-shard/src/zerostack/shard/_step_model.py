@@ -38,15 +38,25 @@ start earlier. So::
 
 The split: a share ``f`` of the host-held updates runs in the GPU's Adam
 instead, fed over PCIe: master and both moments, 12 B per parameter, go to
-the GPU and come back (the gradient is already there and the new parameter
-is made there, so neither crosses). ``ZeroOptimizer(cpu_offload=True,
-gpu_update_fraction=f)`` runs it (see [Note: Adam where the bandwidth is]). With every resource busy at once each
-runs at its "all at once" bandwidth (``*_with_*`` fields), so::
+the GPU and come back. Where the parameter's value lives on the GPU, the
+gradient is already there and the new value is made there, so neither
+crosses. Where it lives on the host (Gemini's host-held shards, the share
+``host_value_fraction`` of the host-held updates), the gradient has landed
+on the host in backward (the GPU has no room to keep it) and crosses back
+up, and the new value crosses down: ``g`` more bytes each way, ``g`` being
+``d2h_bytes_per_param`` (the gradient's, which is the value's, dtype).
+``ZeroOptimizer(cpu_offload=True, gpu_update_fraction=f)`` and
+``GeminiOptimizer`` run it (see [Note: Adam where the bandwidth is]). With
+every resource busy at once each runs at its "all at once" bandwidth
+(``*_with_*`` fields), so, with ``lane = 12 + host_value_fraction * g``::
 
     cpu(f) = (1 - f) * N * 28 / cpu_adam_with_copies
-    h2d(f) = N * (12 f + h2d_bytes_per_param (1 - f)) / h2d_with_adam
-    d2h(f) = N * 12 f / d2h_with_adam           (the gradients left in backward)
+    h2d(f) = N * (lane f + h2d_bytes_per_param (1 - f)) / h2d_with_adam
+    d2h(f) = N * lane f / d2h_with_adam
     gpu(f) = f * N / gpu_adam_params_s           (on the GPU: added to the phase)
+
+and the backward copies the gradients of the CPU's share and of the host
+values' share of the GPU's: ``N * g * (1 - f (1 - host_value_fraction))``.
 
 The best ``f`` makes ``max(cpu, h2d, d2h, disk) + gpu`` shortest. ``cpu``
 falls with ``f`` and both copies rise, so when the GPU's Adam is faster
@@ -242,18 +252,19 @@ def _secs(amount: float, rate: float | None) -> float:
 
 
 def _split_fraction(
-    numel: float, rates: tuple[float, float, float], h2d_bytes: float, disk_s: float,
-    gpu_rate: float,
+    numel: float, rates: tuple[float, float, float], h2d_bytes: float, lane_bytes: float,
+    disk_s: float, gpu_rate: float,
 ) -> float:  # fmt: skip
     """The f in [0, 1] that makes the update phase shortest: ``max(cpu(f),
     h2d(f), d2h(f), disk) + gpu(f)`` is convex and piecewise linear in f,
-    so its minimum lies at 0, 1 or where two of the lines cross."""
+    so its minimum lies at 0, 1 or where two of the lines cross.
+    ``lane_bytes``: what one GPU update moves each way."""
     cpu_rate, up, down = rates
     # each line as (at f=0, slope), in seconds
     lines = [
         (numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate, -numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate),
-        (numel * h2d_bytes / up, numel * (STATE_BYTES_PER_PARAM - h2d_bytes) / up),
-        (0.0, numel * STATE_BYTES_PER_PARAM / down),
+        (numel * h2d_bytes / up, numel * (lane_bytes - h2d_bytes) / up),
+        (0.0, numel * lane_bytes / down),
         (disk_s, 0.0),
     ]
     candidates = {0.0, 1.0}
@@ -270,18 +281,22 @@ def _split_fraction(
 
 def _floor(
     numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
-    times: tuple[float, float, float, float], h2d_bytes: float, d2h_bytes: float,
+    times: tuple[float, float, float, float], moved: tuple[float, float, float],
     gpu_rate: float | None,
 ) -> StepFloor:  # fmt: skip
     """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
     D2H B/s during the update); ``times`` = (forward, backward, disk, window),
-    the forward and backward already at least their streamed copies."""
+    the forward and backward already at least their streamed copies;
+    ``moved`` = (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)."""
     cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
     forward_s, backward_s, disk_s, window = times
-    backward = max(backward_s, _secs(numel * (1 - f) * d2h_bytes, bwd_d2h_rate))
+    h2d_bytes, d2h_bytes, host_values = moved
+    lane = STATE_BYTES_PER_PARAM + host_values * d2h_bytes
+    landed = numel * d2h_bytes * (1 - f * (1 - host_values))
+    backward = max(backward_s, _secs(landed, bwd_d2h_rate))
     cpu_s = numel * (1 - f) * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
-    h2d_s = _secs(numel * (STATE_BYTES_PER_PARAM * f + h2d_bytes * (1 - f)), h2d_rate)
-    d2h_s = _secs(numel * STATE_BYTES_PER_PARAM * f, upd_d2h_rate)
+    h2d_s = _secs(numel * (lane * f + h2d_bytes * (1 - f)), h2d_rate)
+    d2h_s = _secs(numel * lane * f, upd_d2h_rate)
     gpu_adam_s = _secs(numel * f, gpu_rate)
     terms = {"cpu": cpu_s, "h2d": h2d_s, "d2h": d2h_s, "disk": disk_s}
     bound = max(terms, key=terms.__getitem__)
@@ -305,6 +320,12 @@ def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -
         raise ValueError(
             f"step_floor: forward_hide_fraction must be in [0, 1] (got {hide!r}); it is the "
             "share of forward that can run beside the updates"
+        )
+    values = amounts["host_value_fraction"]
+    if values > 1:
+        raise ValueError(
+            f"step_floor: host_value_fraction must be in [0, 1] (got {values!r}); it is the "
+            "share of the host-held updates whose parameter values live on the host too"
         )
     if not isinstance(clip, bool):
         raise TypeError(f"step_floor: clip_before_update must be a bool (got {clip!r})")
@@ -347,6 +368,7 @@ def step_floor(
     disk_read_bytes: float = 0,
     disk_write_bytes: float = 0,
     streamed_bytes: float = 0,
+    host_value_fraction: float = 0.0,
     clip_before_update: bool = True,
     forward_hide_fraction: float = 1.0,
 ) -> FloorEstimate:
@@ -367,6 +389,10 @@ def step_floor(
         streamed_bytes: parameter bytes (this rank's) that live on the host
             and are copied to the GPU for the forward, and again for the
             backward. Default 0.
+        host_value_fraction: the share of ``host_numel`` whose parameter
+            values live on the host too (Gemini's host-held shards), in
+            [0, 1]: under the split their gradients cross back to the GPU
+            and their new values down. Default 0.0.
         clip_before_update: updates wait for the global gradient norm, so
             none overlaps backward. Default True (what the CPU-step pipeline
             does, with or without clipping).
@@ -387,7 +413,8 @@ def step_floor(
         forward_s=forward_s, backward_s=backward_s, host_numel=host_numel, gpu_numel=gpu_numel,
         h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
         disk_read_bytes=disk_read_bytes, disk_write_bytes=disk_write_bytes,
-        streamed_bytes=streamed_bytes, forward_hide_fraction=forward_hide_fraction,
+        streamed_bytes=streamed_bytes, host_value_fraction=host_value_fraction,
+        forward_hide_fraction=forward_hide_fraction,
     )  # fmt: skip
     _check_inputs(profile, amounts, clip_before_update)
     stream = _secs(streamed_bytes, profile.h2d_bytes_s)
@@ -398,19 +425,25 @@ def step_floor(
     )
     window = forward_hide_fraction * forward_s + (0.0 if clip_before_update else backward_s)
     times = (forward_s, backward_s, disk_s, window)
-    moved = (h2d_bytes_per_param, d2h_bytes_per_param)
+    moved = (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)
     alone = (profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
-    cpu_only = _floor(host_numel, 0.0, alone, times, *moved, None)
-    split = None
+    cpu_only = _floor(host_numel, 0.0, alone, times, moved, None)
+    return FloorEstimate(cpu_only=cpu_only, split=_split(profile, host_numel, times, moved))
+
+
+def _split(
+    profile: MachineProfile, numel: float, times: tuple[float, float, float, float],
+    moved: tuple[float, float, float],
+) -> StepFloor | None:  # fmt: skip
+    """The floor under the best CPU/GPU split; None without the figures."""
     cpu_rate, up, down = (
         profile.cpu_adam_with_copies_bytes_s, profile.h2d_with_adam_bytes_s,
         profile.d2h_with_adam_bytes_s,
     )  # fmt: skip
-    if host_numel > 0 and profile.gpu_adam_params_s is not None and cpu_rate and up and down:
-        rates = (cpu_rate, up, down)
-        f = _split_fraction(
-            host_numel, rates, h2d_bytes_per_param, disk_s, profile.gpu_adam_params_s
-        )
-        busy = (cpu_rate, up, profile.d2h_bytes_s, down)
-        split = _floor(host_numel, f, busy, times, *moved, profile.gpu_adam_params_s)
-    return FloorEstimate(cpu_only=cpu_only, split=split)
+    gpu_rate = profile.gpu_adam_params_s
+    if numel == 0 or gpu_rate is None or not (cpu_rate and up and down):
+        return None
+    h2d_bytes, d2h_bytes, host_values = moved
+    lane = STATE_BYTES_PER_PARAM + host_values * d2h_bytes
+    f = _split_fraction(numel, (cpu_rate, up, down), h2d_bytes, lane, times[2], gpu_rate)
+    return _floor(numel, f, (cpu_rate, up, profile.d2h_bytes_s, down), times, moved, gpu_rate)
