@@ -629,7 +629,7 @@ def main() -> int:
         f"{ddp.grad_chunks[0].chunk_size / 1e6:.1f}M elements, "
         f"{len(ddp.offloaded_masters)} masters on the CPU")  # fmt: skip
     r = train(a, config, ddp, opt, device)
-    lane = opt.device_lane_chunks()
+    lane = opt.device_lane_chunks
     if lane:
         staged = opt._lane.staging.staging_bytes() if opt._lane is not None else 0
         log(f"device lane: {len(lane)} of {len(ddp.offloaded_masters)} CPU-held chunks stepped "

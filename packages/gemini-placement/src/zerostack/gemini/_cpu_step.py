@@ -10,6 +10,7 @@ busy (``chunk in pipeline``).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -238,7 +239,9 @@ class CpuStepPipeline:
         if homes is not None and homes.updated is not None:
             share = chunk.shard
             if share is not None and share.device.type == "cpu":  # the update's target
+                t0 = time.perf_counter()
                 homes.stored.synchronize()
+                self.updates.wait_s += time.perf_counter() - t0  # exposed, as a CPU update's
             else:
                 torch.cuda.current_stream(chunk.compute_device).wait_event(homes.updated)
         write_back(self.manager, chunk, self._host_values.get(chunk), staged=True)
