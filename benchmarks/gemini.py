@@ -95,11 +95,11 @@ def gemini(
         )
     else:
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
-    if opt._lane is not None:  # the chunks the GPU's Adam stepped, and its staging
-        lane = opt._lane
+    if opt.device_lane_chunks:  # the chunks the GPU's Adam stepped, and its staging
         result["name"] += (
-            f" [{len(lane.homes)} CPU-held chunks in the GPU's Adam, {lane.updates} updates, "
-            f"staging {lane.staging.staging_bytes() / 2**20:.0f} MiB]"
+            f" [{len(opt.device_lane_chunks)} CPU-held chunks in the GPU's Adam, "
+            f"{opt.device_lane_updates} updates, "
+            f"staging {opt.device_lane_staging_bytes / 2**20:.0f} MiB]"
         )
     opt.close()
     return result

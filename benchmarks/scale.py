@@ -629,12 +629,10 @@ def main() -> int:
         f"{ddp.grad_chunks[0].chunk_size / 1e6:.1f}M elements, "
         f"{len(ddp.offloaded_masters)} masters on the CPU")  # fmt: skip
     r = train(a, config, ddp, opt, device)
-    lane = opt.device_lane_chunks
-    if lane:
-        staged = opt._lane.staging.staging_bytes() if opt._lane is not None else 0
-        log(f"device lane: {len(lane)} of {len(ddp.offloaded_masters)} CPU-held chunks stepped "
-            f"by the GPU's Adam ({opt._lane.updates if opt._lane else 0} updates), staging "
-            f"{staged / 2**20:.0f} MiB")  # fmt: skip
+    if opt.device_lane_chunks:
+        log(f"device lane: {len(opt.device_lane_chunks)} of {len(ddp.offloaded_masters)} CPU-held "
+            f"chunks stepped by the GPU's Adam ({opt.device_lane_updates} updates), staging "
+            f"{opt.device_lane_staging_bytes / 2**20:.0f} MiB")  # fmt: skip
     hb = opt.host_bytes()
     nvme_dir = getattr(getattr(adam, "_nvme", None), "swapper", None)
     nvme_path = nvme_dir.workdir if nvme_dir is not None else None

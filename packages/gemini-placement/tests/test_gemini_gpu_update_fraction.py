@@ -34,6 +34,12 @@ PLACEMENTS = {
     "static-0.5": dict(offload_optim_frac=0.5),
     "auto-small": dict(placement_policy="auto", gpu_capacity_bytes=10**5),
 }
+# CUDA only: parameter shards in host memory, which the lane streams from when pinned.
+HOST_SHARDS = {
+    "host-shards": dict(offload_optim_frac=1.0, offload_param_frac=1.0, pin_memory=True),
+    "half-host-shards": dict(offload_optim_frac=1.0, offload_param_frac=0.5, pin_memory=True),
+    "pageable-host-shards": dict(offload_optim_frac=1.0, offload_param_frac=0.5),
+}
 
 
 def _build(fraction, placement, kind="adamw", dtype=torch.bfloat16, world=1, device="cpu", **kw):
@@ -41,7 +47,7 @@ def _build(fraction, placement, kind="adamw", dtype=torch.bfloat16, world=1, dev
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(
         model, mixed_precision=dtype, chunk_config_dict={world: {"chunk_size": CHUNK}},
-        compute_device=device, **PLACEMENTS[placement],
+        compute_device=device, **{**PLACEMENTS, **HOST_SHARDS}[placement],
     )  # fmt: skip
     if dtype == torch.float16:
         kw.update(initial_scale=2.0**12, hysteresis=1)
@@ -372,47 +378,98 @@ def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, c
 # -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
 
 
-def _cuda_run(fraction, dtype, steps=STEPS, placement="static-1.0"):
-    run = _build(fraction, placement, dtype=dtype, device="cuda", max_norm=1.0)
+def _cuda_run(fraction, dtype, steps=STEPS, placement="static-1.0", **kw):
+    run = _build(fraction, placement, dtype=dtype, device="cuda", max_norm=1.0, **kw)
     return run, _train(*run, steps=steps)
 
 
-PLACEMENTS["host-shards"] = dict(offload_optim_frac=1.0, offload_param_frac=1.0, pin_memory=True)
+def _close_to(run, ref, steps):
+    """fp32 runs: within the kernels' rounding per step of the CPU-Adam-only
+    run (see the first CUDA test below), model and losses."""
+    (ref_run, ref_losses), (got, losses) = ref, run
+    eps, lr = torch.finfo(torch.float32).eps, 1e-2
+    torch.testing.assert_close(losses, ref_losses, rtol=steps * 64 * eps, atol=0)
+    a, b = got[1].state_dict(), ref_run[1].state_dict()
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=steps * 64 * eps, atol=steps * lr * 4096 * eps)
+
+
+def _chunk(run, i):
+    return run[2].pairs[i][0]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_lane_steps_chunks_whose_shards_live_in_pinned_host_memory_on_cuda():
-    # Every parameter shard on the host (offload_param_frac=1.0): the lane
-    # copies each landed gradient up and the new values down into the shard,
-    # which the next forward gathers. fp32 parameters: within the kernels'
-    # rounding of the CPU-Adam-only run, as above.
-    ref, ref_losses = _cuda_run(0.0, torch.float32, placement="host-shards")
-    run, losses = _cuda_run(0.5, torch.float32, placement="host-shards")
-    lane: GeminiLane = run[2]._lane
-    on_host = [i for i in lane.homes if opt_chunk(run, i).shard_device.type == "cpu"]
-    assert on_host == sorted(lane.homes) and lane.host_grads
+    # Every parameter shard on the host (offload_param_frac=1.0), f = 1.0:
+    # the lane copies each landed gradient up and the new values down into
+    # the shard, which the next forward gathers; the unused parameter's
+    # chunk too, whose saved values go back into its host shard.
+    ref = _cuda_run(0.0, torch.float32, placement="host-shards")
+    run = _cuda_run(1.0, torch.float32, placement="host-shards")
+    lane: GeminiLane = run[0][2]._lane
+    assert sorted(lane.homes) == run[0][2]._host and lane.host_grads
+    assert all(_chunk(run[0], i).shard_device.type == "cpu" for i in lane.homes)
     assert lane.updates == STEPS * len(lane.homes)  # none fell back to CPU Adam
-    assert run[2].pipeline.host_buffers("values") == []  # written in the shards themselves
-    eps, lr = torch.finfo(torch.float32).eps, 1e-2
-    torch.testing.assert_close(losses, ref_losses, rtol=STEPS * 64 * eps, atol=0)
-    a, b = run[1].state_dict(), ref[1].state_dict()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
+    assert run[0][2].pipeline.host_buffers("values") == []  # written into the shards themselves
+    _close_to(run, ref, STEPS)
     # The pinned host shards hold the stepped values: their masters, as the lane wrote them.
     for i in lane.homes:
-        shard = opt_chunk(run, i).shard
-        assert shard.is_pinned() and torch.equal(shard, run[2].masters[i].reshape(-1)), i
-    # bf16 with the new values' staging: the fifth buffer holds the gradients' copies.
-    run16, _ = _cuda_run(0.5, torch.bfloat16, steps=2, placement="host-shards")
-    lane16 = run16[2]._lane
-    shard = max(run16[2].masters[i].numel() for i in lane16.homes)
-    assert lane16.staging.staging_bytes() == staging_bytes(shard, torch.bfloat16, True)
-    assert lane16.staging.staging_bytes() == 2 * shard * (4 + 4 + 4 + 2 + 2)
+        shard = _chunk(run[0], i).shard
+        assert shard.is_pinned() and torch.equal(shard, run[0][2].masters[i].reshape(-1)), i
 
 
-def opt_chunk(run, i):
-    return run[2].pairs[i][0]
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_and_device_shards_share_one_staging_ring_on_cuda():
+    # Half the shards on the host: one ring of slots, and one gradient
+    # buffer per slot beside it (2 x shard x (12 + 4 + 4) B with fp32
+    # parameters; 2 + 2 with bf16).
+    ref = _cuda_run(0.0, torch.float32, steps=3, placement="half-host-shards")
+    run = _cuda_run(1.0, torch.float32, steps=3, placement="half-host-shards")
+    lane: GeminiLane = run[0][2]._lane
+    places = {_chunk(run[0], i).shard_device.type for i in lane.homes}
+    assert places == {"cpu", "cuda"} and lane.updates == 3 * len(lane.homes)
+    shard = max(run[0][2].masters[i].numel() for i in lane.homes)
+    assert lane.staging.staging_bytes() == staging_bytes(shard, torch.float32, True)
+    assert lane.staging.staging_bytes() == 2 * shard * (4 + 4 + 4 + 4 + 4)
+    assert staging_bytes(shard, torch.bfloat16, True) == 2 * shard * (4 + 4 + 4 + 2 + 2)
+    _close_to(run, ref, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_update_of_a_host_shard_runs_again_on_cuda():
+    ref = _cuda_run(0.0, torch.float32, steps=3, placement="host-shards", overlap_cpu_step=False)
+    model, ddp, opt = _build(1.0, "host-shards", dtype=torch.float32, device="cuda", max_norm=1.0,
+                             overlap_cpu_step=False)  # fmt: skip
+    first, faults = _flaky_first_lane_chunk(opt)
+    losses = _train(model, ddp, opt, steps=1)
+    faults["left"] = 2  # the step's update and its retry at the end of step() fail
+    idx, tgt = (t.cuda() for t in make_batch(CONFIG, 2, 16, seed=100))
+    loss = ddp(idx, tgt).float()
+    opt.backward(loss)
+    with pytest.raises(CpuStepError, match=r"the device update of chunk \d+ failed") as info:
+        opt.step()
+    assert info.value.chunk_index == opt.pairs[first][0].index
+    assert opt.pairs[first][0].shard_device.type == "cpu"
+    losses.append(loss.item())
+    losses += _train(model, ddp, opt, steps=1, first=2)  # the next forward runs it again
+    assert opt.pipeline.failed == []
+    _close_to(((model, ddp, opt), losses), ref, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pageable_host_shards_stay_in_cpu_adam_and_say_so():
+    with pytest.warns(UserWarning, match=r"pageable host memory \(pin_memory=False\)"):
+        model, ddp, opt = _build(1.0, "pageable-host-shards", device="cuda")
+    lane: GeminiLane = opt._lane
+    assert all(_chunk((model, ddp, opt), i).shard_device.type == "cuda" for i in lane.homes)
+    assert 0 < len(lane.homes) < len(opt._host)
+    _train(model, ddp, opt, steps=1)
+    assert lane.updates == len(lane.homes)
+    opt.close()
 
 
 @pytest.mark.gpu
@@ -431,6 +488,7 @@ def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
     profile.save(tmp_path / "machine.json")
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
     model, ddp, opt = _build("auto", "host-shards", device="cuda")
+    assert ddp.step_amounts()["host_value_fraction"] == 1.0
     want = best_gpu_update_fraction(
         profile, h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0
     )
@@ -446,14 +504,10 @@ def test_the_device_lane_is_within_fp32_rounding_of_cpu_adam_on_cuda():
     # fp32 parameters: the kernels' rounding is all that differs (CUDA forms
     # sqrt(v) / sqrt(bc2) where the CPU multiplies by its inverse), a few ulp
     # per step, carried through the trajectory.
-    ref, ref_losses = _cuda_run(0.0, torch.float32)
-    run, losses = _cuda_run(0.5, torch.float32)
-    eps, lr = torch.finfo(torch.float32).eps, 1e-2
-    torch.testing.assert_close(losses, ref_losses, rtol=STEPS * 64 * eps, atol=0)
-    a, b = run[1].state_dict(), ref[1].state_dict()
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], rtol=STEPS * 64 * eps, atol=STEPS * lr * 4096 * eps)
-    assert run[2]._lane.updates == STEPS * len(run[2]._lane.homes)
+    ref = _cuda_run(0.0, torch.float32)
+    run = _cuda_run(0.5, torch.float32)
+    _close_to(run, ref, STEPS)
+    assert run[0][2]._lane.updates == STEPS * len(run[0][2]._lane.homes)
 
 
 @pytest.mark.gpu

@@ -68,26 +68,56 @@ def test_auto_reads_the_profile_file_and_logs_what_it_chose(tmp_path, monkeypatc
     assert "CPU Adam 111.6 GB/s alone, 88.5 beside copies" in caplog.text
 
 
-def _ranks_take_the_first_ranks_share(rank, world, folder):
+def _ranks_agree(rank, world, folder):
     # Each rank's own profile (ranks of one host measure beside each other):
-    # rank 1's CPU Adam is slower, so alone it would give the GPU more.
+    # a later rank's CPU Adam is slower, so alone it would give the GPU more.
     import os
 
-    profile = dataclasses.replace(PROFILE, cpu_adam_with_copies_bytes_s=(88.5 - 30 * rank) * 1e9)
+    import torch.distributed as dist
+
+    def profile_of(r):
+        return dataclasses.replace(PROFILE, cpu_adam_with_copies_bytes_s=(88.5 - 20 * r) * 1e9)
+
     path = os.path.join(folder, f"machine{rank}.json")
-    profile.save(path)
+    profile_of(rank).save(path)
     os.environ[PROFILE_ENV] = path
-    mine = best_gpu_update_fraction(profile)
-    got = resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None)
-    first = best_gpu_update_fraction(PROFILE)
-    assert got == pytest.approx(first), (rank, got, first)
-    assert (mine == pytest.approx(first)) == (rank == 0)
+    share = [best_gpu_update_fraction(profile_of(r)) for r in range(world)]
+    assert len(set(share)) == world  # alone, every rank would choose another share
+    # Every rank takes the first rank's share, over the default group and a subgroup.
+    assert resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None) == share[0]
+    later = dist.new_group([1, 2])  # every rank creates it; ranks 1 and 2 use it
+    if rank > 0:
+        got = resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None, group=later)
+        assert got == share[1], (rank, got)
+    # A rank that cannot split: 0.0 on every rank.
+    why = "no lane here" if rank == 2 else None
+    assert resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, why) == 0.0
+    # A rank whose profile file is missing: every rank raises, none waits.
+    if rank == 1:
+        os.environ[PROFILE_ENV] = os.path.join(folder, "missing.json")
+    with pytest.raises(
+        RuntimeError, match=r"could not take the machine's profile on rank\(s\) \[1\]"
+    ):
+        resolve_gpu_update_fraction("ZeroOptimizer", "auto", CUDA, None)
 
 
-def test_ranks_agree_on_the_first_ranks_share(tmp_path):
+def test_ranks_agree_on_one_share_and_fail_together(tmp_path):
     from zerostack.testing import spawn
 
-    spawn(_ranks_take_the_first_ranks_share, 2, args=(str(tmp_path),), backend="gloo")
+    spawn(_ranks_agree, 3, args=(str(tmp_path),), backend="gloo")
+
+
+def test_host_held_values_weigh_the_share(tmp_path, monkeypatch):
+    # Parameters that live on the host: no value crosses up after a CPU
+    # update, and under the split the gradient crosses up and the value down.
+    path = tmp_path / "machine.json"
+    PROFILE.save(path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    got = resolve_gpu_update_fraction("GeminiOptimizer", "auto", CUDA, None, 2, 1.0)
+    want = best_gpu_update_fraction(
+        PROFILE, h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0
+    )
+    assert got == pytest.approx(want) and want != pytest.approx(best_gpu_update_fraction(PROFILE))
 
 
 def _must_not_measure(*args, **kwargs):

@@ -48,7 +48,7 @@ class CpuStepPipeline:
         self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
         # See [Note: Gemini's device lane]: the lane's chunks held now, by the
-        # homes whose ``updated`` event their write-back waits for; and what
+        # homes whose ``updated`` (or ``stored``) event their write-back waits for; and what
         # waits for the lane's copies back (the optimizer's lane's settle).
         self._lane_homes: dict[Chunk, Any] = {}
         self.lane_settle: Callable[[], None] | None = None
@@ -95,8 +95,8 @@ class CpuStepPipeline:
     # the pinned allocator rounded each buffer up to a power of two), and the
     # staging bytes are at most the pending device-held chunks' shards. A
     # chunk of the device lane takes none of them: its gradient stays on the
-    # device and its update writes the chunk's shard there (see [Note:
-    # Gemini's device lane]).
+    # device, or has landed in its pinned host shard, and its update writes
+    # the chunk's shard where it lives (see [Note: Gemini's device lane]).
 
     def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         with self._free_lock:
@@ -183,7 +183,7 @@ class CpuStepPipeline:
         when it failed inline (kept: ``await_chunk`` runs it once more, see
         zerostack.shard's [Note: a failed CPU update]). ``lane``: the homes
         of a device-lane update (see [Note: Gemini's device lane]), which
-        writes the chunk's shard on the device itself."""
+        writes the chunk's shard itself, on the device or in host memory."""
         self._chunks[chunk.index] = chunk
         if lane is not None:
             self._lane_homes[chunk] = lane
@@ -233,15 +233,16 @@ class CpuStepPipeline:
     def _finish(self, chunk: Chunk) -> None:
         """Write ``chunk``'s update back (from its staging buffer, or in place;
         a device-lane chunk's shard holds it once its ``updated`` event is,
-        or its ``stored`` event for a shard in host memory, which the host
-        waits for: the next gather copies from there)."""
+        or, where the lane wrote the new values into host memory, its
+        ``stored`` event, which the host waits for: the next gather copies
+        from there, and a CPU update or a zero fill writes there)."""
         homes = self._lane_homes.pop(chunk, None)
         if homes is not None and homes.updated is not None:
-            share = chunk.shard
-            if share is not None and share.device.type == "cpu":  # the update's target
-                t0 = time.perf_counter()
-                homes.stored.synchronize()
-                self.updates.wait_s += time.perf_counter() - t0  # exposed, as a CPU update's
+            if homes.host_values:
+                with phase("zerostack::write_back"):
+                    t0 = time.perf_counter()
+                    homes.stored.synchronize()
+                    self.updates.count_wait(time.perf_counter() - t0)
             else:
                 torch.cuda.current_stream(chunk.compute_device).wait_event(homes.updated)
         write_back(self.manager, chunk, self._host_values.get(chunk), staged=True)

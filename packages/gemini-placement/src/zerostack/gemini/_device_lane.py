@@ -47,7 +47,8 @@ in CPU Adam as before. A device-lane chunk:
 A staging slot holds one chunk shard, so every chunk crosses in one window
 and an update that fails (an argument check, an injected fault) has written
 nothing: its retry gives the uninterrupted run's values. The device holds two
-slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters); auto
+slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters, 16 B once
+a gradient came from the host); auto
 placement plans with them subtracted from the capacity, and its steady-state
 evictions count them as held (``AutoPlacement.reserved_bytes``; when they
 did not, gathered chunks took the staging's bytes over the plan: LLaMA 1.1B
@@ -113,8 +114,8 @@ class GeminiLane:
             the steps and moments.
         device: the compute device.
         host_grads: take chunks whose gradient is in pinned host memory
-            (static placement: their staging was planned; see [Note:
-            Gemini's device lane]).
+            (static placement on CUDA; auto placement's reserve has no room
+            for the copy of such a gradient: see [Note: Gemini's device lane]).
     """
 
     def __init__(
@@ -157,7 +158,7 @@ class GeminiLane:
             return None
         lane = cls(pairs, masters, order[:k], optimizer, device, host_grads)
         shard = lane.staging.window
-        hosted = sum(pairs[i][0].shard_device.type == "cpu" for i in order[:k])
+        hosted = sum(pairs[i][0].shard_device.type == "cpu" for i in order[:k]) if host_grads else 0
         logger.info(
             "GeminiOptimizer: gpu_update_fraction %.2f: %d of %d CPU-held optimizer chunks (the "
             "first in compute order, %d of %d elements; %d with their parameter shard on the "
@@ -201,7 +202,8 @@ class GeminiLane:
         self.staging.settle()
 
     def events(self, i: int) -> LaneHomes:
-        """Pair ``i``'s homes, whose ``updated`` event its write-back waits for."""
+        """Pair ``i``'s homes, whose ``updated`` event (``stored`` for new
+        values in host memory) its write-back waits for."""
         return self.homes[i]
 
     @torch.no_grad()
@@ -209,7 +211,8 @@ class GeminiLane:
         self, i: int, grad: torch.Tensor, div_scale: float, saved: list | None,
         hyper: dict[str, Any],
     ) -> None:  # fmt: skip
-        """Step pair ``i`` (its reduced gradient ``grad`` on the device) in
+        """Step pair ``i`` (its reduced gradient ``grad`` on the device, or
+        landed in pinned host memory) in
         the device's Adam with the step's hyperparameters; on the worker
         when overlapping. ``saved``: slices of parameters no rank gave a
         gradient, put back after (see GeminiOptimizer._save_slices)."""

@@ -165,9 +165,7 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
-        # Under static placement the lane takes host-held shards too (their
-        # values cross down): what the share is weighed with.
-        values = 0.0 if module.config.auto else module.step_amounts()["host_value_fraction"]
+        values, why_not = _lane_host_values(module, self.pairs, why_not)
         self.gpu_update_fraction = resolve_gpu_update_fraction(
             _API, gpu_update_fraction, module.compute_device, why_not,
             module.mixed_precision.itemsize, values, module.process_group,
@@ -232,6 +230,17 @@ class GeminiOptimizer:
         at the first step). See [Note: Gemini's device lane]."""
         lane = self._lane
         return sorted(self.pairs[i][0].index for i in lane.homes) if lane is not None else []
+
+    @property
+    def device_lane_updates(self) -> int:
+        """Chunk updates the compute device's Adam ran so far (0 without a device lane)."""
+        return self._lane.updates if self._lane is not None else 0
+
+    @property
+    def device_lane_staging_bytes(self) -> int:
+        """Bytes of the device lane's staging on the compute device, allocated
+        at its first update (0 without a device lane)."""
+        return self._lane.staging.staging_bytes() if self._lane is not None else 0
 
     @property
     def cpu_step_s(self) -> float:
@@ -562,9 +571,22 @@ class GeminiOptimizer:
         once the placement decided them. See [Note: Gemini's device lane]."""
         if self.gpu_update_fraction == 0 or self._lane is not None:
             return
+        order = self._cpu_order()
+        pageable = [i for i in order if _pageable_host_shard(self.module, self.pairs[i][0])]
+        if pageable:
+            warnings.warn(
+                f"{_API}: {len(pageable)} of the {len(order)} CPU-held chunks keep their "
+                "parameter shard in pageable host memory (pin_memory=False), which the device "
+                "lane does not stream from: they step in CPU Adam, and gpu_update_fraction "
+                "covers the others. Pass pin_memory=True to GeminiDDP (or GeminiPlugin) to let "
+                "it cover them",
+                UserWarning,
+                stacklevel=3,
+            )
         self._lane = GeminiLane.choose(
-            self.pairs, self.masters, self._cpu_order(), self.gpu_update_fraction,
-            self.optimizer, self.module.compute_device, host_grads=not self.module.config.auto,
+            self.pairs, self.masters, [i for i in order if i not in pageable],
+            self.gpu_update_fraction, self.optimizer, self.module.compute_device,
+            host_grads=not self.module.config.auto and self.module.compute_device.type == "cuda",
         )  # fmt: skip
         if self._lane is not None:
             self.pipeline.lane_settle = self._lane.staging.settle
@@ -793,6 +815,44 @@ def _check_fraction(
             stacklevel=4,
         )
     return None
+
+
+def _pageable_host_shard(module: GeminiDDP, chunk: Chunk) -> bool:
+    """Under static placement on CUDA, ``chunk``'s parameter shard lives in
+    pageable host memory: the device lane does not take it (its copies would
+    make the host wait; see [Note: Gemini's device lane])."""
+    return (
+        not module.config.auto
+        and chunk.compute_device.type == "cuda"
+        and chunk.shard_device.type == "cpu"
+        and not chunk.keep_gathered
+        and not chunk.pin_memory
+    )
+
+
+def _lane_host_values(
+    module: GeminiDDP, pairs: list[tuple[Chunk, Chunk]], why_not: str | None
+) -> tuple[float, str | None]:
+    """For "auto": the share of the CPU-held elements the device lane can
+    take whose parameter shard lives on the host (static placement; auto
+    placement's lane takes none of those), weighed as if the lane's chunks
+    held that share too (see zerostack.shard's [Note: step-time floor]); and
+    ``why_not``, or why the lane can take none of them."""
+    if module.config.auto or module.compute_device.type != "cuda":
+        return 0.0, why_not
+    offloaded = module.offloaded_masters
+    held = [(c, m) for c, m in pairs if m in offloaded]
+    took = [(c, m) for c, m in held if not _pageable_host_shard(module, c)]
+    if held and not took and why_not is None:
+        why_not = (
+            "every CPU-held chunk keeps its parameter shard in pageable host memory "
+            "(pin_memory=False), which the device lane does not stream from"
+        )
+    total = sum(m.shard_size for _, m in took)
+    hosted = sum(
+        m.shard_size for c, m in took if c.shard_device.type == "cpu" and not c.keep_gathered
+    )
+    return (hosted / total if total else 0.0), why_not
 
 
 def _raise_first(errors: list[CpuStepError]) -> None:

@@ -367,7 +367,8 @@ class Chunk:
         Anything that reads or writes the chunk's buffer or shard finishes
         the gather first (``settle``: access, release, reduce, the share
         helpers, ``shard_move``). The host shard is read until the copy ends,
-        and the host writes it only in an optimizer update or a load: a
+        and the host (or a device lane's copy back to it) writes it only in
+        an optimizer update or a load: a
         chunk is not gathered ahead while its update is pending; a gather
         that was used is followed, before the update, by the blocking copy
         of its reduced gradient to the host (or the event the CPU step waits

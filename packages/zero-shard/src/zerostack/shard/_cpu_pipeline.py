@@ -314,6 +314,11 @@ class CpuUpdatePipeline:
         future = self._futures.get(min(self._held))
         return future is None or future.done()
 
+    def count_wait(self, seconds: float) -> None:
+        """Count ``seconds`` the owner waited for an update's results after
+        ``wait`` (a device-lane copy into host memory) in ``wait_s``."""
+        self.wait_s += seconds
+
     def wait(self, key: int) -> None:
         """Finish ``key``'s update (nothing to do when none is held); a failed
         one runs once more, here. See [Note: a failed CPU update].

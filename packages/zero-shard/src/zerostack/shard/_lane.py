@@ -5,7 +5,8 @@ streams and the window loop that copies a home in, steps it in
 zerostack-fused-adam's ``adam_update`` and copies it back. What each owner
 keeps itself: which of its units (buckets, chunks) are in the lane, how the
 inner optimizer's states become views of the homes, and where the new
-fp16/bf16 values go (``write``). See [Note: Adam where the bandwidth is] in
+fp16/bf16 values go (``write`` on the device, or ``out_home`` in host
+memory). See [Note: Adam where the bandwidth is] in
 zerostack.shard's ``_device_lane.py``.
 """
 
@@ -40,8 +41,9 @@ class LaneHomes:
     master: torch.Tensor  # the masters' dtype; each master is (a view of) it
     exp_avg: torch.Tensor  # fp32; the inner optimizer's states are (views of) these
     exp_avg_sq: torch.Tensor
-    updated: Any = None  # on ``up``: the owner's parameters hold the update
-    stored: Any = None  # on ``down``: the homes hold it
+    updated: Any = None  # on ``up``: the owner's parameters on the device hold the update
+    stored: Any = None  # on ``down``: the homes (and a run's ``out_home``) hold it
+    host_values: bool = False  # the last run's new values went to an ``out_home``
 
     @classmethod
     def new(
@@ -150,10 +152,13 @@ class LaneStaging:
         cuda = device.type == "cuda"
         self.up = torch.cuda.Stream(device) if cuda else None
         self.down = torch.cuda.Stream(device) if cuda else None
-        # Staging per dtypes (master, moments, parameter), allocated at first
+        # Staging per dtypes (master, moments, new values), allocated at first
         # use: a unit of other dtypes than the first's (an fp32 layer beside
-        # bf16 ones, no fp32 masters) steps in slots of its own.
+        # bf16 ones, no fp32 masters) steps in slots of its own. A slot's
+        # buffer for gradients copied from the host (by slot dtypes and the
+        # gradient's dtype) is allocated at its first use too.
         self._slots: dict[tuple[torch.dtype, ...], list[tuple[torch.Tensor, ...]]] = {}
+        self._grad_slots: dict[tuple[torch.dtype, ...], list[torch.Tensor]] = {}
         self._free: dict[tuple[torch.dtype, ...], list[Any]] = {}
         self._next: dict[tuple[torch.dtype, ...], int] = {}
         self.window = min(largest, -(-window // _ALIGN) * _ALIGN)
@@ -164,7 +169,10 @@ class LaneStaging:
 
     def staging_bytes(self) -> int:
         """Bytes of the staging slots on the device (allocated at the first update)."""
-        slots = (slot for ring in self._slots.values() for slot in ring)
+        slots = [
+            *(slot for ring in self._slots.values() for slot in ring),
+            *self._grad_slots.values(),
+        ]
         return sum(t.numel() * t.element_size() for slot in slots for t in slot)
 
     def start(self) -> None:
@@ -180,25 +188,36 @@ class LaneStaging:
         if self._last is not None:
             self._last.synchronize()
 
-    def _slot(self, dtypes: tuple[torch.dtype, ...], numel: int) -> tuple[list, Any]:
+    def _buffers(self, dtypes: tuple[torch.dtype, ...]) -> list[torch.Tensor]:
+        """One buffer of a window per dtype, on the device; freed with the
+        lane, so reused only after the copies of both streams."""
+        made = [torch.empty(self.window, dtype=d, device=self.device) for d in dtypes]
+        if self.up is not None and self.down is not None:
+            for t in made:
+                t.record_stream(self.up)
+                t.record_stream(self.down)
+        return made
+
+    def _slot(
+        self, dtypes: tuple[torch.dtype, ...], numel: int, grad: torch.dtype | None
+    ) -> tuple[list, Any]:
         """The next staging slot's buffers (master, moments, new values, and
-        a host gradient's copy where ``dtypes`` has a fifth), cut to
+        with ``grad`` a buffer for gradients copied from the host), cut to
         ``numel``, and the event its last copies back recorded."""
         if dtypes not in self._slots:
-            ring = [
-                tuple(torch.empty(self.window, dtype=d, device=self.device) for d in dtypes)
-                for _ in range(_SLOTS)
-            ]
-            if self.up is not None and self.down is not None:  # freed with the lane: reused
-                for t in (t for slot in ring for t in slot):  # only after its copies
-                    t.record_stream(self.up)
-                    t.record_stream(self.down)
-            self._slots[dtypes] = ring
-            self._free[dtypes] = [torch.cuda.Event() if self.up is not None else None for _ in ring]
+            self._slots[dtypes] = [tuple(self._buffers(dtypes)) for _ in range(_SLOTS)]
+            cuda = self.up is not None
+            self._free[dtypes] = [torch.cuda.Event() if cuda else None for _ in range(_SLOTS)]
             self._next[dtypes] = 0
         i = self._next[dtypes]
         self._next[dtypes] = (i + 1) % _SLOTS
-        return [t[:numel] for t in self._slots[dtypes][i]], self._free[dtypes][i]
+        buffers = [t[:numel] for t in self._slots[dtypes][i]]
+        if grad is not None:
+            ring = self._grad_slots.get((*dtypes, grad))
+            if ring is None:
+                ring = self._grad_slots[(*dtypes, grad)] = self._buffers((grad,) * _SLOTS)
+            buffers.append(ring[i][:numel])
+        return buffers, self._free[dtypes][i]
 
     def run(
         self, homes: LaneHomes, total: int, launches: list[Launch], div_scale: float,
@@ -213,24 +232,26 @@ class LaneStaging:
         homes, and the ``stored`` event covers them. With ``progress`` (one
         per unit and step, given again to its retry) a run that failed goes
         on from the first window not yet stepped."""
-        dtypes: tuple[torch.dtype, ...] = (homes.master.dtype, torch.float32, torch.float32,
-                                           out_dtype)  # fmt: skip
+        dtypes = (homes.master.dtype, torch.float32, torch.float32, out_dtype)
         hosted = {
             g.dtype for _, _, items in launches for _, _, g in items if g.device.type == "cpu"
         }
-        if self.up is not None and hosted:  # host gradients cross in a fifth buffer
-            if len(hosted) > 1:
-                raise ValueError(f"LaneStaging.run: host gradients of one dtype (got {hosted})")
-            dtypes = (*dtypes, *hosted)
+        if len(hosted) > 1:
+            raise AssertionError(f"LaneStaging.run: host gradients of several dtypes ({hosted})")
+        # Host gradients cross in a fifth buffer (on a CPU device the kernel reads them there).
+        grad = hosted.pop() if hosted and self.up is not None else None
+        homes.host_values = out_home is not None
         for w0 in range(progress.done if progress else 0, total, self.window):
             w1 = min(total, w0 + self.window)
-            self._step_window(homes, launches, (w0, w1), div_scale, dtypes, (write, out_home))
+            staged = self._slot(dtypes, w1 - w0, grad)
+            self._step_window(homes, launches, (w0, w1), div_scale, staged, (write, out_home))
             if progress is not None:
                 progress.done = w1
 
     def _step_window(
         self, homes: LaneHomes, launches: list[Launch], window: tuple[int, int],
-        div_scale: float, dtypes: tuple, to: tuple[Callable | None, torch.Tensor | None],
+        div_scale: float, staged: tuple[list, Any],
+        to: tuple[Callable | None, torch.Tensor | None],
     ) -> None:  # fmt: skip
         """Elements ``window``: homes (and host gradients) to a staging slot,
         the kernels, the new values to ``write`` or ``out_home`` (``to``),
@@ -238,7 +259,7 @@ class LaneStaging:
         from zerostack.fused_adam import adam_update  # checked by check_lane_optimizer
 
         w0, w1 = window
-        (master, m, v, out, *host_grad), free = self._slot(dtypes, w1 - w0)
+        (master, m, v, out, *host_grad), free = staged
         up = self.up
         with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
             if up is not None:
@@ -289,7 +310,7 @@ class LaneStaging:
         with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
             if down is not None:
                 down.wait_event(homes.updated)
-            for home, stage in zip(homes.flat(), staged, strict=False):  # the homes: not ``out``
+            for home, stage in zip(homes.flat(), staged[:3], strict=True):
                 home[w0:w1].copy_(stage, non_blocking=True)
             if out_home is not None:
                 out_home[w0:w1].copy_(staged[3], non_blocking=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import statistics
 import threading
@@ -322,44 +323,80 @@ def resolve_gpu_update_fraction(
 ) -> float:  # fmt: skip
     """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
     machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
-    ``why_not`` says no split can run (logged once here).
-    ``host_value_fraction``: the share of the host-held updates whose
-    parameter values live on the host (no new value crosses up for them
-    after a CPU update; ``step_floor``'s). With several ranks in ``group``
-    (a collective: every rank calls this) each takes the first rank's
-    share (``agree_on_share``)."""
+    ``why_not`` says no split can run (logged here).
+
+    Args:
+        api: the caller's name, for messages.
+        fraction: the argument, a number in [0, 1] or "auto".
+        device: the compute device.
+        why_not: why no split can run, or None.
+        param_bytes: bytes of a parameter (and its gradient). Default 2.
+        host_value_fraction: the share of the host-held updates whose
+            parameter values live on the host (``step_floor``'s). Default 0.0.
+        group: the data-parallel group. With several ranks "auto" is a
+            collective (every rank calls this): every rank takes the first
+            rank's share, or 0.0 where any rank cannot split. Default: the
+            default group.
+
+    Raises:
+        RuntimeError: with several ranks, a rank could not take the
+            machine's profile (on that rank, its own error is the cause).
+    """
     check_fraction(api, fraction)
     if fraction != "auto":
         return float(fraction)
-    if why_not is None and device.type != "cuda":
-        why_not = f"the compute device is {device}: there is no GPU Adam to share the updates with"
-    if why_not is not None:
-        logger.info("%s: gpu_update_fraction='auto' chose 0.0: %s", api, why_not)
+    if device.type != "cuda":  # every rank's: no collective
+        why = (
+            why_not
+            or f"the compute device is {device}: there is no GPU Adam to share the updates with"
+        )
+        logger.info("%s: gpu_update_fraction='auto' chose 0.0: %s", api, why)
         return 0.0
-    profile, source = machine_profile(device)
-    best = best_gpu_update_fraction(
-        profile, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
-        d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
-    )  # fmt: skip
-    mine, best = best, agree_on_share(best, device, group)
+    mine, figures, failed = _CANNOT, "", None
+    if why_not is None:
+        try:
+            profile, source = machine_profile(device)
+            mine = best_gpu_update_fraction(
+                profile, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
+                d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
+            )  # fmt: skip
+            figures = f"{_figures(profile)}; profile {source}"
+        except Exception as error:  # said on every rank below, not only this one
+            mine, failed = math.nan, error
+    shares = _gather_shares(mine, device, group)
+    broken = [r for r, share in enumerate(shares) if math.isnan(share)]
+    if broken:
+        raise RuntimeError(
+            f"{api}: gpu_update_fraction='auto' could not take the machine's profile on rank(s) "
+            f"{broken} of the group{f': {failed}' if failed else ' (their errors say why)'}; "
+            f"set {PROFILE_ENV} to a profile file every rank can read, or pass a number"
+        ) from failed
+    if _CANNOT in shares:
+        why = why_not or f"rank(s) {[r for r, x in enumerate(shares) if x == _CANNOT]} cannot split"
+        logger.info("%s: gpu_update_fraction='auto' chose 0.0: %s", api, why)
+        return 0.0
+    best = shares[0]
     logger.info(
         "%s: gpu_update_fraction='auto' chose %.3f of the host-held updates for the GPU's Adam "
-        "(the step-time model's fastest split%s; %s; profile %s)",
+        "(the step-time model's fastest split%s; %s)",
         api, best, "" if best == mine else f", the first rank's; this rank's was {mine:.3f}",
-        _figures(profile), source,
+        figures,
     )  # fmt: skip
     return best
 
 
-def agree_on_share(share: float, device: torch.device, group: Any = None) -> float:
-    """The first rank of ``group``'s ``share`` on every rank (itself without
-    several ranks). Ranks of one host measure the machine at the same time,
-    each beside the others' measurements, so their shares differ a little;
-    one share keeps the ranks' steps alike. A collective: every rank calls it."""
+_CANNOT = -1.0  # a rank's share where it cannot split
+
+
+def _gather_shares(share: float, device: torch.device, group: Any) -> list[float]:
+    """Every rank's ``share``, by group rank (``[share]`` without several
+    ranks). Ranks of one host measure the machine at the same time, each
+    beside the others' measurements, so their shares differ a little; the
+    caller takes one for all. A collective: every rank of ``group`` calls it."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
-        return share
+        return [share]
     on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    value = torch.tensor([share], dtype=torch.float64, device=on)
-    dist.broadcast(value, src=dist.get_global_rank(group, 0) if group is not None else 0,
-                   group=group)  # fmt: skip
-    return float(value.item())
+    mine = torch.tensor([share], dtype=torch.float64, device=on)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return [float(t.item()) for t in every]

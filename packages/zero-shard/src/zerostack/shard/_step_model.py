@@ -279,6 +279,13 @@ def _split_fraction(
     return min(sorted(candidates), key=phase)
 
 
+def _lane_bytes(moved: tuple[float, float, float]) -> float:
+    """What one GPU update of the split moves each way: the master and
+    moments, and for a value that lives on the host its gradient up and its
+    new value down (``moved`` as ``_floor`` takes it)."""
+    return STATE_BYTES_PER_PARAM + moved[2] * moved[1]
+
+
 def _floor(
     numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
     times: tuple[float, float, float, float], moved: tuple[float, float, float],
@@ -291,7 +298,7 @@ def _floor(
     cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
     forward_s, backward_s, disk_s, window = times
     h2d_bytes, d2h_bytes, host_values = moved
-    lane = STATE_BYTES_PER_PARAM + host_values * d2h_bytes
+    lane = _lane_bytes(moved)
     landed = numel * d2h_bytes * (1 - f * (1 - host_values))
     backward = max(backward_s, _secs(landed, bwd_d2h_rate))
     cpu_s = numel * (1 - f) * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
@@ -443,7 +450,6 @@ def _split(
     gpu_rate = profile.gpu_adam_params_s
     if numel == 0 or gpu_rate is None or not (cpu_rate and up and down):
         return None
-    h2d_bytes, d2h_bytes, host_values = moved
-    lane = STATE_BYTES_PER_PARAM + host_values * d2h_bytes
-    f = _split_fraction(numel, (cpu_rate, up, down), h2d_bytes, lane, times[2], gpu_rate)
+    f = _split_fraction(numel, (cpu_rate, up, down), moved[0], _lane_bytes(moved), times[2],
+                        gpu_rate)  # fmt: skip
     return _floor(numel, f, (cpu_rate, up, profile.d2h_bytes_s, down), times, moved, gpu_rate)
