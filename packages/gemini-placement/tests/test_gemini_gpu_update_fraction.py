@@ -23,6 +23,7 @@ import torch
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import CpuStepError, GeminiDDP, GeminiOptimizer
 from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.shard import best_gpu_update_fraction
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 CONFIG = GPTConfig(add_unused_param=True, bias=False)
@@ -472,13 +473,10 @@ def test_pageable_host_shards_stay_in_cpu_adam_and_say_so():
     opt.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
-    # See zerostack.shard's [Note: step-time floor]: a shard on the host
-    # copies no new value up after a CPU update, and its gradient and new
-    # value cross under the split.
-    from zerostack.shard import PROFILE_ENV, MachineProfile, best_gpu_update_fraction
+def _profile_file(tmp_path, monkeypatch):
+    """A profile of the H200 host of docs/benchmarks.md, rounded, in the
+    file "auto" reads (``ZEROSTACK_MACHINE_PROFILE``)."""
+    from zerostack.shard import PROFILE_ENV, MachineProfile
 
     profile = MachineProfile(
         cpu_adam_bytes_s=111.6e9, h2d_bytes_s=55e9, d2h_bytes_s=55e9,
@@ -487,6 +485,16 @@ def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
     )  # fmt: skip
     profile.save(tmp_path / "machine.json")
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
+    return profile
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
+    # See zerostack.shard's [Note: step-time floor]: a shard on the host
+    # copies no new value up after a CPU update, and its gradient and new
+    # value cross under the split.
+    profile = _profile_file(tmp_path, monkeypatch)
     model, ddp, opt = _build("auto", "host-shards", device="cuda")
     assert ddp.step_amounts()["host_value_fraction"] == 1.0
     want = best_gpu_update_fraction(
@@ -539,15 +547,7 @@ def test_the_device_lane_ran_on_cuda_and_left_only_its_staging():
 def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, monkeypatch):
     # See zerostack.shard's [Note: gpu_update_fraction="auto"]: the share
     # the profile's floor favours; the lane takes the first CPU-held chunks.
-    from zerostack.shard import PROFILE_ENV, MachineProfile, best_gpu_update_fraction
-
-    profile = MachineProfile(
-        cpu_adam_bytes_s=111.6e9, h2d_bytes_s=55e9, d2h_bytes_s=55e9,
-        cpu_adam_with_copies_bytes_s=88.5e9, h2d_with_adam_bytes_s=35.3e9,
-        d2h_with_adam_bytes_s=46e9, gpu_adam_params_s=140.5e9,
-    )  # fmt: skip
-    profile.save(tmp_path / "machine.json")
-    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
+    profile = _profile_file(tmp_path, monkeypatch)
     model, ddp, opt = _build("auto", "static-1.0", device="cuda")
     assert opt.gpu_update_fraction == pytest.approx(best_gpu_update_fraction(profile))
     assert opt._lane is not None and 0 < len(opt._lane.homes) < len(opt.pairs)
