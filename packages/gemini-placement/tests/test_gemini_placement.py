@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer, MemStats
-from zerostack.testing import GPTConfig, TinyGPT, make_batch
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 CONFIG = GPTConfig(bias=False)
 CHUNKS = {1: {"chunk_size": 20_000, "keep_gathered": False}}
@@ -94,6 +94,87 @@ def test_auto_records_plans_evicts_and_prefetches():
     assert auto.optim_bytes_on_device == on * 20_000 * (4 + 8)
     assert auto.evictions > 0 and auto.prefetches > 0
     assert auto.peak_model_bytes <= auto.steady_limit()
+
+
+def _activations(moment):
+    """Non-model bytes injected for the warm-up's period ``moment``: rising
+    over the forward (16 gathers), falling over the backward, as activations
+    do; 10 optimizer chunks' worth (fp32: 12 B a parameter) at the top."""
+    top = 10 * 20_000 * 12
+    return top * (moment + 1) // 16 if moment < 16 else top * (32 - moment) // 16
+
+
+def _auto_with_activations(capacity):
+    ddp, opt = _wrap(
+        placement_policy="auto", gpu_capacity_bytes=capacity, steady_cuda_cap_ratio=1.0
+    )
+    auto = ddp.auto
+    auto._period_non_model_bytes = lambda: _activations(auto._period_open)
+    return ddp, opt
+
+
+def test_auto_fills_what_each_gather_leaves_free():
+    # The room for what stays on the device is the smallest that any gather
+    # leaves, not the capacity less the peak non-model memory and the peak of
+    # gathered chunks, which come at different gathers.
+    ddp, opt = _auto_with_activations(10**9)
+    _steps(ddp, opt, 1)
+    gathered = ddp.auto.stats.gathered_bytes  # the same for every capacity
+    need = [_activations(m) + g for m, g in enumerate(gathered)]
+    shards = 4 * sum(c.chunk_size for c in ddp.grad_chunks)
+    capacity = shards + 3 * 20_000 * 12 + max(need)  # three optimizer chunks fit, no more
+    both_peaks = max(map(_activations, range(len(gathered)))) + max(gathered)
+    assert both_peaks > max(need), "the peaks coincide: keeping both free fits three too"
+    ddp, opt = _auto_with_activations(capacity)
+    auto = ddp.auto
+    held = []
+    after = auto.after_access
+
+    def books(chunks, training):  # model bytes plus the moment's activations, counted apart
+        after(chunks, training)
+        if training and not auto.warming_up:
+            shards = sum(auto.shard_bytes(c) for c in auto.param_chunks if c in auto.on_device)
+            total = shards + auto.gathered_bytes() + auto.optim_bytes_on_device
+            held.append(total + _activations(auto.moment - 1))
+
+    auto.after_access = books
+    _steps(ddp, opt, 3)
+    assert auto.stats.gathered_bytes == gathered
+    assert auto.non_model_at == [_activations(m) for m in range(len(gathered))]
+    assert auto.room() == capacity - max(need)
+    assert len(ddp.grad_chunks) - len(ddp.offloaded_masters) == 3
+    assert len(held) == 2 * len(gathered), "the steady iterations did not gather as the warm-up"
+    assert max(held) <= capacity, (max(held), capacity)
+    assert auto.evictions > 0 and auto.least_headroom >= 0
+
+
+def _ranks_agree_per_gather(rank, world):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu", placement_policy="auto",
+        chunk_config_dict={world: {"chunk_size": 20_000}}, gpu_capacity_bytes=10**9,
+    )  # fmt: skip
+    opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-3), ddp)
+    auto = ddp.auto
+
+    def mine(m, r=rank):  # each rank peaks at other gathers
+        return _activations(m) * (1 + r) if m % world == r else 0
+
+    auto._period_non_model_bytes = lambda: mine(auto._period_open)
+    _steps(ddp, opt, 1)
+    moments = len(auto.stats.order)
+    assert auto.non_model_at == [max(mine(m, r) for r in range(world)) for m in range(moments)]
+    assert auto.non_model_reserve == max(auto.non_model_at)
+    # Ranks that recorded different numbers of gathers: one limit, the largest peak.
+    auto.stats.non_model_bytes = [5 + rank] * (3 + rank)
+    auto._agree()
+    assert auto.non_model_at == [] and auto.non_model_reserve == 5 + world - 1
+    assert auto.steady_limit(0) == auto.steady_limit()
+
+
+def test_ranks_agree_on_each_gathers_non_model_peak():
+    spawn(_ranks_agree_per_gather, 2, backend="gloo", timeout_s=120)
 
 
 def test_auto_with_no_room_keeps_everything_on_the_cpu_and_trains():

@@ -129,11 +129,12 @@ class Placement:
         if left and left[0].compute_device.type == "cuda":
             torch.cuda.current_stream(left[0].compute_device).synchronize()
 
-    def _prefetch(self, order: list[tuple[int, ...]], fits: Callable[[Chunk], bool]) -> None:
+    def _prefetch(self, order: list[tuple[int, ...]], fits: Callable[[Chunk, int], bool]) -> None:
         """Gather, asynchronously, the chunks the next moments of ``order``
         need, so that at most ``max_prefetch`` are in flight, while ``fits``
-        says one fits; chunks with an update pending are left alone."""
-        wanted: list[Chunk] = []
+        says one fits (given the moment that needs it); chunks with an update
+        pending are left alone."""
+        wanted: dict[Chunk, int] = {}
         room = self.max_prefetch - len(self._prefetched)
         for m in range(self.moment, min(len(order), self.moment + 4 * self.max_prefetch)):
             if len(wanted) >= room:
@@ -141,9 +142,9 @@ class Placement:
             for i in order[m]:
                 c = self._by_index.get(i)
                 if c is not None and not c.is_gathered and c not in wanted and c not in self.busy:
-                    wanted.append(c)
-        for c in wanted[: max(room, 0)]:
-            if not fits(c):
+                    wanted[c] = m
+        for c, m in list(wanted.items())[: max(room, 0)]:
+            if not fits(c, m):
                 break
             handle = self.manager.access_chunk(c, async_op=True)
             if handle is not None:
@@ -201,7 +202,7 @@ class StaticPlacement(Placement):
 
     def after_access(self, chunks: list[Chunk], training: bool) -> None:
         if training and self.max_prefetch > 0 and not self.recording:
-            self._prefetch(self.order, lambda c: True)
+            self._prefetch(self.order, lambda c, m: True)
 
     def kept(self) -> Container[Chunk]:
         """Those gathered ahead, and those the next ``max_prefetch`` moments
@@ -279,13 +280,29 @@ class AutoPlacement(Placement):
     fit in ``(1 - warmup_non_model_data_ratio)`` of the capacity, the rest and
     every optimizer chunk on the CPU, and ``MemStats`` are recorded. ``plan``
     (at the first optimizer step, when the optimizer's bytes per element are
-    known) then gives the GPU's room, ``steady_cuda_cap_ratio`` of the
-    capacity less the peak non-model memory and the peak of gathered chunks,
-    first to parameter shards and then to optimizer chunks (master + states),
-    in compute order; the rest step on the CPU. Afterwards gathered chunks
-    stay on the GPU after use, a cache that ``before_access`` trims by
-    farthest next use whenever a gather would not fit, and the next
-    ``max_prefetch`` chunks are gathered ahead asynchronously.
+    known) then gives the GPU's room first to parameter shards and then to
+    optimizer chunks (master + states), in compute order; the rest step on
+    the CPU. See [Note: the room auto placement fills]. Afterwards gathered
+    chunks stay on the GPU after use, a cache that ``before_access`` trims
+    by farthest next use whenever a gather would not fit the limit of that
+    moment, and the next ``max_prefetch`` chunks are gathered ahead
+    asynchronously while they fit every moment until their use.
+
+    [Note: the room auto placement fills]
+    The warm-up records, at every gather (moment m), the chunks gathered
+    (``gathered_bytes[m]``) and the peak of the rest of the device's memory
+    until the next gather (``non_model_bytes[m]``: activations, temporaries).
+    The device may hold ``limit(m) = steady_cuda_cap_ratio x capacity -
+    non_model_bytes[m]`` bytes of model data from moment m to the next, so
+    what stays there for good (shards, optimizer chunks, the device lane's
+    staging) gets the smallest ``limit(m) - gathered_bytes[m]`` over the
+    moments; chunks gathered ahead use what the other moments leave.
+    Keeping both peaks free, the non-model one and that of gathered chunks
+    (the rule before), left idle up to the peak of gathered chunks: they do
+    not coincide (activations peak at the end of forward, when few chunks
+    are gathered). The steady state holds
+    every moment to its own limit; a moment the warm-up did not record (an
+    inference forward, a longer iteration) to the smallest limit of all.
 
     On a CPU compute device the capacity is a number (``capacity``) and the
     placement is bookkeeping only: nothing moves, but every decision and the
@@ -327,7 +344,9 @@ class AutoPlacement(Placement):
         self.reserved_bytes = 0  # the optimizer's own bytes there (plan's reserve_bytes)
         self.evictions = 0
         self.peak_model_bytes = 0
+        self.least_headroom: int | None = None  # min over steady moments of limit(m) - model bytes
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
+        self.non_model_at: list[int] = []  # per moment, the peak over ranks, after warm-up
         self._period_open: int | None = None
         self._model_after_gather = 0
 
@@ -373,8 +392,18 @@ class AutoPlacement(Placement):
     def warmup_limit(self) -> int:
         return int((1.0 - self.warmup_ratio) * self.capacity)
 
-    def steady_limit(self) -> int:
-        return int(self.steady_ratio * self.capacity) - self.non_model_reserve
+    def steady_limit(self, moment: int | None = None) -> int:
+        """The model bytes the compute device may hold from gather ``moment``
+        of a training iteration to the next; the smallest of them where the
+        moment is None or was not recorded. See [Note: the room auto placement fills]."""
+        at = self.non_model_at
+        known = moment is not None and 0 <= moment < len(at)
+        non_model = at[moment] if known else self.non_model_reserve
+        return int(self.steady_ratio * self.capacity) - non_model
+
+    def _window_limit(self, first: int, last: int) -> int:
+        """The smallest limit from moment ``first`` to ``last``."""
+        return min(self.steady_limit(m) for m in range(first, last + 1))
 
     # -- placement moves ---------------------------------------------------------
 
@@ -410,7 +439,7 @@ class AutoPlacement(Placement):
         """Called before ``chunks`` are gathered: record (warm-up) or make
         room. Only gathers of training iterations are moments."""
         if not self.warming_up:
-            self._make_room(chunks)
+            self._make_room(chunks, self.moment if training else None)
         elif training:
             self._record(chunks)
         if training:
@@ -422,11 +451,18 @@ class AutoPlacement(Placement):
             if training:
                 self._model_after_gather = self._cuda_model_bytes()
                 self.stats.gathered_bytes.append(self.gathered_bytes())
-        elif training and self.max_prefetch > 0:
-            limit = self.steady_limit()
-            self._prefetch(
-                self.stats.order, lambda c: self.model_bytes() + self.chunk_bytes(c) <= limit
-            )
+        elif training:
+            now = self.moment - 1  # this gather's moment
+            if self.max_prefetch > 0:
+                self._prefetch(
+                    self.stats.order,
+                    lambda c, m: (
+                        self.model_bytes() + self.chunk_bytes(c) <= self._window_limit(now, m)
+                    ),
+                )
+            headroom = self.steady_limit(now) - self.model_bytes()
+            if self.least_headroom is None or headroom < self.least_headroom:
+                self.least_headroom = headroom
         self.peak_model_bytes = max(self.peak_model_bytes, self.model_bytes())
 
     def end_warmup(self) -> None:
@@ -449,28 +485,46 @@ class AutoPlacement(Placement):
 
     def _agree(self) -> None:
         """Every rank must take the same decisions (a gather is a collective):
-        plan with the largest non-model peak and the smallest capacity of any rank."""
+        plan with the largest non-model peaks (per moment, and of all) and the
+        smallest capacity of any rank."""
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        at = self.stats.non_model_bytes
         mine = torch.tensor(
-            [float(self.stats.max_non_model_bytes), -float(self.capacity)], device=device
-        )
+            [max(at, default=0), -self.capacity, len(at), -len(at)],
+            dtype=torch.float64, device=device,
+        )  # fmt: skip
         set_collective_label("auto placement's agreement after the warm-up")
         all_reduce_max(mine, self.process_group)
-        worst, neg_capacity = mine.tolist()
-        self.non_model_reserve = int(worst)
-        self.capacity = int(-neg_capacity)
+        worst, neg_capacity, most, neg_fewest = (int(v) for v in mine.tolist())
+        self.non_model_reserve = worst
+        self.capacity = -neg_capacity
+        if most != -neg_fewest:  # the ranks' forwards gathered differently: one limit for all
+            logger.warning(
+                "Gemini auto: the ranks recorded %d to %d gathers in the warm-up; every moment "
+                "keeps the largest non-model peak", -neg_fewest, most,
+            )  # fmt: skip
+            self.non_model_at = []
+            return
+        peaks = torch.tensor(at, dtype=torch.float64, device=device)
+        set_collective_label("auto placement's agreement after the warm-up (per moment)")
+        all_reduce_max(peaks, self.process_group)
+        self.non_model_at = [int(v) for v in peaks.tolist()]
 
     def _cuda_model_bytes(self) -> int:
         return self.manager.total_mem.get("cuda", 0) if self._cuda else 0
 
+    def _period_non_model_bytes(self) -> int:
+        """The peak of the device's memory that was not model data since the
+        last gather (0 on a CPU: no allocator to ask)."""
+        if not self._cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        return max(0, peak - self._model_after_gather)
+
     def _close_period(self) -> None:
         if self._period_open is None:
             return
-        if self._cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.stats.non_model_bytes.append(max(0, peak - self._model_after_gather))
-        else:
-            self.stats.non_model_bytes.append(0)
+        self.stats.non_model_bytes.append(self._period_non_model_bytes())
         self._period_open = None
 
     def _record(self, chunks: list[Chunk]) -> None:
@@ -482,11 +536,11 @@ class AutoPlacement(Placement):
 
     # -- steady state ------------------------------------------------------------
 
-    def _make_room(self, chunks: list[Chunk]) -> None:
+    def _make_room(self, chunks: list[Chunk], moment: int | None) -> None:
         for c in chunks:
             self.wait_prefetched(c)
         incoming = sum(self.chunk_bytes(c) for c in chunks if not c.is_gathered)
-        limit = self.steady_limit()
+        limit = self.steady_limit(moment)
         while self.model_bytes() + incoming > limit:
             victim = self._farthest(exclude=set(chunks))
             if victim is None:
@@ -508,6 +562,15 @@ class AutoPlacement(Placement):
 
     # -- the plan ------------------------------------------------------------------
 
+    def room(self) -> int:
+        """What may stay on the device for good, the optimizer's own bytes
+        included: the smallest of ``limit(m) - gathered_bytes[m]``. See
+        [Note: the room auto placement fills]."""
+        gathered = self.stats.gathered_bytes
+        if self.non_model_at and len(gathered) == len(self.non_model_at):
+            return min(self.steady_limit(m) - g for m, g in enumerate(gathered))
+        return self.steady_limit() - self.stats.max_gathered_bytes
+
     def plan(
         self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
     ) -> bool:
@@ -528,7 +591,7 @@ class AutoPlacement(Placement):
         self.end_warmup()
         self.planned = True
         self.reserved_bytes = reserve_bytes
-        room = self.steady_limit() - self.stats.max_gathered_bytes - reserve_bytes
+        room = self.room() - reserve_bytes
         order = {i: k for k, i in enumerate(self.stats.chunk_order())}
         ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
         params_on = 0
@@ -553,11 +616,14 @@ class AutoPlacement(Placement):
                 optim_on += 1
         n_masters = len(masters)
         self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
+        limits = [self.steady_limit(m) for m in range(len(self.non_model_at))]
         logger.info(
-            "Gemini auto placement: capacity %.2f GB, steady limit %.2f GB (ratio %.2f less %.2f GB "
-            "non-model); %d/%d param chunks and %d/%d optimizer chunks on %s, the rest on the CPU",
-            self.capacity / 1e9, self.steady_limit() / 1e9, self.steady_ratio,
-            self.non_model_reserve / 1e9, params_on, len(ordered), optim_on, n_masters,
-            self.device,
+            "Gemini auto placement: capacity %.2f GB; model data may take %.2f-%.2f GB (ratio "
+            "%.2f less each gather's non-model peak, %.2f GB at most); room %.2f GB for what "
+            "stays (%.2f GB of it the optimizer's staging); %d/%d param chunks and %d/%d "
+            "optimizer chunks on %s, the rest on the CPU",
+            self.capacity / 1e9, self.steady_limit() / 1e9, max(limits, default=self.steady_limit()) / 1e9,
+            self.steady_ratio, self.non_model_reserve / 1e9, self.room() / 1e9,
+            reserve_bytes / 1e9, params_on, len(ordered), optim_on, n_masters, self.device,
         )  # fmt: skip
         return True
