@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer, MemStats
+from zerostack.gemini._device_lane import staging_bytes
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 CONFIG = GPTConfig(bias=False)
@@ -229,6 +230,41 @@ def test_auto_keeps_the_device_lanes_staging_out_of_the_room_for_gathered_chunks
     assert 0 < worst[0] <= auto.steady_limit(), (worst[0], auto.steady_limit())
     assert auto.evictions > 0, "nothing evicted: the capacity leaves the test no limit to keep"
     assert auto.reserved_bytes == staging()
+
+
+def test_auto_keeps_the_staging_of_the_largest_shard_left_on_the_host():
+    # The device lane's staging holds the largest shard it takes. The tied
+    # embedding's chunk, larger than a layer's, is first in compute order and
+    # goes to the device first: what stays free is a layer chunk's staging.
+    config = GPTConfig(bias=False, vocab_size=1024, tie_embeddings=True)
+
+    def wrap(capacity):
+        torch.manual_seed(0)
+        model = TinyGPT(config)
+        ddp = GeminiDDP(
+            model, mixed_precision=torch.bfloat16, chunk_config_dict=CHUNKS, compute_device="cpu",
+            placement_policy="auto", gpu_capacity_bytes=capacity, steady_cuda_cap_ratio=1.0,
+        )  # fmt: skip
+        adam = HybridAdam(list(model.parameters()), lr=1e-3)
+        return ddp, GeminiOptimizer(adam, ddp, gpu_update_fraction=0.5)
+
+    ddp, opt = wrap(10**9)
+    _steps(ddp, opt, 1)
+    gathered = 10**9 - ddp.auto.room()  # no non-model bytes on a CPU
+    sizes = [c.chunk_size for c in ddp.grad_chunks]
+    assert sizes[0] == 1024 * 64 > max(sizes[1:]) == 20_000, sizes
+    layer = staging_bytes(20_000, torch.bfloat16)
+    assert staging_bytes(sizes[0], torch.bfloat16) - layer > 2 * 20_000 * 12
+    # The embedding's and two layers' optimizer chunks fit beside a layer's staging.
+    capacity = gathered + 2 * sum(sizes) + (sizes[0] + 2 * 20_000) * 12 + layer
+    ddp, opt = wrap(capacity)
+    _steps(ddp, opt, 3)
+    on_device = [
+        i for i, m in enumerate(ddp.chunk_manager.chunks("fp32")) if m in ddp.auto.on_device
+    ]
+    assert on_device == [0, 1, 2], on_device
+    assert opt.device_lane_chunks, "no device lane: nothing to test"
+    assert ddp.auto.reserved_bytes == opt.device_lane_staging_bytes == layer
 
 
 def test_auto_keeps_no_room_for_a_device_lane_that_took_no_chunk():

@@ -436,11 +436,15 @@ class GeminiDDP(nn.Module):
         return used
 
     def plan_placement(
-        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+        self,
+        masters: dict[Chunk, Chunk],
+        optim_bytes_per_element: int,
+        staging: Callable[[int], int] | None = None,
     ) -> bool:
-        """The placement's plan at the first step (auto), ``reserve_bytes`` of
-        the device kept for the optimizer; True when masters moved."""
-        return self.placement.plan(masters, optim_bytes_per_element, reserve_bytes)
+        """The placement's plan at the first step (auto), ``staging`` the
+        device bytes the optimizer keeps while masters stay on the host (see
+        ``AutoPlacement.plan``); True when masters moved."""
+        return self.placement.plan(masters, optim_bytes_per_element, staging)
 
     def chunk_compute_order(self) -> list[int]:
         """Chunk indices in the order a training iteration first uses them,

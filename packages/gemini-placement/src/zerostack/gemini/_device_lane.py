@@ -48,11 +48,12 @@ A staging slot holds one chunk shard, so every chunk crosses in one window
 and an update that fails (an argument check, an injected fault) has written
 nothing: its retry gives the uninterrupted run's values. The device holds two
 slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters, 16 B once
-a gradient came from the host); auto
-placement plans with them subtracted from the capacity, and its steady-state
-evictions count them as held (``AutoPlacement.reserved_bytes``; when they
-did not, gathered chunks took the staging's bytes over the plan: LLaMA 1.1B
-under a 12 GiB cap ran out of memory in most runs). Under auto placement a
+a gradient came from the host); auto placement plans with them subtracted
+from the capacity, for the largest shard left on the host (the embedding's,
+larger than a layer's, goes to the device first and needs none), and its
+steady-state evictions count them as held (``AutoPlacement.reserved_bytes``;
+when they did not, gathered chunks took the staging's bytes over the plan:
+LLaMA 1.1B under a 12 GiB cap ran out of memory in most runs). Under auto placement a
 chunk whose shard was evicted to the host that step has its gradient on
 the host, and the reserve has no room for its copy up: that step it runs in
 CPU Adam, on the same homes, after their last copy back (as does a chunk

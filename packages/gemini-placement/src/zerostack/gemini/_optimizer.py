@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -488,12 +489,12 @@ class GeminiOptimizer:
         """At the first step under auto placement: the plan, and the masters
         (with any state loaded before it) where it put them."""
         before = list(self.masters)
-        reserve = 0
-        if self.gpu_update_fraction > 0 and self.pairs:  # See [Note: Gemini's device lane]
-            shard = max(m.shard_size for _, m in self.pairs)
-            reserve = staging_bytes(shard, self.pairs[0][0].dtype)
+        dtype = self.pairs[0][0].dtype if self.pairs else torch.float32
+        staging = None
+        if self.gpu_update_fraction > 0:  # See [Note: Gemini's device lane]
+            staging = functools.partial(staging_bytes, dtype=dtype)
         if not self.module.plan_placement(
-            dict(self.pairs), _state_bytes_per_element(self.optimizer), reserve_bytes=reserve
+            dict(self.pairs), _state_bytes_per_element(self.optimizer), staging
         ):
             return
         self._bind_masters()
@@ -504,9 +505,9 @@ class GeminiOptimizer:
                     for k, v in self.optimizer.state.pop(old).items()
                 }
         self._choose_lane()
-        auto = self.module.auto
-        if auto is not None and self._lane is None:  # no CPU-held chunk: no staging to keep free
-            auto.reserved_bytes = 0
+        auto, lane = self.module.auto, self._lane
+        if auto is not None:  # what the lane's members need (none without a lane)
+            auto.reserved_bytes = staging_bytes(lane.staging.window, dtype) if lane else 0
         self._stage_grads()  # the plan moved shards: stage from where the gradients are now
 
     def _step(self) -> bool:

@@ -95,7 +95,10 @@ class Placement:
         pass
 
     def plan(
-        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+        self,
+        masters: dict[Chunk, Chunk],
+        optim_bytes_per_element: int,
+        staging: Callable[[int], int] | None = None,
     ) -> bool:
         """Decide where chunks live for good; True when masters moved."""
         return False
@@ -341,7 +344,7 @@ class AutoPlacement(Placement):
         self.stats = MemStats()
         self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
         self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
-        self.reserved_bytes = 0  # the optimizer's own bytes there (plan's reserve_bytes)
+        self.reserved_bytes = 0  # the optimizer's own bytes there (plan's staging)
         self.evictions = 0
         self.peak_model_bytes = 0
         self.least_headroom: int | None = None  # min over steady moments of limit(m) - model bytes
@@ -572,7 +575,10 @@ class AutoPlacement(Placement):
         return self.steady_limit() - self.stats.max_gathered_bytes
 
     def plan(
-        self, masters: dict[Chunk, Chunk], optim_bytes_per_element: int, reserve_bytes: int = 0
+        self,
+        masters: dict[Chunk, Chunk],
+        optim_bytes_per_element: int,
+        staging: Callable[[int], int] | None = None,
     ) -> bool:
         """Decide, once, where param shards and optimizer chunks live.
 
@@ -580,8 +586,10 @@ class AutoPlacement(Placement):
             masters: param chunk -> its fp32 master chunk.
             optim_bytes_per_element: bytes of optimizer state per master
                 element (8 for Adam's two fp32 moments).
-            reserve_bytes: device bytes the optimizer holds beside the chunks
-                (GeminiOptimizer's device-lane staging). Default 0.
+            staging: the device bytes the optimizer holds beside the chunks
+                while masters stay on the host, given the elements of the
+                largest such shard (GeminiOptimizer's device-lane staging).
+                Default None: none.
 
         Returns:
             True when this call planned (masters may have moved).
@@ -590,30 +598,39 @@ class AutoPlacement(Placement):
             return False
         self.end_warmup()
         self.planned = True
-        self.reserved_bytes = reserve_bytes
-        room = self.room() - reserve_bytes
         order = {i: k for k, i in enumerate(self.stats.chunk_order())}
         ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
+        candidates = [masters[c] for c in ordered if c in masters]
+
+        needs = [m.shard_size * (4 + optim_bytes_per_element) for m in candidates]
+
+        def reserve(k: int) -> int:  # while the candidates after the first k stay on the host
+            rest = candidates[k:]
+            return staging(max(m.shard_size for m in rest)) if staging and rest else 0
+
+        # Shards first, beside the cheapest outcome for the optimizer when all
+        # fit (its chunks follow them); else beside the staging for them all.
+        least = min(sum(needs[:k]) + reserve(k) for k in range(len(candidates) + 1))
+        room = self.room()
+        if sum(map(self.shard_bytes, ordered)) > room - least:
+            least = reserve(0)
         params_on = 0
         for c in ordered:
-            fits = self.shard_bytes(c) <= room
+            fits = self.shard_bytes(c) <= room - least
             if fits:
                 room -= self.shard_bytes(c)
                 params_on += 1
             self.move(c, fits)
         optim_on = 0
         if params_on == len(ordered):
-            for c in ordered:
-                master = masters.get(c)
-                if master is None:
-                    continue
-                need = master.shard_size * (4 + optim_bytes_per_element)
-                if need > room:
+            for master, need in zip(candidates, needs, strict=True):
+                if need + reserve(optim_on + 1) > room:
                     break
                 room -= need
                 self.move(master, True)
                 self.optim_bytes_on_device += need
                 optim_on += 1
+        self.reserved_bytes = reserve(optim_on)
         n_masters = len(masters)
         self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
         limits = [self.steady_limit(m) for m in range(len(self.non_model_at))]
@@ -624,6 +641,6 @@ class AutoPlacement(Placement):
             "optimizer chunks on %s, the rest on the CPU",
             self.capacity / 1e9, self.steady_limit() / 1e9, max(limits, default=self.steady_limit()) / 1e9,
             self.steady_ratio, self.non_model_reserve / 1e9, self.room() / 1e9,
-            reserve_bytes / 1e9, params_on, len(ordered), optim_on, n_masters, self.device,
+            self.reserved_bytes / 1e9, params_on, len(ordered), optim_on, n_masters, self.device,
         )  # fmt: skip
         return True
