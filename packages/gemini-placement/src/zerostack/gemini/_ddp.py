@@ -439,11 +439,11 @@ class GeminiDDP(nn.Module):
         self,
         masters: dict[Chunk, Chunk],
         optim_bytes_per_element: int,
-        staging: Callable[[int], int] | None = None,
+        staging: Callable[[list[Chunk]], int] | None = None,
     ) -> bool:
         """The placement's plan at the first step (auto), ``staging`` the
-        device bytes the optimizer keeps while masters stay on the host (see
-        ``AutoPlacement.plan``); True when masters moved."""
+        device bytes the optimizer keeps while the given masters stay on the
+        host (see ``AutoPlacement.plan``); True when masters moved."""
         return self.placement.plan(masters, optim_bytes_per_element, staging)
 
     def chunk_compute_order(self) -> list[int]:

@@ -49,8 +49,9 @@ and an update that fails (an argument check, an injected fault) has written
 nothing: its retry gives the uninterrupted run's values. The device holds two
 slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters, 16 B once
 a gradient came from the host); auto placement plans with them subtracted
-from the capacity, for the largest shard left on the host (the embedding's,
-larger than a layer's, goes to the device first and needs none), and its
+from the capacity, for the largest shard the lane takes of those left on
+the host (not the embedding's, larger than a layer's, which goes to the
+device first, nor an untied head's, last and left to CPU Adam), and its
 steady-state evictions count them as held (``AutoPlacement.reserved_bytes``;
 when they did not, gathered chunks took the staging's bytes over the plan:
 LLaMA 1.1B under a 12 GiB cap ran out of memory in most runs). Under auto placement a
@@ -102,6 +103,15 @@ def staging_bytes(shard_numel: int, dtype: torch.dtype, host_grads: bool = False
     gradient from the host)."""
     values = _OUT_BYTES.get(dtype, 4)
     return 2 * shard_numel * (3 * 4 + values + (values if host_grads else 0))
+
+
+def lane_staging_bytes(fraction: float, dtype: torch.dtype, host_masters: list[Chunk]) -> int:
+    """The staging of the lane ``GeminiLane.choose`` would take over
+    ``host_masters`` (CPU-held master chunks in compute order, none
+    pageable): for the largest shard of its first ``fraction`` of elements."""
+    sizes = [m.shard_size for m in host_masters]
+    k = lane_prefix(sizes, fraction) if sizes else 0
+    return staging_bytes(max(sizes[:k]), dtype) if k else 0
 
 
 class GeminiLane:

@@ -16,7 +16,7 @@ from zerostack.chunk import Chunk, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
-from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.gemini._device_lane import GeminiLane, lane_staging_bytes, staging_bytes
 from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
@@ -492,7 +492,7 @@ class GeminiOptimizer:
         dtype = self.pairs[0][0].dtype if self.pairs else torch.float32
         staging = None
         if self.gpu_update_fraction > 0:  # See [Note: Gemini's device lane]
-            staging = functools.partial(staging_bytes, dtype=dtype)
+            staging = functools.partial(lane_staging_bytes, self.gpu_update_fraction, dtype)
         if not self.module.plan_placement(
             dict(self.pairs), _state_bytes_per_element(self.optimizer), staging
         ):

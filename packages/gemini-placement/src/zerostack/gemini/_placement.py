@@ -98,7 +98,7 @@ class Placement:
         self,
         masters: dict[Chunk, Chunk],
         optim_bytes_per_element: int,
-        staging: Callable[[int], int] | None = None,
+        staging: Callable[[list[Chunk]], int] | None = None,
     ) -> bool:
         """Decide where chunks live for good; True when masters moved."""
         return False
@@ -578,7 +578,7 @@ class AutoPlacement(Placement):
         self,
         masters: dict[Chunk, Chunk],
         optim_bytes_per_element: int,
-        staging: Callable[[int], int] | None = None,
+        staging: Callable[[list[Chunk]], int] | None = None,
     ) -> bool:
         """Decide, once, where param shards and optimizer chunks live.
 
@@ -587,9 +587,8 @@ class AutoPlacement(Placement):
             optim_bytes_per_element: bytes of optimizer state per master
                 element (8 for Adam's two fp32 moments).
             staging: the device bytes the optimizer holds beside the chunks
-                while masters stay on the host, given the elements of the
-                largest such shard (GeminiOptimizer's device-lane staging).
-                Default None: none.
+                while the given masters (in compute order) stay on the host:
+                GeminiOptimizer's device-lane staging. Default None: none.
 
         Returns:
             True when this call planned (masters may have moved).
@@ -605,8 +604,7 @@ class AutoPlacement(Placement):
         needs = [m.shard_size * (4 + optim_bytes_per_element) for m in candidates]
 
         def reserve(k: int) -> int:  # while the candidates after the first k stay on the host
-            rest = candidates[k:]
-            return staging(max(m.shard_size for m in rest)) if staging and rest else 0
+            return staging(candidates[k:]) if staging else 0
 
         # Shards first, beside the cheapest outcome for the optimizer when all
         # fit (its chunks follow them); else beside the staging for them all.
