@@ -553,3 +553,33 @@ def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, mon
     assert opt._lane is not None and 0 < len(opt._lane.homes) < len(opt.pairs)
     _train(model, ddp, opt, steps=2)
     opt.close()
+
+
+def _passes_its_group(rank, world):
+    import inspect
+
+    import torch.distributed as dist
+
+    import zerostack.gemini._optimizer as gemini_module
+
+    real, groups = gemini_module.resolve_gpu_update_fraction, []
+
+    def record(*args, **kwargs):
+        groups.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("group"))
+        return real(*args, **kwargs)
+
+    gemini_module.resolve_gpu_update_fraction = record
+    group = dist.new_group(list(range(world)))  # not the default group object
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu", process_group=group,
+        chunk_config_dict={world: {"chunk_size": CHUNK}}, offload_optim_frac=1.0,
+    )  # fmt: skip
+    GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-3), ddp, gpu_update_fraction="auto")
+    assert groups == [group], groups
+
+
+def test_auto_is_taken_over_the_models_process_group():
+    # "auto" is a collective over the data-parallel group: GeminiDDP's, not
+    # the default group, when the user gave one.
+    spawn(_passes_its_group, 2, backend="gloo", timeout_s=120)

@@ -212,3 +212,33 @@ def test_auto_on_cuda_measures_the_machine_and_splits(monkeypatch, caplog):
     assert 0.0 < zero.gpu_update_fraction < 1.0, caplog.text
     assert "measured this machine" in caplog.text
     assert zero._lane is not None
+
+
+def _passes_its_group(rank, world):
+    import inspect
+
+    import torch.distributed as dist
+
+    import zerostack.shard._optimizer as zero_module
+
+    real, groups = zero_module.resolve_gpu_update_fraction, []
+
+    def record(*args, **kwargs):
+        groups.append(inspect.signature(real).bind(*args, **kwargs).arguments.get("group"))
+        return real(*args, **kwargs)
+
+    zero_module.resolve_gpu_update_fraction = record
+    group = dist.new_group(list(range(world)))  # not the default group object
+    model = TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2))
+    ZeroOptimizer(
+        torch.optim.AdamW(model.parameters()), gpu_update_fraction="auto", process_group=group
+    )
+    assert groups == [group], groups
+
+
+def test_zero_optimizer_takes_auto_over_its_process_group():
+    # "auto" is a collective over the data-parallel group: the optimizer's,
+    # not the default group, when the user gave one.
+    from zerostack.testing import spawn
+
+    spawn(_passes_its_group, 2, backend="gloo")
