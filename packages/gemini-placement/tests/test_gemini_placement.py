@@ -149,6 +149,28 @@ def test_auto_fills_what_each_gather_leaves_free():
     assert auto.evictions > 0 and auto.least_headroom >= 0
 
 
+def test_auto_gathers_off_the_warm_ups_path_keep_the_smallest_limit():
+    # A steady iteration that gathers other chunks than the warm-up did at
+    # some gather (a branch taken later, say) cannot know the non-model
+    # peaks ahead: from there on, every gather keeps the smallest limit.
+    ddp, opt = _auto_with_activations(10**9)
+    _steps(ddp, opt, 1)
+    auto = ddp.auto
+    auto.stats.order[5] = (-1,)  # as if the warm-up had gathered another chunk there
+    seen = []
+    make_room = auto._make_room
+
+    def record(chunks, moment):
+        seen.append(moment)
+        make_room(chunks, moment)
+
+    auto._make_room = record
+    _steps(ddp, opt, 2)
+    n = len(auto.stats.order)
+    assert seen == 2 * ([0, 1, 2, 3, 4] + [None] * (n - 5)), seen
+    assert auto.steady_limit(None) == auto.steady_limit(16) < auto.steady_limit(4)
+
+
 def _ranks_agree_per_gather(rank, world):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)

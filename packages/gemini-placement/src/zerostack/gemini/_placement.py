@@ -304,8 +304,9 @@ class AutoPlacement(Placement):
     (the rule before), left idle up to the peak of gathered chunks: they do
     not coincide (activations peak at the end of forward, when few chunks
     are gathered). The steady state holds
-    every moment to its own limit; a moment the warm-up did not record (an
-    inference forward, a longer iteration) to the smallest limit of all.
+    every gather to its own limit; a gather the warm-up did not record (an
+    inference forward, an iteration that gathers other chunks from some
+    point on, or more) to the smallest limit of all.
 
     On a CPU compute device the capacity is a number (``capacity``) and the
     placement is bookkeeping only: nothing moves, but every decision and the
@@ -352,6 +353,8 @@ class AutoPlacement(Placement):
         self.non_model_at: list[int] = []  # per moment, the peak over ranks, after warm-up
         self._period_open: int | None = None
         self._model_after_gather = 0
+        self._on_track = True  # this iteration gathers as the warm-up did, so far
+        self._now: int | None = None  # the moment of the gather in progress, when known
 
     @property
     def keeps_cache(self) -> bool:  # type: ignore[override]
@@ -404,8 +407,10 @@ class AutoPlacement(Placement):
         non_model = at[moment] if known else self.non_model_reserve
         return int(self.steady_ratio * self.capacity) - non_model
 
-    def _window_limit(self, first: int, last: int) -> int:
-        """The smallest limit from moment ``first`` to ``last``."""
+    def _window_limit(self, first: int | None, last: int) -> int:
+        """The smallest limit from moment ``first`` to ``last`` (of all, for None)."""
+        if first is None:
+            return self.steady_limit()
         return min(self.steady_limit(m) for m in range(first, last + 1))
 
     # -- placement moves ---------------------------------------------------------
@@ -437,12 +442,25 @@ class AutoPlacement(Placement):
             self.stats = MemStats()
             self._period_open = None
         self.moment = 0
+        self._on_track = True
+
+    def _known_moment(self, chunks: list[Chunk], training: bool) -> int | None:
+        """This gather's moment while the iteration gathers as the warm-up
+        did; None otherwise (an inference forward, or a training iteration
+        that took another path: its later gathers too)."""
+        order, m = self.stats.order, self.moment
+        if training and self._on_track:
+            if m < len(order) and order[m] == tuple(c.index for c in chunks):
+                return m
+            self._on_track = False
+        return None
 
     def before_access(self, chunks: list[Chunk], training: bool) -> None:
         """Called before ``chunks`` are gathered: record (warm-up) or make
         room. Only gathers of training iterations are moments."""
         if not self.warming_up:
-            self._make_room(chunks, self.moment if training else None)
+            self._now = self._known_moment(chunks, training)
+            self._make_room(chunks, self._now)
         elif training:
             self._record(chunks)
         if training:
@@ -455,7 +473,7 @@ class AutoPlacement(Placement):
                 self._model_after_gather = self._cuda_model_bytes()
                 self.stats.gathered_bytes.append(self.gathered_bytes())
         elif training:
-            now = self.moment - 1  # this gather's moment
+            now = self._now
             if self.max_prefetch > 0:
                 self._prefetch(
                     self.stats.order,
