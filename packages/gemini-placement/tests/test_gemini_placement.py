@@ -141,12 +141,12 @@ def test_auto_fills_what_each_gather_leaves_free():
     auto.after_access = books
     _steps(ddp, opt, 3)
     assert auto.stats.gathered_bytes == gathered
-    assert auto.non_model_at == [_activations(m) for m in range(len(gathered))]
-    assert auto.room() == capacity - max(need)
+    assert auto.non_model_bytes_at == [_activations(m) for m in range(len(gathered))]
+    assert auto.room_bytes() == capacity - max(need)
     assert len(ddp.grad_chunks) - len(ddp.offloaded_masters) == 3
     assert len(held) == 2 * len(gathered), "the steady iterations did not gather as the warm-up"
     assert max(held) <= capacity, (max(held), capacity)
-    assert auto.evictions > 0 and auto.least_headroom >= 0
+    assert auto.evictions > 0 and auto.least_headroom_bytes >= 0
 
 
 def test_auto_gathers_off_the_warm_ups_path_keep_the_smallest_limit():
@@ -187,12 +187,15 @@ def _ranks_agree_per_gather(rank, world):
     auto._period_non_model_bytes = lambda: mine(auto._period_open)
     _steps(ddp, opt, 1)
     moments = len(auto.stats.order)
-    assert auto.non_model_at == [max(mine(m, r) for r in range(world)) for m in range(moments)]
-    assert auto.non_model_reserve == max(auto.non_model_at)
-    # Ranks that recorded different numbers of gathers: one limit, the largest peak.
-    auto.stats.non_model_bytes = [5 + rank] * (3 + rank)
+    assert auto.non_model_bytes_at == [
+        max(mine(m, r) for r in range(world)) for m in range(moments)
+    ]
+    assert auto.non_model_reserve == max(auto.non_model_bytes_at)
+    # Ranks whose warm-ups gathered in other orders: one limit, the largest peak.
+    auto.stats.order[rank] = (-1,)
+    auto.stats.non_model_bytes = [5 + rank] * moments
     auto._agree()
-    assert auto.non_model_at == [] and auto.non_model_reserve == 5 + world - 1
+    assert auto.non_model_bytes_at == [] and auto.non_model_reserve == 5 + world - 1
     assert auto.steady_limit(0) == auto.steady_limit()
 
 
@@ -274,7 +277,7 @@ def test_auto_keeps_free_the_staging_of_the_lanes_largest_shard(tied):
 
     ddp, opt = wrap(10**9)
     _steps(ddp, opt, 1)
-    gathered = 10**9 - ddp.auto.room()  # no non-model bytes on a CPU
+    gathered = 10**9 - ddp.auto.room_bytes()  # no non-model bytes on a CPU
     sizes = [c.chunk_size for c in ddp.grad_chunks]
     assert sizes[0] == 1024 * 64 > max(sizes[1 : len(sizes) - (not tied)]) == 20_000, sizes
     layer = staging_bytes(20_000, torch.bfloat16)
@@ -289,6 +292,34 @@ def test_auto_keeps_free_the_staging_of_the_lanes_largest_shard(tied):
     assert on_device == [0, 1, 2], on_device
     assert opt.device_lane_chunks, "no device lane: nothing to test"
     assert ddp.auto.reserved_bytes == opt.device_lane_staging_bytes == layer
+
+
+def test_auto_places_the_most_optimizer_chunks_that_fit_beside_their_staging():
+    # The staging need not shrink as optimizer chunks move to the device (a
+    # lane left with no chunk costs nothing): a plan that stopped at the first
+    # chunk that did not fit kept a staging larger than its room.
+    ddp, opt = _wrap(placement_policy="auto", gpu_capacity_bytes=10**9, steady_cuda_cap_ratio=1.0)
+    _steps(ddp, opt, 1)
+    gathered = 10**9 - ddp.auto.room_bytes()
+    need = 20_000 * 12  # an optimizer chunk: fp32 master and two moments
+    shards = 4 * sum(c.chunk_size for c in ddp.grad_chunks)
+    room = 2 * need + 1_000  # beside the shards: two optimizer chunks, with no staging
+    ddp, opt = _wrap(
+        placement_policy="auto", gpu_capacity_bytes=gathered + shards + room,
+        steady_cuda_cap_ratio=1.0,
+    )  # fmt: skip
+    masters = len(ddp.grad_chunks)
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    opt.backward(ddp(idx, tgt))  # the warm-up; the plan comes at the step
+
+    def staging(host_held):  # large while eight or nine chunks stay on the host, else none
+        return 3 * need if len(host_held) >= masters - 1 else 0
+
+    assert ddp.plan_placement(dict(opt.pairs), 8, staging)
+    auto = ddp.auto
+    assert len(auto.on_device & set(ddp.chunk_manager.chunks("fp32"))) == 2
+    assert auto.reserved_bytes == 0 and auto.optim_bytes_on_device == 2 * need
+    opt.step()  # the plan stands: the optimizer's own plan is not taken again
 
 
 def test_auto_keeps_no_room_for_a_device_lane_that_took_no_chunk():

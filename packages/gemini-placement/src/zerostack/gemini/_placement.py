@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import zlib
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
@@ -294,19 +295,23 @@ class AutoPlacement(Placement):
     [Note: the room auto placement fills]
     The warm-up records, at every gather (moment m), the chunks gathered
     (``gathered_bytes[m]``) and the peak of the rest of the device's memory
-    until the next gather (``non_model_bytes[m]``: activations, temporaries).
-    The device may hold ``limit(m) = steady_cuda_cap_ratio x capacity -
-    non_model_bytes[m]`` bytes of model data from moment m to the next, so
-    what stays there for good (shards, optimizer chunks, the device lane's
-    staging) gets the smallest ``limit(m) - gathered_bytes[m]`` over the
-    moments; chunks gathered ahead use what the other moments leave.
-    Keeping both peaks free, the non-model one and that of gathered chunks
-    (the rule before), left idle up to the peak of gathered chunks: they do
-    not coincide (activations peak at the end of forward, when few chunks
-    are gathered). The steady state holds
-    every gather to its own limit; a gather the warm-up did not record (an
-    inference forward, an iteration that gathers other chunks from some
-    point on, or more) to the smallest limit of all.
+    until the next gather (``non_model_bytes[m]``: activations,
+    temporaries). The device may hold ``limit(m) = steady_cuda_cap_ratio x
+    capacity - non_model_bytes[m]`` bytes of model data from moment m to the
+    next, so what stays there for good (shards, optimizer chunks, the device
+    lane's staging) gets the smallest ``limit(m) - gathered_bytes[m]`` over
+    the moments; chunks gathered ahead use what the other moments leave.
+    Keeping both peaks free, the non-model one and that of gathered chunks,
+    would leave idle up to the peak of gathered chunks: they do not coincide
+    (activations peak at the end of forward, when few chunks are gathered).
+    The steady state holds every gather to its own limit; a gather the
+    warm-up did not record (an inference forward, an iteration that gathers
+    other chunks from some point on, or more) to the smallest limit of all.
+    The warm-up keeps no cache: a chunk released within a period lowers the
+    model bytes its peak is measured against, so a peak that comes after the
+    release counts short by that chunk, which the steady state may keep
+    cached; the margin ``1 - steady_cuda_cap_ratio`` leaves covers it where
+    a module's chunks are smaller than that.
 
     On a CPU compute device the capacity is a number (``capacity``) and the
     placement is bookkeeping only: nothing moves, but every decision and the
@@ -348,9 +353,11 @@ class AutoPlacement(Placement):
         self.reserved_bytes = 0  # the optimizer's own bytes there (plan's staging)
         self.evictions = 0
         self.peak_model_bytes = 0
-        self.least_headroom: int | None = None  # min over steady moments of limit(m) - model bytes
+        self.least_headroom_bytes: int | None = (
+            None  # min over steady moments of limit(m) - model bytes
+        )
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
-        self.non_model_at: list[int] = []  # per moment, the peak over ranks, after warm-up
+        self.non_model_bytes_at: list[int] = []  # per moment, the peak over ranks, after warm-up
         self._period_open: int | None = None
         self._model_after_gather = 0
         self._on_track = True  # this iteration gathers as the warm-up did, so far
@@ -402,7 +409,7 @@ class AutoPlacement(Placement):
         """The model bytes the compute device may hold from gather ``moment``
         of a training iteration to the next; the smallest of them where the
         moment is None or was not recorded. See [Note: the room auto placement fills]."""
-        at = self.non_model_at
+        at = self.non_model_bytes_at
         known = moment is not None and 0 <= moment < len(at)
         non_model = at[moment] if known else self.non_model_reserve
         return int(self.steady_ratio * self.capacity) - non_model
@@ -481,10 +488,12 @@ class AutoPlacement(Placement):
                         self.model_bytes() + self.chunk_bytes(c) <= self._window_limit(now, m)
                     ),
                 )
-            headroom = self.steady_limit(now) - self.model_bytes()
-            if self.least_headroom is None or headroom < self.least_headroom:
-                self.least_headroom = headroom
-        self.peak_model_bytes = max(self.peak_model_bytes, self.model_bytes())
+        held = self.model_bytes()
+        if training and not self.warming_up:
+            headroom = self.steady_limit(self._now) - held
+            if self.least_headroom_bytes is None or headroom < self.least_headroom_bytes:
+                self.least_headroom_bytes = headroom
+        self.peak_model_bytes = max(self.peak_model_bytes, held)
 
     def end_warmup(self) -> None:
         """The end of the first backward: close the last period and stop recording."""
@@ -510,26 +519,27 @@ class AutoPlacement(Placement):
         smallest capacity of any rank."""
         device = self.device if self.device.type == "cuda" else torch.device("cpu")
         at = self.stats.non_model_bytes
+        path = zlib.crc32(repr(self.stats.order).encode())  # the same on every rank, or not
         mine = torch.tensor(
-            [max(at, default=0), -self.capacity, len(at), -len(at)],
+            [max(at, default=0), -self.capacity, path, -path],
             dtype=torch.float64, device=device,
         )  # fmt: skip
         set_collective_label("auto placement's agreement after the warm-up")
         all_reduce_max(mine, self.process_group)
-        worst, neg_capacity, most, neg_fewest = (int(v) for v in mine.tolist())
+        worst, neg_capacity, most, neg_least = (int(v) for v in mine.tolist())
         self.non_model_reserve = worst
         self.capacity = -neg_capacity
-        if most != -neg_fewest:  # the ranks' forwards gathered differently: one limit for all
+        if most != -neg_least:  # the ranks gathered differently: one limit for all
             logger.warning(
-                "Gemini auto: the ranks recorded %d to %d gathers in the warm-up; every moment "
-                "keeps the largest non-model peak", -neg_fewest, most,
-            )  # fmt: skip
-            self.non_model_at = []
+                "Gemini auto: the ranks' warm-ups gathered chunks in different orders; every "
+                "gather keeps the largest non-model peak of any"
+            )
+            self.non_model_bytes_at = []
             return
         peaks = torch.tensor(at, dtype=torch.float64, device=device)
         set_collective_label("auto placement's agreement after the warm-up (per moment)")
         all_reduce_max(peaks, self.process_group)
-        self.non_model_at = [int(v) for v in peaks.tolist()]
+        self.non_model_bytes_at = [int(v) for v in peaks.tolist()]
 
     def _cuda_model_bytes(self) -> int:
         return self.manager.total_mem.get("cuda", 0) if self._cuda else 0
@@ -583,12 +593,12 @@ class AutoPlacement(Placement):
 
     # -- the plan ------------------------------------------------------------------
 
-    def room(self) -> int:
+    def room_bytes(self) -> int:
         """What may stay on the device for good, the optimizer's own bytes
         included: the smallest of ``limit(m) - gathered_bytes[m]``. See
         [Note: the room auto placement fills]."""
         gathered = self.stats.gathered_bytes
-        if self.non_model_at and len(gathered) == len(self.non_model_at):
+        if self.non_model_bytes_at and len(gathered) == len(self.non_model_bytes_at):
             return min(self.steady_limit(m) - g for m, g in enumerate(gathered))
         return self.steady_limit() - self.stats.max_gathered_bytes
 
@@ -621,42 +631,42 @@ class AutoPlacement(Placement):
 
         needs = [m.shard_size * (4 + optim_bytes_per_element) for m in candidates]
 
-        def reserve(k: int) -> int:  # while the candidates after the first k stay on the host
-            return staging(candidates[k:]) if staging else 0
+        def cost(k: int) -> int:  # the first k optimizer chunks on the device, the rest's staging
+            return sum(needs[:k]) + (staging(candidates[k:]) if staging else 0)
 
         # Shards first, beside the cheapest outcome for the optimizer when all
         # fit (its chunks follow them); else beside the staging for them all.
-        least = min(sum(needs[:k]) + reserve(k) for k in range(len(candidates) + 1))
-        room = self.room()
-        if sum(map(self.shard_bytes, ordered)) > room - least:
-            least = reserve(0)
+        # The staging need not shrink as chunks move (a lane of none left costs
+        # nothing), so the optimizer takes the most chunks that fit with it.
+        room = self.room_bytes()
+        costs = [cost(k) for k in range(len(candidates) + 1)]
+        keep = min(costs)
+        if sum(map(self.shard_bytes, ordered)) > room - keep:
+            keep = costs[0]
         params_on = 0
         for c in ordered:
-            fits = self.shard_bytes(c) <= room - least
+            fits = self.shard_bytes(c) <= room - keep
             if fits:
                 room -= self.shard_bytes(c)
                 params_on += 1
             self.move(c, fits)
         optim_on = 0
         if params_on == len(ordered):
-            for master, need in zip(candidates, needs, strict=True):
-                if need + reserve(optim_on + 1) > room:
-                    break
-                room -= need
+            optim_on = max(k for k, need in enumerate(costs) if need <= room)
+            for master, need in zip(candidates[:optim_on], needs[:optim_on], strict=True):
                 self.move(master, True)
                 self.optim_bytes_on_device += need
-                optim_on += 1
-        self.reserved_bytes = reserve(optim_on)
+        self.reserved_bytes = costs[optim_on] - sum(needs[:optim_on])
         n_masters = len(masters)
         self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
-        limits = [self.steady_limit(m) for m in range(len(self.non_model_at))]
+        limits = [self.steady_limit(m) for m in range(len(self.non_model_bytes_at))]
         logger.info(
             "Gemini auto placement: capacity %.2f GB; model data may take %.2f-%.2f GB (ratio "
             "%.2f less each gather's non-model peak, %.2f GB at most); room %.2f GB for what "
             "stays (%.2f GB of it the optimizer's staging); %d/%d param chunks and %d/%d "
             "optimizer chunks on %s, the rest on the CPU",
             self.capacity / 1e9, self.steady_limit() / 1e9, max(limits, default=self.steady_limit()) / 1e9,
-            self.steady_ratio, self.non_model_reserve / 1e9, self.room() / 1e9,
+            self.steady_ratio, self.non_model_reserve / 1e9, self.room_bytes() / 1e9,
             self.reserved_bytes / 1e9, params_on, len(ordered), optim_on, n_masters, self.device,
         )  # fmt: skip
         return True
