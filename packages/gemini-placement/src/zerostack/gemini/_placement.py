@@ -353,9 +353,8 @@ class AutoPlacement(Placement):
         self.reserved_bytes = 0  # the optimizer's own bytes there (plan's staging)
         self.evictions = 0
         self.peak_model_bytes = 0
-        self.least_headroom_bytes: int | None = (
-            None  # min over steady moments of limit(m) - model bytes
-        )
+        # The least of limit(m) - model bytes over the steady gathers seen (None before any).
+        self.least_headroom_bytes: int | None = None
         self.non_model_reserve = 0  # the peak non-model bytes over ranks, after warm-up
         self.non_model_bytes_at: list[int] = []  # per moment, the peak over ranks, after warm-up
         self._period_open: int | None = None
