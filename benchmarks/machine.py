@@ -42,6 +42,7 @@ import time
 import adam as A
 import torch
 
+from zerostack.fused_adam import backend_info
 from zerostack.shard import MachineProfile, measure_machine
 
 IO_BLOCK = 64 * 2**20  # bytes per os.write/os.read; a multiple of any O_DIRECT alignment
@@ -124,7 +125,8 @@ def _describe(info: dict, n: int) -> str:
     gpu = info["gpu"] or "no GPU"
     return (
         f"{date}; {info['cpu']}, {info['cpu_count']} cores, {info['torch_threads']} torch "
-        f"threads; {gpu}; torch {info['torch']}; Adam over {A.human(n)} parameters"
+        f"threads, CPU Adam's {backend_info()['cpu_schedule']} schedule; {gpu}; torch "
+        f"{info['torch']}; Adam over {A.human(n)} parameters"
     )
 
 

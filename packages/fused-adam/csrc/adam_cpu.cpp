@@ -2,6 +2,19 @@
 // validates the tensors and passes raw pointers, element counts and dtype
 // codes; this file picks the SIMD level at run time, splits the work into
 // blocks and runs them on an OpenMP team with the GIL released.
+//
+// [Note: CPU Adam's blocks go to whichever thread is free] The team takes
+// the blocks one at a time (schedule(dynamic, 1)), not a fixed 1/width of
+// them each (schedule(static)). In training the team shares the cores with
+// threads that keep one busy: the thread driving the GPU (a CUDA
+// synchronize spins), the device lane's, the copies'. With a fixed share,
+// a team thread that shares a core finishes last and the whole step waits
+// for it; with blocks taken as threads come free, the others take over its
+// share. A block is 2^16 elements (about 1.3 MB of the step's traffic), so
+// the one atomic increment per block costs nothing. Each element's result
+// does not depend on the thread that computes it: both schedules give the
+// same bits. `set_schedule("static")` (ZEROSTACK_CPU_ADAM_SCHEDULE) keeps
+// the old one, for measuring the difference (docs/benchmarks.md).
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -39,6 +52,14 @@ int detect_level() {
 
 const int kBestLevel = detect_level();
 int g_level = kBestLevel;
+bool g_dynamic = true;  // see [Note: CPU Adam's blocks go to whichever thread is free]
+
+void set_schedule(const std::string& name) {
+  if (name != "dynamic" && name != "static") {
+    throw py::value_error("CPU Adam: unknown schedule '" + name + "'; use dynamic or static");
+  }
+  g_dynamic = name == "dynamic";
+}
 
 using RangeFn = void (*)(const AdamArgs&, int64_t, int64_t);
 
@@ -135,11 +156,14 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
   const RangeFn fn = range_fn(g_level);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   const int width = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks)));
+  const bool dynamic = g_dynamic;
   py::gil_scoped_release nogil;
+  if (dynamic) {
+#pragma omp parallel for num_threads(width) schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i) fn(args[tasks[i].tensor], tasks[i].begin, tasks[i].end);
+  } else {
 #pragma omp parallel for num_threads(width) schedule(static)
-  for (int64_t i = 0; i < num_tasks; ++i) {
-    const Task& task = tasks[i];
-    fn(args[task.tensor], task.begin, task.end);
+    for (int64_t i = 0; i < num_tasks; ++i) fn(args[tasks[i].tensor], tasks[i].begin, tasks[i].end);
   }
 }
 
@@ -156,5 +180,7 @@ PYBIND11_MODULE(_adam_cpu, m) {
   m.def("simd_level", []() { return std::string(kLevelNames[g_level]); });
   m.def("supported_levels", &supported_levels);
   m.def("set_simd_level", &set_simd_level, py::arg("name"));
+  m.def("set_schedule", &set_schedule, py::arg("name"));
+  m.def("schedule", []() { return std::string(g_dynamic ? "dynamic" : "static"); });
   m.def("max_threads", []() { return omp_get_max_threads(); });
 }

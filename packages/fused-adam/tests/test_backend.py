@@ -16,6 +16,7 @@ from zerostack.fused_adam import (
     HybridAdam,
     available_simd_levels,
     backend_info,
+    set_cpu_schedule,
     set_simd_level,
 )
 
@@ -43,6 +44,24 @@ def test_environment_variable_with_unknown_level_fails():
     assert out.returncode != 0
     assert "ZEROSTACK_CPU_ADAM_SIMD='sse9'" in out.stderr
     assert "unknown SIMD level 'sse9'" in out.stderr
+
+
+@pytest.mark.parametrize("schedule", ["static", "dynamic"])
+def test_environment_variable_sets_the_schedule(schedule):
+    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_schedule'])"
+    env = {**os.environ, "ZEROSTACK_CPU_ADAM_SCHEDULE": schedule}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == schedule
+
+
+def test_the_schedule_is_dynamic_unless_set_and_rejects_unknown():
+    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_schedule'])"
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSTACK_CPU_ADAM_SCHEDULE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "dynamic", out.stderr
+    with pytest.raises(ValueError, match="unknown schedule 'guided'"):
+        set_cpu_schedule("guided")
 
 
 def test_set_simd_level_rejects_unknown():

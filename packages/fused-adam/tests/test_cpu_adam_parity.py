@@ -16,7 +16,7 @@ from conftest import (
 )
 from conftest import run_parity as _run_parity
 
-from zerostack.fused_adam import CPUAdam, HybridAdam
+from zerostack.fused_adam import CPUAdam, HybridAdam, backend_info, set_cpu_schedule
 
 
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
@@ -88,6 +88,30 @@ def test_threads_do_not_change_results():
     torch.set_num_threads(before)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_both_schedules_give_the_same_bits():
+    # Blocks taken by whichever thread is free, or a fixed share each: every
+    # block of every tensor is stepped once, by the same arithmetic.
+    results = []
+    before = torch.get_num_threads(), backend_info()["cpu_schedule"]
+    torch.set_num_threads(2)
+    try:
+        for schedule in ("static", "dynamic"):
+            set_cpu_schedule(schedule)
+            params = make_params([5 * 2**16 + 3, 7, 2**16], torch.float32)
+            opt = CPUAdam(params, **HYPER)
+            for step in range(3):
+                for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
+                    p.grad = g
+                opt.step()
+            results.append(params)
+    finally:
+        torch.set_num_threads(before[0])
+        set_cpu_schedule(before[1])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(results[1][0], make_params([5 * 2**16 + 3], torch.float32)[0])
 
 
 def test_every_simd_level_gives_the_same_bits(simd_level):

@@ -7,6 +7,7 @@ from zerostack.fused_adam._kernels import (
     available_simd_levels,
     backend_info,
     cuda_kernel_available,
+    set_cpu_schedule,
     set_simd_level,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "available_simd_levels",
     "backend_info",
     "cuda_kernel_available",
+    "set_cpu_schedule",
     "set_simd_level",
 ]

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 SIMD_ENV = "ZEROSTACK_CPU_ADAM_SIMD"
 THREADS_ENV = "ZEROSTACK_CPU_THREADS"
+SCHEDULE_ENV = "ZEROSTACK_CPU_ADAM_SCHEDULE"
 _logged_threads: list[int] = []
 
 
@@ -131,6 +132,16 @@ def set_simd_level(name: str) -> None:
     logger.info("CPU Adam: SIMD level set to %s", name)
 
 
+def set_cpu_schedule(name: str) -> None:
+    """How the CPU kernel's threads share a step's blocks: "dynamic" (the
+    default: each free thread takes the next block) or "static" (a fixed
+    share each, the kernel before 2026-12-03, kept for measuring). Both give
+    the same bits; see the Note in ``csrc/adam_cpu.cpp``, [Note: CPU Adam's
+    blocks go to whichever thread is free]."""
+    _require_cpu().set_schedule(name)
+    logger.info("CPU Adam: schedule set to %s", name)
+
+
 def available_simd_levels() -> list[str]:
     """The SIMD levels this CPU can run, best first."""
     return list(_require_cpu().supported_levels())
@@ -142,6 +153,7 @@ def backend_info() -> dict[str, Any]:
     return {
         "cpu_simd": cpu.simd_level(),
         "cpu_simd_available": list(cpu.supported_levels()),
+        "cpu_schedule": cpu.schedule(),
         "cpu_threads": cpu_threads(),
         "cuda_kernel": _cuda is not None,
     }
@@ -153,6 +165,11 @@ if _cpu is not None and os.environ.get(SIMD_ENV):
         set_simd_level(os.environ[SIMD_ENV].strip().lower())
     except ValueError as exc:
         raise ValueError(f"{SIMD_ENV}={os.environ[SIMD_ENV]!r}: {exc}") from None
+if _cpu is not None and os.environ.get(SCHEDULE_ENV):
+    try:
+        set_cpu_schedule(os.environ[SCHEDULE_ENV].strip().lower())
+    except ValueError as exc:
+        raise ValueError(f"{SCHEDULE_ENV}={os.environ[SCHEDULE_ENV]!r}: {exc}") from None
 
 
 def _ptrs(tensors: Sequence[torch.Tensor]) -> list[int]:

@@ -243,10 +243,13 @@ def measure_machine(
             figures["gpu_adam_params_s"] = _gpu_adam(numel, device, warmup, repeats)
             torch.cuda.empty_cache()  # its buffers are freed: give their memory back
         where = torch.cuda.get_device_name(device)
+    from zerostack.fused_adam import backend_info
+
     return MachineProfile(
         **figures,
         machine=f"measure_machine: {where}, {os.cpu_count()} cores, {torch.get_num_threads()} "
-        f"torch threads, Adam over {numel} parameters, copies of {copy_bytes} B",
+        f"torch threads, CPU Adam's {backend_info().get('cpu_schedule', 'static')} schedule, "
+        f"Adam over {numel} parameters, copies of {copy_bytes} B",
     )
 
 
