@@ -28,11 +28,17 @@ def test_backend_info_reports_level_and_threads():
     assert info["cpu_threads"] == torch.get_num_threads()
 
 
+def _fresh_backend_info(key: str, **env: str | None) -> subprocess.CompletedProcess:
+    """``backend_info()[key]`` printed by a fresh process with ``env``
+    set over this one's (None: unset)."""
+    code = f"from zerostack.fused_adam import backend_info; print(backend_info()[{key!r}])"
+    full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
+
+
 @pytest.mark.parametrize("level", available_simd_levels())
 def test_environment_variable_forces_the_level(level):
-    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_simd'])"
-    env = {**os.environ, "ZEROSTACK_CPU_ADAM_SIMD": level}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _fresh_backend_info("cpu_simd", ZEROSTACK_CPU_ADAM_SIMD=level)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == level
 
@@ -48,17 +54,13 @@ def test_environment_variable_with_unknown_level_fails():
 
 @pytest.mark.parametrize("schedule", ["static", "dynamic"])
 def test_environment_variable_sets_the_schedule(schedule):
-    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_schedule'])"
-    env = {**os.environ, "ZEROSTACK_CPU_ADAM_SCHEDULE": schedule}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _fresh_backend_info("cpu_schedule", ZEROSTACK_CPU_ADAM_SCHEDULE=schedule)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == schedule
 
 
 def test_the_schedule_is_dynamic_unless_set_and_rejects_unknown():
-    code = "from zerostack.fused_adam import backend_info; print(backend_info()['cpu_schedule'])"
-    env = {k: v for k, v in os.environ.items() if k != "ZEROSTACK_CPU_ADAM_SCHEDULE"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = _fresh_backend_info("cpu_schedule", ZEROSTACK_CPU_ADAM_SCHEDULE=None)
     assert out.stdout.strip() == "dynamic", out.stderr
     with pytest.raises(ValueError, match="unknown schedule 'guided'"):
         set_cpu_schedule("guided")

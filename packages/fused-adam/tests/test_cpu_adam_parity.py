@@ -73,18 +73,23 @@ def test_large_tensor(pdt, num_threads):
         torch.set_num_threads(before)
 
 
+def _three_steps(sizes: list[int]) -> list[torch.Tensor]:
+    """fp32 parameters of ``sizes`` after three CPUAdam steps on fixed gradients."""
+    params = make_params(sizes, torch.float32)
+    opt = CPUAdam(params, **HYPER)
+    for step in range(3):
+        for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
+            p.grad = g
+        opt.step()
+    return params
+
+
 def test_threads_do_not_change_results():
     results = []
     before = torch.get_num_threads()
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        params = make_params([2**20 + 3, 5], torch.float32)
-        opt = CPUAdam(params, **HYPER)
-        for step in range(3):
-            for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
-                p.grad = g
-            opt.step()
-        results.append(params)
+        results.append(_three_steps([2**20 + 3, 5]))
     torch.set_num_threads(before)
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
@@ -99,13 +104,7 @@ def test_both_schedules_give_the_same_bits():
     try:
         for schedule in ("static", "dynamic"):
             set_cpu_schedule(schedule)
-            params = make_params([5 * 2**16 + 3, 7, 2**16], torch.float32)
-            opt = CPUAdam(params, **HYPER)
-            for step in range(3):
-                for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
-                    p.grad = g
-                opt.step()
-            results.append(params)
+            results.append(_three_steps([5 * 2**16 + 3, 7, 2**16]))
     finally:
         torch.set_num_threads(before[0])
         set_cpu_schedule(before[1])
