@@ -124,3 +124,34 @@ def test_grad_norm_is_taken_before_an_update_writes_over_the_gradient():
         opt.close()
     assert norms[True] == pytest.approx(norms[False], rel=1e-5)
     assert len(set(norms[True])) == 3 and all(n > 0 for n in norms[True])
+
+
+class _Copy:
+    """A staging buffer's copy to the device, done or still queued."""
+
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_a_free_staging_buffer_whose_copy_is_done_is_taken_first():
+    # The last buffer given back has the copy queued last: taking it made the
+    # CPU update wait for the GPU to run every kernel queued before that copy.
+    from zerostack.gemini._cpu_step import CpuStepPipeline
+
+    pipe = CpuStepPipeline(None, torch.device("cpu"), overlap=False)  # type: ignore[arg-type]
+    bufs = [torch.empty(4) for _ in range(3)]
+    copies = [_Copy(False), _Copy(True), _Copy(False)]
+    for buf, copy in zip(bufs, copies, strict=True):
+        pipe._give(buf, copy)
+    taken = [pipe._take(4, torch.float32, False) for _ in range(4)]
+    assert taken[0] is bufs[1] and not copies[1].waited  # done: no wait
+    assert taken[1] is bufs[0] and copies[0].waited  # none done: the first given back
+    assert taken[2] is bufs[2] and copies[2].waited
+    assert all(taken[3] is not b for b in bufs)  # none free: a new one
+    pipe.close()

@@ -99,13 +99,24 @@ class CpuStepPipeline:
     # the chunk's shard where it lives (see [Note: Gemini's device lane]).
 
     def _take(self, numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+        """A free buffer of ``numel`` ``dtype`` elements, or a new one. Of the
+        free ones, the first given back whose copy to the device is done,
+        else the first given back (whose copy was queued first): the last
+        one given back waited for the GPU to run every kernel queued before
+        its write-back's copy, while the forward waited for this update (on
+        an H200, 0.18 s a step of the 4.24B GPT's split step; docs/benchmarks.md,
+        "Offloaded steps, 2026-12-03")."""
         with self._free_lock:
             free = self._free.get((numel, dtype))
-            buf, event = free.pop() if free else (None, None)
+            buf, pending = None, None
+            if free:
+                done = next((k for k, (_, e) in enumerate(free) if e is None or e.query()), None)
+                buf, event = free.pop(0 if done is None else done)
+                pending = event if done is None else None
         if buf is None:  # kept for reuse: exactly its size (see [Note: exact pinned buffers])
             return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
-        if event is not None:  # an asynchronous copy to the device may still read it
-            event.synchronize()
+        if pending is not None:  # an asynchronous copy to the device may still read it
+            pending.synchronize()
         return buf
 
     def _give(self, buf: torch.Tensor | None, event: Any = None) -> None:
