@@ -39,9 +39,11 @@ def fraction_arg(text: str) -> float | str:
     return value
 
 
-def fraction_label(asked: float | str, chosen: float) -> str:
-    """How a row names its gpu_update_fraction: the share, and "auto" when chosen so."""
-    return f"gpu_update_fraction={chosen:.3g}" + (" (auto)" if asked == "auto" else "")
+def fraction_label(asked: float | str | None, chosen: float) -> str:
+    """How a row names its gpu_update_fraction: the share, and "auto" when chosen so
+    (asked None: the optimizer's default, "auto" for these rows)."""
+    how = " (auto)" if asked == "auto" else " (default: auto)" if asked is None else ""
+    return f"gpu_update_fraction={chosen:.3g}{how}"
 
 
 def _rss_gb() -> float:

@@ -11,11 +11,13 @@ Configurations:
   torch.cuda.set_per_process_memory_fraction; run last, the cap stays for the
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
   ``--static-fracs``;
-* Gemini auto split (``gemini_auto_split``): Gemini auto with
-  ``gpu_update_fraction`` (``--gpu-update-fraction``, a number or, the
-  default, auto: the step-time model's share on this machine): that
-  share of the CPU-held optimizer chunks is updated by the GPU's Adam, their
-  masters and states streamed over PCIe, the rest by CPU Adam.
+* Gemini auto takes GeminiOptimizer's default ``gpu_update_fraction``
+  ("auto" under auto placement: the step-time model's share on this
+  machine): that share of the CPU-held optimizer chunks is updated by the
+  GPU's Adam, their masters and states streamed over PCIe, the rest by CPU
+  Adam. ``gemini_auto_cpu``: every CPU-held chunk in CPU Adam
+  (``gpu_update_fraction=0``); ``gemini_auto_split``: the share
+  ``--gpu-update-fraction`` gives (a number, or auto).
 
 Besides time, each Gemini row gives the exposed CPU-update wait (time the
 forward spent waiting for a chunk's CPU step) and the worker's CPU step time
@@ -42,7 +44,8 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float | str = 0.0, **kwargs,
+    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float | str | None = None,
+    **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
     if lazy:  # built on meta, materialized on the CPU into the chunks: never whole on the GPU
@@ -73,7 +76,7 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if fraction == "auto" or fraction > 0:
+    if fraction == "auto" or opt.gpu_update_fraction > 0:
         label += ", " + T.fraction_label(fraction, opt.gpu_update_fraction)
     result = T.run(label, model, step, batch, steps, warmup, False)
     model.wait_updates()
@@ -113,7 +116,7 @@ def _configurations(a, args, wanted):
     yield "plain", lambda: T.plain(*args)
     yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
     yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
-    if not {"gemini_auto", "gemini_auto_split", "gemini_static"} & set(wanted):
+    if not {"gemini_auto", "gemini_auto_cpu", "gemini_auto_split", "gemini_static"} & set(wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -127,6 +130,13 @@ def _configurations(a, args, wanted):
                 *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap, **ahead
             ),
         )
+        yield (
+            "gemini_auto_cpu",
+            lambda label=label, norm=norm: gemini(
+                *args, label, a.lazy, norm, fraction=0.0,
+                placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
+            ),
+        )  # fmt: skip
         yield (
             "gemini_auto_split",
             lambda label=label, norm=norm: gemini(
@@ -190,7 +200,9 @@ def main() -> int:
         )  # fmt: skip
 
     ready = T.setup(
-        __doc__, "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_auto_split,gemini_static", extra
+        __doc__,
+        "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_auto_cpu,gemini_auto_split,gemini_static",
+        extra,
     )
     if ready is None:
         return 2

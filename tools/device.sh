@@ -21,7 +21,7 @@
 #                              profile ($PROFILE, as floor measures it), then once per fraction in
 #                              FRACTIONS (default "0.25 0.5"), clipped (max_norm 1) and with the floor:
 #                              zero: benchmarks/zero_shard.py plain, zero2_offload, zero2_offload_split;
-#                              gemini: benchmarks/gemini.py plain, gemini_auto, gemini_auto_split, 24 GiB cap
+#                              gemini: benchmarks/gemini.py plain, gemini_auto_cpu, gemini_auto_split, 24 GiB cap
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -52,12 +52,13 @@
 #                              clipped, against plain PyTorch in the same process; PARTs in order (default all):
 #       profile  benchmarks/machine.py --json $PROFILE (default /tmp/zerostack_machine.json, kept while
 #                the machine stays warm; copied to $OUT); the other parts reuse it, measuring it first if absent
-#       zero     benchmarks/zero_shard.py --only plain,zero2_offload --max-norms 1 --repeat 3
+#       zero     benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split --max-norms 1 --repeat 3
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
-#                SPLIT=F: the zero, gpt4b and llama parts add the split row at gpu_update_fraction F
-#                (a number, or auto: the step-time model's share from $PROFILE, through ZEROSTACK_MACHINE_PROFILE)
+#                gemini_auto takes GeminiOptimizer's default gpu_update_fraction ("auto" under auto
+#                placement), zero2_offload_split "auto", both the step-time model's share from $PROFILE (through
+#                ZEROSTACK_MACHINE_PROFILE); CPU_ROWS=1 adds gemini_auto_cpu, every host-held update in CPU Adam
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -183,7 +184,7 @@ split)
         > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
     fi
     if [ "$which" != zero ]; then
-      timeout 280 python3 benchmarks/gemini.py --only plain,gemini_auto,gemini_auto_split \
+      timeout 280 python3 benchmarks/gemini.py --only plain,gemini_auto_cpu,gemini_auto_split \
         --gpu-update-fraction "$f" --cap-gib 24 --max-norms 1 --steps 8 --warmup 2 \
         --machine "$PROFILE" > "$OUT/gsplit_$f.log" 2>&1; echo "exit $?"; table "$OUT/gsplit_$f.log" 20
     fi
@@ -275,20 +276,20 @@ floor)
   build; sources; machine
   for part in ${*:-profile zero gpt4b llama main}; do
     if [ "$part" = profile ]; then profile again; else profile; fi
-    M=(--machine "$PROFILE"); F=(${SPLIT:+--gpu-update-fraction "$SPLIT"})
-    export ZEROSTACK_MACHINE_PROFILE="$PROFILE"  # SPLIT=auto: the floor's profile, not a new measure
+    M=(--machine "$PROFILE")
+    export ZEROSTACK_MACHINE_PROFILE="$PROFILE"  # "auto": the floor's profile, not a new measure
     case "$part" in
     profile) ;;
     zero)
-      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload${SPLIT:+,zero2_offload_split} \
-        --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" \
+      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+        --max-norms 1 --repeat 3 "${M[@]}" \
         > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
     gpt4b)
       timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 \
-        --only plain,gemini_auto${SPLIT:+,gemini_auto_split} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+        --only plain,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
     llama)
       timeout 400 python3 benchmarks/gemini.py --model llama \
-        --only plain,gemini_auto${SPLIT:+,gemini_auto_split} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" "${F[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+        --only plain,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
     main)
       rm -rf /tmp/floor_job
       timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \

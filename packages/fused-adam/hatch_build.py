@@ -71,7 +71,12 @@ def compile_cpu(out_dir: Path) -> Path:
 
 def _compile_cpu(out_dir: Path, obj_dir: Path) -> Path:
     cxx = os.environ.get("CXX", "g++")
-    base = [cxx, "-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-Wall", *_includes()]
+    # -ffp-contract=off: no fused multiply-add but the ones adam_math.h writes (the
+    # CUDA kernel's bits, see there).
+    base = [
+        cxx, "-O3", "-std=c++17", "-ffp-contract=off", "-fPIC", "-fvisibility=hidden", "-Wall",
+        *_includes(),
+    ]  # fmt: skip
     jobs = []
     for level, flags in SIMD_LEVELS.items():
         obj = obj_dir / f"adam_cpu_kernel_l{level}.o"
@@ -122,7 +127,7 @@ def compile_cuda(out_dir: Path) -> Path | None:
     gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     target = out_dir / f"_adam_cuda{sysconfig.get_config_var('EXT_SUFFIX')}"
     cmd = [
-        nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
+        nvcc, "-O3", "-std=c++17", "-fmad=false", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden",
         "-cudart", "static", *gencode, *_includes(),
         str(CSRC / "adam_cuda.cu"), "-o", str(target),
     ]  # fmt: skip

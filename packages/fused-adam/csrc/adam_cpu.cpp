@@ -102,9 +102,9 @@ void check_dtype(int code, const char* what, bool allow_none) {
 void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t>& grads,
                const std::vector<uintptr_t>& exp_avgs, const std::vector<uintptr_t>& exp_avg_sqs,
                const std::vector<uintptr_t>& outs, const std::vector<int64_t>& numels,
-               int param_dtype, int grad_dtype, int out_dtype, float lr, double beta1, double beta2,
-               float eps, float weight_decay, float bias_correction1, float bias_correction2,
-               bool adamw_mode, float grad_scale, int num_threads) {
+               int param_dtype, int grad_dtype, int out_dtype, double lr, double beta1, double beta2,
+               double eps, double weight_decay, double bias_correction1, double bias_correction2,
+               bool adamw_mode, double grad_scale, int num_threads) {
   const size_t n = params.size();
   if (grads.size() != n || exp_avgs.size() != n || exp_avg_sqs.size() != n ||
       numels.size() != n || (!outs.empty() && outs.size() != n)) {
@@ -120,6 +120,8 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     throw py::value_error("CPU Adam: bias corrections must be positive");
   }
 
+  const zerostack::AdamScalars scalars = zerostack::adam_scalars(
+      lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2, adamw_mode, grad_scale);
   std::vector<AdamArgs> args(n);
   struct Task {
     size_t tensor;
@@ -136,18 +138,7 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
     a.param_dtype = param_dtype;
     a.grad_dtype = grad_dtype;
     a.out_dtype = out_dtype;
-    a.lr = lr;
-    a.beta1 = static_cast<float>(beta1);
-    a.beta2 = static_cast<float>(beta2);
-    // 1 - beta in float would be 1 - float(0.999) = 0.00099998713: 1.3e-5 off.
-    a.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-    a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    a.eps = eps;
-    a.weight_decay = weight_decay;
-    a.step_size = lr / bias_correction1;
-    a.inv_sqrt_bc2 = 1.0f / std::sqrt(bias_correction2);
-    a.grad_scale = grad_scale;
-    a.adamw_mode = adamw_mode;
+    a.s = scalars;
     for (int64_t b = 0; b < numels[t]; b += kBlock) {
       tasks.push_back({t, b, std::min(numels[t], b + kBlock)});
     }

@@ -7,15 +7,12 @@
 // so the three copies never merge at link time (an inline helper compiled
 // with -mavx512f must not be picked for the scalar path).
 //
-// Math (fp32 whatever the storage dtype), as torch.optim.AdamW / Adam:
-//   g = grad * grad_scale                   (grad_scale = 1 / div_scale)
-//   L2 mode:      g += wd * p
-//   m = b1 * m + (1 - b1) * g
-//   v = b2 * v + (1 - b2) * g * g
-//   AdamW mode:   p *= 1 - lr * wd
-//   p -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps)
-// and, when an output buffer is given, the updated p is also written there
-// cast to its dtype (the fused copy-out).
+// Math (fp32 whatever the storage dtype): adam_math.h's adam_elem, which the
+// scalar path calls and the vector paths repeat lane by lane, operation for
+// operation (the same fused multiply-adds, nothing else fused: the build
+// passes -ffp-contract=off), so every level and the CUDA kernel give the
+// same bits. When an output buffer is given, the updated p is also written
+// there cast to its dtype (the fused copy-out).
 
 #include <cmath>
 #include <cstdint>
@@ -209,18 +206,16 @@ inline vf vsqrt(vf a) { return _mm256_sqrt_ps(a); }
 
 template <int PT, int GT, int OT>
 void run(const AdamArgs& a, int64_t begin, int64_t end) {
-  const float b1 = a.beta1, b2 = a.beta2, wd = a.weight_decay, eps = a.eps;
-  const float gs = a.grad_scale, step_size = a.step_size, inv_sqrt_bc2 = a.inv_sqrt_bc2;
-  const bool l2 = !a.adamw_mode && wd != 0.0f;
-  const float decay = (a.adamw_mode && wd != 0.0f) ? 1.0f - a.lr * wd : 1.0f;
+  const zerostack::AdamScalars& s = a.s;
   float* m = a.exp_avg;
   float* v = a.exp_avg_sq;
   int64_t i = begin;
 #if ZS_LEVEL > 0
-  const vf vb1 = vset(b1), vb2 = vset(b2), v1b1 = vset(a.one_minus_beta1),
-           v1b2 = vset(a.one_minus_beta2);
-  const vf vgs = vset(gs), vwd = vset(wd), vdecay = vset(decay), veps = vset(eps);
-  const vf vstep = vset(step_size), vibc2 = vset(inv_sqrt_bc2);
+  const vf vb1 = vset(s.beta1), vb2 = vset(s.beta2), v1b1 = vset(s.one_minus_beta1),
+           v1b2 = vset(s.one_minus_beta2);
+  const vf vgs = vset(s.grad_scale), vwd = vset(s.weight_decay), vdecay = vset(s.decay),
+           veps = vset(s.eps);
+  const vf vstep = vset(s.step_size), vibc2 = vset(s.inv_sqrt_bc2);
   bool stream_out = false;
   if constexpr (OT >= 0) {
     constexpr int elem = OT == kF32 ? 4 : 2;
@@ -230,7 +225,7 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   for (; i + kWidth <= end; i += kWidth) {
     vf g = vmul(loadv<GT>(a.grad, i), vgs);
     vf p = loadv<PT>(a.param, i);
-    if (l2) g = vfma(vwd, p, g);
+    if (s.l2) g = vfma(vwd, p, g);
     vf mi = vfma(vb1, loadv<kF32>(m, i), vmul(v1b1, g));
     vf vi = vfma(vb2, loadv<kF32>(v, i), vmul(v1b2, vmul(g, g)));
     p = vmul(p, vdecay);
@@ -250,14 +245,9 @@ void run(const AdamArgs& a, int64_t begin, int64_t end) {
   if (stream_out) _mm_sfence();  // order the streamed stores before returning
 #endif
   for (; i < end; ++i) {
-    float g = load1<GT>(a.grad, i) * gs;
     float p = load1<PT>(a.param, i);
-    if (l2) g = std::fma(wd, p, g);
-    float mi = std::fma(b1, m[i], a.one_minus_beta1 * g);
-    float vi = std::fma(b2, v[i], a.one_minus_beta2 * (g * g));
-    p = p * decay;
-    float denom = std::fma(std::sqrt(vi), inv_sqrt_bc2, eps);
-    p = std::fma(-step_size, mi / denom, p);
+    float mi = m[i], vi = v[i];
+    zerostack::adam_elem(p, load1<GT>(a.grad, i), mi, vi, s);
     m[i] = mi;
     v[i] = vi;
     store1<PT>(a.param, i, p);

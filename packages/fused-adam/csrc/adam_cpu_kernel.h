@@ -2,6 +2,8 @@
 #pragma once
 #include <cstdint>
 
+#include "adam_math.h"
+
 namespace zerostack {
 
 // Dtype codes, the same on the Python side (zerostack.fused_adam._kernels).
@@ -9,8 +11,7 @@ constexpr int kF32 = 0;
 constexpr int kF16 = 1;
 constexpr int kBF16 = 2;
 
-// One tensor's step: pointers, dtypes and the hyperparameters folded into
-// the values the inner loop needs.
+// One tensor's step: pointers, dtypes and the step's scalars.
 struct AdamArgs {
   void* param;
   const void* grad;
@@ -20,12 +21,7 @@ struct AdamArgs {
   int param_dtype;
   int grad_dtype;
   int out_dtype;  // -1 when out is nullptr
-  float lr, beta1, beta2, eps, weight_decay;
-  float one_minus_beta1, one_minus_beta2;  // formed in double, as torch and the CUDA kernel do
-  float step_size;     // lr / bias_correction1
-  float inv_sqrt_bc2;  // 1 / sqrt(bias_correction2)
-  float grad_scale;    // 1 / div_scale, or 1
-  bool adamw_mode;
+  AdamScalars s;  // adam_math.h's, the same as the CUDA kernel's
 };
 
 void adam_range_scalar(const AdamArgs& a, int64_t begin, int64_t end);

@@ -3,12 +3,9 @@
 // What it does
 //   One call steps a list of tensors. Python passes raw device pointers
 //   (tensor.data_ptr()), element counts and dtype codes; the launch goes on
-//   the caller's stream and nothing is allocated or copied per step. For each
-//   element, in fp32 whatever the storage dtype:
-//     g = grad * grad_scale;  if L2 mode and wd != 0: g += wd * p
-//     m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
-//     if AdamW mode and wd != 0: p *= 1 - lr * wd
-//     p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//   the caller's stream and nothing is allocated or copied per step. Each
+//   element steps in fp32 whatever the storage dtype, by adam_math.h's
+//   adam_elem (the CPU kernel's math, bit for bit),
 //   then p is stored in the param dtype (round to nearest even), m and v in
 //   fp32, and, with "fused copy-out", p again in the out dtype.
 //
@@ -25,8 +22,8 @@
 //   takes thousands of launches each with its own drain tail): a launch ends
 //   only when 64 slots are used or at kMaxBlocksPerLaunch blocks, where a
 //   tensor is split and its next slot starts at an advanced base pointer.
-//   sizeof(LaunchMeta) = 64 * (5 * 8 + 8 + 4) = 3328 B, sizeof(Hyper) = 48 B:
-//   3376 B of kernel arguments, under the classic 4 KB limit (static_assert).
+//   sizeof(LaunchMeta) = 64 * (5 * 8 + 8 + 4) = 3328 B, sizeof(Hyper) = 44 B:
+//   3372 B of kernel arguments, under the classic 4 KB limit (static_assert).
 //
 // Sizes
 //   256 threads, and per iteration each thread moves kIlp (2) vectors of 4
@@ -71,6 +68,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include "adam_math.h"
 
 #include <cmath>
 #include <cstdint>
@@ -138,18 +137,7 @@ struct LaunchMeta {
   int32_t block_start[kMaxSlots]; // first block of the slot; INT32_MAX for unused slots
 };
 
-struct Hyper {
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float eps;
-  float step_size;       // lr / bias_correction1
-  float bc2_sqrt;        // sqrt(bias_correction2)
-  float grad_scale;
-  float weight_decay;    // used by the L2 path
-  float decay_factor;    // 1 - lr * weight_decay, used by the AdamW path
-  int l2;                // !adamw_mode && weight_decay != 0
-  int decoupled;         // adamw_mode && weight_decay != 0
-};
+using Hyper = zerostack::AdamScalars;
 
 static_assert(sizeof(LaunchMeta) == kMaxSlots * (5 * 8 + 8 + 4), "unexpected LaunchMeta padding");
 static_assert(sizeof(LaunchMeta) % alignof(Hyper) == 0, "Hyper follows LaunchMeta without padding");
@@ -257,17 +245,8 @@ struct Io<NoOut> {
 };
 
 // ---------------------------------------------------------------------------
-// The math, one element, fp32. Same expression structure as torch's fused Adam.
-
-__host__ __device__ __forceinline__ void adam_elem(float& p, float g, float& m, float& v, const Hyper& h) {
-  g = g * h.grad_scale;
-  if (h.l2) g = g + h.weight_decay * p;
-  m = h.beta1 * m + h.one_minus_beta1 * g;
-  v = h.beta2 * v + h.one_minus_beta2 * g * g;
-  if (h.decoupled) p = p * h.decay_factor;
-  const float denom = sqrtf(v) / h.bc2_sqrt + h.eps;
-  p = p - h.step_size * m / denom;
-}
+// The math, one element, fp32: adam_math.h's, the CPU kernel's.
+using zerostack::adam_elem;
 
 // One chunk of len (1..kChunk) elements; pointers already point at its start.
 template <class P, class G, class O>
@@ -482,21 +461,8 @@ inline Hyper make_hyper(double lr, double beta1, double beta2, double eps, doubl
        << "); pass 1 - beta**step with step >= 1 and beta < 1, or 1.0 when bias correction is off";
     throw std::invalid_argument(os.str());
   }
-  // Scalars are formed in double and rounded once, like torch does with Python floats.
-  Hyper h;
-  h.beta1 = static_cast<float>(beta1);
-  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.eps = static_cast<float>(eps);
-  h.step_size = static_cast<float>(lr / bias_correction1);
-  h.bc2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
-  h.grad_scale = static_cast<float>(grad_scale);
-  h.weight_decay = static_cast<float>(weight_decay);
-  h.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  h.l2 = (!adamw_mode && weight_decay != 0.0) ? 1 : 0;
-  h.decoupled = (adamw_mode && weight_decay != 0.0) ? 1 : 0;
-  return h;
+  return zerostack::adam_scalars(lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2,
+                                  adamw_mode, grad_scale);
 }
 
 inline void reset(LaunchMeta& meta) {

@@ -1,6 +1,7 @@
 """``adam_update``: the optimizers' kernels without an optimizer object,
 bitwise equal to ``CPUAdam.step`` over the same tensors (and, on CUDA, to
-``FusedAdam.step``), and refusing what the kernels cannot take."""
+``FusedAdam.step``), the CUDA kernel bitwise equal to the CPU kernel, and
+refusing what the kernels cannot take."""
 
 from __future__ import annotations
 
@@ -56,6 +57,58 @@ def test_matches_cpu_adam_bitwise(dtype, adamw_mode):
 @pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
 def test_matches_fused_adam_bitwise_on_cuda(adamw_mode):
     _against_optimizer(FusedAdam, "cuda", torch.float32, adamw_mode)
+
+
+def _spread(n, dtype, g):
+    """n values over twelve decades, signs mixed, some exactly zero: the
+    operations' rounding shows everywhere, small moments included."""
+    x = torch.randn(n, generator=g) * 10.0 ** torch.randint(-8, 4, (n,), generator=g)
+    x[torch.rand(n, generator=g) < 0.01] = 0.0
+    return x.to(dtype)
+
+
+def _steps_on(device, pdt, gdt, odt, adamw_mode, sizes):
+    g = torch.Generator().manual_seed(1)
+    params = [_spread(n, pdt, g).to(device) for n in sizes]
+    start = params[-1].cpu().clone()
+    m = [torch.zeros(n, device=device) for n in sizes]
+    v = [torch.zeros(n, device=device) for n in sizes]
+    outs = None if odt is None else [torch.empty(n, device=device, dtype=odt) for n in sizes]
+    for step, lr in enumerate((3e-3, 1e-2, 7e-4, 2e-2), start=1):
+        grads = [_spread(n, gdt, g).to(device) for n in sizes]
+        adam_update(
+            params, grads, m, v, step=step, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+            weight_decay=0.05, adamw_mode=adamw_mode, div_scale=3.0, outs=outs,
+        )  # fmt: skip
+    return start, [t.cpu() for t in (*params, *m, *v, *(outs or []))]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not cuda_kernel_available(), reason="needs the CUDA kernel"
+)
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "l2"])
+@pytest.mark.parametrize(
+    ("pdt", "gdt", "odt"),
+    [
+        (torch.float32, torch.float32, None),
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float16, torch.float16),
+        (torch.bfloat16, torch.bfloat16, None),
+        (torch.float16, torch.float32, torch.float32),
+    ],
+)
+def test_the_cuda_kernel_gives_the_cpu_kernels_bits(pdt, gdt, odt, adamw_mode):
+    # The same operations in the same order on both devices (adam_math.h), so
+    # a share of the updates can move to the GPU (gpu_update_fraction) without
+    # changing the result: parameters, moments and copy-outs equal bit for bit
+    # over four steps, sizes that take both kernels' vector bodies and tails.
+    sizes = (1, 37, 1000, 3 * 2**16 + 5)
+    start, cpu = _steps_on("cpu", pdt, gdt, odt, adamw_mode, sizes)
+    _, cuda = _steps_on("cuda", pdt, gdt, odt, adamw_mode, sizes)
+    assert (cpu[len(sizes) - 1] != start).float().mean() > 0.5  # the steps moved the parameters
+    for i, (a, b) in enumerate(zip(cpu, cuda, strict=True)):
+        assert torch.equal(a, b), f"tensor {i}: {(a != b).sum().item()} elements differ"
 
 
 def _call(**change):

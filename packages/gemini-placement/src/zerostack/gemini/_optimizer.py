@@ -90,14 +90,16 @@ class GeminiOptimizer:
             their fp32 masters and Adam states stay on the host between steps
             and are streamed to the device and back at ``step()``, their
             gradients stay on the device (see [Note: Gemini's device lane]).
-            The same math: bitwise on a CPU compute device, within fp32
-            rounding on CUDA. In [0, 1]; needs HybridAdam (or CPUAdam)
+            The same math, bit for bit: the CUDA kernel does CPU Adam's
+            operations. In [0, 1]; needs HybridAdam (or CPUAdam)
             without NVMe. ``"auto"``: the share the step-time model finds
             fastest on this machine (measured once per process, a second
             or more, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
             names), 0.0 where no split can run; the log says what it chose
             and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
-            Default 0.0 (every CPU-held chunk in CPU Adam).
+            Default None: "auto" under auto placement, whose plan keeps the
+            staging free; 0.0 under static placement (every CPU-held chunk
+            in CPU Adam, no GPU memory beyond the placement's).
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -125,7 +127,7 @@ class GeminiOptimizer:
         *,
         max_norm: float = 0.0,
         overlap_cpu_step: bool = True,
-        gpu_update_fraction: float | str = 0.0,
+        gpu_update_fraction: float | str | None = None,
         gc_every_n_steps: int = 50,
         loss_scaler: DynamicLossScaler | None = None,
         **scaler_kwargs: Any,
@@ -135,6 +137,8 @@ class GeminiOptimizer:
         check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+        if gpu_update_fraction is None:
+            gpu_update_fraction = "auto" if module.config.auto else 0.0
         why_not = _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
         # bound (attach_step would run them too, after this one's setup).

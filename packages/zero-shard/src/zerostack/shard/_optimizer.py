@@ -297,15 +297,16 @@ class ZeroOptimizer:
             instead of CPU Adam: their fp32 masters and Adam states stay on
             the host between steps and are streamed to the device and back
             at ``step()``, their gradients stay on the device (see [Note:
-            Adam where the bandwidth is]). The same math: bitwise on a CPU
-            compute device, within fp32 rounding on CUDA. ``step_floor``'s
+            Adam where the bandwidth is]). The same math, bit for bit: the
+            CUDA kernel does CPU Adam's operations. ``step_floor``'s
             ``split.gpu_fraction`` gives the share a measured machine favours.
             In [0, 1]; needs Adam/AdamW. ``"auto"``: that share, from this
             machine's profile (measured once per process, a second or more, or
             read from the file ``ZEROSTACK_MACHINE_PROFILE`` names), 0.0
             where no split can run; the log says what it chose and why (see
             [Note: gpu_update_fraction="auto"]). Default 0.0 (every update in
-            CPU Adam).
+            CPU Adam: ``cpu_offload`` keeps the GPU's memory free, and the
+            GPU's share keeps its gradients there).
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many

@@ -427,7 +427,8 @@ class GeminiPlugin(Plugin):
             masters and states streamed from the host and back; HybridAdam
             only. In [0, 1], or "auto": the share the step-time model finds
             fastest on this machine (0.0 where none can run; the log says
-            why). Default 0.0 (every CPU-held chunk in CPU Adam).
+            why). Default None: "auto" under placement_policy="auto" (its
+            plan keeps the staging free), 0.0 under "static".
         force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
@@ -477,7 +478,7 @@ class GeminiPlugin(Plugin):
         gpu_capacity_bytes: int | None = _AUTO.gpu_capacity_bytes,
         scatter_after_inference: bool = _GEMINI.scatter_after_inference,
         overlap_cpu_step: bool = _OPTIM["overlap_cpu_step"],
-        gpu_update_fraction: float | str = _OPTIM["gpu_update_fraction"],
+        gpu_update_fraction: float | str | None = _OPTIM["gpu_update_fraction"],
         gc_every_n_steps: int = _OPTIM["gc_every_n_steps"],
     ) -> None:  # fmt: skip
         _refuse_not_built(dict(
