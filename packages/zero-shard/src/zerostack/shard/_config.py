@@ -70,9 +70,8 @@ class ZeroConfig:
 
 
 def check_fraction(api: str, fraction: object) -> None:
-    """``gpu_update_fraction``: a number in [0, 1], ``"auto"``, or None (the
-    caller's default; GeminiOptimizer's)."""
-    if fraction is None or fraction == "auto":
+    """``gpu_update_fraction``: a number in [0, 1], or ``"auto"``."""
+    if fraction == "auto":
         return
     if isinstance(fraction, bool) or not isinstance(fraction, int | float):
         raise TypeError(

@@ -509,7 +509,8 @@ class GeminiPlugin(Plugin):
             scatter_after_inference=scatter_after_inference, master_weights=master_weights,
         )  # fmt: skip
         self.scaler_config = scaler_config(_API, locals())
-        check_fraction(_API, gpu_update_fraction)
+        if gpu_update_fraction is not None:  # None: GeminiOptimizer's default
+            check_fraction(_API, gpu_update_fraction)
         self.optim_kwargs: dict[str, Any] = dict(
             max_norm=max_norm, overlap_cpu_step=overlap_cpu_step,
             gpu_update_fraction=gpu_update_fraction, gc_every_n_steps=gc_every_n_steps,
