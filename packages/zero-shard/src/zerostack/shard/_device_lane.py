@@ -58,8 +58,8 @@ The mechanism (homes, staging slots, streams, the window loop, the check
 of the optimizer) is ``LaneStaging`` in ``_lane.py``, shared with
 GeminiOptimizer's ``gpu_update_fraction``, whose unit is a CPU-held chunk
 instead of a bucket (zerostack.gemini's [Note: Gemini's device lane]).
-Exact: the same kernel math on the same values; on CUDA the kernel differs
-from CPU Adam by rounding (fp32, a few ulp per step). A failed update
+Exact: the same kernel math on the same values, bit for bit on CUDA too
+(zerostack-fused-adam's CUDA kernel does CPU Adam's operations). A failed update
 writes nothing when it fails in its first window (the kernels' argument
 checks, an injected fault): the kernels step the staging copies, the
 parameters and homes are written after them and the step counts at the
