@@ -68,6 +68,22 @@ def test_auto_reads_the_profile_file_and_logs_what_it_chose(tmp_path, monkeypatc
     assert "CPU Adam 111.6 GB/s alone, 88.5 beside copies" in caplog.text
 
 
+def test_a_profile_that_cannot_be_taken_raises_unless_auto_is_only_the_default(
+    tmp_path, monkeypatch
+):
+    # An explicit "auto" that cannot read its profile raises; GeminiOptimizer's
+    # default under auto placement (required=False) steps everything in CPU
+    # Adam instead, and says why once.
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(
+        RuntimeError, match=r"could not take the machine's profile on rank\(s\) \[0\]"
+    ):
+        resolve_gpu_update_fraction("GeminiOptimizer", "auto", CUDA, None)
+    with pytest.warns(UserWarning, match=r"missing\.json.*left at its default: every host-held"):
+        f = resolve_gpu_update_fraction("GeminiOptimizer", "auto", CUDA, None, required=False)
+    assert f == 0.0
+
+
 def _ranks_agree(rank, world, folder):
     # Each rank's own profile (ranks of one host measure beside each other):
     # a later rank's CPU Adam is slower, so alone it would give the GPU more.

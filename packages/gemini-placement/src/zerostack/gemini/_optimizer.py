@@ -98,8 +98,10 @@ class GeminiOptimizer:
             names), 0.0 where no split can run; the log says what it chose
             and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
             Default None: "auto" under auto placement, whose plan keeps the
-            staging free; 0.0 under static placement (every CPU-held chunk
-            in CPU Adam, no GPU memory beyond the placement's).
+            staging free (where the machine's profile cannot be taken, 0.0
+            and a warning instead of the error an explicit "auto" raises);
+            0.0 under static placement (every CPU-held chunk in CPU Adam,
+            no GPU memory beyond the placement's).
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -137,7 +139,8 @@ class GeminiOptimizer:
         check_max_norm(_API, max_norm)
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
-        if gpu_update_fraction is None:
+        asked = gpu_update_fraction is not None
+        if not asked:
             gpu_update_fraction = "auto" if module.config.auto else 0.0
         why_not = _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
@@ -173,7 +176,7 @@ class GeminiOptimizer:
         values, why_not = _lane_host_values(module, self.pairs, why_not)
         self.gpu_update_fraction = resolve_gpu_update_fraction(
             _API, gpu_update_fraction, module.compute_device, why_not,
-            module.mixed_precision.itemsize, values, module.process_group,
+            module.mixed_precision.itemsize, values, module.process_group, required=asked,
         )  # fmt: skip
         self._lane: GeminiLane | None = None
         self._bind_masters()

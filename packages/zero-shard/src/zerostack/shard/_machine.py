@@ -34,6 +34,7 @@ import os
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -323,6 +324,7 @@ def best_gpu_update_fraction(
 def resolve_gpu_update_fraction(
     api: str, fraction: float | str, device: torch.device, why_not: str | None,
     param_bytes: int = 2, host_value_fraction: float = 0.0, group: Any = None,
+    required: bool = True,
 ) -> float:  # fmt: skip
     """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
     machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
@@ -340,9 +342,13 @@ def resolve_gpu_update_fraction(
             collective (every rank calls this): every rank takes the first
             rank's share, or 0.0 where any rank cannot split. Default: the
             default group.
+        required: False where "auto" is the caller's default rather than
+            the user's ask (GeminiOptimizer under auto placement): a profile
+            that a rank could not take then gives 0.0 on every rank, with a
+            warning, instead of raising. Default True.
 
     Raises:
-        RuntimeError: with several ranks, a rank could not take the
+        RuntimeError: ``required`` and a rank could not take the
             machine's profile (on that rank, its own error is the cause).
     """
     check_fraction(api, fraction)
@@ -369,11 +375,20 @@ def resolve_gpu_update_fraction(
     shares = _gather_shares(mine, device, group)
     broken = [r for r, share in enumerate(shares) if math.isnan(share)]
     if broken:
-        raise RuntimeError(
+        error = RuntimeError(
             f"{api}: gpu_update_fraction='auto' could not take the machine's profile on rank(s) "
             f"{broken} of the group{f': {failed}' if failed else ' (their errors say why)'}; "
             f"set {PROFILE_ENV} to a profile file every rank can read, or pass a number"
-        ) from failed
+        )
+        if required:
+            raise error from failed
+        warnings.warn(
+            f"{error} (gpu_update_fraction was left at its default: every host-held update "
+            "steps in CPU Adam)",
+            UserWarning,
+            stacklevel=4,
+        )
+        return 0.0
     if _CANNOT in shares:
         why = why_not or f"rank(s) {[r for r, x in enumerate(shares) if x == _CANNOT]} cannot split"
         logger.info("%s: gpu_update_fraction='auto' chose 0.0: %s", api, why)
