@@ -405,6 +405,30 @@ def test_the_default_is_auto_under_auto_placement_and_zero_under_static(placemen
         assert f"GeminiOptimizer: {said}" in caplog.text
 
 
+def test_only_an_explicit_auto_requires_the_machines_profile(monkeypatch):
+    # The default "auto" (auto placement) is resolved with required=False: a
+    # profile that cannot be taken warns and gives 0.0 instead of raising.
+    import inspect
+
+    import zerostack.gemini._optimizer as gemini_module
+
+    real, seen = gemini_module.resolve_gpu_update_fraction, []
+
+    def record(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        seen.append((bound.arguments["fraction"], bound.arguments["required"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemini_module, "resolve_gpu_update_fraction", record)
+    for fraction in (None, "auto"):
+        model = TinyGPT(CONFIG)
+        ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
+                        **PLACEMENTS["auto-small"])  # fmt: skip
+        GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=fraction)
+    assert seen == [("auto", False), ("auto", True)]
+
+
 # -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
 
 
