@@ -375,15 +375,15 @@ def resolve_gpu_update_fraction(
     shares = _gather_shares(mine, device, group)
     broken = [r for r, share in enumerate(shares) if math.isnan(share)]
     if broken:
-        error = RuntimeError(
+        refused = RuntimeError(
             f"{api}: gpu_update_fraction='auto' could not take the machine's profile on rank(s) "
             f"{broken} of the group{f': {failed}' if failed else ' (their errors say why)'}; "
             f"set {PROFILE_ENV} to a profile file every rank can read, or pass a number"
         )
         if required:
-            raise error from failed
+            raise refused from failed
         warnings.warn(
-            f"{error} (gpu_update_fraction was left at its default: every host-held update "
+            f"{refused} (gpu_update_fraction was left at its default: every host-held update "
             "steps in CPU Adam)",
             UserWarning,
             stacklevel=4,
