@@ -231,28 +231,33 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     """Median step time split into forward, backward and the optimizer step
     (synchronised between them), and the spread (max/min) of the step time."""
     idx, tgt = batch
-    fwd, fb, opt = [], [], []
+    fwd, fb, opt, marks = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
     retries = 0
+
+    def retried() -> int:  # allocator retries so far (a cudaFree and a sync each)
+        return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
     for i in range(warmup + steps):
-        if i == warmup:  # allocator retries (a cudaFree and a sync each) in the timed steps
-            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        if i == warmup:  # the timed steps' retries
+            retries = retried()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        r0, t0 = retried(), time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
         torch.cuda.synchronize()
-        tf = time.perf_counter()
+        rf, tf = retried(), time.perf_counter()
         step_fn(loss, backward_only=True)
         torch.cuda.synchronize()
-        t1 = time.perf_counter()
+        rb, t1 = retried(), time.perf_counter()
         step_fn(loss, backward_only=False)
         torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        ro, t2 = retried(), time.perf_counter()
         if i >= warmup:
             fwd.append(tf - t0)
             fb.append(t1 - t0)
             opt.append(t2 - t1)
+            marks.append("f" * (rf - r0) + "b" * (rb - rf) + "o" * (ro - rb))
     total = [a + b for a, b in zip(fb, opt, strict=True)]
     if os.environ.get("ZEROSTACK_BENCH_PROFILE") == "1":
         _profile(name, model, step_fn, idx, tgt, autocast)
@@ -265,8 +270,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         step_s=statistics.median(total),
         spread=max(total) / min(total),
         steps_s=[
-            (round(f, 3), round(b - f, 3), round(o, 3))
-            for f, b, o in zip(fwd, fb, opt, strict=True)
+            (round(f, 3), round(b - f, 3), round(o, 3), m)
+            for f, b, o, m in zip(fwd, fb, opt, marks, strict=True)
         ],
         fwd_s=statistics.median(fwd),
         fwd_bwd_s=statistics.median(fb),
@@ -439,9 +444,15 @@ def print_table(
               f"{r['alloc_retries']} |")  # fmt: skip
     if MACHINE[0] is not None:
         print_floors(results, MACHINE[0])
-    print("\nper-step (forward, backward, optimizer) seconds, and the last step's loss:")
+    print(
+        "\nper-step (forward, backward, optimizer) seconds, with the phases in which the CUDA "
+        "allocator retried ([retry f|b|o]: forward, backward, optimizer), and the last step's loss:"
+    )
     for r in ok:
-        steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}" for f, b, o in r["steps_s"])
+        steps = " ".join(
+            f"{f:.3f}/{b:.3f}/{o:.3f}" + (f"[retry {m}]" if m else "")
+            for f, b, o, m in r["steps_s"]
+        )
         print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")
 
 
