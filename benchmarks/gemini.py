@@ -124,26 +124,17 @@ def _configurations(a, args, wanted):
     said = f", max_prefetch {a.max_prefetch}" if a.max_prefetch else ""
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
         label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
-        yield (
-            "gemini_auto",
-            lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap, **ahead
-            ),
-        )
-        yield (
-            "gemini_auto_cpu",
-            lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, fraction=0.0,
-                placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
-            ),
-        )  # fmt: skip
-        yield (
-            "gemini_auto_split",
-            lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, fraction=a.gpu_update_fraction,
-                placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
-            ),
-        )  # fmt: skip
+        # The default (None: "auto" under auto placement), all in CPU Adam, --gpu-update-fraction.
+        for name, fraction in (
+            ("gemini_auto", None), ("gemini_auto_cpu", 0.0), ("gemini_auto_split", a.gpu_update_fraction),
+        ):  # fmt: skip
+            yield (
+                name,
+                lambda label=label, norm=norm, fraction=fraction: gemini(
+                    *args, label, a.lazy, norm, fraction=fraction,
+                    placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
+                ),
+            )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = (
                 f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB{said}"
