@@ -277,6 +277,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         fwd_bwd_s=statistics.median(fb),
         opt_s=statistics.median(opt),
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
+        peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
         loss=loss.item(),
     )
 
@@ -446,14 +447,18 @@ def print_table(
         print_floors(results, MACHINE[0])
     print(
         "\nper-step (forward, backward, optimizer) seconds, with the phases in which the CUDA "
-        "allocator retried ([retry f|b|o]: forward, backward, optimizer), and the last step's loss:"
+        "allocator retried ([retry f|b|o]: forward, backward, optimizer), the last step's loss, "
+        "and the peak of the allocator's reserved memory:"
     )
     for r in ok:
         steps = " ".join(
             f"{f:.3f}/{b:.3f}/{o:.3f}" + (f"[retry {m}]" if m else "")
             for f, b, o, m in r["steps_s"]
         )
-        print(f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}")
+        print(
+            f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}; "
+            f"reserved {r['peak_reserved_gb']:.1f} GB"
+        )
 
 
 MOVED = (

@@ -122,6 +122,9 @@ def _configurations(a, args, wanted):
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     ahead = dict(max_prefetch=a.max_prefetch) if a.max_prefetch else {}
     said = f", max_prefetch {a.max_prefetch}" if a.max_prefetch else ""
+    ratio = a.steady_cuda_cap_ratio
+    if ratio is not None:  # ColossalAI's GeminiPlugin argument of the same name
+        said += f", steady_cuda_cap_ratio {ratio:g}"
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
         label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
         # The default (None: "auto" under auto placement), all in CPU Adam, --gpu-update-fraction.
@@ -133,6 +136,7 @@ def _configurations(a, args, wanted):
                 lambda label=label, norm=norm, fraction=fraction: gemini(
                     *args, label, a.lazy, norm, fraction=fraction,
                     placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
+                    **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
                 ),
             )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
@@ -183,6 +187,11 @@ def main() -> int:
         ap.add_argument(
             "--max-prefetch", type=int, default=0,
             help="the capped rows' max_prefetch: chunks gathered ahead (default %(default)s)",
+        )  # fmt: skip
+        ap.add_argument(
+            "--steady-cuda-cap-ratio", type=float, default=None,
+            help="the capped auto rows' steady_cuda_cap_ratio: the share of the cap that model "
+            "data and activations may take (default: GeminiDDP's, 0.9)",
         )  # fmt: skip
         ap.add_argument(
             "--gpu-update-fraction", type=T.fraction_arg, default="auto",
