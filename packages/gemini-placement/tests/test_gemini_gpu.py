@@ -164,3 +164,38 @@ def test_the_step_takes_host_shares_norms_from_their_reductions_on_the_device():
     # max_norm=1) comes from norms the reductions took on the GPU. See
     # zerostack.chunk's [Note: the reduced share's norm].
     spawn(_norm_on_device, 1, backend="nccl", timeout_s=300)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_held_gradients_leave_for_the_host_during_backward(monkeypatch):
+    # See [Note: gradients leave during backward]: a CPU-held chunk's reduced
+    # gradient is copied to the host as soon as backward reduced it (six
+    # chunks: the four whose reduction finishes inside backward, the last two
+    # at its end). Every copy is held back 20 ms on its stream, so a CPU
+    # update that read its buffer before the copy landed would step on the
+    # last step's gradient; skipped, failed and failed-backward batches drop
+    # copies in flight. Bitwise the run without the delay.
+    from test_gemini_placement import _blocks, _train
+
+    from zerostack.gemini import TrainingState
+    from zerostack.gemini._cpu_step import CpuStepPipeline
+
+    real, states = CpuStepPipeline.stage_grad, []
+    kwargs = dict(offload_optim_frac=1.0, offload_param_frac=0.0)
+    want = _train(*_blocks(0, "cuda", **kwargs), 6, skip_at=2, fail_at=3, fail_backward_at=4)
+
+    def late(self, chunk, grad):
+        with torch.cuda.stream(self._d2h):
+            torch.cuda._sleep(20_000_000)
+        states.append(ddp.training_state)
+        real(self, chunk, grad)
+
+    monkeypatch.setattr(CpuStepPipeline, "stage_grad", late)
+    model, ddp, opt = _blocks(0, "cuda", **kwargs)
+    got = _train(model, ddp, opt, 6, skip_at=2, fail_at=3, fail_backward_at=4)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # Four backwards reduce all six chunks: four staged inside backward, two
+    # at its end. The failing one (step 4) reduces three chunks before it
+    # raises, of which at most one finishes first.
+    during = states.count(TrainingState.BACKWARD)
+    assert 4 * 4 <= during <= 4 * 4 + 1 and states.count(TrainingState.REDUCED) == 4 * 2, states

@@ -47,6 +47,9 @@ class CpuStepPipeline:
         self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, Any]]] = {}
         self._free_lock = threading.Lock()  # the worker and the hooks both take buffers
         self._staged: dict[Chunk, torch.cuda.Event] = {}
+        # Gradients go to the host on a stream of their own, chunk by chunk as
+        # backward reduces them (see [Note: gradients leave during backward]).
+        self._d2h = torch.cuda.Stream(compute_device) if self._pin else None
         # See [Note: Gemini's device lane]: the lane's chunks held now, by the
         # homes whose ``updated`` (or ``stored``) event their write-back waits for; and what
         # waits for the lane's copies back (the optimizer's lane's settle).
@@ -148,18 +151,41 @@ class CpuStepPipeline:
             return [*list(self._host_values.values()), *free]
         return list(self._host_grads.values())
 
+    # [Note: gradients leave during backward] A CPU-held chunk's reduced
+    # gradient (2 B a parameter) crosses to a pinned host buffer as soon as
+    # backward has reduced it, on a copy stream of its own: beside the rest
+    # of backward, whose kernels leave PCIe idle. These copies used to be
+    # queued on the compute stream at the end of backward, all of them after
+    # its last kernel: on an H200 about 0.05 s of the 4.24B GPT's clipped
+    # split step and 0.10 s of its step with every host-held update in CPU
+    # Adam (its backward 0.455 and 0.503 s against plain PyTorch's 0.40;
+    # docs/benchmarks.md). The gradient stays where it is until the update
+    # that read its copy has run (the worker waits for the copy's event
+    # first), and a batch dropped with a copy in flight gives its buffer
+    # back with that event, which the buffer's next taker waits for.
+
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
-        """Start copying a device-held reduced gradient to a pinned host buffer."""
-        if grad.device.type == "cpu":
+        """Start copying a device-held reduced gradient to a pinned host
+        buffer, on the copy stream, after the work queued so far on the
+        current stream (the reduction that wrote it)."""
+        if grad.device.type == "cpu" or self._d2h is None:
             return
         buf = self._host_grads.get(chunk)
         if buf is None:
             buf = self._take(grad.numel(), grad.dtype, True)
             self._host_grads[chunk] = buf
-        buf.copy_(grad, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        self._d2h.wait_stream(torch.cuda.current_stream(grad.device))
+        with torch.cuda.stream(self._d2h):
+            buf.copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._d2h)
+        grad.record_stream(self._d2h)  # the allocator keeps it until the copy read it
         self._staged[chunk] = event
+
+    def is_staged(self, chunk: Chunk) -> bool:
+        """True while ``chunk``'s gradient copy to the host is queued and no
+        update has read it yet."""
+        return chunk in self._staged
 
     def host_grad(self, chunk: Chunk, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` on the host: itself, or its staged copy once the copy is done."""
@@ -171,18 +197,18 @@ class CpuStepPipeline:
         return self._host_grads[chunk]
 
     def _release(self, chunk: Chunk) -> None:
-        """The write-back is issued: ``chunk``'s staging buffers go back to the
-        free list; a pinned values buffer with the event of its (asynchronous)
-        copy to the device, which the next taker waits for. (A gradient
-        buffer's copy was waited for before the update read it.)"""
+        """The write-back is issued (or the batch dropped): ``chunk``'s staging
+        buffers go back to the free list; a pinned values buffer with the
+        event of its (asynchronous) copy to the device, which the next taker
+        waits for; a gradient buffer with the event of its copy from the
+        device where no update waited for that copy (a dropped batch)."""
         values = self._host_values.pop(chunk, None)
         event = None
         if values is not None and values.is_pinned():
             event = torch.cuda.Event()
             event.record()
         self._give(values, event)
-        self._give(self._host_grads.pop(chunk, None))
-        self._staged.pop(chunk, None)
+        self._give(self._host_grads.pop(chunk, None), self._staged.pop(chunk, None))
 
     # -- updates -------------------------------------------------------------------
 

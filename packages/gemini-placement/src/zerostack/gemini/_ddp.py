@@ -179,6 +179,7 @@ class GeminiDDP(nn.Module):
         self._updates: CpuStepPipeline | None = None
         self._on_reduced: Callable[[], None] | None = None
         self._on_drop: Callable[[], None] | None = None
+        self._on_chunk_reduced: Callable[[Chunk], None] | None = None
         self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
         self._register_hooks()
         _WRAPPED.add(module)
@@ -407,10 +408,13 @@ class GeminiDDP(nn.Module):
     def attach_step(
         self, pipeline: CpuStepPipeline, on_reduced: Callable[[], None] | None = None,
         on_drop: Callable[[], None] | None = None,
+        on_chunk_reduced: Callable[[Chunk], None] | None = None,
     ) -> None:  # fmt: skip
         """GeminiOptimizer's link (see [Note: who owns the Gemini step]): the
         model waits for ``pipeline``'s update of a chunk before it uses that
-        chunk, calls ``on_reduced`` at the end of every reducing backward and
+        chunk, calls ``on_chunk_reduced(chunk)`` in backward once a chunk's
+        reduction is finished (not those the end of backward finishes),
+        ``on_reduced`` at the end of every reducing backward and
         ``on_drop`` first when ``zero_grad`` drops a batch. A new pipeline
         first finishes what the one before left: its pending updates and
         its failed ones, run again (every rank builds its optimizer at the
@@ -426,6 +430,7 @@ class GeminiDDP(nn.Module):
             old.check()  # a failed update is kept until it runs: never dropped with its pipeline
             old.await_all()
         self._updates, self._on_reduced, self._on_drop = pipeline, on_reduced, on_drop
+        self._on_chunk_reduced = on_chunk_reduced
         self.placement.busy = pipeline
 
     def take_used(self, params: Sequence[torch.Tensor]) -> list[float]:
@@ -707,7 +712,10 @@ class GeminiDDP(nn.Module):
             # Finish all but the last two reductions: finishing frees the
             # gathered gradient buffer, so backward holds a few chunks, not all.
             while len(self._pending) > 2:
-                _finish_reduce(*self._pending.pop(0))
+                done = self._pending.pop(0)
+                _finish_reduce(*done)
+                if self._on_chunk_reduced is not None:
+                    self._on_chunk_reduced(done[0])
 
     def _zero_fill_unused(self, chunk: Chunk) -> None:
         # Parameters that got no gradient in this backward: their accumulated

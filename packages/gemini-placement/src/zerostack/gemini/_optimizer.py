@@ -192,8 +192,9 @@ class GeminiOptimizer:
         # zerostack.shard's [Note: gradient clipping]).
         self._clip = 1.0
         module.attach_step(
-            self.pipeline, _WeakCall(self, "_stage_grads"), _WeakCall(self, "_drop_batch")
-        )
+            self.pipeline, _WeakCall(self, "_stage_grads"), _WeakCall(self, "_drop_batch"),
+            _WeakCall(self, "_stage_reduced"),
+        )  # fmt: skip
         _OPTIMIZERS[module] = weakref.ref(self)
         _WRAPPED.add(optimizer)
         _WRAPPED.add(self.optimizer)
@@ -314,15 +315,30 @@ class GeminiOptimizer:
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
-    def _stage_grads(self) -> None:
+    def _stage_grads(self, again: bool = False) -> None:
         """End of backward: start copying the reduced gradients of CPU-held
-        chunks into pinned host buffers (the CPU step waits for them)."""
+        chunks into pinned host buffers (the CPU step waits for them), those
+        that backward did not stage as it reduced them (``again``: every one,
+        from where the gradients are now). See [Note: gradients leave during
+        backward]."""
         lane = self._lane
         for i in self._host:
             if lane is not None and i in lane:
                 continue  # See [Note: Gemini's device lane]: the device's Adam reads it there
             chunk = self.pairs[i][0]
-            self.pipeline.stage_grad(chunk, _grad_share(chunk))
+            if again or not self.pipeline.is_staged(chunk):
+                self.pipeline.stage_grad(chunk, _grad_share(chunk))
+
+    def _stage_reduced(self, chunk: Chunk) -> None:
+        """Backward reduced ``chunk``: its gradient starts for the host now
+        where a CPU update will read it there. See [Note: gradients leave
+        during backward]."""
+        i = self._index.get(chunk)
+        if i is None or i not in self._host_set or _grad_target(chunk).shard_device.type == "cpu":
+            return  # stepped on the device, or reduced into host memory already
+        if self._lane is not None and i in self._lane:
+            return
+        self.pipeline.stage_grad(chunk, _grad_share(chunk))
 
     def _hyper(self) -> dict[str, Any]:
         """The user's hyperparameters now (lr, betas, ...): a step's, kept
@@ -515,7 +531,9 @@ class GeminiOptimizer:
         auto, lane = self.module.auto, self._lane
         if auto is not None:  # what the lane's members need (none without a lane)
             auto.reserved_bytes = staging_bytes(lane.staging.window, dtype) if lane else 0
-        self._stage_grads()  # the plan moved shards: stage from where the gradients are now
+        for i in self._device:  # staged in the warm-up, stepped on the device now
+            self.pipeline.drop_staged(self.pairs[i][0])
+        self._stage_grads(again=True)  # the plan moved shards: from where the gradients are now
 
     def _step(self) -> bool:
         module = self.module
