@@ -155,3 +155,19 @@ def test_a_free_staging_buffer_whose_copy_is_done_is_taken_first():
     assert taken[2] is bufs[2] and copies[2].waited
     assert all(taken[3] is not b for b in bufs)  # none free: a new one
     pipe.close()
+
+
+def test_a_dropped_gradient_copy_comes_back_with_its_event():
+    # A batch dropped while a gradient's copy to the host is in flight (see
+    # [Note: gradients leave during backward]): its buffer's next taker, a
+    # CPU update writing new values there, waits for that copy first.
+    from zerostack.gemini._cpu_step import CpuStepPipeline
+
+    pipe = CpuStepPipeline(None, torch.device("cpu"), overlap=False)  # type: ignore[arg-type]
+    chunk, buf, copy = object(), torch.empty(4), _Copy(False)
+    pipe._host_grads[chunk], pipe._staged[chunk] = buf, copy  # type: ignore[index]
+    assert pipe.is_staged(chunk)  # type: ignore[arg-type]
+    pipe.drop_staged(chunk)  # type: ignore[arg-type]
+    assert not pipe.is_staged(chunk)  # type: ignore[arg-type]
+    assert pipe._take(4, torch.float32, False) is buf and copy.waited
+    pipe.close()
