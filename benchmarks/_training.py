@@ -238,9 +238,11 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     def retried() -> int:  # allocator retries so far (a cudaFree and a sync each)
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
+    segments0: dict = {}
     for i in range(warmup + steps):
-        if i == warmup:  # the timed steps' retries
+        if i == warmup:  # the timed steps' retries, and the device memory they mapped and freed
             retries = retried()
+            segments0 = torch.cuda.memory_stats()
         torch.cuda.synchronize()
         r0, t0 = retried(), time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -280,8 +282,17 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         opt_s=statistics.median(opt),
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
         peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
+        device_allocs=_counted(segments0, "num_device_alloc"),
+        device_frees=_counted(segments0, "num_device_free"),
         loss=loss.item(),
     )
+
+
+def _counted(before: dict, key: str) -> int:
+    """How much the CUDA allocator's counter ``key`` grew since ``before``
+    (its memory_stats): cudaMalloc/cudaFree calls, or maps and unmaps of
+    expandable segments."""
+    return torch.cuda.memory_stats().get(key, 0) - before.get(key, 0)
 
 
 def _profile(name, model, step_fn, idx, tgt, autocast) -> None:
@@ -450,7 +461,7 @@ def print_table(
     print(
         "\nper-step (forward, backward, optimizer) seconds, with the phases in which the CUDA "
         "allocator retried ([retry f|b|o]: forward, backward, optimizer), the last step's loss, "
-        "and the peak of the allocator's reserved memory:"
+        "the peak of the allocator's reserved memory and its device allocations and frees:"
     )
     for r in ok:
         steps = " ".join(
@@ -459,7 +470,8 @@ def print_table(
         )
         print(
             f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}; "
-            f"reserved {r['peak_reserved_gb']:.1f} GB"
+            f"reserved {r['peak_reserved_gb']:.1f} GB at most; {r['device_allocs']} device "
+            f"allocations and {r['device_frees']} frees over the timed steps"
         )
 
 
