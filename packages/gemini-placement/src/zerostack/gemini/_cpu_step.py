@@ -156,10 +156,11 @@ class CpuStepPipeline:
     # backward has reduced it, on a copy stream of its own: beside the rest
     # of backward, whose kernels leave PCIe idle. These copies used to be
     # queued on the compute stream at the end of backward, all of them after
-    # its last kernel: on an H200 about 0.05 s of the 4.24B GPT's clipped
-    # split step and 0.10 s of its step with every host-held update in CPU
-    # Adam (its backward 0.455 and 0.503 s against plain PyTorch's 0.40;
-    # docs/benchmarks.md). The gradient stays where it is until the update
+    # its last kernel. On an H200, back-to-back processes, the 4.24B GPT
+    # under a 24 GiB cap (clipped, the split by default): backward 0.441 s
+    # before, 0.359 s after (plain PyTorch's 0.384), the step 1.081 s before,
+    # 1.001 s after (docs/benchmarks.md, "Offloaded steps, 2026-12-03 fourth
+    # session"). The gradient stays where it is until the update
     # that read its copy has run (the worker waits for the copy's event
     # first), and a batch dropped with a copy in flight gives its buffer
     # back with that event, which the buffer's next taker waits for.
