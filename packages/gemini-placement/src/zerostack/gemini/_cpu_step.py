@@ -183,11 +183,6 @@ class CpuStepPipeline:
         grad.record_stream(self._d2h)  # the allocator keeps it until the copy read it
         self._staged[chunk] = event
 
-    def is_staged(self, chunk: Chunk) -> bool:
-        """True while ``chunk``'s gradient copy to the host is queued and no
-        update has read it yet."""
-        return chunk in self._staged
-
     def host_grad(self, chunk: Chunk, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` on the host: itself, or its staged copy once the copy is done."""
         if grad.device.type == "cpu":

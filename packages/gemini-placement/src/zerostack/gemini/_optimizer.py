@@ -162,6 +162,9 @@ class GeminiOptimizer:
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
         self._chunk_of = {c.index: c for c, _ in self.pairs}
+        # CPU-held chunks whose gradient the running backward staged as it
+        # reduced them (see [Note: gradients leave during backward]).
+        self._staged_early: set[Chunk] = set()
         self._trainable_params = [p for p in module.params if p.requires_grad]
         self.scaler = scaler
         self._div_scale = takes_div_scale(optimizer)
@@ -310,6 +313,7 @@ class GeminiOptimizer:
         staged gradients of CPU-held chunks are given back (no update of the
         batch began: they start at ``step()``)."""
         self._scaled_backward = False
+        self._staged_early.clear()
         for i in self._host:
             self.pipeline.drop_staged(self.pairs[i][0])
 
@@ -321,24 +325,26 @@ class GeminiOptimizer:
         that backward did not stage as it reduced them (``again``: every one,
         from where the gradients are now). See [Note: gradients leave during
         backward]."""
-        lane = self._lane
+        lane, early = self._lane, self._staged_early
         for i in self._host:
             if lane is not None and i in lane:
                 continue  # See [Note: Gemini's device lane]: the device's Adam reads it there
             chunk = self.pairs[i][0]
-            if again or not self.pipeline.is_staged(chunk):
+            if again or chunk not in early:
                 self.pipeline.stage_grad(chunk, _grad_share(chunk))
+        early.clear()
 
     def _stage_reduced(self, chunk: Chunk) -> None:
         """Backward reduced ``chunk``: its gradient starts for the host now
         where a CPU update will read it there. See [Note: gradients leave
         during backward]."""
         i = self._index.get(chunk)
-        if i is None or i not in self._host_set or _grad_target(chunk).shard_device.type == "cpu":
+        if i is None or i not in self._host_set or _reduced_on_host(chunk):
             return  # stepped on the device, or reduced into host memory already
         if self._lane is not None and i in self._lane:
             return
         self.pipeline.stage_grad(chunk, _grad_share(chunk))
+        self._staged_early.add(chunk)
 
     def _hyper(self) -> dict[str, Any]:
         """The user's hyperparameters now (lr, betas, ...): a step's, kept
@@ -916,6 +922,12 @@ def _grad_target(chunk: Chunk) -> Chunk:
     """The chunk that holds ``chunk``'s reduced gradient: its grad chunk under
     gradient accumulation, else itself (written over the parameter shard)."""
     return chunk.grad_chunk if chunk.grad_chunk is not None else chunk
+
+
+def _reduced_on_host(chunk: Chunk) -> bool:
+    """``chunk``'s gradient was reduced into host memory (nothing to stage;
+    its share is not read here, which would wait for its landing copy)."""
+    return _grad_target(chunk).shard_device.type == "cpu"
 
 
 def _grad_share(chunk: Chunk) -> torch.Tensor:
