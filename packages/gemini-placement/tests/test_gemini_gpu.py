@@ -173,8 +173,9 @@ def test_cpu_held_gradients_leave_for_the_host_during_backward(monkeypatch):
     # chunks: the four whose reduction finishes inside backward, the last two
     # at its end). Every copy is held back 20 ms on its stream, so a CPU
     # update that read its buffer before the copy landed would step on the
-    # last step's gradient; skipped, failed and failed-backward batches drop
-    # copies in flight. Bitwise the run without the delay.
+    # last step's gradient; a batch that leaves a layer out, one that fails
+    # in forward and one that fails in backward (dropped with a copy in
+    # flight) come between. Bitwise the run without the delay.
     from test_gemini_placement import _blocks, _train
 
     from zerostack.gemini import TrainingState

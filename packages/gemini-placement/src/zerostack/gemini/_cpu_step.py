@@ -162,8 +162,12 @@ class CpuStepPipeline:
     # 1.001 s after (docs/benchmarks.md, "Offloaded steps, 2026-12-03 fourth
     # session"). The gradient stays where it is until the update
     # that read its copy has run (the worker waits for the copy's event
-    # first), and a batch dropped with a copy in flight gives its buffer
-    # back with that event, which the buffer's next taker waits for.
+    # first). Three paths write over a gradient whose copy may be in
+    # flight, and none reads that copy: an fp16 step skipped for overflow
+    # and unscaled fp16 gradients (``_drop_grads``) write the parameters
+    # back, and the next backward copies into the same buffer on the same
+    # stream, after the torn copy; a dropped batch gives the buffer back with
+    # the copy's event, which the buffer's next taker waits for.
 
     def stage_grad(self, chunk: Chunk, grad: torch.Tensor) -> None:
         """Start copying a device-held reduced gradient to a pinned host
@@ -176,9 +180,9 @@ class CpuStepPipeline:
             buf = self._take(grad.numel(), grad.dtype, True)
             self._host_grads[chunk] = buf
         self._d2h.wait_stream(torch.cuda.current_stream(grad.device))
-        with torch.cuda.stream(self._d2h):
+        with phase("zerostack::stage_grad"), torch.cuda.stream(self._d2h):
             buf.copy_(grad, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a host waits for it: no spinning
             event.record(self._d2h)
         grad.record_stream(self._d2h)  # the allocator keeps it until the copy read it
         self._staged[chunk] = event

@@ -400,7 +400,7 @@ class GeminiDDP(nn.Module):
     # its offloaded masters); GeminiOptimizer owns the step and its CPU-step
     # pipeline (it builds it, closes it, and submits every update). They meet
     # here: the optimizer attaches its pipeline (whose updates every use of a
-    # chunk waits for) and two callbacks; it asks which parameters got
+    # chunk waits for) and three callbacks; it asks which parameters got
     # gradients (take_used) and in which order chunks are used
     # (chunk_compute_order), lets the placement plan (plan_placement) and
     # ends the step (finish_step).
@@ -714,6 +714,7 @@ class GeminiDDP(nn.Module):
             while len(self._pending) > 2:
                 done = self._pending.pop(0)
                 _finish_reduce(*done)
+                # See zerostack.gemini's [Note: gradients leave during backward].
                 if self._on_chunk_reduced is not None:
                     self._on_chunk_reduced(done[0])
 

@@ -19,7 +19,7 @@ in CPU Adam as before. A device-lane chunk:
   on the main thread before any slice is saved, and again in the update for
   a retry after a failed first update);
 - keeps its reduced gradient on the device where its parameter shard lives
-  there: backward's end stages nothing to the host for it (see [Note:
+  there: backward stages nothing to the host for it (see [Note:
   CPU-step buffers]); its norm is taken there as for every chunk, so
   clipping and the fp16 overflow check cover both lanes;
 - at ``step()``, is submitted to the one CpuUpdatePipeline under its chunk

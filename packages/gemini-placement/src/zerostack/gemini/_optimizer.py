@@ -57,8 +57,8 @@ class GeminiOptimizer:
     kernel, launched asynchronously), then the CPU-held ones (CPU kernel;
     with ``gpu_update_fraction`` a share of them in the device's, see
     [Note: Gemini's device lane]).
-    Gradients of CPU-held chunks are copied to pinned host buffers when
-    backward ends; with ``overlap_cpu_step`` the CPU updates run on a worker
+    Gradients of CPU-held chunks are copied to pinned host buffers as
+    backward reduces them (see [Note: gradients leave during backward]); with ``overlap_cpu_step`` the CPU updates run on a worker
     thread, chunk by chunk in compute order, while the next forward starts:
     each chunk's forward waits only for that chunk's update, and its new
     fp16/bf16 values go to the device then (see zerostack.gemini's
@@ -319,7 +319,7 @@ class GeminiOptimizer:
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
-    def _stage_grads(self, again: bool = False) -> None:
+    def _stage_grads(self, *, again: bool = False) -> None:
         """End of backward: start copying the reduced gradients of CPU-held
         chunks into pinned host buffers (the CPU step waits for them), those
         that backward did not stage as it reduced them (``again``: every one,
@@ -330,7 +330,7 @@ class GeminiOptimizer:
             if lane is not None and i in lane:
                 continue  # See [Note: Gemini's device lane]: the device's Adam reads it there
             chunk = self.pairs[i][0]
-            if again or chunk not in early:
+            if again or (chunk not in early and not _reduced_on_host(chunk)):
                 self.pipeline.stage_grad(chunk, _grad_share(chunk))
         early.clear()
 
@@ -925,9 +925,12 @@ def _grad_target(chunk: Chunk) -> Chunk:
 
 
 def _reduced_on_host(chunk: Chunk) -> bool:
-    """``chunk``'s gradient was reduced into host memory (nothing to stage;
-    its share is not read here, which would wait for its landing copy)."""
-    return _grad_target(chunk).shard_device.type == "cpu"
+    """This backward reduced ``chunk``'s gradient into host memory, where
+    Chunk.reduce puts a sharded chunk's (or its grad chunk's) when the
+    parameter chunk's shard lives there; a kept-gathered chunk reduces in
+    its buffer on the device. Nothing to stage then, and the share is not
+    read here, which would wait for its landing copy."""
+    return not chunk.keep_gathered and chunk.shard_device.type == "cpu"
 
 
 def _grad_share(chunk: Chunk) -> torch.Tensor:
