@@ -233,16 +233,14 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     idx, tgt = batch
     fwd, fb, opt, marks = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
-    retries = 0
 
     def retried() -> int:  # allocator retries so far (a cudaFree and a sync each)
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
-    segments0: dict = {}
+    before: dict = {}  # the allocator's counters when the timed steps start
     for i in range(warmup + steps):
-        if i == warmup:  # the timed steps' retries, and the device memory they mapped and freed
-            retries = retried()
-            segments0 = torch.cuda.memory_stats()
+        if i == warmup:
+            before = torch.cuda.memory_stats()
         torch.cuda.synchronize()
         r0, t0 = retried(), time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -269,7 +267,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         name=name,
         tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
         rss_gb=_rss_gb(),
-        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
+        alloc_retries=_counted(before, "num_alloc_retries"),
         tokens_s=idx.numel() / statistics.median(total),
         step_s=statistics.median(total),
         spread=max(total) / min(total),
@@ -282,16 +280,16 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         opt_s=statistics.median(opt),
         peak_gb=torch.cuda.max_memory_allocated() / 1e9,
         peak_reserved_gb=torch.cuda.max_memory_reserved() / 1e9,
-        device_allocs=_counted(segments0, "num_device_alloc"),
-        device_frees=_counted(segments0, "num_device_free"),
+        device_allocs=_counted(before, "num_device_alloc"),
+        device_frees=_counted(before, "num_device_free"),
         loss=loss.item(),
     )
 
 
 def _counted(before: dict, key: str) -> int:
     """How much the CUDA allocator's counter ``key`` grew since ``before``
-    (its memory_stats): cudaMalloc/cudaFree calls, or maps and unmaps of
-    expandable segments."""
+    (its memory_stats): retries, cudaMalloc/cudaFree calls (or maps and
+    unmaps of expandable segments)."""
     return torch.cuda.memory_stats().get(key, 0) - before.get(key, 0)
 
 
