@@ -58,8 +58,8 @@ class GeminiOptimizer:
     with ``gpu_update_fraction`` a share of them in the device's, see
     [Note: Gemini's device lane]).
     Gradients of CPU-held chunks are copied to pinned host buffers as
-    backward reduces them (see [Note: gradients leave during backward]); with ``overlap_cpu_step`` the CPU updates run on a worker
-    thread, chunk by chunk in compute order, while the next forward starts:
+    backward reduces them (see [Note: gradients leave during backward]);
+    with ``overlap_cpu_step`` the CPU updates run on a worker thread, chunk by chunk in compute order, while the next forward starts:
     each chunk's forward waits only for that chunk's update, and its new
     fp16/bf16 values go to the device then (see zerostack.gemini's
     CpuStepPipeline, which this optimizer builds and closes: see [Note: who
@@ -325,24 +325,28 @@ class GeminiOptimizer:
         that backward did not stage as it reduced them (``again``: every one,
         from where the gradients are now). See [Note: gradients leave during
         backward]."""
-        lane, early = self._lane, self._staged_early
+        early = self._staged_early
         for i in self._host:
-            if lane is not None and i in lane:
-                continue  # See [Note: Gemini's device lane]: the device's Adam reads it there
             chunk = self.pairs[i][0]
-            if again or (chunk not in early and not _reduced_on_host(chunk)):
+            if self._read_on_host(i) and (
+                again or (chunk not in early and not _reduced_on_host(chunk))
+            ):
                 self.pipeline.stage_grad(chunk, _grad_share(chunk))
         early.clear()
+
+    def _read_on_host(self, i: int) -> bool:
+        """Pair ``i``'s update reads its gradient in host memory: a CPU-held
+        master outside the device lane (whose Adam reads it on the device,
+        see [Note: Gemini's device lane])."""
+        return i in self._host_set and (self._lane is None or i not in self._lane)
 
     def _stage_reduced(self, chunk: Chunk) -> None:
         """Backward reduced ``chunk``: its gradient starts for the host now
         where a CPU update will read it there. See [Note: gradients leave
         during backward]."""
         i = self._index.get(chunk)
-        if i is None or i not in self._host_set or _reduced_on_host(chunk):
-            return  # stepped on the device, or reduced into host memory already
-        if self._lane is not None and i in self._lane:
-            return
+        if i is None or not self._read_on_host(i) or _reduced_on_host(chunk):
+            return  # read on the device, or reduced into host memory already
         self.pipeline.stage_grad(chunk, _grad_share(chunk))
         self._staged_early.add(chunk)
 
