@@ -247,10 +247,15 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
             loss = model(idx, tgt)
         torch.cuda.synchronize()
         tf = time.perf_counter()
+        last = i == warmup + steps - 1 and os.environ.get("ZEROSTACK_BENCH_MEMORY_SNAPSHOT")
+        if last:  # recorded by measure: each stream's segments at the last step's peaks
+            _print_segments(f"{name}, after the last forward", torch.cuda.memory._snapshot())
         rf, tb = retried(), time.perf_counter()  # the allocator's counters read outside the phases
         step_fn(loss, backward_only=True)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        if last:
+            _print_segments(f"{name}, after the last backward", torch.cuda.memory._snapshot())
         rb, to = retried(), time.perf_counter()
         step_fn(loss, backward_only=False)
         torch.cuda.synchronize()
@@ -308,6 +313,52 @@ def _profile(name, model, step_fn, idx, tgt, autocast) -> None:
     print(f"\n[profile] {name}: 3 steps", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
     print(f"[profile] {name}: {device_time(prof.events())}", flush=True)
+
+
+def _where(frames: list[dict], keep: int = 4) -> str:
+    """The innermost ``keep`` frames of ours (zerostack, benchmarks) of a stack."""
+    ours = [f for f in frames if "zerostack" in f["filename"] or "benchmarks" in f["filename"]]
+    return " <- ".join(
+        f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in ours[:keep]
+    )
+
+
+def _print_segments(when: str, snap: dict, compute: int | None = None) -> None:
+    """Each stream's segments: reserved and allocated GB, and (for the side
+    streams: their free blocks are kept for their stream alone) where their
+    three largest blocks were allocated."""
+    by_stream: dict[int, list[dict]] = {}
+    for seg in snap["segments"]:
+        by_stream.setdefault(seg["stream"], []).append(seg)
+    parts = []
+    for stream, segs in sorted(by_stream.items()):
+        total = sum(s["total_size"] for s in segs) / 1e9
+        used = sum(s["allocated_size"] for s in segs) / 1e9
+        parts.append(f"stream {stream}: {total:.2f} GB reserved, {used:.2f} allocated")
+    compute = torch.cuda.current_stream().cuda_stream if compute is None else compute
+    print(f"[memory] {when} (compute stream {compute}): " + "; ".join(parts), flush=True)
+    for stream, segs in sorted(by_stream.items()):
+        if stream == compute:
+            continue
+        blocks = sorted((b for s in segs for b in s["blocks"]), key=lambda b: -b["size"])[:3]
+        for b in blocks:
+            print(f"[memory]   stream {stream} block {b['size'] / 1e6:.1f} MB {b['state']}: "
+                  f"{_where(b.get('frames', []))}", flush=True)  # fmt: skip
+
+
+def _print_retries(snap: dict, device: int | None = None) -> None:
+    """Each run of segments freed in the trace (the allocator's cached blocks
+    given back for an allocation that would pass the cap), and that allocation."""
+    trace = snap["device_traces"][torch.cuda.current_device() if device is None else device]
+    freed = 0
+    for entry in trace:
+        if entry["action"] in ("segment_free", "segment_unmap"):
+            freed += entry["size"]
+        elif entry["action"] == "alloc" and freed:
+            print(f"[memory] retry: {freed / 1e9:.2f} GB of cached blocks freed for "
+                  f"{entry['size'] / 1e6:.1f} MB on stream {entry['stream']}: "
+                  f"{_where(entry.get('frames', []), 8)}", flush=True)  # fmt: skip
+            freed = 0
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -398,19 +449,26 @@ def measure(
     print(f"[bench] {name} ... ({left:.2f} GB still allocated)", file=sys.stderr, flush=True)
     # ZEROSTACK_BENCH_MEMORY_SNAPSHOT=PREFIX: each row leaves the CUDA caching
     # allocator's history (up to its end or its OOM) in PREFIX.NAME.RUN.pickle,
-    # for https://pytorch.org/memory_viz or torch.cuda.memory's tools.
+    # for https://pytorch.org/memory_viz or torch.cuda.memory's tools, and
+    # prints each stream's segments after the last forward and backward and
+    # the allocations that made the allocator free its cached blocks.
     snapshot = os.environ.get("ZEROSTACK_BENCH_MEMORY_SNAPSHOT")
     if snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=100_000)
     try:
-        results.append(dict(fn(), run=run))
+        results.append(dict(fn(), run=run, key=name))
     except torch.OutOfMemoryError as exc:
         print(f"[bench] {name}: {exc}", file=sys.stderr, flush=True)
-        results.append(dict(name=name, run=run, error=f"OOM: {str(exc).splitlines()[0][:80]}"))
+        results.append(
+            dict(name=name, run=run, key=name, error=f"OOM: {str(exc).splitlines()[0][:80]}")
+        )
     except Exception as exc:  # one broken configuration must not hide the others
         traceback.print_exc()
-        results.append(dict(name=name, run=run, error=f"{type(exc).__name__}: {str(exc)[:80]}"))
+        results.append(
+            dict(name=name, run=run, key=name, error=f"{type(exc).__name__}: {str(exc)[:80]}")
+        )
     if snapshot:
+        _print_retries(torch.cuda.memory._snapshot())
         torch.cuda.memory._dump_snapshot(f"{snapshot}.{name}.{run}.pickle")
         torch.cuda.memory._record_memory_history(enabled=None)
     gc.collect()
@@ -483,19 +541,35 @@ MOVED = (
 )
 
 
-def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict | str:
-    """The floor of an offloaded row (one with ``host_numel``) from the plain
-    row of the same run (its forward and backward, all on the GPU), or why
-    there is none. See [Note: step-time floor] in
-    zero-shard's ``_step_model.py``."""
-    if plain_row is None or "error" in plain_row:
-        return "n/a (no plain row in this run)"
+# The row whose forward and backward are an offloaded row's compute terms: the
+# same system all on the GPU (bf16 parameters, as the offloaded rows compute),
+# else plain PyTorch (fp32 parameters under bf16 autocast, slower: then the
+# floor is not a lower bound), keyed by the rows' first word.
+ALL_ON_GPU = {"gemini": "gemini_gpu", "zero2": "zero2"}
+
+
+def compute_row(row: dict, results: list[dict]) -> dict | None:
+    """The row of ``row``'s run that gives its floor's forward and backward:
+    ``ALL_ON_GPU``'s for its system where it ran, else plain's, else None."""
+    same = [o for o in results if o.get("run", 0) == row.get("run", 0) and "error" not in o]
+    wanted = ALL_ON_GPU.get(row.get("key", "").split("_")[0])
+    return next((o for o in same if wanted and o.get("key") == wanted), None) or next(
+        (o for o in same if o.get("key", o["name"]).startswith("plain")), None
+    )
+
+
+def floor_of(row: dict, compute: dict | None, profile: MachineProfile) -> dict | str:
+    """The floor of an offloaded row (one with ``host_numel``) from the
+    forward and backward of ``compute`` (``compute_row``'s), or why there is
+    none. See [Note: step-time floor] in zero-shard's ``_step_model.py``."""
+    if compute is None:
+        return "n/a (no row all on the GPU in this run: add plain, gemini_gpu or zero2)"
     disk = row.get("disk_bytes", 0)
     moved = {k: row[k] for k in MOVED if k in row}  # GeminiDDP.step_amounts(), or host_numel
     try:
         est = step_floor(
-            profile, forward_s=plain_row["fwd_s"],
-            backward_s=plain_row["fwd_bwd_s"] - plain_row["fwd_s"], disk_read_bytes=disk,
+            profile, forward_s=compute["fwd_s"],
+            backward_s=compute["fwd_bwd_s"] - compute["fwd_s"], disk_read_bytes=disk,
             disk_write_bytes=disk, **moved,
         )  # fmt: skip
     except ValueError as exc:  # a figure the profile lacks: the row says which
@@ -507,31 +581,29 @@ def floor_of(row: dict, plain_row: dict | None, profile: MachineProfile) -> dict
         gpu_fraction=est.split.gpu_fraction if est.split is not None else None,
         bound=est.best.bound,
         achieved=row["step_s"] / est.floor_s,
+        compute=compute.get("key", compute["name"]),
     )
 
 
 def print_floors(results: list[dict], profile: MachineProfile) -> None:
     """A second table: each offloaded row's floor from the machine's profile."""
     print(f"\nfloors from the machine's profile ({profile.machine}); forward and backward from")
-    print("the plain row of the same run; every resource at once, updates after the global norm,")
+    print("the row of the same run named in the table (the same system all on the GPU where it")
+    print("ran, else plain PyTorch); every resource at once, updates after the global norm,")
     print("hidden behind the whole next forward (zerostack.shard.step_floor):\n")
-    print("| run | configuration | host-held params | floor s | achieved / floor | "
-          "CPU-only floor s | split floor s | GPU share of host updates | bound |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | configuration | host-held params | forward and backward of | floor s | "
+          "achieved / floor | CPU-only floor s | split floor s | GPU share of host updates | "
+          "bound |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r or "host_numel" not in r:
             continue
-        plain_r = next(
-            (o for o in results if o.get("run", 0) == r.get("run", 0)
-             and o["name"].startswith("plain") and "error" not in o),
-            None,
-        )  # fmt: skip
-        f = floor_of(r, plain_r, profile)
+        f = floor_of(r, compute_row(r, results), profile)
         head = f"| {r.get('run', 0)} | {r['name']} | {r['host_numel'] / 1e9:.3f}B |"
         if isinstance(f, str):
-            print(f"{head} {f} | | | | | |")
+            print(f"{head} {f} | | | | | | |")
             continue
         split = "n/a" if f["split_s"] is None else f"{f['split_s']:.3f}"
         share = "n/a" if f["gpu_fraction"] is None else f"{f['gpu_fraction']:.2f}"
-        print(f"{head} {f['floor_s']:.3f} | {f['achieved']:.2f}x | {f['cpu_only_s']:.3f} | "
-              f"{split} | {share} | {f['bound']} |")  # fmt: skip
+        print(f"{head} {f['compute']} | {f['floor_s']:.3f} | {f['achieved']:.2f}x | "
+              f"{f['cpu_only_s']:.3f} | {split} | {share} | {f['bound']} |")  # fmt: skip

@@ -77,7 +77,26 @@ def test_an_offloaded_row_gets_the_floor_of_the_plain_row_of_its_run() -> None:
     g = T.floor_of(gemini, PLAIN, PROFILE)
     assert g["cpu_only_s"] == pytest.approx(0.1 + (0.2 + 0.1) + 3.0 - 0.1)  # disk: 1 s + 2 s
     assert g["bound"] == "disk"
-    assert T.floor_of(row, None, PROFILE) == "n/a (no plain row in this run)"
+    assert T.floor_of(row, None, PROFILE).startswith("n/a (no row all on the GPU in this run")
+
+
+def test_the_floor_takes_the_same_systems_row_all_on_the_gpu_where_it_ran() -> None:
+    T = _training()
+    plain = dict(PLAIN, key="plain")
+    zero2 = dict(name="ZeRO-2", run=0, key="zero2", fwd_s=0.08, fwd_bwd_s=0.24, step_s=0.3)
+    gemini_gpu = dict(name="Gemini all on the GPU", run=1, key="gemini_gpu", fwd_s=0.09,
+                      fwd_bwd_s=0.25, step_s=0.3)  # fmt: skip
+    offload = dict(name="ZeRO-2 + cpu_offload", run=0, key="zero2_offload", host_numel=10**9)
+    capped = dict(name="Gemini auto", run=1, key="gemini_auto", host_numel=10**9)
+    rows = [plain, zero2, gemini_gpu, dict(plain, run=1), offload, capped]
+    assert T.compute_row(offload, rows) is zero2
+    assert T.compute_row(capped, rows) is gemini_gpu
+    # not in its run (gemini_gpu ran in run 1), or failed: plain's of the run
+    assert T.compute_row(dict(capped, run=0), rows) is plain
+    assert (
+        T.compute_row(capped, [dict(gemini_gpu, error="OOM: ..."), dict(plain, run=1)])["run"] == 1
+    )
+    assert T.compute_row(offload, [gemini_gpu]) is None
 
 
 def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
@@ -88,12 +107,11 @@ def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
         dict(name="ZeRO-2 + cpu_offload", run=0, host_numel=10**9, step_s=1.2),
         dict(name="ZeRO-2 + cpu_offload", run=1, host_numel=10**9, step_s=1.3),
         dict(name="Gemini auto", run=0, error="OOM: ..."),
-    ]
+    ]  # without keys (results of an older script): plain's row by its name
     T.print_floors(rows, PROFILE)
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
     assert len(lines) == 3  # the header and two offloaded rows
-    assert lines[1].startswith("| 0 | ZeRO-2 + cpu_offload | 1.000B | 0.912 | 1.32x | 1.200 |")
-    assert (
-        lines[2]
-        == "| 1 | ZeRO-2 + cpu_offload | 1.000B | n/a (no plain row in this run) | | | | | |"
-    )
+    head = "| 0 | ZeRO-2 + cpu_offload | 1.000B | plain PyTorch | 0.912 | 1.32x | 1.200 |"
+    assert lines[1].startswith(head)
+    assert lines[2].startswith("| 1 | ZeRO-2 + cpu_offload | 1.000B | n/a (no row all on the GPU")
+    assert lines[2].count("|") == lines[0].count("|")

@@ -52,9 +52,9 @@
 #                              clipped, against plain PyTorch in the same process; PARTs in order (default all):
 #       profile  benchmarks/machine.py --json $PROFILE (default /tmp/zerostack_machine.json, kept while
 #                the machine stays warm; copied to $OUT); the other parts reuse it, measuring it first if absent
-#       zero     benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split --max-norms 1 --repeat 3
-#       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
-#       llama    benchmarks/gemini.py --model llama --only plain,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
+#       zero     benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split --max-norms 1 --repeat 3
+#       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
+#       llama    benchmarks/gemini.py --model llama --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
 #                gemini_auto takes GeminiOptimizer's default gpu_update_fraction ("auto" under auto
 #                placement), zero2_offload_split "auto", both the step-time model's share from $PROFILE (through
@@ -179,7 +179,7 @@ split)
   case "${1:-}" in zero|gemini|both) which=$1; shift ;; esac
   for f in ${1:-0.25 0.5}; do
     if [ "$which" != gemini ]; then
-      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split \
         --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$PROFILE" \
         > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
     fi
@@ -281,15 +281,15 @@ floor)
     case "$part" in
     profile) ;;
     zero)
-      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2_offload,zero2_offload_split \
+      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split \
         --max-norms 1 --repeat 3 "${M[@]}" \
         > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
     gpt4b)
       timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 \
-        --only plain,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
     llama)
       timeout 400 python3 benchmarks/gemini.py --model llama \
-        --only plain,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
     main)
       rm -rf /tmp/floor_job
       timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \
