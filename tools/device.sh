@@ -272,7 +272,7 @@ solver)
   tar czf "$OUT/solver_logs.tgz" -C "$logs" . && rm -r "$logs"
   ;;
 floor)
-  export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+  export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF-expandable_segments:True}"  # set (even empty): kept
   build; sources; machine
   for part in ${*:-profile zero gpt4b llama main}; do
     if [ "$part" = profile ]; then profile again; else profile; fi
