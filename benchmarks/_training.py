@@ -541,21 +541,25 @@ MOVED = (
 )
 
 
-# The row whose forward and backward are an offloaded row's compute terms: the
-# same system all on the GPU (bf16 parameters, as the offloaded rows compute),
-# else plain PyTorch (fp32 parameters under bf16 autocast, slower: then the
-# floor is not a lower bound), keyed by the rows' first word.
+# The rows whose forward and backward may give an offloaded row's compute
+# terms: the same system all on the GPU (bf16 parameters, as the offloaded
+# rows compute; ZeRO-2's backward also packs and reduces its buckets) and
+# plain PyTorch (fp32 parameters under bf16 autocast), keyed by the rows'
+# first word; the faster of them is taken, so the floor stays a lower bound.
 ALL_ON_GPU = {"gemini": "gemini_gpu", "zero2": "zero2"}
 
 
 def compute_row(row: dict, results: list[dict]) -> dict | None:
     """The row of ``row``'s run that gives its floor's forward and backward:
-    ``ALL_ON_GPU``'s for its system where it ran, else plain's, else None."""
+    of ``ALL_ON_GPU``'s for its system and plain's, whichever ran (without
+    error) and has the shorter forward plus backward; None if neither."""
     same = [o for o in results if o.get("run", 0) == row.get("run", 0) and "error" not in o]
     wanted = ALL_ON_GPU.get(row.get("key", "").split("_")[0])
-    return next((o for o in same if wanted and o.get("key") == wanted), None) or next(
-        (o for o in same if o.get("key", o["name"]).startswith("plain")), None
-    )
+    candidates = [
+        o for o in same
+        if (wanted and o.get("key") == wanted) or o.get("key", o["name"]).startswith("plain")
+    ]  # fmt: skip
+    return min(candidates, key=lambda o: o["fwd_bwd_s"], default=None)
 
 
 def floor_of(row: dict, compute: dict | None, profile: MachineProfile) -> dict | str:
@@ -588,8 +592,8 @@ def floor_of(row: dict, compute: dict | None, profile: MachineProfile) -> dict |
 def print_floors(results: list[dict], profile: MachineProfile) -> None:
     """A second table: each offloaded row's floor from the machine's profile."""
     print(f"\nfloors from the machine's profile ({profile.machine}); forward and backward from")
-    print("the row of the same run named in the table (the same system all on the GPU where it")
-    print("ran, else plain PyTorch); every resource at once, updates after the global norm,")
+    print("the row of the same run named in the table (the faster of plain PyTorch and the same")
+    print("system all on the GPU); every resource at once, updates after the global norm,")
     print("hidden behind the whole next forward (zerostack.shard.step_floor):\n")
     print("| run | configuration | host-held params | forward and backward of | floor s | "
           "achieved / floor | CPU-only floor s | split floor s | GPU share of host updates | "

@@ -32,6 +32,7 @@ and optimizer step (synchronised between them). Median of --steps after
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -42,9 +43,9 @@ import torch.distributed as dist
 from zerostack.shard import ZeroOptimizer
 
 
-def zero(
+def _zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
-    fraction: float | str = 0.0,
+    fraction: float | str = 0.0, bucket: int = 2**24,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -54,6 +55,7 @@ def zero(
         overlap_cpu_step=overlap,
         gpu_update_fraction=fraction,
         max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
+        reduce_bucket_size=bucket,
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -70,6 +72,8 @@ def zero(
         label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam, {T.fraction_label(fraction, zopt.gpu_update_fraction)})"
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
+    if bucket != 2**24:
+        label += f", reduce_bucket_size={bucket}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
     if zopt._pipe is not None:  # per step, warm-up included
@@ -92,6 +96,11 @@ def main() -> int:
             "clipping; plain PyTorch and FSDP2 do not clip)",
         )  # fmt: skip
         ap.add_argument(
+            "--reduce-bucket-size", type=int, default=2**24,
+            help="the ZeRO-2 rows' reduce_bucket_size, elements per gradient bucket (DeepSpeed's "
+            "zero_optimization.reduce_bucket_size; default %(default)s, ZeroOptimizer's)",
+        )  # fmt: skip
+        ap.add_argument(
             "--gpu-update-fraction", type=T.fraction_arg, default="auto",
             help="zero2_offload_split's gpu_update_fraction, a number in [0, 1] or auto (the "
             "step-time model's fastest split on this machine; default %(default)s)",
@@ -108,6 +117,7 @@ def main() -> int:
     results: list[dict] = []
     wanted = a.only.split(",")
     norms = [float(n) for n in a.max_norms.split(",") if n]
+    zero = functools.partial(_zero, bucket=a.reduce_bucket_size)
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
         for norm in norms:

@@ -7,11 +7,10 @@ piece) have their fp32 masters and Adam states on the host. Terms, each the
 time one resource needs at its measured bandwidth:
 
 - ``forward_s``, ``backward_s``: the same model's forward and backward with
-  everything on the GPU, computed as the offloaded configuration computes
-  (bf16 parameters: the benchmarks take the same system's row all on the
-  GPU in the same run, ``gemini_gpu`` or ``zero2``; plain PyTorch's fp32
-  parameters under autocast are slower, so a floor from them is no lower
-  bound);
+  everything on the GPU (the benchmarks take the faster of plain PyTorch's
+  row of the same run, fp32 parameters under bf16 autocast, and the same
+  system's row all on the GPU, ``gemini_gpu`` or ``zero2``, bf16 parameters
+  as the offloaded rows compute: Gemini's is the faster on an H200);
 - gradients device to host, ``d2h_bytes_per_param`` per host-updated
   parameter, during backward: backward lasts ``max(backward_s, d2h)``;
 - CPU Adam: 28 B of host memory traffic per parameter (read master,
