@@ -45,7 +45,7 @@ from zerostack.shard import ZeroOptimizer
 
 def _zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
-    fraction: float | str = 0.0, bucket: int = 2**24,
+    fraction: float | str = 0.0, bucket: int | None = None,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -55,7 +55,7 @@ def _zero(
         overlap_cpu_step=overlap,
         gpu_update_fraction=fraction,
         max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
-        reduce_bucket_size=bucket,
+        **({} if bucket is None else {"reduce_bucket_size": bucket}),
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -72,7 +72,7 @@ def _zero(
         label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam, {T.fraction_label(fraction, zopt.gpu_update_fraction)})"
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
-    if bucket != 2**24:
+    if bucket is not None:
         label += f", reduce_bucket_size={bucket}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
@@ -96,9 +96,9 @@ def main() -> int:
             "clipping; plain PyTorch and FSDP2 do not clip)",
         )  # fmt: skip
         ap.add_argument(
-            "--reduce-bucket-size", type=int, default=2**24,
+            "--reduce-bucket-size", type=int, default=None,
             help="the ZeRO-2 rows' reduce_bucket_size, elements per gradient bucket (DeepSpeed's "
-            "zero_optimization.reduce_bucket_size; default %(default)s, ZeroOptimizer's)",
+            "zero_optimization.reduce_bucket_size; default: ZeroOptimizer's)",
         )  # fmt: skip
         ap.add_argument(
             "--gpu-update-fraction", type=T.fraction_arg, default="auto",
