@@ -44,10 +44,6 @@ TEST_REQUIREMENTS = {
     "booster-api": ["transformers==5.24.0; python_version >= '3.11'"],
     "auto-offload-solver": ["transformers==5.24.0; python_version >= '3.11'"],
 }
-# The unit tests run in two pytest-xdist workers where there are two cores
-# (CI's machine has two: the test command from a fresh clone took 23 min 34 s
-# so, 27 min 3 s serial an hour before, on 2026-12-03).
-XDIST = "pytest-xdist==3.8.0"
 # The examples, and the DeepSpeed program of docs/migration/deepspeed.md, train
 # transformers' GPT-2 (tqdm, which two examples show, comes with it).
 EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
@@ -409,16 +405,11 @@ def unit(session: nox.Session, package: str) -> None:
     the wheels as from an index, plus its TEST_REQUIREMENTS: an undeclared
     import fails here."""
     _install_packages(session, [package])
-    session.install(XDIST, *TEST_REQUIREMENTS.get(package, []))
+    if package in TEST_REQUIREMENTS:
+        session.install(*TEST_REQUIREMENTS[package])
     session.run(
-        "python", "-m", "pytest", f"packages/{package}/tests", "-m", "not gpu", *_workers(),
-        *session.posargs,
-    )  # fmt: skip
-
-
-def _workers() -> list[str]:
-    """pytest-xdist's ``-n``: two workers with two cores or more, else none."""
-    return ["-n", "2"] if (os.cpu_count() or 1) >= 2 else []
+        "python", "-m", "pytest", f"packages/{package}/tests", "-m", "not gpu", *session.posargs
+    )
 
 
 def _release_tool():
