@@ -7,17 +7,21 @@ GPT-2 1.5B from config, bf16, activation checkpointing on every block, batch
 * plain PyTorch: fp32 params, bf16 autocast, torch.optim.AdamW(fused=True)
   (the reference for "no offload");
 * ZeRO-2: bf16 params, fp32 masters, ZeroOptimizer(AdamW), states on the GPU;
-* ZeRO-2 + cpu_offload: masters and states on the CPU, stepped by CPUAdam
-  bucket by bucket on a worker thread while the updated buckets go to the
-  GPU and the next forward starts (each module waits for its buckets);
-* ZeRO-2 + cpu_offload, synchronous (``zero2_offload_sync``): the same with
-  ``overlap_cpu_step=False``, every update done inside ``step()``: what the
-  overlap gains, measured in the same run;
-* ZeRO-2 + cpu_offload, split (``zero2_offload_split``): the same with
-  ``gpu_update_fraction`` (``--gpu-update-fraction``, a number or, the
-  default, auto: the step-time model's share on this machine): that
-  share of the offloaded buckets stepped by the GPU's Adam, fed over PCIe,
-  beside CPU Adam on the rest;
+* ZeRO-2 + cpu_offload (``zero2_offload``): masters and states on the CPU,
+  ZeroOptimizer's defaults: ``gpu_update_fraction`` "auto" steps the
+  step-time model's share of the offloaded buckets in the GPU's Adam, fed
+  over PCIe, beside CPU Adam on the rest, on a worker thread while the
+  updated buckets go to the GPU and the next forward starts (each module
+  waits for its buckets);
+* ZeRO-2 + cpu_offload, CPU Adam alone (``zero2_offload_cpu``): the same
+  with ``gpu_update_fraction=0.0``, every update in CPU Adam (as DeepSpeed's
+  ZeRO-Offload steps);
+* ZeRO-2 + cpu_offload, synchronous (``zero2_offload_sync``): CPU Adam alone
+  with ``overlap_cpu_step=False``, every update done inside ``step()``: the
+  update phase with the GPU idle, and what the overlap gains;
+* ZeRO-2 + cpu_offload, split (``zero2_offload_split``): the same as
+  ``zero2_offload`` with ``--gpu-update-fraction`` (a number, or the
+  default, auto);
 * FSDP2 + CPUOffloadPolicy: fully_shard per block, bf16 MixedPrecisionPolicy,
   torch AdamW on the CPU (the peer for "offload").
 
@@ -45,7 +49,7 @@ from zerostack.shard import ZeroOptimizer
 
 def _zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
-    fraction: float | str = 0.0, bucket: int | None = None,
+    fraction: float | str | None = None, bucket: int | None = None,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -53,7 +57,7 @@ def _zero(
         stage=2,
         cpu_offload=offload,
         overlap_cpu_step=overlap,
-        gpu_update_fraction=fraction,
+        **({} if fraction is None else {"gpu_update_fraction": fraction}),
         max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
         **({} if bucket is None else {"reduce_bucket_size": bucket}),
         module=model,  # the forward waits per bucket for the overlapped CPU step
@@ -68,7 +72,7 @@ def _zero(
     label = "ZeRO-2 (bf16 params, fp32 masters)"
     if offload:
         label = "ZeRO-2 + cpu_offload (CPUAdam, " + ("overlapped)" if overlap else "synchronous)")
-    if fraction == "auto" or fraction:
+    if zopt.gpu_update_fraction > 0:
         label = f"ZeRO-2 + cpu_offload (CPUAdam + GPU Adam, {T.fraction_label(fraction, zopt.gpu_update_fraction)})"
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
@@ -108,7 +112,8 @@ def main() -> int:
 
     ready = T.setup(
         __doc__,
-        "plain,zero2,zero2_offload,zero2_offload_sync,zero2_offload_split,fsdp2_offload",
+        "plain,zero2,zero2_offload,zero2_offload_cpu,zero2_offload_sync,zero2_offload_split,"
+        "fsdp2_offload",
         extra,
     )
     if ready is None:
@@ -126,8 +131,12 @@ def main() -> int:
                 results, wanted, "zero2_offload", lambda n=norm: zero(*args, True, max_norm=n), run
             )
             T.measure(
+                results, wanted, "zero2_offload_cpu",
+                lambda n=norm: zero(*args, True, max_norm=n, fraction=0.0), run,
+            )  # fmt: skip
+            T.measure(
                 results, wanted, "zero2_offload_sync",
-                lambda n=norm: zero(*args, True, overlap=False, max_norm=n), run,
+                lambda n=norm: zero(*args, True, overlap=False, max_norm=n, fraction=0.0), run,
             )  # fmt: skip
             T.measure(
                 results, wanted, "zero2_offload_split",

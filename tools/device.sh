@@ -20,7 +20,7 @@
 #                              device lanes (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's
 #                              profile ($PROFILE, as floor measures it), then once per fraction in
 #                              FRACTIONS (default "0.25 0.5"), clipped (max_norm 1) and with the floor:
-#                              zero: benchmarks/zero_shard.py plain, zero2_offload, zero2_offload_split;
+#                              zero: benchmarks/zero_shard.py plain, zero2_offload_cpu, zero2_offload_split;
 #                              gemini: benchmarks/gemini.py plain, gemini_auto_cpu, gemini_auto_split, 24 GiB cap
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
@@ -52,13 +52,14 @@
 #                              clipped, against plain PyTorch in the same process; PARTs in order (default all):
 #       profile  benchmarks/machine.py --json $PROFILE (default /tmp/zerostack_machine.json, kept while
 #                the machine stays warm; copied to $OUT); the other parts reuse it, measuring it first if absent
-#       zero     benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split --max-norms 1 --repeat 3
+#       zero     benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_cpu --max-norms 1 --repeat 3
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
 #                gemini_auto takes GeminiOptimizer's default gpu_update_fraction ("auto" under auto
-#                placement), zero2_offload_split "auto", both the step-time model's share from $PROFILE (through
-#                ZEROSTACK_MACHINE_PROFILE); CPU_ROWS=1 adds gemini_auto_cpu, every host-held update in CPU Adam
+#                placement), zero2_offload ZeroOptimizer's default ("auto" with cpu_offload), both the step-time
+#                model's share from $PROFILE (through ZEROSTACK_MACHINE_PROFILE); zero2_offload_cpu every update
+#                in CPU Adam; CPU_ROWS=1 adds gemini_auto_cpu, every host-held update in CPU Adam
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -179,7 +180,7 @@ split)
   case "${1:-}" in zero|gemini|both) which=$1; shift ;; esac
   for f in ${1:-0.25 0.5}; do
     if [ "$which" != gemini ]; then
-      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split \
+      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload_cpu,zero2_offload_split \
         --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$PROFILE" \
         > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
     fi
@@ -281,7 +282,7 @@ floor)
     case "$part" in
     profile) ;;
     zero)
-      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_split \
+      timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_cpu \
         --max-norms 1 --repeat 3 "${M[@]}" \
         > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
     gpt4b)

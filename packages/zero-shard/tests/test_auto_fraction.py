@@ -211,6 +211,35 @@ def test_zero_optimizer_auto_names_what_keeps_the_split_off(caplog):
     )
 
 
+@needs_fused_adam
+def test_cpu_offload_takes_auto_by_default(monkeypatch, caplog):
+    import zerostack.shard._optimizer as zero_module
+
+    real, calls = zero_module.resolve_gpu_update_fraction, []
+
+    def record(api, fraction, device, *args, required=True, **kwargs):
+        calls.append((fraction, required))
+        return real(api, fraction, device, *args, required=required, **kwargs)
+
+    monkeypatch.setattr(zero_module, "resolve_gpu_update_fraction", record)
+
+    def build(**kw):
+        model = TinyGPT(GPTConfig(num_layers=1, dim=16, num_heads=2))
+        return ZeroOptimizer(torch.optim.AdamW(model.parameters()), **kw)
+
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        offloaded = build(cpu_offload=True)
+    # The default, not the user's ask: a profile that cannot be taken warns
+    # and steps every update in CPU Adam (required=False).
+    assert calls == [("auto", False)]
+    assert offloaded.gpu_update_fraction == 0.0 and offloaded._lane is None
+    assert "gpu_update_fraction='auto' chose 0.0: the compute device is cpu" in caplog.text
+    calls.clear()
+    assert build().gpu_update_fraction == 0.0 and calls == []  # no cpu_offload: nothing to split
+    assert build(cpu_offload=True, gpu_update_fraction=0.25).gpu_update_fraction == 0.25
+    assert calls == [(0.25, True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_fused_adam
@@ -228,6 +257,14 @@ def test_auto_on_cuda_measures_the_machine_and_splits(monkeypatch, caplog):
     assert 0.0 < zero.gpu_update_fraction < 1.0, caplog.text
     assert "measured this machine" in caplog.text
     assert zero._lane is not None
+    # cpu_offload's default is "auto": the same share (measured once per process).
+    other = TinyGPT(GPTConfig(num_layers=2, dim=64, num_heads=2)).cuda().to(torch.bfloat16)
+    default = ZeroOptimizer(
+        torch.optim.AdamW(other.parameters()), cpu_offload=True, module=other,
+        reduce_bucket_size=4096,
+    )  # fmt: skip
+    assert default.gpu_update_fraction == zero.gpu_update_fraction
+    assert default._lane is not None
 
 
 def _passes_its_group(rank, world):

@@ -135,7 +135,7 @@ CASES = [
     BadInput("gpu-fraction-above-1", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=1.5), ValueError, r"gpu_update_fraction must be in \[0, 1\] \(got 1\.5\)", True),
     BadInput("gpu-fraction-str", _wrap(_adamw, cpu_offload=True, gpu_update_fraction="0.5"), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] or 'auto' \(got '0\.5'\)", True),
     BadInput("gpu-fraction-bool", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=True), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] or 'auto' \(got True\)", True),
-    BadInput("gpu-fraction-none", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=None), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] or 'auto' \(got None\)", True),
+    BadInput("gpu-fraction-list", _wrap(_adamw, cpu_offload=True, gpu_update_fraction=[0.5]), TypeError, r"gpu_update_fraction must be a number in \[0, 1\] or 'auto' \(got \[0\.5\]\)", True),
     BadInput("gpu-fraction-sgd", _wrap(lambda env: torch.optim.SGD(_params(env), lr=0.1), cpu_offload=True, gpu_update_fraction=0.5), NotImplementedError, r"gpu_update_fraction steps Adam/AdamW in fused-adam's kernels \(got SGD\)", True),
     # -- ZeroOptimizer(...): settings -----------------------------------------------------
     BadInput("stage-0", _wrap(stage=0), ValueError, r"stage must be 1 or 2 \(got 0\); use gemini for stage 3"),

@@ -41,19 +41,22 @@ def _train(model, zero, step, rank=0):
 
 
 class _Gate:
-    """Holds the CPU update of one bucket on the worker until opened."""
+    """Holds the CPU update of one bucket on the worker until opened (its
+    CPU Adam call from now on steps that bucket alone: see [Note: CPU Adam
+    calls span buckets])."""
 
     def __init__(self, zero, bucket):
         self.open = threading.Event()
         self.entered = threading.Event()
         update = zero._cpu_update
+        zero.cpu_update_numel = 1
 
-        def gated(b, *args):
-            if b is bucket:
+        def gated(buckets, *args):
+            if any(b is bucket for b in buckets):
                 self.entered.set()
                 if not self.open.wait(timeout=30):
                     raise TimeoutError("the gate was never opened")
-            update(b, *args)
+            update(buckets, *args)
 
         zero._cpu_update = gated
 
@@ -67,6 +70,7 @@ def _step_returns_before_updates(device, fraction=0.0):
     # The synchronous step: the reference (the same lanes: on CUDA the
     # device's Adam rounds otherwise than CPU Adam).
     ref = _zero(ref_model, overlap=False, max_norm=1.0, gpu_update_fraction=fraction)
+    zero.cpu_update_numel = 1  # one bucket per CPU Adam call (the reference's are gathered)
     assert len(zero.buckets) >= 3
     first, last = zero._order[0], zero._order[-1]
     assert any(s.param is model.tok_emb.weight for s in first.shards)
@@ -149,6 +153,45 @@ def test_no_update_starts_before_step_without_clipping():
         assert zero._pipe.pending, "step() queued no update"
         idx2, _ = make_batch(CONFIG, 2, 16, seed=7)
         torch.testing.assert_close(model(idx2), ref_model(idx2), rtol=0, atol=0)
+
+
+def test_cpu_adam_calls_gather_buckets_up_to_cpu_update_numel():
+    """See [Note: CPU Adam calls span buckets]: consecutive buckets in
+    write-back order share a call until it holds ``cpu_update_numel``
+    elements, and the run equals one call per bucket bit for bit."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = copy.deepcopy(model)
+    zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, max_norm=1.0)
+    sizes = [b.piece_total for b in zero._order]
+    zero.cpu_update_numel, ref.cpu_update_numel = 4000, 1
+    per_step, call = [], []  # a call closes once it holds 4000 elements
+    for k in range(len(sizes)):
+        call.append(k)
+        if sum(sizes[i] for i in call) >= 4000:
+            per_step.append(call)
+            call = []
+    per_step += [call] if call else []
+    assert len(per_step) >= 3 and any(len(c) > 1 for c in per_step), sizes
+    calls = []
+    update = zero._cpu_update
+
+    def counted(buckets, *args):
+        calls.append([zero._order.index(b) for b in buckets])
+        update(buckets, *args)
+
+    zero._cpu_update = counted
+    for step in range(3):
+        assert _train(model, zero, step) and _train(ref_model, ref, step)
+    zero.wait_updates()
+    ref.wait_updates()
+    assert calls == per_step * 3
+    assert zero._pipe.worker_updates == 3 * len(per_step)
+    assert ref._pipe.worker_updates == 3 * len(sizes)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(zero.state_dict()["masters"], ref.state_dict()["masters"], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_checkpoint_while_updates_are_in_flight():

@@ -28,12 +28,13 @@ class ZeroConfig:
     """Masters and optimizer states on the CPU. Default False."""
     overlap_cpu_step: bool = True
     """With cpu_offload, update buckets on a worker thread. Default True."""
-    gpu_update_fraction: float | str = 0.0
+    gpu_update_fraction: float | str | None = None
     """With cpu_offload, the share of the offloaded elements (whole buckets,
     the first the next forward uses) whose Adam update runs in the compute
     device's fused Adam, masters and states streamed from and back to the
     host; 0.0 updates all in CPU Adam. In [0, 1], or "auto": the share the
-    step-time model finds fastest on this machine. Default 0.0."""
+    step-time model finds fastest on this machine. Default None: "auto"
+    with cpu_offload (0.0 where no split can run), else 0.0."""
     master_weights: bool = True
     """Keep fp32 masters for fp16/bf16 parameters. Default True."""
     max_norm: float = 0.0
@@ -55,7 +56,8 @@ class ZeroConfig:
         if size < 1:
             raise ValueError(f"{api}: reduce_bucket_size must be >= 1 (got {size})")
         check_max_norm(api, self.max_norm)
-        check_fraction(api, self.gpu_update_fraction)
+        if self.gpu_update_fraction is not None:
+            check_fraction(api, self.gpu_update_fraction)
         dtype = self.communication_dtype
         if dtype is not None and (
             not isinstance(dtype, torch.dtype) or not dtype.is_floating_point

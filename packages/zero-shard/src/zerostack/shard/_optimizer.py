@@ -52,6 +52,10 @@ from zerostack.shard._reduction import BucketBuffers, GradientReduction
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
+CPU_UPDATE_NUMEL = 2**26
+"""With ``cpu_offload``, the elements one CPU Adam call gathers from
+consecutive buckets (``ZeroOptimizer.cpu_update_numel``); see [Note: CPU
+Adam calls span buckets]."""
 
 
 # Inner optimizers already wrapped by a ZeroOptimizer (whose groups now hold masters).
@@ -65,7 +69,7 @@ def _check_args(
     max_norm: float,
     communication_dtype: torch.dtype | None,
     module: object,
-    gpu_update_fraction: float | str,
+    gpu_update_fraction: float | str | None,
 ) -> None:
     if isinstance(optimizer, ZeroOptimizer):
         raise TypeError(
@@ -131,15 +135,19 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
 
 def _offload_fraction(
     optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
-    fraction: float | str, param: torch.Tensor, group: Any,
+    fraction: float | str | None, param: torch.Tensor, group: Any,
 ) -> float:  # fmt: skip
     """The offload arguments checked, and ``gpu_update_fraction`` as a number
-    (``"auto"`` resolved, see [Note: gpu_update_fraction="auto"])."""
+    (None: "auto" with cpu_offload, else 0.0; ``"auto"`` resolved, see
+    [Note: gpu_update_fraction="auto"])."""
+    asked = fraction is not None
+    if not asked:
+        fraction = "auto" if cpu_offload else 0.0
     why_not = _check_offload_args(optimizer, cpu_offload, overlap_cpu_step, fraction, param.device)
     if not cpu_offload and fraction != "auto":
         return 0.0
     return resolve_gpu_update_fraction(
-        _API, fraction, param.device, why_not, param.element_size(), group=group
+        _API, fraction, param.device, why_not, param.element_size(), group=group, required=asked
     )
 
 
@@ -304,9 +312,11 @@ class ZeroOptimizer:
             machine's profile (measured once per process, a second or more, or
             read from the file ``ZEROSTACK_MACHINE_PROFILE`` names), 0.0
             where no split can run; the log says what it chose and why (see
-            [Note: gpu_update_fraction="auto"]). Default 0.0 (every update in
-            CPU Adam: ``cpu_offload`` keeps the GPU's memory free, and the
-            GPU's share keeps its gradients there).
+            [Note: gpu_update_fraction="auto"]). Default None: "auto" with
+            ``cpu_offload`` (a profile that cannot be taken gives 0.0 with a
+            warning), else 0.0. The GPU's share keeps its gradients on the
+            device until ``step()`` (2 bytes per bf16/fp16 element of this
+            rank's pieces): pass 0.0 to keep every gradient on the host.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -349,7 +359,7 @@ class ZeroOptimizer:
         communication_dtype: torch.dtype | None = None,
         cpu_offload: bool = False,
         overlap_cpu_step: bool = True,
-        gpu_update_fraction: float | str = 0.0,
+        gpu_update_fraction: float | str | None = None,
         master_weights: bool = True,
         max_norm: float = 0.0,
         gc_every_n_steps: int = 50,
@@ -471,6 +481,10 @@ class ZeroOptimizer:
         # Write-back order: the order forward uses the buckets (buckets are
         # in backward order). See [Note: offloaded step pipeline].
         self._order = self.buckets[::-1]
+        # See [Note: CPU Adam calls span buckets]; the positions of each
+        # queued call's buckets, by its key.
+        self.cpu_update_numel = CPU_UPDATE_NUMEL
+        self._members: dict[int, list[int]] = {}
         self._lane: DeviceLane | None = None
         if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
             lane = self._order[
@@ -752,8 +766,10 @@ class ZeroOptimizer:
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
         """Queue the update of every bucket with a used parameter, in
-        write-back order: in CPU Adam, or in the device's for the device
-        lane. See [Note: offloaded step pipeline]."""
+        write-back order: in CPU Adam, consecutive buckets together up to
+        ``cpu_update_numel`` elements per call (see [Note: CPU Adam calls
+        span buckets]), or each in the device's Adam for the device lane.
+        See [Note: offloaded step pipeline]."""
         pipe = self._pipe
         self._push_hyper()
         if pipe.stream is not None:
@@ -763,6 +779,9 @@ class ZeroOptimizer:
         if self._lane is not None:
             self._lane.start()
         pipe.round_open = True
+        self._members = {}
+        call: list[int] = []  # positions of the CPU Adam call being gathered
+        held = 0
         for k, bucket in enumerate(self._order):
             shards = [s for s in bucket.shards if used[s.index] > 0]
             if not shards:  # nothing changes: every rank skips it (used is global)
@@ -773,19 +792,53 @@ class ZeroOptimizer:
                     k, self._lane.update, bucket, pairs, div_scale, self._versions,
                     LaneProgress(), lane="device",
                 )  # fmt: skip
-            else:
-                pipe.submit(
-                    k, self._cpu_update, bucket, [(s.master, s.grad) for s in shards], div_scale
-                )
+                continue
+            call.append(k)
+            held += bucket.piece_total
+            if held >= self.cpu_update_numel:
+                self._submit_cpu(call, used, div_scale)
+                call, held = [], 0
+        if call:
+            self._submit_cpu(call, used, div_scale)
 
-    def _cpu_update(self, bucket: _Bucket, pairs: list, div_scale: float) -> None:
-        """Step one bucket's masters on the CPU (on the worker when
-        overlapping); their fp16/bf16 values land in ``bucket.host_params``."""
-        if bucket.copied is not None:
-            bucket.copied.synchronize()  # the last H2D copy out of host_params is done
+    # [Note: CPU Adam calls span buckets] A CPU Adam call has a fixed cost
+    # beside its bytes (the inner optimizer's pass over all its parameters,
+    # 0.17 ms a call for 576 of them on a 2-core CPU machine; the OpenMP
+    # team's start; the write-back's launches): on an H200 host the update
+    # phase of GPT-2 1.5B's 1.56e9 elements, the GPU idle, took 0.447 s in
+    # 145 calls of 2**24-element buckets, 0.380 s in 25 of 2**26 and 0.352 s
+    # in 6 of 2**28, about 0.56 ms a call from 145 calls to 25
+    # (docs/benchmarks.md, "Offloaded steps, 2026-12-03 fifth session"). So
+    # the calls follow the bytes, not
+    # reduce_bucket_size (which sets the gradients' collectives, and which
+    # LowLevelZeroPlugin sets to ColossalAI's 12M): consecutive CPU-lane
+    # buckets in write-back order are stepped in one call until it holds
+    # ``cpu_update_numel`` elements (default 2**26: about 1.9 GB of host
+    # traffic, 14 ms at 130 GB/s, a small share of the step for the first
+    # write-back to wait). A call is one pipeline key, its first bucket's
+    # position; its write-back writes every bucket of it, in order, and a
+    # failure keeps and retries the whole call (see [Note: a failed CPU
+    # update]). The results are those of one call per bucket, bit for bit:
+    # each element's update depends on nothing but its own values.
+
+    def _submit_cpu(self, positions: list[int], used: list[float], div_scale: float) -> None:
+        """Queue one CPU Adam call over the buckets at ``positions``, under
+        the first's key."""
+        buckets = [self._order[k] for k in positions]
+        pairs = [(s.master, s.grad) for b in buckets for s in b.shards if used[s.index] > 0]
+        self._members[positions[0]] = positions
+        self._pipe.submit(positions[0], self._cpu_update, buckets, pairs, div_scale)
+
+    def _cpu_update(self, buckets: list[_Bucket], pairs: list, div_scale: float) -> None:
+        """Step the masters of ``buckets`` on the CPU, in one call (on the
+        worker when overlapping); their fp16/bf16 values land in each
+        bucket's ``host_params``."""
+        for bucket in buckets:
+            if bucket.copied is not None:
+                bucket.copied.synchronize()  # the last H2D copy out of host_params is done
         # One update at a time: the inner optimizer steps every master with a
         # .grad, and a failed update's retry runs on the main thread while
-        # the worker may be running another bucket's.
+        # the worker may be running another call's.
         with phase("zerostack::cpu_update"), self._update_lock:
             for master, grad in pairs:
                 # torch's optimizers want the master's dtype; fused-adam's read bf16/fp16 as is.
@@ -796,7 +849,13 @@ class ZeroOptimizer:
                 for master, _ in pairs:
                     master.grad = None
             if not self._copy_out:
-                self._refresh_host(bucket)
+                for bucket in buckets:
+                    self._refresh_host(bucket)
+
+    def _write_back_key(self, key: int) -> None:
+        """Write back the buckets of the update finished under ``key``."""
+        for k in self._members.pop(key, (key,)):
+            self._write_back(self._order[k])
 
     def _refresh_host(self, bucket: _Bucket) -> None:
         for s, off in zip(bucket.shards, bucket.offsets, strict=True):
@@ -828,7 +887,7 @@ class ZeroOptimizer:
         if pipe is None or not pipe.round_open:
             return
         while pipe.held:
-            self._write_back(self._order[pipe.pop()])
+            self._write_back_key(pipe.pop())
         if pipe.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(pipe.stream)
         pipe.round_open = False
@@ -903,7 +962,7 @@ class ZeroOptimizer:
         last = positions[-1]
         eager = self.world == 1
         while pipe.held and (pipe.held[0] <= last or (eager and pipe.next_done())):
-            self._write_back(self._order[pipe.pop()])
+            self._write_back_key(pipe.pop())
         if pipe.stream is not None:
             stream = torch.cuda.current_stream(self.device)
             for k in positions:
@@ -998,7 +1057,7 @@ class ZeroOptimizer:
         those of a run that never saw it. See [Note: dropping a batch].
         """
         if self._state is T.UNFINISHED:
-            dropped = self._pipe.drop_failed()
+            dropped = [k for key in self._pipe.drop_failed() for k in self._members.pop(key, [key])]
             logger.warning(
                 "%s.zero_grad: the failed CPU updates of buckets %s (in write-back order) are "
                 "dropped: their parameters keep the values before that step", _API, dropped,

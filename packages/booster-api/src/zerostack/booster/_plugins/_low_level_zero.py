@@ -394,7 +394,8 @@ class LowLevelZeroPlugin(Plugin):
             streamed from the host and back (ZeroOptimizer's argument; not a
             ColossalAI one). In [0, 1], or "auto": the share the step-time
             model finds fastest on this machine (0.0 where none can run; the
-            log says why). Default 0.0 (all in CPU Adam).
+            log says why). Default None: "auto" with cpu_offload; 0.0 keeps
+            every update (and every gradient) on the host.
         master_weights: keep fp32 masters. Default True.
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
@@ -425,7 +426,7 @@ class LowLevelZeroPlugin(Plugin):
         overlap_communication: bool = _ZERO.overlap_communication,
         overlap_allgather: bool = False,
         cpu_offload: bool = _ZERO.cpu_offload,
-        gpu_update_fraction: float | str = _ZERO.gpu_update_fraction,
+        gpu_update_fraction: float | str | None = _ZERO.gpu_update_fraction,
         master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,
