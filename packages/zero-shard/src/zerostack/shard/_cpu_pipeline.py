@@ -82,8 +82,10 @@ parameter and per rank (N ranks, bf16/fp16 parameters, fp32 masters):
 
 Done one after the other, as before this pipeline, the step was forward +
 backward (0.27 s) + CPU Adam + parameters back: 0.71 s (0.40x of plain
-PyTorch's 0.285 s). Now the update of bucket i+1 runs on the worker while
-bucket i crosses PCIe and is all-gathered, and with ``module`` given
+PyTorch's 0.285 s). Now the update of CPU Adam call i+1 (consecutive
+buckets, see ZeroOptimizer's [Note: CPU Adam calls span buckets]) runs on
+the worker while the buckets of call i cross PCIe and are all-gathered, and
+with ``module`` given
 ``step()`` returns once the updates are queued: a module's forward pre-hook
 waits only for the buckets that hold its parameters, so the next forward
 (~1/3 of forward + backward) runs beside the updates. That leaves about
@@ -99,7 +101,7 @@ in write-back order) to the device's Adam, fed over PCIe from pinned host
 homes (12 B each way per parameter; its gradients stay on the device and
 its new parameters are made there), so CPU Adam does 1 - f: [Note: Adam
 where the bandwidth is] says how, [Note: step-time floor] which f finishes
-first. Its speed on a GPU has not been measured yet; the default is 0.
+first; ``cpu_offload`` takes that f by default ("auto").
 
 Clipping and overflow: each bucket's squared norm is computed on the device
 when it is reduced (backward), so ``step()`` needs one all-reduce and one

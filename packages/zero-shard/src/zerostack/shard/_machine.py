@@ -343,9 +343,10 @@ def resolve_gpu_update_fraction(
             rank's share, or 0.0 where any rank cannot split. Default: the
             default group.
         required: False where "auto" is the caller's default rather than
-            the user's ask (GeminiOptimizer under auto placement): a profile
-            that a rank could not take then gives 0.0 on every rank, with a
-            warning, instead of raising. Default True.
+            the user's ask (GeminiOptimizer under auto placement,
+            ZeroOptimizer with cpu_offload): a profile that a rank could not
+            take then gives 0.0 on every rank, with a warning, instead of
+            raising. Default True.
 
     Raises:
         RuntimeError: ``required`` and a rank could not take the
