@@ -49,7 +49,7 @@ from zerostack.shard import ZeroOptimizer
 
 def _zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
-    fraction: float | str | None = None, bucket: int | None = None,
+    fraction: float | str | None = None, bucket: int | None = None, numel: int | None = None,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -62,6 +62,9 @@ def _zero(
         **({} if bucket is None else {"reduce_bucket_size": bucket}),
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
+
+    if numel is not None:
+        zopt.cpu_update_numel = numel
 
     def step(loss, backward_only):
         if backward_only:
@@ -78,6 +81,8 @@ def _zero(
         label += f", max_norm={max_norm:g}"
     if bucket is not None:
         label += f", reduce_bucket_size={bucket}"
+    if numel is not None:
+        label += f", cpu_update_numel={numel}"
     result = T.run(label, model, step, batch, steps, warmup, False)
     zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
     if zopt._pipe is not None:  # per step, warm-up included
@@ -105,6 +110,12 @@ def main() -> int:
             "zero_optimization.reduce_bucket_size; default: ZeroOptimizer's)",
         )  # fmt: skip
         ap.add_argument(
+            "--cpu-update-numels", default="",
+            help="comma-separated cpu_update_numel values (elements a CPU Adam call gathers from "
+            "consecutive buckets; 1: one call per bucket) for the offloaded rows, one row each "
+            "(default: ZeroOptimizer's)",
+        )  # fmt: skip
+        ap.add_argument(
             "--gpu-update-fraction", type=T.fraction_arg, default="auto",
             help="zero2_offload_split's gpu_update_fraction, a number in [0, 1] or auto (the "
             "step-time model's fastest split on this machine; default %(default)s)",
@@ -122,26 +133,15 @@ def main() -> int:
     results: list[dict] = []
     wanted = a.only.split(",")
     norms = [float(n) for n in a.max_norms.split(",") if n]
+    numels = [int(n) for n in a.cpu_update_numels.split(",") if n] or [None]
     zero = functools.partial(_zero, bucket=a.reduce_bucket_size)
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
         for norm in norms:
             T.measure(results, wanted, "zero2", lambda n=norm: zero(*args, False, max_norm=n), run)
-            T.measure(
-                results, wanted, "zero2_offload", lambda n=norm: zero(*args, True, max_norm=n), run
-            )
-            T.measure(
-                results, wanted, "zero2_offload_cpu",
-                lambda n=norm: zero(*args, True, max_norm=n, fraction=0.0), run,
-            )  # fmt: skip
-            T.measure(
-                results, wanted, "zero2_offload_sync",
-                lambda n=norm: zero(*args, True, overlap=False, max_norm=n, fraction=0.0), run,
-            )  # fmt: skip
-            T.measure(
-                results, wanted, "zero2_offload_split",
-                lambda n=norm: zero(*args, True, max_norm=n, fraction=a.gpu_update_fraction), run,
-            )  # fmt: skip
+            for numel in numels:
+                offloaded = functools.partial(zero, numel=numel)
+                _offloaded_rows(results, wanted, run, offloaded, args, norm, a.gpu_update_fraction)
         T.measure(results, wanted, "fsdp2_offload", lambda: T.fsdp2_offload(*args), run)
     T.print_table(
         "ZeRO-2 on one GPU",
@@ -150,6 +150,23 @@ def main() -> int:
     )
     dist.destroy_process_group()
     return 0
+
+
+def _offloaded_rows(results, wanted, run, zero, args, norm, fraction) -> None:
+    """The cpu_offload rows of one run at one max_norm."""
+    T.measure(results, wanted, "zero2_offload", lambda: zero(*args, True, max_norm=norm), run)
+    T.measure(
+        results, wanted, "zero2_offload_cpu",
+        lambda: zero(*args, True, max_norm=norm, fraction=0.0), run,
+    )  # fmt: skip
+    T.measure(
+        results, wanted, "zero2_offload_sync",
+        lambda: zero(*args, True, overlap=False, max_norm=norm, fraction=0.0), run,
+    )  # fmt: skip
+    T.measure(
+        results, wanted, "zero2_offload_split",
+        lambda: zero(*args, True, max_norm=norm, fraction=fraction), run,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -240,6 +240,25 @@ def test_cpu_offload_takes_auto_by_default(monkeypatch, caplog):
     assert calls == [(0.25, True)]
 
 
+@needs_fused_adam
+def test_auto_chooses_nothing_for_a_model_with_a_non_contiguous_parameter(caplog):
+    # The device lane writes parameters as flat pieces: a channels_last
+    # convolution keeps the default (and "auto") at 0.0, with the reason,
+    # where it would raise for an explicit share.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv2d(8, 8, 3))
+    model = model.to(memory_format=torch.channels_last)
+    assert not model[0].weight.is_contiguous()
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        zero = ZeroOptimizer(torch.optim.AdamW(model.parameters()), cpu_offload=True)
+    assert zero.gpu_update_fraction == 0.0 and zero._lane is None
+    assert "chose 0.0: a parameter (shape (8, 3, 3, 3)" in caplog.text
+    assert "is not contiguous" in caplog.text
+    with pytest.raises(NotImplementedError, match="is not contiguous"):
+        ZeroOptimizer(
+            torch.optim.AdamW(model.parameters()), cpu_offload=True, gpu_update_fraction=1.0
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @needs_fused_adam

@@ -42,8 +42,8 @@ def _build(fraction, kind="adamw", dtype=torch.bfloat16, device="cpu", **kw):
     else:  # Adam with L2 weight decay: gradient-scale bugs show here
         inner = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
     zero = ZeroOptimizer(
-        inner, cpu_offload=True, module=model, reduce_bucket_size=2_000,
-        gpu_update_fraction=fraction, **kw,
+        inner, cpu_offload=True, module=model, gpu_update_fraction=fraction,
+        **{"reduce_bucket_size": 2_000, **kw},
     )  # fmt: skip
     return model, zero
 
@@ -173,6 +173,25 @@ def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypa
     # bucket, the embedding's (8192 elements) too: master, m, v, bf16 out.
     assert len(zero.buckets) > 2 and max(b.piece_total for b in zero.buckets) > 2048
     assert zero._lane.staging_bytes() == 2 * 2048 * (4 + 4 + 4 + 2)
+
+
+def test_the_staging_window_stays_small_with_large_buckets(monkeypatch):
+    # A DeepSpeed config's reduce_bucket_size (often 5e8) would make two
+    # staging windows of that size on the GPU; LANE_WINDOW bounds them
+    # (lowered here to 2048 so that this model's buckets exceed it).
+    import zerostack.shard._optimizer as zero_module
+
+    monkeypatch.setattr(zero_module, "LANE_WINDOW", 2048)
+    model, zero = _build(1.0, reduce_bucket_size=10**6)
+    assert max(b.piece_total for b in zero.buckets) > 2048
+    assert zero._lane.staging.window == 2048
+    ref_model, ref = _build(0.0, reduce_bucket_size=10**6)
+    _train(model, zero, steps=2)
+    _train(ref_model, ref, steps=2)
+    zero.wait_updates()
+    ref.wait_updates()
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["worker", "synchronous"])

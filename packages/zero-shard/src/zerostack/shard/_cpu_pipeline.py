@@ -6,7 +6,8 @@ under the same keys (``submit(..., lane="device")``, see [Note: Adam where
 the bandwidth is]).
 
 It knows nothing of what it updates: an owner submits ``update(*args)``
-under an int key (ZeroOptimizer: a bucket's position in write-back order;
+under an int key (ZeroOptimizer: the position in write-back order of the
+first bucket a CPU Adam call steps, or of a device-lane bucket;
 GeminiOptimizer: a chunk's index), waits for a key before using what the
 update wrote, and writes it back itself. Keys are finished in their order
 (ascending) wherever the owner finishes several.
@@ -85,11 +86,11 @@ backward (0.27 s) + CPU Adam + parameters back: 0.71 s (0.40x of plain
 PyTorch's 0.285 s). Now the update of CPU Adam call i+1 (consecutive
 buckets, see ZeroOptimizer's [Note: CPU Adam calls span buckets]) runs on
 the worker while the buckets of call i cross PCIe and are all-gathered, and
-with ``module`` given
-``step()`` returns once the updates are queued: a module's forward pre-hook
-waits only for the buckets that hold its parameters, so the next forward
-(~1/3 of forward + backward) runs beside the updates. That leaves about
-forward + backward + CPU Adam - forward + the last bucket's copy: ~0.6 s.
+with ``module`` given ``step()`` returns once the updates are queued: a
+module's forward pre-hook waits only for the calls that hold its
+parameters, so the next forward (~1/3 of forward + backward) runs beside
+the updates. That leaves about forward + backward + CPU Adam - forward +
+the last call's copies: ~0.6 s.
 No update starts before ``step()``, with or without clipping: an update
 started during backward (as this pipeline once did without clipping, for
 about forward + max(backward, CPU Adam) + the last copy) could not be taken
@@ -111,8 +112,9 @@ loss-scale factor as ``div_scale``. An fp16 overflow queues no update at all.
 Order: write-backs are collectives (all-gathers) at N > 1, so every rank
 issues them in one fixed order (``ZeroOptimizer._order``, the order in which
 forward uses the buckets); a forward pre-hook that needs bucket k first
-writes back every pending bucket before k, and all of them are written back
-before the next gradient reduction or any other collective of the optimizer.
+writes back every pending bucket before k and the rest of k's CPU Adam
+call, and all of them are written back before the next gradient reduction
+or any other collective of the optimizer.
 On one rank a pre-hook also writes back the later buckets whose updates are
 done (their H2D copies start early); on several it does not, so the all-
 gathers sit at the same points of the program on every rank, also among
@@ -149,7 +151,8 @@ class CpuStepError(RuntimeError):
 
     Attributes:
         index: the key of the failed update: GeminiOptimizer's chunk index,
-            ZeroOptimizer's bucket position in write-back order.
+            ZeroOptimizer's position in write-back order of the failed
+            update's first bucket (a CPU Adam call steps several).
     """
 
     def __init__(self, message: str, index: int) -> None:
@@ -188,8 +191,8 @@ class CpuUpdatePipeline:
 
     Args:
         api: the owner's name, for messages.
-        unit: what a key names in messages, with ``{}`` for the key (e.g.
-            ``"chunk {}"``).
+        unit: what a key names in messages: a text with ``{}`` for the key
+            (e.g. ``"chunk {}"``), or a function of the key.
         overlap: run updates on a worker thread (else inline, at ``submit``).
         device: the compute device (the worker's current CUDA device).
         retry_at: what runs a kept update again, for the error's message.
@@ -198,7 +201,8 @@ class CpuUpdatePipeline:
     """
 
     def __init__(
-        self, api: str, unit: str, overlap: bool, device: torch.device, *, retry_at: str,
+        self, api: str, unit: str | Callable[[int], str], overlap: bool, device: torch.device,
+        *, retry_at: str,
         write_back_stream: bool = False,
     ) -> None:  # fmt: skip
         self.api, self.unit, self.retry_at = api, unit, retry_at
@@ -225,6 +229,9 @@ class CpuUpdatePipeline:
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
         self.wait_s = 0.0  # seconds the owner waited for them (exposed)
         self.worker_updates = 0  # updates that ran on the worker thread
+
+    def _name(self, key: int) -> str:
+        return self.unit(key) if callable(self.unit) else self.unit.format(key)
 
     def _on_own_worker(self) -> bool:
         return threading.get_ident() in self._idents
@@ -366,7 +373,7 @@ class CpuUpdatePipeline:
     def _failed_once(self, key: int, error: BaseException) -> None:
         logger.warning(
             "%s: the %s update of %s failed (%s: %s); it will run again",
-            self.api, self._held.get(key, "CPU"), self.unit.format(key), type(error).__name__,
+            self.api, self._held.get(key, "CPU"), self._name(key), type(error).__name__,
             error,
         )  # fmt: skip
         self._failed.add(key)
@@ -378,7 +385,7 @@ class CpuUpdatePipeline:
         except Exception as error:
             lane = self._held.get(key, "CPU")
             failed = CpuStepError(
-                f"{self.api}: the {lane} update of {self.unit.format(key)} failed "
+                f"{self.api}: the {lane} update of {self._name(key)} failed "
                 f"({type(error).__name__}: {error}); it is kept with its gradients: remove the "
                 f"cause and go on (the next {self.retry_at} runs it again), or reload a "
                 "checkpoint",
@@ -389,5 +396,5 @@ class CpuUpdatePipeline:
         self._failed.discard(key)
         logger.info(
             "%s: the %s update of %s ran again and succeeded",
-            self.api, self._held.get(key, "CPU"), self.unit.format(key),
+            self.api, self._held.get(key, "CPU"), self._name(key),
         )  # fmt: skip

@@ -118,8 +118,8 @@ class DeviceLane:
         world, rank: this rank's place (for its pieces of the parameters).
         pin: pin the homes (with CUDA).
         window: elements of a staging slot (rounded up to a multiple of
-            1024, at most the largest bucket's): ``reduce_bucket_size / world``
-            bounds the buckets but those of one larger parameter.
+            1024, at most the largest bucket's): ZeroOptimizer gives
+            ``min(reduce_bucket_size, LANE_WINDOW) / world``.
     """
 
     def __init__(
@@ -137,8 +137,9 @@ class DeviceLane:
         self._offset = {
             s.index: off for b in buckets for s, off in zip(b.shards, b.offsets, strict=True)
         }
-        for bucket in buckets:
+        for bucket in buckets:  # every one checked before any master is rebound
             _contiguous_params(bucket)
+        for bucket in buckets:
             bucket.lane = self._homes(bucket, pin, device.type == "cuda")
 
     @staticmethod

@@ -342,11 +342,10 @@ def resolve_gpu_update_fraction(
             collective (every rank calls this): every rank takes the first
             rank's share, or 0.0 where any rank cannot split. Default: the
             default group.
-        required: False where "auto" is the caller's default rather than
-            the user's ask (GeminiOptimizer under auto placement,
-            ZeroOptimizer with cpu_offload): a profile that a rank could not
-            take then gives 0.0 on every rank, with a warning, instead of
-            raising. Default True.
+        required: False where "auto" is a default, not the user's ask
+            (GeminiOptimizer's auto placement, ZeroOptimizer's cpu_offload):
+            a profile a rank could not take then gives 0.0 on every rank,
+            with a warning, instead of raising. Default True.
 
     Raises:
         RuntimeError: ``required`` and a rank could not take the

@@ -56,6 +56,11 @@ CPU_UPDATE_NUMEL = 2**26
 """With ``cpu_offload``, the elements one CPU Adam call gathers from
 consecutive buckets (``ZeroOptimizer.cpu_update_numel``); see [Note: CPU
 Adam calls span buckets]."""
+LANE_WINDOW = 2**24
+"""Elements (over all ranks) of a staging slot of the device lane
+(``gpu_update_fraction``), whatever ``reduce_bucket_size`` is: two slots of
+14 B an element with bf16 parameters, 470 MB on one GPU, where a DeepSpeed
+config's ``reduce_bucket_size`` of 5e8 would make them 14 GB."""
 
 
 # Inner optimizers already wrapped by a ZeroOptimizer (whose groups now hold masters).
@@ -135,7 +140,7 @@ def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) ->
 
 def _offload_fraction(
     optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
-    fraction: float | str | None, param: torch.Tensor, group: Any,
+    fraction: float | str | None, params: list[torch.Tensor], group: Any,
 ) -> float:  # fmt: skip
     """The offload arguments checked, and ``gpu_update_fraction`` as a number
     (None: "auto" with cpu_offload, else 0.0; ``"auto"`` resolved, see
@@ -143,17 +148,18 @@ def _offload_fraction(
     asked = fraction is not None
     if not asked:
         fraction = "auto" if cpu_offload else 0.0
-    why_not = _check_offload_args(optimizer, cpu_offload, overlap_cpu_step, fraction, param.device)
+    why_not = _check_offload_args(optimizer, cpu_offload, overlap_cpu_step, fraction, params)
     if not cpu_offload and fraction != "auto":
         return 0.0
     return resolve_gpu_update_fraction(
-        _API, fraction, param.device, why_not, param.element_size(), group=group, required=asked
-    )
+        _API, fraction, params[0].device, why_not, params[0].element_size(), group=group,
+        required=asked,
+    )  # fmt: skip
 
 
 def _check_offload_args(
     optimizer: torch.optim.Optimizer, cpu_offload: bool, overlap_cpu_step: object,
-    fraction: float | str, device: torch.device,
+    fraction: float | str, params: list[torch.Tensor],
 ) -> str | None:  # fmt: skip
     """Raises for bad offload arguments; for ``gpu_update_fraction="auto"``
     returns why no split can run (None: one can)."""
@@ -161,9 +167,16 @@ def _check_offload_args(
         raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
     if cpu_offload:
         _check_cpu_kernel(optimizer)
+    device = params[0].device
     if fraction == "auto":
         if not cpu_offload:
             return "cpu_offload is off: every update runs on the compute device already"
+        odd = next((p for p in params if not p.is_contiguous()), None)
+        if odd is not None:
+            return (
+                f"a parameter (shape {tuple(odd.shape)}, stride {odd.stride()}) is not "
+                "contiguous, and the device lane writes parameters as flat pieces"
+            )
         return lane_refusal(_API, optimizer, device, torch_adam=True)
     if fraction == 0:
         return None
@@ -223,12 +236,34 @@ def _cpu_kernel(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return CPUAdam(groups, adamw_mode=adamw)
 
 
-def _offload_pipeline(overlap: bool, device: torch.device) -> CpuUpdatePipeline:
-    """cpu_offload's updates, one per bucket by its position in write-back
-    order. See [Note: offloaded step pipeline]."""
+def _spans(positions: list[int]) -> str:
+    """Ascending ints as runs: [0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for k in positions:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+
+
+def _offload_pipeline(
+    overlap: bool, device: torch.device, members: dict[int, list[int]]
+) -> CpuUpdatePipeline:
+    """cpu_offload's updates, one per CPU Adam call (``members``: its
+    buckets' positions in write-back order, by the first's) or device-lane
+    bucket, keyed by the first bucket's position. See [Note: offloaded step
+    pipeline]."""
+
+    def unit(key: int) -> str:  # the dict, not the optimizer: see [Note: a dropped owner is freed]
+        positions = members.get(key, [key])
+        if len(positions) == 1:
+            return f"bucket {key} (in write-back order)"
+        return f"buckets {_spans(positions)} (in write-back order, one CPU Adam call)"
+
     return CpuUpdatePipeline(
-        _API, "bucket {} (in write-back order)", overlap, device,
-        retry_at="forward, backward or step", write_back_stream=True,
+        _API, unit, overlap, device, retry_at="forward, backward or step",
+        write_back_stream=True,
     )  # fmt: skip
 
 
@@ -290,11 +325,12 @@ class ZeroOptimizer:
         communication_dtype: dtype gradients travel in. Default: the params'.
         cpu_offload: keep masters and optimizer states on the CPU; Adam/AdamW
             then steps through zerostack-fused-adam's CPU kernel. Default False.
-        overlap_cpu_step: with ``cpu_offload``, update the buckets one by one
-            on a worker thread while the updated ones go to the device (see
-            [Note: offloaded step pipeline]); with ``module`` given,
-            ``step()`` returns before the updates finish and each module's
-            forward waits for the buckets holding its parameters. Read the
+        overlap_cpu_step: with ``cpu_offload``, update the buckets on a
+            worker thread, consecutive ones in one CPU Adam call of
+            ``cpu_update_numel`` elements, while the updated ones go to the
+            device (see [Note: offloaded step pipeline]); with ``module``
+            given, ``step()`` returns before the updates finish and each
+            module's forward waits for the calls holding its parameters. Read the
             parameters in forward, through ``model.state_dict()``, or after
             ``wait_updates()``; step lr schedulers on this object's
             ``param_groups``. Updates start at ``step()``, never during
@@ -380,7 +416,7 @@ class ZeroOptimizer:
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
         # After the cheap checks: "auto" may measure the machine for a second.
         offload = (optimizer, cpu_offload, overlap_cpu_step, gpu_update_fraction)
-        self.gpu_update_fraction = _offload_fraction(*offload, params[0], process_group)
+        self.gpu_update_fraction = _offload_fraction(*offload, params, process_group)
         if debug_collectives is not None:
             _set_debug(debug_collectives)
         self.stage = stage
@@ -401,7 +437,7 @@ class ZeroOptimizer:
         self._lay_out_buckets(reduce_bucket_size)
         self._pipe: CpuUpdatePipeline | None = None
         if cpu_offload:
-            self._pipe = _offload_pipeline(overlap_cpu_step, self.device)
+            self._pipe = _offload_pipeline(overlap_cpu_step, self.device, self._members)
             # Not the pipeline: its failed updates, kept, hold self. See [Note: a dropped owner is freed]
             weakref.finalize(self, self._pipe.closer())
             if hasattr(self.optimizer, "set_step_waiter"):  # its figures wait for the worker
@@ -483,7 +519,7 @@ class ZeroOptimizer:
         self._order = self.buckets[::-1]
         # See [Note: CPU Adam calls span buckets]; the positions of each
         # queued call's buckets, by its key.
-        self.cpu_update_numel = CPU_UPDATE_NUMEL
+        self._cpu_update_numel = CPU_UPDATE_NUMEL
         self._members: dict[int, list[int]] = {}
         self._lane: DeviceLane | None = None
         if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
@@ -493,7 +529,8 @@ class ZeroOptimizer:
             if lane:
                 self._lane = DeviceLane(
                     lane, self.optimizer, self.device, self.world, self.rank,
-                    pin=torch.cuda.is_available(), window=-(-reduce_bucket_size // self.world),
+                    pin=torch.cuda.is_available(),
+                    window=-(-min(reduce_bucket_size, LANE_WINDOW) // self.world),
                 )  # fmt: skip
         if self.cpu_offload:
             pin_offload_buffers(
@@ -501,6 +538,20 @@ class ZeroOptimizer:
                 pin=torch.cuda.is_available(),
                 copy_out=self._copy_out,
             )  # fmt: skip
+
+    @property
+    def cpu_update_numel(self) -> int:
+        """With ``cpu_offload``: a CPU Adam call steps consecutive buckets (in
+        write-back order) until it holds this many elements of this rank's
+        pieces; default 2**26, 1 makes one call per bucket. Read at each
+        ``step()``. See [Note: CPU Adam calls span buckets]."""
+        return self._cpu_update_numel
+
+    @cpu_update_numel.setter
+    def cpu_update_numel(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{_API}: cpu_update_numel must be an int >= 1 (got {value!r})")
+        self._cpu_update_numel = value
 
     def _log_layout(self, master_device: torch.device) -> None:
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
@@ -766,9 +817,10 @@ class ZeroOptimizer:
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
         """Queue the update of every bucket with a used parameter, in
-        write-back order: in CPU Adam, consecutive buckets together up to
-        ``cpu_update_numel`` elements per call (see [Note: CPU Adam calls
-        span buckets]), or each in the device's Adam for the device lane.
+        write-back order: in CPU Adam, consecutive buckets together, a call
+        closing once it holds ``cpu_update_numel`` elements (see [Note: CPU
+        Adam calls span buckets]), or each in the device's Adam for the
+        device lane.
         See [Note: offloaded step pipeline]."""
         pipe = self._pipe
         self._push_hyper()
@@ -779,7 +831,7 @@ class ZeroOptimizer:
         if self._lane is not None:
             self._lane.start()
         pipe.round_open = True
-        self._members = {}
+        self._members.clear()  # the pipeline's messages read this dict
         call: list[int] = []  # positions of the CPU Adam call being gathered
         held = 0
         for k, bucket in enumerate(self._order):
@@ -787,6 +839,8 @@ class ZeroOptimizer:
             if not shards:  # nothing changes: every rank skips it (used is global)
                 continue
             if bucket.lane is not None:  # See [Note: Adam where the bandwidth is]
+                if call:  # not met: the lane's buckets come first in write-back order
+                    raise AssertionError(f"{_API}: a device-lane bucket after CPU-lane ones")
                 pairs = [(s, s.grad) for s in shards]
                 pipe.submit(
                     k, self._lane.update, bucket, pairs, div_scale, self._versions,
@@ -795,7 +849,7 @@ class ZeroOptimizer:
                 continue
             call.append(k)
             held += bucket.piece_total
-            if held >= self.cpu_update_numel:
+            if held >= self._cpu_update_numel:
                 self._submit_cpu(call, used, div_scale)
                 call, held = [], 0
         if call:
@@ -854,8 +908,9 @@ class ZeroOptimizer:
 
     def _write_back_key(self, key: int) -> None:
         """Write back the buckets of the update finished under ``key``."""
-        for k in self._members.pop(key, (key,)):
+        for k in self._members.get(key, (key,)):
             self._write_back(self._order[k])
+        self._members.pop(key, None)
 
     def _refresh_host(self, bucket: _Bucket) -> None:
         for s, off in zip(bucket.shards, bucket.offsets, strict=True):
@@ -952,8 +1007,8 @@ class ZeroOptimizer:
 
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
-        every pending bucket up to the last of them, in order, and make the
-        compute stream wait for them. On one rank (no collective in a
+        every pending bucket up to the last of them and the rest of its CPU
+        Adam call, in order, and make the compute stream wait for them. On one rank (no collective in a
         write-back) the later buckets whose updates are done go too, so their
         H2D copies start early; on several, write-backs stay at points of the
         program that are the same on every rank, so that they keep their
@@ -1060,7 +1115,8 @@ class ZeroOptimizer:
             dropped = [k for key in self._pipe.drop_failed() for k in self._members.pop(key, [key])]
             logger.warning(
                 "%s.zero_grad: the failed CPU updates of buckets %s (in write-back order) are "
-                "dropped: their parameters keep the values before that step", _API, dropped,
+                "dropped: their parameters keep the values before that step", _API,
+                _spans(dropped) or "none",
             )  # fmt: skip
             self._transition(T.IDLE)
             self.wait_updates()
