@@ -856,9 +856,9 @@ class ZeroOptimizer:
             self._submit_cpu(call, used, div_scale)
 
     # [Note: CPU Adam calls span buckets] A CPU Adam call has a fixed cost
-    # beside its bytes (the inner optimizer's pass over all its parameters,
-    # 0.17 ms a call for 576 of them on a 2-core CPU machine; the OpenMP
-    # team's start; the write-back's launches): on an H200 host the update
+    # beside its bytes (on the 2-core CPU machine, with 576 one-parameter
+    # buckets, 0.18 ms a bucket of which the inner optimizer's pass over all
+    # 576 parameters was most; docs/benchmarks.md, sixth session): on an H200 host the update
     # phase of GPT-2 1.5B's 1.56e9 elements, the GPU idle, took 0.447 s in
     # 145 calls of 2**24-element buckets, 0.380 s in 25 of 2**26 and 0.352 s
     # in 6 of 2**28, about 0.56 ms a call from 145 calls to 25

@@ -26,9 +26,10 @@ time one resource needs at its measured bandwidth:
 - disk: the bytes of Adam states read and written per step (NVMe offload),
   one after the other on one device: ``read / read_bw + write / write_bw``.
 
-The update phase runs every resource at once, bucket by bucket, so it lasts
-as long as its slowest resource: ``update = max(cpu, h2d, disk)`` (a floor:
-the first bucket's wait and the last bucket's copy are not counted). The
+The update phase runs every resource at once, call by call (buckets or
+chunks), so it lasts as long as its slowest resource: ``update = max(cpu,
+h2d, disk)`` (a floor: the first call's wait and the last one's copy are not
+counted). The
 updates start at ``step()``, after the global gradient norm, which
 clipping needs before any update (``clip_before_update``; the CPU-step
 pipeline never starts earlier, with or without clipping); they then hide
