@@ -330,8 +330,8 @@ class ZeroOptimizer:
             ``cpu_update_numel`` elements, while the updated ones go to the
             device (see [Note: offloaded step pipeline]); with ``module``
             given, ``step()`` returns before the updates finish and each
-            module's forward waits for the calls holding its parameters. Read the
-            parameters in forward, through ``model.state_dict()``, or after
+            module's forward waits for the calls holding its parameters.
+            Read the parameters in forward, through ``model.state_dict()``, or after
             ``wait_updates()``; step lr schedulers on this object's
             ``param_groups``. Updates start at ``step()``, never during
             backward (see [Note: dropping a batch]). Default True.
@@ -820,8 +820,7 @@ class ZeroOptimizer:
         write-back order: in CPU Adam, consecutive buckets together, a call
         closing once it holds ``cpu_update_numel`` elements (see [Note: CPU
         Adam calls span buckets]), or each in the device's Adam for the
-        device lane.
-        See [Note: offloaded step pipeline]."""
+        device lane. See [Note: offloaded step pipeline]."""
         pipe = self._pipe
         self._push_hyper()
         if pipe.stream is not None:
@@ -833,7 +832,7 @@ class ZeroOptimizer:
         pipe.round_open = True
         self._members.clear()  # the pipeline's messages read this dict
         call: list[int] = []  # positions of the CPU Adam call being gathered
-        held = 0
+        numel = 0  # its elements
         for k, bucket in enumerate(self._order):
             shards = [s for s in bucket.shards if used[s.index] > 0]
             if not shards:  # nothing changes: every rank skips it (used is global)
@@ -848,23 +847,22 @@ class ZeroOptimizer:
                 )  # fmt: skip
                 continue
             call.append(k)
-            held += bucket.piece_total
-            if held >= self._cpu_update_numel:
+            numel += bucket.piece_total
+            if numel >= self._cpu_update_numel:
                 self._submit_cpu(call, used, div_scale)
-                call, held = [], 0
+                call, numel = [], 0
         if call:
             self._submit_cpu(call, used, div_scale)
 
     # [Note: CPU Adam calls span buckets] A CPU Adam call has a fixed cost
-    # beside its bytes (on the 2-core CPU machine, with 576 one-parameter
-    # buckets, 0.18 ms a bucket of which the inner optimizer's pass over all
-    # 576 parameters was most; docs/benchmarks.md, sixth session): on an H200 host the update
-    # phase of GPT-2 1.5B's 1.56e9 elements, the GPU idle, took 0.447 s in
-    # 145 calls of 2**24-element buckets, 0.380 s in 25 of 2**26 and 0.352 s
-    # in 6 of 2**28, about 0.56 ms a call from 145 calls to 25
-    # (docs/benchmarks.md, "Offloaded steps, 2026-12-03 fifth session"). So
-    # the calls follow the bytes, not
-    # reduce_bucket_size (which sets the gradients' collectives, and which
+    # beside its bytes. On the 2-core CPU machine, with 576 one-parameter
+    # buckets, it was 0.18 ms a bucket, most of it the inner optimizer's pass
+    # over all 576 parameters (docs/benchmarks.md, sixth session). On an H200
+    # host the update phase of GPT-2 1.5B's 1.56e9 elements, the GPU idle,
+    # took 0.447 s in 145 calls of 2**24-element buckets, 0.380 s in 25 of
+    # 2**26 and 0.352 s in 6 of 2**28: about 0.56 ms a call from 145 calls to
+    # 25 (docs/benchmarks.md, fifth session). So the calls follow the bytes,
+    # not reduce_bucket_size (which sets the gradients' collectives, and which
     # LowLevelZeroPlugin sets to ColossalAI's 12M): consecutive CPU-lane
     # buckets in write-back order are stepped in one call until it holds
     # ``cpu_update_numel`` elements (default 2**26: about 1.9 GB of host
@@ -873,7 +871,9 @@ class ZeroOptimizer:
     # position; its write-back writes every bucket of it, in order, and a
     # failure keeps and retries the whole call (see [Note: a failed CPU
     # update]). The results are those of one call per bucket, bit for bit:
-    # each element's update depends on nothing but its own values.
+    # each element's update depends on nothing but its own values. Measured
+    # in one process on an H200 (sixth session): 12-20% off the overlapped
+    # step of GPT-2 1.5B with every update in CPU Adam.
 
     def _submit_cpu(self, positions: list[int], used: list[float], div_scale: float) -> None:
         """Queue one CPU Adam call over the buckets at ``positions``, under
@@ -1008,11 +1008,12 @@ class ZeroOptimizer:
     def _await_positions(self, positions: tuple[int, ...]) -> None:
         """A forward is about to use the buckets at ``positions``: write back
         every pending bucket up to the last of them and the rest of its CPU
-        Adam call, in order, and make the compute stream wait for them. On one rank (no collective in a
-        write-back) the later buckets whose updates are done go too, so their
-        H2D copies start early; on several, write-backs stay at points of the
-        program that are the same on every rank, so that they keep their
-        place among any collectives the model issues in forward."""
+        Adam call, in order, and make the compute stream wait for them. On
+        one rank (no collective in a write-back) the later calls whose
+        updates are done go too, so their H2D copies start early; on several,
+        write-backs stay at points of the program that are the same on every
+        rank, so that they keep their place among any collectives the model
+        issues in forward."""
         pipe = self._pipe
         last = positions[-1]
         eager = self.world == 1
