@@ -238,11 +238,13 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     before: dict = {}  # the allocator's counters when the timed steps start
+    collecting = _GcClock()  # Python's garbage collections: a pause in any phase
+    gc.callbacks.append(collecting)
     for i in range(warmup + steps):
         if i == warmup:
             before = torch.cuda.memory_stats()
         torch.cuda.synchronize()
-        r0, t0 = retried(), time.perf_counter()
+        r0, t0, c0 = retried(), time.perf_counter(), collecting.seconds
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
         torch.cuda.synchronize()
@@ -264,10 +266,17 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
             fwd.append(tf - t0)
             fb.append(tf - t0 + t1 - tb)
             opt.append(t2 - to)
-            marks.append("f" * (rf - r0) + "b" * (rb - rf) + "o" * (ro - rb))
+            retries = "f" * (rf - r0) + "b" * (rb - rf) + "o" * (ro - rb)
+            paused = collecting.seconds - c0
+            marks.append(
+                (f"[retry {retries}]" if retries else "")
+                + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
+            )
+    gc.callbacks.remove(collecting)
     total = [a + b for a, b in zip(fb, opt, strict=True)]
-    if os.environ.get("ZEROSTACK_BENCH_PROFILE") == "1":
-        _profile(name, model, step_fn, idx, tgt, autocast)
+    profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
+    if profiled.isdigit() and int(profiled) > 0:
+        _profile(name, model, step_fn, idx, tgt, autocast, 3 if profiled == "1" else int(profiled))
     return dict(
         name=name,
         tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
@@ -291,6 +300,19 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     )
 
 
+class _GcClock:
+    """A ``gc.callbacks`` entry: seconds Python's garbage collector ran, summed."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
 def _counted(before: dict, key: str) -> int:
     """How much the CUDA allocator's counter ``key`` grew since ``before``
     (its memory_stats): retries, cudaMalloc/cudaFree calls (or maps and
@@ -298,21 +320,31 @@ def _counted(before: dict, key: str) -> int:
     return torch.cuda.memory_stats().get(key, 0) - before.get(key, 0)
 
 
-def _profile(name, model, step_fn, idx, tgt, autocast) -> None:
-    """Three more steps under torch.profiler: where host and device time goes."""
-    from torch.profiler import ProfilerActivity, profile
+def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
+    """More steps under torch.profiler: where host and device time goes,
+    over all of them and phase by phase (synchronised between phases)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=acts) as prof:
-        for _ in range(3):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                loss = model(idx, tgt)
-            step_fn(loss, backward_only=True)
-            step_fn(loss, backward_only=False)
-        torch.cuda.synchronize()
-    print(f"\n[profile] {name}: 3 steps", flush=True)
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            with record_function("bench::forward"):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(idx, tgt)
+                torch.cuda.synchronize()
+            with record_function("bench::backward"):
+                step_fn(loss, backward_only=True)
+                torch.cuda.synchronize()
+            with record_function("bench::step"):
+                step_fn(loss, backward_only=False)
+                torch.cuda.synchronize()
+    print(f"\n[profile] {name}: {steps} steps", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
-    print(f"[profile] {name}: {device_time(prof.events())}", flush=True)
+    events = prof.events()
+    print(f"[profile] {name}: {device_time(events)}", flush=True)
+    for line in phase_times(events):
+        print(f"[profile] {name}: {line}", flush=True)
 
 
 def _where(frames: list[dict], keep: int = 4) -> str:
@@ -389,21 +421,63 @@ def _overlap(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> floa
     return total
 
 
-def device_time(events) -> str:
-    """Where the GPU's time went in a torch.profiler trace (its events):
-    kernels, copies host to device and device to host (and how much of each
-    ran beside no kernel), idle, over the span from the first device event
-    to the last; one line for a log."""
+def _device_spans(events) -> dict[str, list[tuple[float, float]]]:
+    """The device's work in a torch.profiler trace, in seconds: kernels,
+    copies host to device ("h2d") and device to host ("d2h"), and each
+    stream's work ("stream N")."""
     spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": []}
-    streams: set = set()
     for e in events:
         # A record_function range (zerostack::step) also shows as a device
         # event spanning its kernels: it is no work of its own.
         if str(e.device_type) != "DeviceType.CUDA" or e.is_user_annotation:
             continue
         kind = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else "kernel"
-        spans[kind].append((e.time_range.start / 1e6, e.time_range.end / 1e6))
-        streams.add(e.device_resource_id)
+        span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
+        spans[kind].append(span)
+        spans.setdefault(f"stream {e.device_resource_id}", []).append(span)
+    return spans
+
+
+def _clipped(spans: list[tuple[float, float]], a: float, b: float) -> list[tuple[float, float]]:
+    return [(max(x, a), min(y, b)) for x, y in spans if y > a and x < b]
+
+
+def phase_times(events) -> list[str]:
+    """One line per ``bench::`` phase of a torch.profiler trace: its wall
+    time, the device's kernel time in it, the busiest stream's work, its
+    copies, and how long the device did nothing. A phase whose device sat
+    idle waited on the host; one whose kernels grew ran slower kernels."""
+    spans = {k: _union(v) for k, v in _device_spans(events).items()}
+    busy = _union([s for k in ("kernel", "h2d", "d2h") for s in spans[k]])
+    streams = [k for k in spans if k.startswith("stream ")]
+    lines = []
+    phases = sorted(
+        (e.time_range.start / 1e6, e.time_range.end / 1e6, e.name)
+        for e in events
+        if e.name.startswith("bench::") and str(e.device_type) == "DeviceType.CPU"
+    )
+    for count, (a, b, label) in enumerate(phases):
+        kernel = _length(_clipped(spans["kernel"], a, b))
+        per_stream = {k: _length(_clipped(spans[k], a, b)) for k in streams}
+        top = max(per_stream, key=lambda k: per_stream[k], default="no stream")
+        copies = [_length(_clipped(spans[k], a, b)) for k in ("h2d", "d2h")]
+        idle = (b - a) - _length(_clipped(busy, a, b))
+        lines.append(
+            f"step {count // 3} {label[7:]}: {b - a:.3f} s; kernels {kernel:.3f} s ({top} "
+            f"{per_stream.get(top, 0.0):.3f} s), H2D {copies[0]:.3f} s, D2H {copies[1]:.3f} s, "
+            f"device idle {idle:.3f} s"
+        )
+    return lines
+
+
+def device_time(events) -> str:
+    """Where the GPU's time went in a torch.profiler trace (its events):
+    kernels, copies host to device and device to host (and how much of each
+    ran beside no kernel), idle, over the span from the first device event
+    to the last; one line for a log."""
+    spans = _device_spans(events)
+    streams = {k for k in spans if k.startswith("stream ")}
+    spans = {k: spans[k] for k in ("kernel", "h2d", "d2h")}
     if not any(spans.values()):
         return "no device events"
     merged = {k: _union(v) for k, v in spans.items()}
@@ -516,14 +590,12 @@ def print_table(
         print_floors(results, MACHINE[0])
     print(
         "\nper-step (forward, backward, optimizer) seconds, with the phases in which the CUDA "
-        "allocator retried ([retry f|b|o]: forward, backward, optimizer), the last step's loss, "
+        "allocator retried ([retry f|b|o]: forward, backward, optimizer) and the time Python's "
+        "garbage collector paused it ([gc N ms], when 1 ms or more), the last step's loss, "
         "the peak of the allocator's reserved memory and its device allocations and frees:"
     )
     for r in ok:
-        steps = " ".join(
-            f"{f:.3f}/{b:.3f}/{o:.3f}" + (f"[retry {m}]" if m else "")
-            for f, b, o, m in r["steps_s"]
-        )
+        steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}{m}" for f, b, o, m in r["steps_s"])
         print(
             f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}; "
             f"reserved {r['peak_reserved_gb']:.1f} GB at most; {r['device_allocs']} device "

@@ -50,6 +50,7 @@ from zerostack.shard import ZeroOptimizer
 def _zero(
     config, batch, steps, warmup, offload: bool, overlap: bool = True, max_norm: float = 0.0,
     fraction: float | str | None = None, bucket: int | None = None, numel: int | None = None,
+    overlap_comm: bool = True,
 ) -> dict:  # fmt: skip
     model = T.build(config, torch.bfloat16)
     zopt = ZeroOptimizer(
@@ -60,6 +61,7 @@ def _zero(
         **({} if fraction is None else {"gpu_update_fraction": fraction}),
         max_norm=max_norm,  # LowLevelZeroOptimizer's clip_grad_norm: the global norm first
         **({} if bucket is None else {"reduce_bucket_size": bucket}),
+        overlap_communication=overlap_comm,
         module=model,  # the forward waits per bucket for the overlapped CPU step
     )
 
@@ -83,6 +85,8 @@ def _zero(
         label += f", reduce_bucket_size={bucket}"
     if numel is not None:
         label += f", cpu_update_numel={numel}"
+    if not overlap_comm:
+        label += ", overlap_communication=False"
     result = T.run(label, model, step, batch, steps, warmup, False)
     zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
     if zopt._pipe is not None:  # per step, warm-up included
@@ -110,6 +114,11 @@ def main() -> int:
             "zero_optimization.reduce_bucket_size; default: ZeroOptimizer's)",
         )  # fmt: skip
         ap.add_argument(
+            "--no-overlap-comm", action="store_true",
+            help="the ZeRO-2 rows with overlap_communication=False (DeepSpeed's overlap_comm: "
+            "false): every gradient reduced in step(), none during backward",
+        )  # fmt: skip
+        ap.add_argument(
             "--cpu-update-numels", default="",
             help="comma-separated cpu_update_numel values (elements a CPU Adam call gathers from "
             "consecutive buckets; 1: one call per bucket) for the offloaded rows, one row each "
@@ -134,7 +143,7 @@ def main() -> int:
     wanted = a.only.split(",")
     norms = [float(n) for n in a.max_norms.split(",") if n]
     numels = [int(n) for n in a.cpu_update_numels.split(",") if n] or [None]
-    zero = functools.partial(_zero, bucket=a.reduce_bucket_size)
+    zero = functools.partial(_zero, bucket=a.reduce_bucket_size, overlap_comm=not a.no_overlap_comm)
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
         for norm in norms:

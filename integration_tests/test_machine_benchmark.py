@@ -4,6 +4,7 @@ zerostack.shard loads, with every CUDA figure absent."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,56 @@ def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
     assert lines[1].startswith(head)
     assert lines[2].startswith("| 1 | ZeRO-2 + cpu_offload | 1.000B | n/a (no row all on the GPU")
     assert lines[2].count("|") == lines[0].count("|")
+
+
+class _Range:
+    def __init__(self, start_s: float, end_s: float) -> None:
+        self.start, self.end = start_s * 1e6, end_s * 1e6  # the profiler's microseconds
+
+
+class _Event:
+    """What phase_times reads of a torch.profiler event."""
+
+    def __init__(self, name: str, device: str, start_s: float, end_s: float, stream: int = 0):
+        self.name, self.device_type = name, f"DeviceType.{device}"
+        self.time_range, self.device_resource_id = _Range(start_s, end_s), stream
+        self.is_user_annotation = False
+
+
+def test_phase_times_splits_each_phase_into_kernels_copies_and_idle() -> None:
+    T = _training()
+    events = [
+        _Event("bench::forward", "CPU", 0.0, 1.0),
+        _Event("bench::backward", "CPU", 1.0, 3.0),
+        _Event("bench::step", "CPU", 3.0, 3.5),
+        _Event("gemm", "CUDA", 0.1, 0.6, stream=7),
+        _Event("gemm", "CUDA", 0.5, 0.9, stream=7),  # overlaps the first: 0.8 s of kernels
+        _Event("Memcpy HtoD (Pinned -> Device)", "CUDA", 0.2, 0.3, stream=9),
+        _Event("gemm", "CUDA", 1.5, 2.0, stream=7),
+        _Event("reduce", "CUDA", 1.8, 2.6, stream=8),  # a side stream's kernel, longer
+        _Event("Memcpy DtoH (Device -> Pinned)", "CUDA", 2.8, 3.2, stream=9),  # spans two phases
+    ]
+    lines = T.phase_times(events)
+    assert lines == [
+        "step 0 forward: 1.000 s; kernels 0.800 s (stream 7 0.800 s), H2D 0.100 s, "
+        "D2H 0.000 s, device idle 0.200 s",
+        "step 0 backward: 2.000 s; kernels 1.100 s (stream 8 0.800 s), H2D 0.000 s, "
+        "D2H 0.200 s, device idle 0.700 s",
+        "step 0 step: 0.500 s; kernels 0.000 s (stream 9 0.200 s), H2D 0.000 s, "
+        "D2H 0.200 s, device idle 0.300 s",
+    ]
+
+
+def test_the_gc_clock_sums_the_collectors_pauses() -> None:
+    T = _training()
+    clock = T._GcClock()
+    gc.callbacks.append(clock)
+    try:
+        gc.collect()
+        gc.collect()
+    finally:
+        gc.callbacks.remove(clock)
+    assert clock.seconds > 0.0
+    then = clock.seconds
+    gc.collect()  # no longer counted
+    assert clock.seconds == then
