@@ -37,6 +37,7 @@ and optimizer step (synchronised between them). Median of --steps after
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import sys
 
@@ -109,9 +110,10 @@ def main() -> int:
             "clipping; plain PyTorch and FSDP2 do not clip)",
         )  # fmt: skip
         ap.add_argument(
-            "--reduce-bucket-size", type=int, default=None,
-            help="the ZeRO-2 rows' reduce_bucket_size, elements per gradient bucket (DeepSpeed's "
-            "zero_optimization.reduce_bucket_size; default: ZeroOptimizer's)",
+            "--reduce-bucket-size", default="",
+            help="comma-separated reduce_bucket_size values for the ZeRO-2 rows, elements per "
+            "gradient bucket (DeepSpeed's zero_optimization.reduce_bucket_size), one set of rows "
+            "each (default: ZeroOptimizer's)",
         )  # fmt: skip
         ap.add_argument(
             "--no-overlap-comm", action="store_true",
@@ -143,11 +145,14 @@ def main() -> int:
     wanted = a.only.split(",")
     norms = [float(n) for n in a.max_norms.split(",") if n]
     numels = [int(n) for n in a.cpu_update_numels.split(",") if n] or [None]
-    zero = functools.partial(_zero, bucket=a.reduce_bucket_size, overlap_comm=not a.no_overlap_comm)
+    buckets = [int(n) for n in a.reduce_bucket_size.split(",") if n] or [None]
     for run in range(a.repeat):
         T.measure(results, wanted, "plain", lambda: T.plain(*args), run)
-        for norm in norms:
-            T.measure(results, wanted, "zero2", lambda n=norm: zero(*args, False, max_norm=n), run)
+        for norm, bucket in itertools.product(norms, buckets):
+            zero = functools.partial(_zero, bucket=bucket, overlap_comm=not a.no_overlap_comm)
+            T.measure(
+                results, wanted, "zero2", lambda z=zero, n=norm: z(*args, False, max_norm=n), run
+            )
             for numel in numels:
                 offloaded = functools.partial(zero, numel=numel)
                 _offloaded_rows(results, wanted, run, offloaded, args, norm, a.gpu_update_fraction)

@@ -107,7 +107,11 @@ class GradientReduction:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with phase("zerostack::reduce"), ctx:
-            if self.stage == 2:
+            if self.stage == 2 and self.world == 1:
+                # A reduce-scatter over one rank is the identity: the
+                # gradients go straight into the bucket's reduced piece.
+                buf = self.buffers.of_bucket(bucket, "reduced", dtype, 1)
+            elif self.stage == 2:
                 # ZeRO-2 keeps 1/N of the gradients: a reduce-scatter's full
                 # input lives only until the next bucket is launched, so its
                 # buffer comes from a ring of two (slot reused by bucket i + 2,
@@ -150,6 +154,10 @@ class GradientReduction:
         """The bucket's asynchronous reduce-scatter (stage 2) or all-reduce
         (stage 1) of ``buf``; returns the view that will hold this rank's
         reduced pieces."""
+        if self.world == 1:  # no collective: ``buf`` holds the reduced pieces already
+            bucket.send_buf, bucket.work = None, None
+            bucket.reduced = buf.view(-1) if self.stage == 2 else buf
+            return buf.view(-1) if self.stage == 2 else buf[0]
         if self.stage == 2:
             bucket.reduced = self.buffers.of_bucket(bucket, "reduced", dtype, 1).view(-1)
             bucket.send_buf = buf
