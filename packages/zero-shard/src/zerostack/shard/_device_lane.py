@@ -95,9 +95,17 @@ if TYPE_CHECKING:
 __all__ = ["DeviceLane", "LaneHomes", "lane_prefix"]
 
 
+def lane_writable(param: torch.Tensor) -> bool:
+    """Whether the device lane can write ``param``: it writes parameters in
+    place as flat pieces, so they must be contiguous. ``gpu_update_fraction``
+    "auto" gives 0.0 (saying why) for a model with one that is not; a
+    number raises (``_contiguous_params``)."""
+    return param.is_contiguous()
+
+
 def _contiguous_params(bucket: _Bucket) -> None:
     for s in bucket.shards:
-        if not s.param.is_contiguous():
+        if not lane_writable(s.param):
             raise NotImplementedError(
                 f"ZeroOptimizer: gpu_update_fraction writes parameters in place as flat pieces, "
                 f"and {s.name} is not contiguous (got stride {s.param.stride()}); make the "

@@ -34,7 +34,7 @@ from zerostack.shard._bucket import (
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._config import ZeroConfig
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
-from zerostack.shard._device_lane import DeviceLane
+from zerostack.shard._device_lane import DeviceLane, lane_writable
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
@@ -171,7 +171,7 @@ def _check_offload_args(
     if fraction == "auto":
         if not cpu_offload:
             return "cpu_offload is off: every update runs on the compute device already"
-        odd = next((p for p in params if not p.is_contiguous()), None)
+        odd = next((p for p in params if not lane_writable(p)), None)
         if odd is not None:
             return (
                 f"a parameter (shape {tuple(odd.shape)}, stride {odd.stride()}) is not "
