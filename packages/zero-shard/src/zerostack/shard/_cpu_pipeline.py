@@ -47,7 +47,10 @@ retry steps them again, and the result differs from the uninterrupted run
 abandoned: its activations are dropped, call forward again. On several ranks
 a ZeRO write-back is an all-gather: a fault on one rank alone leaves the
 others waiting in it until the process group's timeout ends the job (as a
-dead peer does); the retry serves faults every rank sees, or one rank.
+dead peer does); the retry serves faults every rank sees, or one rank. A
+ZeRO write-back that raises after its update succeeded leaves that bucket
+and the rest of its CPU Adam call to the next write-back, which writes them
+before anything else.
 
 [Note: a dropped owner is freed] The pipeline keeps no pending call: an
 owner's update is a bound method of the owner (or holds one), so a pending

@@ -521,6 +521,7 @@ class ZeroOptimizer:
         # queued call's buckets, by its key.
         self._cpu_update_numel = CPU_UPDATE_NUMEL
         self._members: dict[int, list[int]] = {}
+        self._unwritten: list[int] = []  # positions whose update is done, not yet written back
         self._lane: DeviceLane | None = None
         if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
             lane = self._order[
@@ -907,10 +908,17 @@ class ZeroOptimizer:
                     self._refresh_host(bucket)
 
     def _write_back_key(self, key: int) -> None:
-        """Write back the buckets of the update finished under ``key``."""
-        for k in self._members.get(key, (key,)):
-            self._write_back(self._order[k])
-        self._members.pop(key, None)
+        """Write back the buckets of the update finished under ``key``. One
+        whose write-back raises (a collective's error) stays, with the rest
+        of its call, in ``_unwritten``: the next write-back writes them first,
+        so no parameter is left behind its master."""
+        self._unwritten += self._members.pop(key, [key])
+        self._write_back_unwritten()
+
+    def _write_back_unwritten(self) -> None:
+        while self._unwritten:
+            self._write_back(self._order[self._unwritten[0]])
+            del self._unwritten[0]
 
     def _refresh_host(self, bucket: _Bucket) -> None:
         for s, off in zip(bucket.shards, bucket.offsets, strict=True):
@@ -941,6 +949,7 @@ class ZeroOptimizer:
         pipe = self._pipe
         if pipe is None or not pipe.round_open:
             return
+        self._write_back_unwritten()
         while pipe.held:
             self._write_back_key(pipe.pop())
         if pipe.stream is not None:
@@ -1017,6 +1026,7 @@ class ZeroOptimizer:
         pipe = self._pipe
         last = positions[-1]
         eager = self.world == 1
+        self._write_back_unwritten()
         while pipe.held and (pipe.held[0] <= last or (eager and pipe.next_done())):
             self._write_back_key(pipe.pop())
         if pipe.stream is not None:
