@@ -113,6 +113,8 @@ CASES = [
     BadInput("low-level-zero-precision", lambda env: LowLevelZeroPlugin(precision="fp8"), ValueError, r"precision must be 'fp16', 'bf16' or 'fp32' \(got 'fp8'\)"),
     BadInput("low-level-zero-cpu-offload-str", lambda env: LowLevelZeroPlugin(cpu_offload="yes"), TypeError, r"LowLevelZeroPlugin: cpu_offload must be a bool \(got 'yes'\)", True),
     BadInput("low-level-zero-gpu-fraction", lambda env: LowLevelZeroPlugin(cpu_offload=True, gpu_update_fraction=2), ValueError, r"LowLevelZeroPlugin: gpu_update_fraction must be in \[0, 1\] \(got 2\)", True),
+    BadInput("low-level-zero-cpu-update-numel-0", lambda env: LowLevelZeroPlugin(cpu_offload=True, cpu_update_numel=0), ValueError, r"LowLevelZeroPlugin: cpu_update_numel must be an int >= 1 \(got 0\)", True),
+    BadInput("low-level-zero-cpu-update-numel-float", lambda env: LowLevelZeroPlugin(cpu_offload=True, cpu_update_numel=1.5), ValueError, r"LowLevelZeroPlugin: cpu_update_numel must be an int >= 1 \(got 1\.5\)", True),
     BadInput("low-level-zero-max-norm-negative", lambda env: LowLevelZeroPlugin(max_norm=-1.0), ValueError, r"max_norm must be >= 0 \(got -1\.0\)"),
     BadInput("low-level-zero-growth-interval-0", lambda env: LowLevelZeroPlugin(growth_interval=0), ValueError, r"LowLevelZeroPlugin: growth_interval must be >= 1 \(got 0\)"),
     BadInput("gemini-gpu-fraction", lambda env: GeminiPlugin(gpu_update_fraction=-1), ValueError, r"GeminiPlugin: gpu_update_fraction must be in \[0, 1\] \(got -1\)"),

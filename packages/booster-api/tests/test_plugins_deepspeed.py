@@ -80,7 +80,8 @@ def test_every_mapped_key_reaches_the_plugin(tmp_path):
     assert plugin.zero_kwargs == dict(
         stage=2, reduce_bucket_size=2**22, overlap_communication=False,
         communication_dtype=torch.bfloat16, cpu_offload=True, master_weights=True, max_norm=1.0,
-        overlap_cpu_step=True, gpu_update_fraction=None, gc_every_n_steps=50,  # ZeroConfig's
+        overlap_cpu_step=True, gpu_update_fraction=None, cpu_update_numel=2**26,  # ZeroConfig's
+        gc_every_n_steps=50,
     )  # fmt: skip
     assert plugin.scaler_kwargs == dict(
         initial_scale=2.0**12, min_scale=4, growth_factor=2, backoff_factor=0.5,

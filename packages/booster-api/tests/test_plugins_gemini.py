@@ -118,6 +118,28 @@ def test_gpu_update_fraction_auto_reaches_the_optimizer(plugin, caplog):
     assert "gpu_update_fraction='auto' chose 0.0: the compute device is cpu" in caplog.text
 
 
+@pytest.mark.parametrize("numel", [1, 10**9])
+def test_cpu_update_numel_reaches_the_optimizer(numel):
+    """LowLevelZeroPlugin(cpu_update_numel=n) sets ZeroOptimizer's CPU Adam
+    calls: 1 makes one a bucket, a value above the model's size one a step."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    plugin = LowLevelZeroPlugin(
+        precision="fp32", cpu_offload=True, reduce_bucket_size_in_m=0.002, cpu_update_numel=numel
+    )
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, HybridAdam(model.parameters()))
+    zero = opt.optim
+    assert zero.cpu_update_numel == numel and len(zero.buckets) >= 3
+    calls = []
+    zero.optimizer.register_step_pre_hook(lambda *_: calls.append(None))
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+    booster.backward(model(idx, tgt), opt)
+    assert opt.step()
+    zero.wait_updates()
+    assert len(calls) == (len(zero.buckets) if numel == 1 else 1)
+
+
 def _gpt2(transformers):
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=32,

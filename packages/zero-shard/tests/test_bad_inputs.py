@@ -1,4 +1,4 @@
-"""The bad-input matrix of zero-shard (issue 17): ZeroOptimizer,
+"""The bad-input matrix of zero-shard (issue 17): ZeroOptimizer, ZeroConfig,
 DynamicLossScaler, CollectorSchedule, the clipping and partition helpers.
 
 One row per bad call: the error type, a regex that names the argument (or
@@ -25,6 +25,7 @@ from zerostack.chunk import debug_collectives
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
+    ZeroConfig,
     ZeroOptimizer,
     clip_coefficient,
     grad_stats,
@@ -151,11 +152,22 @@ CASES = [
     BadInput("comm-dtype-int", _wrap(communication_dtype=torch.int32), TypeError, r"communication_dtype must be .* \(got torch\.int32\)", True),
     BadInput("gc-negative", _wrap(gc_every_n_steps=-1), ValueError, r"gc_every_n_steps must be an int >= 0 \(got -1\)"),
     BadInput("gc-str", _wrap(gc_every_n_steps="50"), ValueError, r"gc_every_n_steps must be an int >= 0 \(got '50'\)"),
+    BadInput("cpu-update-numel-0", _wrap(cpu_update_numel=0), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got 0\); e\.g\. 2\*\*26", True),
+    BadInput("cpu-update-numel-negative", _wrap(cpu_update_numel=-1), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got -1\)", True),
+    BadInput("cpu-update-numel-float", _wrap(cpu_update_numel=1.5), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got 1\.5\)", True),
+    BadInput("cpu-update-numel-bool", _wrap(cpu_update_numel=True), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got True\)", True),
+    BadInput("cpu-update-numel-str", _wrap(cpu_update_numel="x"), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got 'x'\)", True),
     BadInput("loss-scaler-float", _wrap(loss_scaler=1024.0), TypeError, r"ZeroOptimizer: loss_scaler must be a DynamicLossScaler or None \(got float\)", True),
     BadInput("scaler-unknown-keyword", _wrap(initial_scael=1024), TypeError, r"unknown keyword arguments \['initial_scael'\]"),
     BadInput("scaler-and-keywords", _wrap(loss_scaler=DynamicLossScaler(), hysteresis=1), TypeError, r"pass either loss_scaler or its keyword arguments \(got both: \['hysteresis'\]\)"),
     BadInput("scaler-scale-keyword", _wrap(scale=2.0), TypeError, r"unknown keyword arguments \['scale'\]"),
     BadInput("debug-collectives-str", _wrap(debug_collectives="yes"), TypeError, r"debug_collectives: enabled must be a bool or None \(got 'yes'\)"),
+    # -- ZeroConfig(...) --------------------------------------------------------------------
+    BadInput("config-cpu-update-numel-0", lambda env: ZeroConfig(cpu_update_numel=0), ValueError, r"ZeroOptimizer: cpu_update_numel must be an int >= 1 \(got 0\)", True),
+    BadInput("config-cpu-update-numel-negative", lambda env: ZeroConfig(cpu_update_numel=-1), ValueError, r"cpu_update_numel must be an int >= 1 \(got -1\)", True),
+    BadInput("config-cpu-update-numel-float", lambda env: ZeroConfig(cpu_update_numel=1.5), ValueError, r"cpu_update_numel must be an int >= 1 \(got 1\.5\)", True),
+    BadInput("config-cpu-update-numel-bool", lambda env: ZeroConfig(cpu_update_numel=True), ValueError, r"cpu_update_numel must be an int >= 1 \(got True\)", True),
+    BadInput("config-cpu-update-numel-str", lambda env: ZeroConfig(cpu_update_numel="x", api="Api"), ValueError, r"Api: cpu_update_numel must be an int >= 1 \(got 'x'\)", True),
     # -- misuse ----------------------------------------------------------------------------
     BadInput("backward-float", lambda env: env["z"].backward(2.0), TypeError, r"ZeroOptimizer\.backward: loss must be a tensor \(got float\)", True),
     BadInput("clip-max-norm-zero", lambda env: env["z"].clip_grad_by_norm(0.0), ValueError, r"ZeroOptimizer\.clip_grad_by_norm: max_norm must be > 0 \(got 0\.0\)"),

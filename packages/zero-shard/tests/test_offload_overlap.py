@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from zerostack.shard import CpuStepError, ZeroOptimizer
+from zerostack.shard import CpuStepError, ZeroConfig, ZeroOptimizer, as_kwargs
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 pytestmark = pytest.mark.skipif(
@@ -207,6 +207,42 @@ def test_cpu_adam_calls_gather_buckets_up_to_cpu_update_numel(world_size):
         _grouped_calls(0, 1)
     else:
         spawn(_grouped_calls, world_size, backend="gloo")
+
+
+def _built_with(numel, via):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    if via == "keyword":
+        return model, _zero(model, cpu_update_numel=numel)
+    config = ZeroConfig(cpu_offload=True, reduce_bucket_size=2_000, cpu_update_numel=numel)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, ZeroOptimizer(opt, module=model, **as_kwargs(config))
+
+
+def _cpu_adam_calls_per_step(model, zero, steps=2):
+    """The calls of the CPU Adam (its step hook) in each training step."""
+    calls = []
+    zero.optimizer.register_step_pre_hook(lambda *_: calls.append(None))
+    per_step = []
+    for step in range(steps):
+        before = len(calls)
+        assert _train(model, zero, step)
+        zero.wait_updates()
+        per_step.append(len(calls) - before)
+    return per_step
+
+
+@pytest.mark.parametrize("via", ["keyword", "config"])
+def test_cpu_update_numel_given_at_construction_sets_the_cpu_adam_calls(via):
+    """``ZeroOptimizer(cpu_update_numel=n)``, or a ZeroConfig's field passed
+    on: 1 steps each bucket in a CPU Adam call of its own, a value above the
+    model's size all of them in one call."""
+    model, zero = _built_with(1, via)
+    assert zero.cpu_update_numel == 1 and len(zero.buckets) >= 3
+    assert _cpu_adam_calls_per_step(model, zero) == [len(zero.buckets)] * 2
+    model, zero = _built_with(10**9, via)
+    assert zero.cpu_update_numel == 10**9
+    assert _cpu_adam_calls_per_step(model, zero) == [1, 1]
 
 
 def test_a_failed_call_of_several_buckets_names_them_and_zero_grad_drops_them(caplog):

@@ -10,6 +10,11 @@ import torch
 
 from zerostack.shard._clip import check_max_norm
 
+CPU_UPDATE_NUMEL = 2**26
+"""With ``cpu_offload``, the elements one CPU Adam call gathers from
+consecutive buckets (``ZeroOptimizer.cpu_update_numel``); see [Note: CPU
+Adam calls span buckets] in ``_optimizer.py``."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeroConfig:
@@ -35,6 +40,10 @@ class ZeroConfig:
     host; 0.0 updates all in CPU Adam. In [0, 1], or "auto": the share the
     step-time model finds fastest on this machine. Default None: "auto"
     with cpu_offload (0.0 where no split can run), else 0.0."""
+    cpu_update_numel: int = CPU_UPDATE_NUMEL
+    """With cpu_offload, a CPU Adam call steps consecutive buckets until it
+    holds this many elements of this rank's pieces (1: one call per
+    bucket). Default 2**26."""
     master_weights: bool = True
     """Keep fp32 masters for fp16/bf16 parameters. Default True."""
     max_norm: float = 0.0
@@ -58,6 +67,7 @@ class ZeroConfig:
         check_max_norm(api, self.max_norm)
         if self.gpu_update_fraction is not None:
             check_fraction(api, self.gpu_update_fraction)
+        check_cpu_update_numel(api, self.cpu_update_numel)
         dtype = self.communication_dtype
         if dtype is not None and (
             not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
@@ -84,6 +94,15 @@ def check_fraction(api: str, fraction: object) -> None:
         raise ValueError(
             f"{api}: gpu_update_fraction must be in [0, 1] (got {fraction!r}); 0 updates all that is "
             "offloaded in CPU Adam, 1 all of it in the GPU's Adam"
+        )
+
+
+def check_cpu_update_numel(api: str, numel: object) -> None:
+    """``cpu_update_numel``: an int >= 1."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
+        raise ValueError(
+            f"{api}: cpu_update_numel must be an int >= 1 (got {numel!r}); e.g. 2**26 (the "
+            "default), or 1 for one CPU Adam call per bucket"
         )
 
 

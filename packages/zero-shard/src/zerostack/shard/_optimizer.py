@@ -32,7 +32,7 @@ from zerostack.shard._bucket import (
     pin_offload_buffers,
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
-from zerostack.shard._config import ZeroConfig
+from zerostack.shard._config import CPU_UPDATE_NUMEL, ZeroConfig, check_cpu_update_numel
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
 from zerostack.shard._device_lane import DeviceLane, lane_writable
 from zerostack.shard._gc import CollectorSchedule
@@ -52,10 +52,6 @@ from zerostack.shard._reduction import BucketBuffers, GradientReduction
 
 logger = logging.getLogger(__name__)
 _API = "ZeroOptimizer"
-CPU_UPDATE_NUMEL = 2**26
-"""With ``cpu_offload``, the elements one CPU Adam call gathers from
-consecutive buckets (``ZeroOptimizer.cpu_update_numel``); see [Note: CPU
-Adam calls span buckets]."""
 LANE_WINDOW = 2**24
 """Elements (over all ranks) of a staging slot of the device lane
 (``gpu_update_fraction``), whatever ``reduce_bucket_size`` is: two slots of
@@ -353,6 +349,11 @@ class ZeroOptimizer:
             warning), else 0.0. The GPU's share keeps its gradients on the
             device until ``step()`` (2 bytes per bf16/fp16 element of this
             rank's pieces): pass 0.0 to keep every gradient on the host.
+        cpu_update_numel: with ``cpu_offload``, a CPU Adam call steps
+            consecutive buckets (in write-back order) until it holds this
+            many elements of this rank's pieces; 1 makes one call per bucket.
+            Also a property, read at each ``step()`` (see [Note: CPU Adam
+            calls span buckets]). Default 2**26.
         master_weights: keep fp32 masters for fp16/bf16 params. Default True.
         max_norm: clip the global gradient norm to this (0: off). Default 0.0.
         gc_every_n_steps: Python's cycle collector runs only every this many
@@ -377,7 +378,8 @@ class ZeroOptimizer:
     Raises:
         ValueError: stage not 1 or 2, an optimizer that already stepped, a
             trainable module parameter missing from the optimizer, mixed
-            devices, gpu_update_fraction outside [0, 1].
+            devices, gpu_update_fraction outside [0, 1], cpu_update_numel
+            not an int >= 1.
         TypeError: an unknown keyword, or ``loss_scaler`` and scaler keywords
             together.
         ImportError: cpu_offload with Adam/AdamW but no zerostack-fused-adam.
@@ -396,6 +398,7 @@ class ZeroOptimizer:
         cpu_offload: bool = False,
         overlap_cpu_step: bool = True,
         gpu_update_fraction: float | str | None = None,
+        cpu_update_numel: int = CPU_UPDATE_NUMEL,
         master_weights: bool = True,
         max_norm: float = 0.0,
         gc_every_n_steps: int = 50,
@@ -405,10 +408,9 @@ class ZeroOptimizer:
         debug_collectives: bool | None = None,
         **scaler_kwargs: Any,
     ) -> None:
-        _check_args(
-            optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module,
-            gpu_update_fraction,
-        )  # fmt: skip
+        _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module,
+                    gpu_update_fraction)  # fmt: skip
+        self.cpu_update_numel = cpu_update_numel  # the setter checks it
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
@@ -519,7 +521,6 @@ class ZeroOptimizer:
         self._order = self.buckets[::-1]
         # See [Note: CPU Adam calls span buckets]; the positions of each
         # queued call's buckets, by its key.
-        self._cpu_update_numel = CPU_UPDATE_NUMEL
         self._members: dict[int, list[int]] = {}
         self._unwritten: list[int] = []  # positions whose update is done, not yet written back
         self._lane: DeviceLane | None = None
@@ -550,8 +551,7 @@ class ZeroOptimizer:
 
     @cpu_update_numel.setter
     def cpu_update_numel(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{_API}: cpu_update_numel must be an int >= 1 (got {value!r})")
+        check_cpu_update_numel(_API, value)
         self._cpu_update_numel = value
 
     def _log_layout(self, master_device: torch.device) -> None:

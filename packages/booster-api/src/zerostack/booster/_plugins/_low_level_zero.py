@@ -399,10 +399,15 @@ class LowLevelZeroPlugin(Plugin):
         master_weights: keep fp32 masters. Default True.
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
+        cpu_update_numel: keyword-only; with cpu_offload, a CPU Adam call
+            steps consecutive buckets until it holds this many elements of
+            this rank's pieces (ZeroOptimizer's argument; not a ColossalAI
+            one). 1 makes one call per bucket. Default 2**26.
 
     Raises:
-        ValueError: a bad stage, precision, bucket size, max_norm or loss
-            scaler setting (ZeroConfig's and LossScalerConfig's checks).
+        ValueError: a bad stage, precision, bucket size, max_norm,
+            cpu_update_numel or loss scaler setting (ZeroConfig's and
+            LossScalerConfig's checks).
         TypeError: a setting of the wrong type (e.g. cpu_offload not a bool).
         NotImplementedError: stage 3 (GeminiPlugin), norm_type other than 2,
             overlap_allgather=True.
@@ -430,6 +435,8 @@ class LowLevelZeroPlugin(Plugin):
         master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,
+        *,
+        cpu_update_numel: int = _ZERO.cpu_update_numel,
     ) -> None:
         if stage == 3:
             raise NotImplementedError(
@@ -450,7 +457,8 @@ class LowLevelZeroPlugin(Plugin):
             stage=stage, reduce_bucket_size=max(1, int(reduce_bucket_size_in_m * 2**20)),
             overlap_communication=overlap_communication, communication_dtype=communication_dtype,
             cpu_offload=cpu_offload, gpu_update_fraction=gpu_update_fraction,
-            master_weights=master_weights, max_norm=max_norm, api=_API,
+            cpu_update_numel=cpu_update_numel, master_weights=master_weights, max_norm=max_norm,
+            api=_API,
         )  # fmt: skip
         self.scaler_config = scaler_config(_API, locals())
         self.stage = stage
