@@ -245,6 +245,13 @@ def test_cpu_update_numel_given_at_construction_sets_the_cpu_adam_calls(via):
     assert _cpu_adam_calls_per_step(model, zero) == [1, 1]
 
 
+def test_cpu_update_numel_without_cpu_offload_warns():
+    model = TinyGPT(CONFIG)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.warns(UserWarning, match=r"cpu_update_numel has no effect without cpu_offload"):
+        ZeroOptimizer(opt, cpu_update_numel=1)
+
+
 def test_a_failed_call_of_several_buckets_names_them_and_zero_grad_drops_them(caplog):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)

@@ -410,7 +410,7 @@ class ZeroOptimizer:
     ) -> None:
         _check_args(optimizer, stage, reduce_bucket_size, max_norm, communication_dtype, module,
                     gpu_update_fraction)  # fmt: skip
-        self.cpu_update_numel = cpu_update_numel  # the setter checks it
+        self._take_cpu_update_numel(cpu_update_numel, cpu_offload)
         params, self.device = _params_and_device(optimizer)
         names = _module_names(module, params)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
@@ -553,6 +553,19 @@ class ZeroOptimizer:
     def cpu_update_numel(self, value: int) -> None:
         check_cpu_update_numel(_API, value)
         self._cpu_update_numel = value
+
+    def _take_cpu_update_numel(self, numel: int, cpu_offload: bool) -> None:
+        """The constructor's ``cpu_update_numel``: checked (the setter), and
+        a warning when it cannot matter."""
+        self.cpu_update_numel = numel
+        if not cpu_offload and numel != CPU_UPDATE_NUMEL:
+            warnings.warn(
+                f"{_API}: cpu_update_numel has no effect without cpu_offload (got "
+                f"cpu_update_numel={numel}): no update runs in CPU Adam; set cpu_offload=True or "
+                "leave cpu_update_numel at its default",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _log_layout(self, master_device: torch.device) -> None:
         state_bytes = sum(s.master.numel() * s.master.element_size() for s in self.shards)
