@@ -1,7 +1,8 @@
 """ZeroOptimizer allocates its bucket buffers once (see [Note: persistent
 bucket buffers]): after the first step no reduce-scatter input, reduced
 piece or all-gather buffer is allocated again, and they stay where they are.
-At one rank the gradients go straight into the reduced pieces."""
+At one rank the gradients go straight into the reduced pieces, and each
+parameter is written from its master."""
 
 from __future__ import annotations
 
@@ -51,7 +52,10 @@ def _steps(rank, world, kw):
         else:
             assert _where(zero) == first, f"{kw}: a bucket buffer was allocated at step {step}"
     rings, _own, (per_bucket, ring_allocations) = first
-    assert rings and all(n == 2 for n in ring_allocations.values()), ring_allocations
+    assert all(n == 2 for n in ring_allocations.values()), ring_allocations
+    # One rank with its masters on the device uses no ring: no collective,
+    # and each parameter is written from its master.
+    assert bool(rings) == (world > 1 or bool(kw.get("cpu_offload")))
     if kw.get("stage") == 1:  # stage 1 keeps each bucket's all-reduced buffer
         assert per_bucket == len(zero.buckets)
     else:  # stage 2 keeps each bucket's reduced piece; the full inputs share two

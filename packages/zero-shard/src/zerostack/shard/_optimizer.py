@@ -1074,7 +1074,12 @@ class ZeroOptimizer:
             on_device = bucket.lane is not None and not from_masters
             if on_device and stream is not None:
                 stream.wait_event(bucket.lane.updated)  # the device's Adam wrote the pieces
-            if not (on_device and self.world == 1):  # else the parameters hold the step already
+            if self.world == 1 and bucket.host_params is None and bucket.lane is None:
+                # One rank, masters on the device: each parameter from its master, in one copy.
+                for s in bucket.shards:
+                    s.param.copy_(s.master[: s.param.numel()].view_as(s.param))
+                    self._versions[s.index] = s.param._version
+            elif not (on_device and self.world == 1):  # else the parameters hold the step already
                 mine = self._ring("gather_in", dtype, 1).take(total)
                 self._gather_input(bucket, mine, from_masters, stream)
                 if self.world > 1:
