@@ -238,8 +238,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         return torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
     before: dict = {}  # the allocator's counters when the timed steps start
-    collecting = _GcClock()  # Python's garbage collections: a pause in any phase
-    gc.callbacks.append(collecting)
+    collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     for i in range(warmup + steps):
         if i == warmup:
             before = torch.cuda.memory_stats()
@@ -272,7 +271,6 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
                 (f"[retry {retries}]" if retries else "")
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
             )
-    gc.callbacks.remove(collecting)
     total = [a + b for a, b in zip(fb, opt, strict=True)]
     profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
     if profiled.isdigit() and int(profiled) > 0:
@@ -311,6 +309,10 @@ class _GcClock:
             self._start = time.perf_counter()
         else:
             self.seconds += time.perf_counter() - self._start
+
+
+GC_CLOCK = _GcClock()  # registered once: a row that raises leaves nothing behind
+gc.callbacks.append(GC_CLOCK)
 
 
 def _counted(before: dict, key: str) -> int:
