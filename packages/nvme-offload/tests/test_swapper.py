@@ -270,3 +270,85 @@ def test_every_backend_reads_a_key_once_per_write(backend, tmp_path):
     io.wait(io.read("a", out))
     assert torch.equal(out, doubled)
     io.close()
+
+
+def test_the_default_backend_is_threads_even_with_tensornvme(monkeypatch):
+    # See [Note: tensornvme 0.1.0's waits]: tensornvme is used only by name.
+    monkeypatch.delenv("ZEROSTACK_NVME_BACKEND", raising=False)
+    monkeypatch.setattr(_backends, "tensornvme_backends", lambda: {"uring", "aio"})
+    assert _backends.resolve_backend(None) == "threads"
+    assert _backends.resolve_backend("uring") == "uring"
+
+
+class _Offloader:
+    """tensornvme 0.1.0's Offloader as its Python binding behaves: requests
+    finish later, on a thread, and ``sync_read_events`` is the write wait."""
+
+    def __init__(self):
+        import threading
+
+        self._threading = threading
+        self._pending = {"w": [], "r": []}
+        self._data = {}
+
+    def _later(self, kind, fn):
+        thread = self._threading.Timer(0.2, fn)
+        self._pending[kind].append(thread)
+        thread.start()
+
+    def async_write(self, tensor, key, callback):
+        self._later("w", lambda: self._data.__setitem__(key, tensor.clone()))
+
+    def async_read(self, tensor, key, callback):
+        self._later("r", lambda: tensor.copy_(self._data.pop(key)))
+
+    def _join(self, kind):
+        for thread in self._pending[kind]:
+            thread.join()
+        self._pending[kind].clear()
+
+    def sync_write_events(self):
+        self._join("w")
+
+    sync_read_events = sync_write_events  # as tensornvme 0.1.0 binds it
+
+    def synchronize(self):
+        self._join("w")
+        self._join("r")
+
+
+def test_a_tensornvme_read_is_waited_for_with_no_write_in_flight():
+    io = _backends.TensorNVMeBackend.__new__(_backends.TensorNVMeBackend)
+    _backends.Backend.__init__(io)
+    io.name, io._off, io._alive = "uring", _Offloader(), {"w": [], "r": []}
+    data, out = torch.arange(1024.0), torch.zeros(1024)
+    io.wait(io.write("a", data))
+    io.wait(io.read("a", out))
+    assert torch.equal(out, data)
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("name", sorted(_backends.tensornvme_backends()))
+def test_a_tensornvme_read_from_the_disk_is_complete_after_its_wait(name, tmp_path):
+    # With the page cache dropped the read goes to the disk and finishes
+    # long after it is submitted (4 s for 1 GiB here); tensornvme's own read
+    # wait returned at once, with half the tensor still zeros.
+    io = _backends.open_backend(name, str(tmp_path / "states.bin"))
+    data = torch.arange(64 * 2**20, dtype=torch.float32)
+    io.wait(io.write("a", data))
+    if not _drop_page_cache():
+        io.close()
+        pytest.skip("the page cache cannot be dropped here (needs root)")
+    out = torch.zeros_like(data)
+    io.wait(io.read("a", out))
+    assert torch.equal(out, data)
+    io.close()

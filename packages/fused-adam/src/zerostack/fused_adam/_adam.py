@@ -633,7 +633,8 @@ class CPUAdam(_Adam):
         nvme_offload_dir: directory for those states; a temporary directory,
             removed with the optimizer, when None. Default None.
         nvme_backend: "uring", "aio" or "threads"; None takes
-            $ZEROSTACK_NVME_BACKEND or the best available. Default None.
+            $ZEROSTACK_NVME_BACKEND, else "threads" (tensornvme only by
+            name; the nvme-offload guide says why). Default None.
         nvme_prefetch_depth: parameters read ahead while one is updated. Default 2.
 
     Raises:

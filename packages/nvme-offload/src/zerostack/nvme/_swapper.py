@@ -59,7 +59,8 @@ class StateSwapper:
             Either way the swapper works in its own subdirectory and removes it
             when it is closed, garbage-collected or the interpreter exits.
         backend: "uring", "aio" (tensornvme) or "threads"; None reads
-            $ZEROSTACK_NVME_BACKEND, else takes the best available.
+            $ZEROSTACK_NVME_BACKEND, else "threads" (tensornvme's backends
+            only by name: see [Note: tensornvme 0.1.0's waits]).
         prefetch_depth: how many keys ahead are read while one is computed.
             Default 2.
 
