@@ -275,6 +275,9 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
     if profiled.isdigit() and int(profiled) > 0:
         _profile(name, model, step_fn, idx, tgt, autocast, 3 if profiled == "1" else int(profiled))
+    host = os.environ.get("ZEROSTACK_BENCH_HOST_PROFILE", "0")  # N backwards under cProfile
+    if host.isdigit() and int(host) > 0:
+        _host_profile(name, model, step_fn, idx, tgt, autocast, int(host))
     return dict(
         name=name,
         tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
@@ -347,6 +350,36 @@ def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
     print(f"[profile] {name}: {device_time(events)}", flush=True)
     for line in phase_times(events):
         print(f"[profile] {name}: {line}", flush=True)
+
+
+def _host_profile(name, model, step_fn, idx, tgt, autocast, steps: int) -> None:
+    """More steps whose backward runs under cProfile: the Python functions
+    that hold the host while the device waits for launches (the backward
+    under cProfile is slower than without it; its own time is printed)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof, walls = cProfile.Profile(), []
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx, tgt)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof.enable()
+        step_fn(loss, backward_only=True)
+        prof.disable()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t0)
+        step_fn(loss, backward_only=False)
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+    stats.print_stats(18)
+    stats.sort_stats("cumulative").print_stats("zerostack", 18)
+    print(f"\n[host-profile] {name}: {steps} backwards under cProfile, wall "
+          f"{' '.join(f'{w:.3f}' for w in walls)} s", flush=True)  # fmt: skip
+    print(text.getvalue(), flush=True)
 
 
 def _where(frames: list[dict], keep: int = 4) -> str:
