@@ -98,12 +98,13 @@ def check_fraction(api: str, fraction: object) -> None:
 
 
 def check_cpu_update_numel(api: str, numel: object) -> None:
-    """``cpu_update_numel``: an int >= 1."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 1:
-        raise ValueError(
-            f"{api}: cpu_update_numel must be an int >= 1 (got {numel!r}); e.g. 2**26 (the "
-            "default), or 1 for one CPU Adam call per bucket"
-        )
+    """``cpu_update_numel``: an int >= 1 (TypeError for a non-int, as
+    ``reduce_bucket_size``; ValueError for one below 1)."""
+    hint = "e.g. 2**26 (the default), or 1 for one CPU Adam call per bucket"
+    if isinstance(numel, bool) or not isinstance(numel, int):
+        raise TypeError(f"{api}: cpu_update_numel must be an int (got {numel!r}); {hint}")
+    if numel < 1:
+        raise ValueError(f"{api}: cpu_update_numel must be >= 1 (got {numel}); {hint}")
 
 
 def changed_fields(given: Any, default: Any) -> list[str]:

@@ -658,8 +658,9 @@ class ZeroOptimizer:
         backward in between would see its gradients dropped by that step."""
         if self._state is T.UNFINISHED:
             raise RuntimeError(
-                f"{api}: the last step's CPU update failed and is still to run; remove its "
-                "cause and call step() again first (or zero_grad() to drop it)"
+                f"{api}: the last step did not finish (its CPU update, or the write-back of the "
+                "updated parameters, raised); remove the cause and call step() again first (or "
+                "zero_grad() to drop it)"
             )
 
     def _on_grad(self, s: _Shard) -> None:
