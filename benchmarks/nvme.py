@@ -109,6 +109,69 @@ def raw_bandwidth(backend: str, directory: str, total_bytes: int) -> dict:
     )  # fmt: skip
 
 
+def tensornvme_waits(backend: str, directory: str, nbytes: int = 2**30) -> dict | None:
+    """tensornvme's own read wait, called as its Python binding offers it:
+    a key of ``nbytes`` written, the page cache dropped (so that the read
+    goes to the disk), read back; how long ``sync_read_events()`` took and
+    how many elements were still wrong when it returned, then how long
+    ``synchronize()`` took and how often a thread sleeping 1 ms at a time
+    woke up during it (it cannot without the GIL). None where the cache
+    cannot be dropped (not root). See zerostack.nvme's [Note: tensornvme
+    0.1.0's waits]."""
+    import threading
+
+    from tensornvme._C import Offloader
+
+    workdir = tempfile.mkdtemp(prefix="zs-nvme-waits-", dir=directory)
+    try:
+        off = Offloader(os.path.join(workdir, "waits.bin"), 16, backend)
+        src = torch.arange(nbytes // 4, dtype=torch.float32)
+        off.async_write(src, "k", None)
+        off.synchronize()
+        if not drop_caches():
+            return None
+        dst, wakes, stop = torch.zeros_like(src), [0], threading.Event()
+
+        def sleeper() -> None:
+            while not stop.wait(0.001):
+                wakes[0] += 1
+
+        start = time.perf_counter()
+        off.async_read(dst, "k", None)
+        off.sync_read_events()
+        read_wait_s = time.perf_counter() - start
+        wrong = int((dst != src).sum())
+        thread = threading.Thread(target=sleeper)
+        thread.start()
+        start, before = time.perf_counter(), wakes[0]
+        off.synchronize()
+        sync_s, woke = time.perf_counter() - start, wakes[0] - before
+        stop.set()
+        thread.join()
+        del off
+        return dict(
+            backend=backend, bytes=nbytes, read_wait_s=read_wait_s, wrong=wrong,
+            elements=src.numel(), sync_s=sync_s, woke=woke,
+            wrong_after=int((dst != src).sum()),
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print_waits(waits: list[dict | None]) -> None:
+    rows = [w for w in waits if w is not None]
+    if not rows:
+        return
+    print("\ntensornvme's own waits, a key read back from the disk (page cache dropped):\n")
+    print("| backend | bytes | sync_read_events() s | elements wrong then | synchronize() s | "
+          "elements wrong then | 1 ms sleeper woke during synchronize() |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for w in rows:
+        print(f"| {w['backend']} | {w['bytes'] / 2**30:.0f} GiB | {w['read_wait_s']:.6f} | "
+              f"{w['wrong']:,} of {w['elements']:,} | {w['sync_s']:.3f} | {w['wrong_after']:,} | "
+              f"{w['woke']} times |")  # fmt: skip
+
+
 def adam_step_time(params: list[torch.Tensor], repeats: int, **kw) -> list[float]:
     opt = CPUAdam(params, lr=1e-3, weight_decay=0.01, **kw)
     times = []
@@ -154,6 +217,7 @@ def main() -> int:
     backends = [b for b in BACKENDS if b == "threads" or b in tensornvme_backends()]
     print(f"[nvme-bench] backends {backends}, dir {directory}", file=sys.stderr)
 
+    waits = [tensornvme_waits(b, directory) for b in sorted(tensornvme_backends())]
     raw = []
     for b in backends:
         print(f"[nvme-bench] raw {b} ...", file=sys.stderr)
@@ -199,6 +263,7 @@ def main() -> int:
     print("\nThe optimizer's pipeline waits for writes as the backend reports them done (the "
           "'write' column) and reads what it wrote one step earlier (the 'just written' column); "
           "those two are its raw bandwidth here.")  # fmt: skip
+    _print_waits(waits)
     raw_rw = 2 / (1 / best["write_gbps"] + 1 / best["read_gbps"])  # equal bytes each way
     floor = 16 * total / (raw_rw * 1e9)
     print(f"\nCPUAdam step, {total / 1e9:.2f}B fp32 params in {num_tensors} tensors, median of "

@@ -343,12 +343,13 @@ def test_a_tensornvme_read_from_the_disk_is_complete_after_its_wait(name, tmp_pa
     # long after it is submitted (4 s for 1 GiB here); tensornvme's own read
     # wait returned at once, with half the tensor still zeros.
     io = _backends.open_backend(name, str(tmp_path / "states.bin"))
-    data = torch.arange(64 * 2**20, dtype=torch.float32)
-    io.wait(io.write("a", data))
-    if not _drop_page_cache():
+    try:
+        data = torch.arange(64 * 2**20, dtype=torch.float32)
+        io.wait(io.write("a", data))
+        if not _drop_page_cache():
+            pytest.skip("the page cache cannot be dropped here (needs root)")
+        out = torch.zeros_like(data)
+        io.wait(io.read("a", out))
+        assert torch.equal(out, data)
+    finally:
         io.close()
-        pytest.skip("the page cache cannot be dropped here (needs root)")
-    out = torch.zeros_like(data)
-    io.wait(io.read("a", out))
-    assert torch.equal(out, data)
-    io.close()

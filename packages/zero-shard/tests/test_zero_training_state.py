@@ -86,7 +86,7 @@ def test_a_failed_cpu_update_leaves_the_step_unfinished(finish, monkeypatch):
     with pytest.raises(RuntimeError, match=r"failed \(OSError: disk read failed"):
         zero.step()
     assert zero.training_state is T.UNFINISHED
-    with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
+    with pytest.raises(RuntimeError, match=r"did not finish \(its CPU update, or the write-back"):
         zero.backward(_loss(model))
     with pytest.raises(RuntimeError, match=r"call step\(\) again first"):
         zero.clip_grad_by_norm(1.0)
@@ -104,3 +104,40 @@ def test_a_failed_cpu_update_leaves_the_step_unfinished(finish, monkeypatch):
     zero.backward(_loss(model, seed=1))  # and training goes on
     assert zero.training_state is T.REDUCING
     assert zero.step()
+
+
+def test_a_failed_write_back_leaves_the_step_unfinished_and_step_finishes_it():
+    # The CPU update ran; writing the updated parameters back raised (a
+    # collective's error): the refusal names the write-back too, and step()
+    # writes them, as a run without the fault would have.
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = TinyGPT(CONFIG)
+    ref_model.load_state_dict(model.state_dict())
+    zero, ref = (
+        ZeroOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), module=m, cpu_offload=True,
+            overlap_cpu_step=False,
+        )
+        for m in (model, ref_model)
+    )  # fmt: skip
+    write, failures = zero._write_back, []
+
+    def failing(*args, **kwargs):
+        if not failures:
+            failures.append(True)
+            raise RuntimeError("injected collective error")
+        write(*args, **kwargs)
+
+    zero._write_back = failing
+    zero.backward(_loss(model))
+    ref.backward(_loss(ref_model))
+    with pytest.raises(RuntimeError, match="injected collective error"):
+        zero.step()
+    assert zero.training_state is T.UNFINISHED
+    with pytest.raises(RuntimeError, match=r"the write-back of the updated parameters, raised"):
+        zero.backward(_loss(model))
+    assert zero.step() and ref.step()
+    assert zero.training_state is T.IDLE
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

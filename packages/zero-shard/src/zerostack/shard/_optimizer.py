@@ -270,7 +270,7 @@ class TrainingState(Enum):
     ACCUMULATED = 1  # a backward under no_sync() ran: its gradients sit unreduced in param.grad
     REDUCING = 2  # a backward outside no_sync() ran: its buckets reduce (or wait for step())
     CLIPPED = 3  # clip_grad_by_norm reduced every bucket: the shards hold the reduced pieces
-    UNFINISHED = 4  # a CPU update of step() failed: its buckets wait in the pipeline for a retry
+    UNFINISHED = 4  # a CPU update or write-back of step() raised: its buckets wait for a retry
 
 
 T = TrainingState
@@ -379,9 +379,9 @@ class ZeroOptimizer:
         ValueError: stage not 1 or 2, an optimizer that already stepped, a
             trainable module parameter missing from the optimizer, mixed
             devices, gpu_update_fraction outside [0, 1], cpu_update_numel
-            not an int >= 1.
-        TypeError: an unknown keyword, or ``loss_scaler`` and scaler keywords
-            together.
+            below 1.
+        TypeError: an unknown keyword, ``loss_scaler`` and scaler keywords
+            together, or a cpu_update_numel that is not an int.
         ImportError: cpu_offload with Adam/AdamW but no zerostack-fused-adam.
         NotImplementedError: gpu_update_fraction > 0 with an optimizer other
             than Adam/AdamW or with Adam states on disk.

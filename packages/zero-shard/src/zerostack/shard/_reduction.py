@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from zerostack.chunk import all_reduce_sum, phase, reduce_scatter_sum, set_collective_label
 from zerostack.shard._bucket import BufferRing, _Bucket, pack_grads
-from zerostack.shard._clip import norm_part
 
 
 class BucketBuffers:
@@ -140,8 +139,9 @@ class GradientReduction:
                 # A device-lane bucket's gradient stays here (see [Note:
                 # Adam where the bandwidth is]).
                 bucket.wait()
-                # One fp32 norm kernel over the bf16 piece (no fp32 copy of it).
-                bucket.norm_sq = norm_part([mine], 2.0, mine.device)
+                # clip_grad_by_norm's fp32 norm kernel (see norm_part) over the
+                # bf16 piece, squared: no fp32 copy of it.
+                bucket.norm_sq = torch._foreach_norm([mine], 2.0, dtype=torch.float32)[0].square()
                 if bucket.host_grads is not None:
                     bucket.host_grads.copy_(mine, non_blocking=True)
                     bucket.on_host = True
