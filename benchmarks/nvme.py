@@ -180,7 +180,7 @@ def _print_waits(waits: list[dict | None]) -> None:
           "during it |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for w in rows:
-        print(f"| {w['backend']} | {w['bytes'] / 2**30:.0f} GiB | {w['submit_s']:.4f} | "
+        print(f"| {w['backend']} | {w['bytes'] / 2**20:.0f} MiB | {w['submit_s']:.4f} | "
               f"{w['read_wait_s']:.6f} | {w['wrong']} of 4096 | {w['sync_s']:.3f} | "
               f"{w['wrong_after']:,} | {w['woke']} times |")  # fmt: skip
 
@@ -230,7 +230,8 @@ def main() -> int:
     backends = [b for b in BACKENDS if b == "threads" or b in tensornvme_backends()]
     print(f"[nvme-bench] backends {backends}, dir {directory}", file=sys.stderr)
 
-    waits = [tensornvme_waits(b, directory) for b in sorted(tensornvme_backends())]
+    key_bytes = 2**26 if a.smoke else 2**30
+    waits = [tensornvme_waits(b, directory, key_bytes) for b in sorted(tensornvme_backends())]
     raw = []
     for b in backends:
         print(f"[nvme-bench] raw {b} ...", file=sys.stderr)
