@@ -38,6 +38,7 @@ import torch
 from zerostack.fused_adam import CPUAdam, backend_info
 from zerostack.nvme import BACKENDS, tensornvme_backends
 from zerostack.nvme._backends import open_backend
+from zerostack.testing import drop_page_cache
 
 
 def parse_size(text: str) -> int:
@@ -45,16 +46,6 @@ def parse_size(text: str) -> int:
     return (
         int(float(text[:-1]) * scale[text[-1].upper()]) if text[-1].upper() in scale else int(text)
     )
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def raw_bandwidth(backend: str, directory: str, total_bytes: int) -> dict:
@@ -96,7 +87,7 @@ def raw_bandwidth(backend: str, directory: str, total_bytes: int) -> dict:
         os.close(fd)
         durable_s = time.perf_counter() - start
         cached_s = read_all()
-        dropped = drop_caches()
+        dropped = drop_page_cache()
         cold_s = read_all()
     finally:
         io.close()
@@ -132,7 +123,7 @@ def tensornvme_waits(backend: str, directory: str, nbytes: int = 2**30) -> dict 
         off.async_write(src, "k", None)
         off.synchronize()
         dst.zero_()
-        if not drop_caches():
+        if not drop_page_cache():
             raise OSError("cannot drop the page cache")
         start = time.perf_counter()
         off.async_read(dst, "k", None)

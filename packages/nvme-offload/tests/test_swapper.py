@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zerostack.nvme import NVMeWriteError, StateSwapper, _backends
+from zerostack.testing import drop_page_cache
 
 
 def _run_steps(swapper, sizes, steps):
@@ -327,16 +328,6 @@ def test_a_tensornvme_read_is_waited_for_with_no_write_in_flight():
     assert torch.equal(out, data)
 
 
-def _drop_page_cache() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("name", sorted(_backends.tensornvme_backends()))
 def test_a_tensornvme_read_from_the_disk_is_complete_after_its_wait(name, tmp_path):
     # With the page cache dropped the read goes to the disk and finishes
@@ -346,7 +337,7 @@ def test_a_tensornvme_read_from_the_disk_is_complete_after_its_wait(name, tmp_pa
     try:
         data = torch.arange(64 * 2**20, dtype=torch.float32)
         io.wait(io.write("a", data))
-        if not _drop_page_cache():
+        if not drop_page_cache():
             pytest.skip("the page cache cannot be dropped here (needs root)")
         out = torch.zeros_like(data)
         io.wait(io.read("a", out))

@@ -8,6 +8,7 @@ from zerostack.testing._bad_inputs import (
     one_torch_thread,
     same_state,
 )
+from zerostack.testing._disk import drop_page_cache
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
 from zerostack.testing._spawn import SpawnError, spawn
 from zerostack.testing._state_table import check_state_table
@@ -28,6 +29,7 @@ __all__ = [
     "check_bad_input",
     "check_state_table",
     "check_unique_ids",
+    "drop_page_cache",
     "loss_tolerance",
     "make_batch",
     "num_parameters",
