@@ -47,12 +47,13 @@ TEST_REQUIREMENTS = {
 # The examples, and the DeepSpeed program of docs/migration/deepspeed.md, train
 # transformers' GPT-2 (tqdm, which two examples show, comes with it).
 EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
-# The longest test sessions run pytest in worker processes (pytest-xdist): on
-# the 2-core CI machine two workers cut booster-api's tests from 309 s to
-# 196 s, gemini-placement's from 269 s to 163 s, zero-shard's from 257 s to
-# 198 s and integration's from 219 s to 110 s. Each multi-rank test spawns
-# its ranks with a file rendezvous of its own. The short sessions stay in one
-# process (the fused-adam session times a GIL-releasing kernel).
+# The longest test sessions run pytest in worker processes (pytest-xdist).
+# With two workers on the 2-core CI machine, pytest took 186 s for
+# booster-api, 157 s for gemini-placement, 168 s for zero-shard and 126 s for
+# integration (one process, in an earlier run: 309, 269, 257 and 219 s), and
+# the whole test command 22 min 34 s (28 min 17 s before). Each multi-rank
+# test spawns its ranks with a file rendezvous of its own. The short sessions
+# stay in one process (the fused-adam session times a GIL-releasing kernel).
 # ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0` does).
 PARALLEL_TESTS = {"booster-api", "gemini-placement", "zero-shard", "integration"}
 
