@@ -106,7 +106,8 @@ def main() -> int:
         "--backend",
         default=None,
         choices=["uring", "aio", "threads"],
-        help="the disk I/O backend (default: the best installed)",
+        help="the disk I/O backend (default: $ZEROSTACK_NVME_BACKEND, else threads; uring and "
+        "aio need tensornvme)",
     )
     ap.add_argument("--smoke", action="store_true", help="a tiny GPT-2 for 2 steps (CI)")
     ap.add_argument(
