@@ -51,7 +51,7 @@ EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # With two workers on the 2-core CI machine, pytest took 186 s for
 # booster-api, 157 s for gemini-placement, 168 s for zero-shard and 126 s for
 # integration (one process, in an earlier run: 309, 269, 257 and 219 s), and
-# the whole test command 22 min 34 s (28 min 17 s before). Each multi-rank
+# the whole test command 22 min 15 s (28 min 17 s before). Each multi-rank
 # test spawns its ranks with a file rendezvous of its own. The short sessions
 # stay in one process (the fused-adam session times a GIL-releasing kernel).
 # ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0` does).

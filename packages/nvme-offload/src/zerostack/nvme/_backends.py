@@ -11,14 +11,16 @@ read, so that a caller reading a key twice fails on the thread backend too,
 not only on machines with tensornvme; a caller that reads a key and wants it
 kept on disk writes it back (StateSwapper.read, PrefetchPipeline.cancel).
 
-[Note: tensornvme 0.1.0's waits] Measured on a 1 GiB key with the page
-cache dropped (so the read goes to the disk):
-* its Python ``sync_read_events`` is bound to the C++ write wait: it
-  returned in 21 us while the read took 4 s, with half the tensor still
-  zeros. So a read is waited for with ``synchronize()`` (all requests).
-* every wait holds the GIL: another Python thread ran once in a 1.2 s
-  wait, so nothing else in the process (the next forward's launches, a CPU
-  update on a worker thread) moves while it waits, and no timeout can fire.
+[Note: tensornvme 0.1.0's waits] Measured by benchmarks/nvme.py on a 1 GiB
+key with the page cache dropped (so the read goes to the disk):
+* its Python ``sync_read_events`` is bound to the C++ write wait: with
+  io_uring it returned 13 us after the read was submitted, with 4064 of
+  4096 sampled elements still unread. So a read is waited for with
+  ``synchronize()`` (all requests).
+* every wait holds the GIL: a thread waking every 1 ms woke once in a
+  0.475 s ``synchronize()``, so nothing else in the process (the next
+  forward's launches, a CPU update on a worker thread) moves while it
+  waits, and no timeout can fire.
 * it never looks at a request's result: a failed or short read or write
   (an I/O error, a full disk) is not reported.
 So the default backend is "threads" (os.pwrite / os.preadv, every byte
