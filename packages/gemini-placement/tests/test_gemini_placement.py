@@ -67,6 +67,32 @@ def test_static_fractions_are_shares_of_bytes(frac):
     assert amounts["h2d_bytes_per_param"] == amounts["d2h_bytes_per_param"] == (4 if host else 0)
 
 
+def _check_running_counts(auto):
+    """Compare the placement's running byte counts with a sum over every
+    chunk before and after each gather (evictions, prefetches, the plan's
+    moves between them); returns the model bytes recounted."""
+    recounts = []
+
+    def check():
+        gathered = sum(c.chunk_size * c.dtype.itemsize for c in auto.param_chunks if c.is_gathered)
+        shards = sum(auto.shard_bytes(c) for c in auto.param_chunks if c in auto.on_device)
+        assert auto.gathered_bytes() == gathered
+        total = shards + gathered + auto.optim_bytes_on_device + auto.reserved_bytes
+        assert auto.model_bytes() == total
+        recounts.append(total)
+
+    for name in ("before_access", "after_access"):
+        hook = getattr(auto, name)
+
+        def checked(chunks, training, hook=hook):
+            check()
+            hook(chunks, training)
+            check()
+
+        setattr(auto, name, checked)
+    return recounts
+
+
 def test_auto_records_plans_evicts_and_prefetches():
     n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
     capacity = 4 * n + 3 * 20_000 * 4 + 6 * n  # shards, a few gathered chunks, half the optimizer
@@ -78,7 +104,9 @@ def test_auto_records_plans_evicts_and_prefetches():
     )
     auto = ddp.auto
     assert auto.warming_up and not auto.planned
+    recounts = _check_running_counts(auto)
     _steps(ddp, opt, 3)
+    assert recounts and len(set(recounts)) > 1  # checked at every gather, as the books moved
     stats = auto.stats
     assert isinstance(stats, MemStats)
     # Forward then backward: every chunk appears, first uses in creation order.

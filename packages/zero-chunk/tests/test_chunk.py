@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zerostack.chunk import Chunk, ChunkFullError, ChunkManager, TensorState
+from zerostack.chunk import Chunk, ChunkFullError, ChunkManager, GatheredBytes, TensorState
 from zerostack.testing import spawn
 
 SIZES = [5, 1, 17, 8, 3]  # 34 elements in a 37-element chunk: padding at every world size
@@ -209,6 +209,31 @@ def _managed():
     manager.close_all_groups()
     (chunk,) = manager.chunks()
     return manager, chunk, tensors
+
+
+def test_gathered_bytes_are_counted_through_every_gather_release_and_reduce():
+    book, other = GatheredBytes(), GatheredBytes()
+    size = 37 * 4
+    chunk, tensors, _ = _filled()  # closed: sharded, not gathered
+    grads = chunk.init_grad_chunk()
+    chunk.report_gathered_to(book)
+    grads.report_gathered_to(book)  # a grad chunk is created gathered
+    assert book.bytes == size and chunk.gathered_bytes == size
+    chunk.access()
+    assert book.bytes == 2 * size
+    chunk.release()
+    assert book.bytes == size
+    chunk.access(async_op=True).wait()
+    assert book.bytes == 2 * size
+    _to_ready(chunk, tensors)
+    chunk.reduce()  # into the grad chunk: its buffer goes, the params' stays
+    assert (chunk.is_gathered, grads.is_gathered) == (True, False) and book.bytes == size
+    grads.zero_buffer()
+    assert book.bytes == 2 * size
+    grads.report_gathered_to(other)  # moves its bytes over; None stops counting
+    assert (book.bytes, other.bytes) == (size, size)
+    chunk.report_gathered_to(None)
+    assert book.bytes == 0
 
 
 def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, ChunkManager, all_reduce_max, set_collective_label
+from zerostack.chunk import (
+    Chunk,
+    ChunkManager,
+    GatheredBytes,
+    all_reduce_max,
+    set_collective_label,
+)
 from zerostack.gemini._config import AutoPlacementConfig, StaticPlacementConfig
 
 logger = logging.getLogger(__name__)
@@ -349,6 +355,9 @@ class AutoPlacement(Placement):
         self._world = world_size
         self.stats = MemStats()
         self.on_device: set[Chunk] = set()  # shards (param or master) on the compute device
+        self._param_set: set[Chunk] = set()
+        self._param_shard_bytes_on_device = 0  # of the param chunks in on_device
+        self._gathered = GatheredBytes()  # the param chunks' gathered buffers
         self.optim_bytes_on_device = 0  # masters + states on the compute device (after plan)
         self.reserved_bytes = 0  # the optimizer's own bytes there (plan's staging)
         self.evictions = 0
@@ -377,6 +386,9 @@ class AutoPlacement(Placement):
 
     def attach(self, manager: ChunkManager, param_chunks: list[Chunk]) -> None:
         super().attach(manager, param_chunks)
+        for c in param_chunks:
+            c.report_gathered_to(self._gathered)
+        self._param_set = set(param_chunks)
         self.initial_placement()
 
     # -- byte accounting ---------------------------------------------------------
@@ -385,21 +397,23 @@ class AutoPlacement(Placement):
     def shard_bytes(chunk: Chunk) -> int:
         return chunk.shard_size * chunk.dtype.itemsize
 
-    @staticmethod
-    def chunk_bytes(chunk: Chunk) -> int:
-        return chunk.chunk_size * chunk.dtype.itemsize
-
     def gathered_bytes(self) -> int:
-        return sum(self.chunk_bytes(c) for c in self.param_chunks if c.is_gathered)
+        """The param chunks' gathered buffers (a running count the chunks keep)."""
+        return self._gathered.bytes
 
     def model_bytes(self) -> int:
         """Model data on the compute device by this placement's books: param
         shards there, gathered buffers, optimizer chunks there with states,
         and what the plan reserved for the optimizer (the device lane's
         staging): the steady state's evictions keep all of it under the
-        limit, as the plan did."""
-        shards = sum(self.shard_bytes(c) for c in self.param_chunks if c in self.on_device)
-        return shards + self.gathered_bytes() + self.optim_bytes_on_device + self.reserved_bytes
+        limit, as the plan did. Running counts, not sums over the chunks:
+        it is asked several times at every gather."""
+        return (
+            self._param_shard_bytes_on_device
+            + self._gathered.bytes
+            + self.optim_bytes_on_device
+            + self.reserved_bytes
+        )
 
     def warmup_limit(self) -> int:
         return int((1.0 - self.warmup_ratio) * self.capacity)
@@ -423,6 +437,9 @@ class AutoPlacement(Placement):
 
     def move(self, chunk: Chunk, to_device: bool) -> None:
         """Put ``chunk``'s shard on the compute device or the CPU (books only on a CPU device)."""
+        if chunk in self._param_set and (chunk in self.on_device) != to_device:
+            sign = 1 if to_device else -1
+            self._param_shard_bytes_on_device += sign * self.shard_bytes(chunk)
         if to_device:
             self.on_device.add(chunk)
         else:
@@ -434,7 +451,7 @@ class AutoPlacement(Placement):
         """Warm-up placement: param shards on the device while they fit."""
         room = self.warmup_limit()
         for chunk in self.param_chunks:
-            fits = self.shard_bytes(chunk) + self.chunk_bytes(chunk) <= room
+            fits = self.shard_bytes(chunk) + chunk.gathered_bytes <= room
             if fits:
                 room -= self.shard_bytes(chunk)
             self.move(chunk, fits)
@@ -484,7 +501,7 @@ class AutoPlacement(Placement):
                 self._prefetch(
                     self.stats.order,
                     lambda c, m: (
-                        self.model_bytes() + self.chunk_bytes(c) <= self._window_limit(now, m)
+                        self.model_bytes() + c.gathered_bytes <= self._window_limit(now, m)
                     ),
                 )
         held = self.model_bytes()
@@ -569,7 +586,7 @@ class AutoPlacement(Placement):
     def _make_room(self, chunks: list[Chunk], moment: int | None) -> None:
         for c in chunks:
             self.wait_prefetched(c)
-        incoming = sum(self.chunk_bytes(c) for c in chunks if not c.is_gathered)
+        incoming = sum(c.gathered_bytes for c in chunks if not c.is_gathered)
         limit = self.steady_limit(moment)
         while self.model_bytes() + incoming > limit:
             victim = self._farthest(exclude=set(chunks))

@@ -6,6 +6,7 @@ from zerostack.chunk._buffers import persistent_buffers
 from zerostack.chunk._chunk import (
     Chunk,
     ChunkFullError,
+    GatheredBytes,
     Handle,
     check_device,
     default_compute_device,
@@ -36,6 +37,7 @@ __all__ = [
     "ChunkSearchResult",
     "CollectiveMismatchError",
     "ColoInitContext",
+    "GatheredBytes",
     "Handle",
     "LazyInitContext",
     "TensorInfo",

@@ -21,6 +21,19 @@ logger = logging.getLogger(__name__)
 _warned_pin = False
 
 
+class GatheredBytes:
+    """A running count of the gathered buffers' bytes of the chunks that
+    report to it (``Chunk.report_gathered_to``)."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __repr__(self) -> str:
+        return f"GatheredBytes({self.bytes})"
+
+
 class ChunkFullError(RuntimeError):
     """The tensor does not fit in the space the chunk has left."""
 
@@ -198,9 +211,9 @@ class Chunk:
         self.shard_device = torch.device(shard_device) if shard_device else self.compute_device
         self.keep_gathered = keep_gathered
         self.pin_memory = pin_memory
-        self.buffer: torch.Tensor | None = torch.zeros(
-            self.chunk_size, dtype=dtype, device=self.compute_device
-        )
+        self._book: GatheredBytes | None = None
+        self._buffer: torch.Tensor | None = None
+        self.buffer = torch.zeros(self.chunk_size, dtype=dtype, device=self.compute_device)
         self._shard: torch.Tensor | None = None
         self.utilized_size = 0
         self.closed = False
@@ -294,8 +307,37 @@ class Chunk:
                 self._landing = None
 
     @property
+    def buffer(self) -> torch.Tensor | None:
+        """The gathered chunk (``chunk_size`` elements on the compute device);
+        None while only the shard is held."""
+        return self._buffer
+
+    @buffer.setter
+    def buffer(self, value: torch.Tensor | None) -> None:
+        book = self._book
+        if book is not None and (self._buffer is None) != (value is None):
+            book.bytes += self.gathered_bytes if value is not None else -self.gathered_bytes
+        self._buffer = value
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Bytes of the gathered buffer: ``chunk_size`` elements of ``dtype``."""
+        return self.chunk_size * self.dtype.itemsize
+
+    def report_gathered_to(self, book: GatheredBytes | None) -> None:
+        """From now on keep ``book.bytes`` counting this chunk's gathered
+        buffer (``gathered_bytes`` while gathered, 0 while not); None stops.
+        A placement asks this at every gather: a running count, not a sum over
+        every chunk each time."""
+        if self._book is not None and self._buffer is not None:
+            self._book.bytes -= self.gathered_bytes
+        self._book = book
+        if book is not None and self._buffer is not None:
+            book.bytes += self.gathered_bytes
+
+    @property
     def is_gathered(self) -> bool:
-        return self.buffer is not None
+        return self._buffer is not None
 
     @property
     def num_tensors(self) -> int:
