@@ -51,8 +51,10 @@ class GradientReduction:
     """The buckets' reductions of one step: launched strictly in bucket
     order (so every rank issues the same collectives in the same order even
     when ranks differ in which parameters got gradients), asynchronously and
-    on a side stream on CUDA with ``overlap``, and finished at the step,
-    where each shard gets its reduced piece."""
+    on a side stream on CUDA with ``overlap`` (one rank, with no collective,
+    packs on the compute stream and sends only its copies to the host
+    there), and finished at the step, where each shard gets its reduced
+    piece."""
 
     def __init__(
         self,
@@ -102,7 +104,11 @@ class GradientReduction:
 
     def _launch(self, bucket: _Bucket) -> None:
         dtype = self.comm_dtype or bucket.shards[0].param.dtype
-        stream = self.stream
+        # One rank launches no collective, so there is nothing to overlap:
+        # the packing runs in order on the compute stream, without a wait
+        # between the streams and a record_stream of every gradient each
+        # bucket; only a copy to the host goes to the side stream (_copy_down).
+        stream = self.stream if self.world > 1 else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -135,7 +141,8 @@ class GradientReduction:
                 # cpu_offload: NCCL's wait only orders this stream after the
                 # collective, so the bucket's norm and its copy to the host
                 # queue up here and run while backward goes on (a norm of the
-                # pieces on the host would cost a CPU pass over all of them).
+                # pieces on the host would cost a CPU pass over all of them;
+                # at one rank the norm is one more kernel of the compute stream).
                 # A device-lane bucket's gradient stays here (see [Note:
                 # Adam where the bandwidth is]).
                 bucket.wait()
@@ -143,12 +150,26 @@ class GradientReduction:
                 # bf16 piece, squared: no fp32 copy of it.
                 bucket.norm_sq = torch._foreach_norm([mine], 2.0, dtype=torch.float32)[0].square()
                 if bucket.host_grads is not None:
-                    bucket.host_grads.copy_(mine, non_blocking=True)
-                    bucket.on_host = True
+                    self._copy_down(bucket, mine)
             if self.stage == 2:
                 if self.in_flight is not None:
                     self.in_flight.wait()
                 self.in_flight = bucket
+
+    def _copy_down(self, bucket: _Bucket, mine: torch.Tensor) -> None:
+        """cpu_offload: queue the copy of the reduced pieces to the bucket's
+        pinned ``host_grads`` beside the rest of backward: on the side stream
+        (at one rank it waits there for the packing on the compute stream).
+        ``finish`` makes the compute stream wait for it before anything
+        writes ``mine`` again."""
+        side = self.stream
+        if self.world == 1 and side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                bucket.host_grads.copy_(mine, non_blocking=True)  # type: ignore[union-attr]
+        else:  # already on the side stream (several ranks), or no side stream
+            bucket.host_grads.copy_(mine, non_blocking=True)  # type: ignore[union-attr]
+        bucket.on_host = True
 
     def _start_collective(
         self, bucket: _Bucket, buf: torch.Tensor, dtype: torch.dtype
