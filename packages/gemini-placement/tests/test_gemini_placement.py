@@ -125,6 +125,33 @@ def test_auto_records_plans_evicts_and_prefetches():
     assert auto.peak_model_bytes <= auto.steady_limit()
 
 
+def test_the_running_counts_follow_shards_that_leave_the_device():
+    # The plan moves param shards to the CPU when the device cannot keep
+    # them all (a 0.6 share of a capacity of the shards and three gathered
+    # chunks): the shard count goes down as well as up.
+    n = sum(p.numel() for p in TinyGPT(CONFIG).parameters())
+    ddp, opt = _wrap(
+        placement_policy="auto",
+        gpu_capacity_bytes=4 * n + 3 * 20_000 * 4,
+        warmup_non_model_data_ratio=0.0,
+        steady_cuda_cap_ratio=0.6,
+        max_prefetch=2,
+    )
+    auto = ddp.auto
+    moved_off = []
+    move = auto.move
+
+    def counted_move(chunk, to_device):
+        if chunk in auto.on_device and not to_device and chunk in auto.param_chunks:
+            moved_off.append(chunk.index)
+        move(chunk, to_device)
+
+    auto.move = counted_move
+    recounts = _check_running_counts(auto)
+    _steps(ddp, opt, 3)
+    assert moved_off and recounts
+
+
 def _activations(moment):
     """Non-model bytes injected for the warm-up's period ``moment``: rising
     over the forward (16 gathers), falling over the backward, as activations

@@ -218,22 +218,26 @@ def test_gathered_bytes_are_counted_through_every_gather_release_and_reduce():
     grads = chunk.init_grad_chunk()
     chunk.report_gathered_to(book)
     grads.report_gathered_to(book)  # a grad chunk is created gathered
-    assert book.bytes == size and chunk.gathered_bytes == size
+    assert book.nbytes == size and chunk.buffer_bytes == size
     chunk.access()
-    assert book.bytes == 2 * size
+    assert book.nbytes == 2 * size
     chunk.release()
-    assert book.bytes == size
+    assert book.nbytes == size
     chunk.access(async_op=True).wait()
-    assert book.bytes == 2 * size
+    assert book.nbytes == 2 * size
     _to_ready(chunk, tensors)
     chunk.reduce()  # into the grad chunk: its buffer goes, the params' stays
-    assert (chunk.is_gathered, grads.is_gathered) == (True, False) and book.bytes == size
+    assert (chunk.is_gathered, grads.is_gathered) == (True, False) and book.nbytes == size
     grads.zero_buffer()
-    assert book.bytes == 2 * size
-    grads.report_gathered_to(other)  # moves its bytes over; None stops counting
-    assert (book.bytes, other.bytes) == (size, size)
+    assert book.nbytes == 2 * size
+    with pytest.raises(ValueError, match="reports to another GatheredBytes"):
+        grads.report_gathered_to(other)  # one count would miss it
+    assert (book.nbytes, other.nbytes) == (2 * size, 0)
+    grads.report_gathered_to(None)  # takes its bytes back
+    grads.report_gathered_to(other)
+    assert (book.nbytes, other.nbytes) == (size, size)
     chunk.report_gathered_to(None)
-    assert book.bytes == 0
+    assert book.nbytes == 0
 
 
 def test_an_async_gather_is_finished_by_any_later_use_of_the_chunk():
@@ -518,7 +522,7 @@ def test_phase_is_a_profiler_range_only_under_a_profiler():
 def test_an_async_gather_of_a_pinned_host_shard_copies_beside_the_compute_stream(pin):
     # See [Note: a prefetch copies beside compute]: the copy waits for the
     # kernels queued before it, then runs while those queued after it run.
-    from zerostack.chunk._chunk import copy_stream
+    from zerostack.chunk._streams import copy_stream
 
     tensors = [torch.randn(1 << 20) for _ in range(4)]
     ref = [t.clone() for t in tensors]

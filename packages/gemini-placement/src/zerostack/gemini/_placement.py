@@ -389,6 +389,9 @@ class AutoPlacement(Placement):
         for c in param_chunks:
             c.report_gathered_to(self._gathered)
         self._param_set = set(param_chunks)
+        self._param_shard_bytes_on_device = sum(
+            self.shard_bytes(c) for c in param_chunks if c in self.on_device
+        )
         self.initial_placement()
 
     # -- byte accounting ---------------------------------------------------------
@@ -399,7 +402,7 @@ class AutoPlacement(Placement):
 
     def gathered_bytes(self) -> int:
         """The param chunks' gathered buffers (a running count the chunks keep)."""
-        return self._gathered.bytes
+        return self._gathered.nbytes
 
     def model_bytes(self) -> int:
         """Model data on the compute device by this placement's books: param
@@ -410,7 +413,7 @@ class AutoPlacement(Placement):
         it is asked several times at every gather."""
         return (
             self._param_shard_bytes_on_device
-            + self._gathered.bytes
+            + self._gathered.nbytes
             + self.optim_bytes_on_device
             + self.reserved_bytes
         )
@@ -451,7 +454,7 @@ class AutoPlacement(Placement):
         """Warm-up placement: param shards on the device while they fit."""
         room = self.warmup_limit()
         for chunk in self.param_chunks:
-            fits = self.shard_bytes(chunk) + chunk.gathered_bytes <= room
+            fits = self.shard_bytes(chunk) + chunk.buffer_bytes <= room
             if fits:
                 room -= self.shard_bytes(chunk)
             self.move(chunk, fits)
@@ -500,9 +503,7 @@ class AutoPlacement(Placement):
             if self.max_prefetch > 0:
                 self._prefetch(
                     self.stats.order,
-                    lambda c, m: (
-                        self.model_bytes() + c.gathered_bytes <= self._window_limit(now, m)
-                    ),
+                    lambda c, m: self.model_bytes() + c.buffer_bytes <= self._window_limit(now, m),
                 )
         held = self.model_bytes()
         if training and not self.warming_up:
@@ -586,7 +587,7 @@ class AutoPlacement(Placement):
     def _make_room(self, chunks: list[Chunk], moment: int | None) -> None:
         for c in chunks:
             self.wait_prefetched(c)
-        incoming = sum(c.gathered_bytes for c in chunks if not c.is_gathered)
+        incoming = sum(c.buffer_bytes for c in chunks if not c.is_gathered)
         limit = self.steady_limit(moment)
         while self.model_bytes() + incoming > limit:
             victim = self._farthest(exclude=set(chunks))

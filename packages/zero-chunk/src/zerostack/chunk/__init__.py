@@ -6,8 +6,6 @@ from zerostack.chunk._buffers import persistent_buffers
 from zerostack.chunk._chunk import (
     Chunk,
     ChunkFullError,
-    GatheredBytes,
-    Handle,
     check_device,
     default_compute_device,
 )
@@ -28,6 +26,7 @@ from zerostack.chunk._pinned import exact_pinned, pinned_empty
 from zerostack.chunk._profiling import phase
 from zerostack.chunk._search import ChunkSearchResult, search_chunk_configuration
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState, path_between
+from zerostack.chunk._streams import GatheredBytes, Handle
 
 __all__ = [
     "TRANSITIONS",

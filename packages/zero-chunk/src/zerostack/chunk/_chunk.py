@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,86 +14,14 @@ import torch.distributed as dist
 from zerostack.chunk import _comm
 from zerostack.chunk._pinned import pinned_empty
 from zerostack.chunk._state import TRANSITIONS, TensorInfo, TensorState
+from zerostack.chunk._streams import GatheredBytes, Handle, _CopyIn, copy_stream, landing_stream
 
 logger = logging.getLogger(__name__)
 _warned_pin = False
 
 
-class GatheredBytes:
-    """A running count of the gathered buffers' bytes of the chunks that
-    report to it (``Chunk.report_gathered_to``)."""
-
-    __slots__ = ("bytes",)
-
-    def __init__(self) -> None:
-        self.bytes = 0
-
-    def __repr__(self) -> str:
-        return f"GatheredBytes({self.bytes})"
-
-
 class ChunkFullError(RuntimeError):
     """The tensor does not fit in the space the chunk has left."""
-
-
-class Handle:
-    """An asynchronous chunk collective; ``wait()`` finishes it (idempotent)."""
-
-    def __init__(self, work, finish: Callable[[], None]) -> None:
-        self._work, self._finish = work, finish
-
-    def wait(self) -> None:
-        if self._finish is None:
-            return
-        if self._work is not None:
-            self._work.wait()
-        finish, self._finish = self._finish, None
-        finish()
-
-    def is_completed(self) -> bool:
-        return self._finish is None
-
-
-_side_streams: dict[tuple[torch.device, str], Any] = {}
-_side_streams_lock = threading.Lock()  # the CPU-step worker gathers too
-
-
-def _side_stream(device: torch.device, kind: str) -> Any:
-    if device.index is None:
-        device = torch.device(device.type, torch.cuda.current_device())
-    stream = _side_streams.get((device, kind))
-    if stream is None:
-        with _side_streams_lock:
-            stream = _side_streams.setdefault((device, kind), torch.cuda.Stream(device))
-    return stream
-
-
-def copy_stream(device: torch.device) -> Any:
-    """The side stream that prefetched gathers copy host shards on (one per
-    CUDA device; see [Note: a prefetch copies beside compute])."""
-    return _side_stream(device, "gather")
-
-
-def landing_stream(device: torch.device) -> Any:
-    """The side stream that reduced shares are copied to pinned host memory
-    on (one per CUDA device; see [Note: a reduced share lands on the host])."""
-    return _side_stream(device, "land")
-
-
-class _CopyIn:
-    """The work of a gather whose host-to-device copy runs on the copy stream:
-    ``wait()`` makes the current stream wait for the copy, or for the
-    all-gather issued after it on the collective's stream."""
-
-    def __init__(self, device: torch.device, collective: Any) -> None:
-        self._device, self._collective = device, collective
-        self._copied = copy_stream(device).record_event() if collective is None else None
-
-    def wait(self) -> None:
-        if self._collective is not None:
-            self._collective.wait()
-        else:
-            torch.cuda.current_stream(self._device).wait_event(self._copied)
 
 
 def default_compute_device() -> torch.device:
@@ -316,24 +242,39 @@ class Chunk:
     def buffer(self, value: torch.Tensor | None) -> None:
         book = self._book
         if book is not None and (self._buffer is None) != (value is None):
-            book.bytes += self.gathered_bytes if value is not None else -self.gathered_bytes
+            book.nbytes += self.buffer_bytes if value is not None else -self.buffer_bytes
         self._buffer = value
 
     @property
-    def gathered_bytes(self) -> int:
-        """Bytes of the gathered buffer: ``chunk_size`` elements of ``dtype``."""
+    def buffer_bytes(self) -> int:
+        """Bytes of the gathered buffer when there is one: ``chunk_size``
+        elements of ``dtype``."""
         return self.chunk_size * self.dtype.itemsize
 
     def report_gathered_to(self, book: GatheredBytes | None) -> None:
-        """From now on keep ``book.bytes`` counting this chunk's gathered
-        buffer (``gathered_bytes`` while gathered, 0 while not); None stops.
-        A placement asks this at every gather: a running count, not a sum over
-        every chunk each time."""
+        """From now on keep ``book.nbytes`` counting this chunk's gathered
+        buffer (``buffer_bytes`` while gathered, nothing while not). A
+        placement asks for the bytes gathered at every gather: a running
+        count, not a sum over every chunk each time.
+
+        Args:
+            book: the count to keep; None stops reporting (what this chunk
+                added to its book is taken back).
+
+        Raises:
+            ValueError: the chunk reports to another book already (stop
+                that first, with None): one count would miss it.
+        """
+        if book is not None and self._book is not None and book is not self._book:
+            raise ValueError(
+                f"Chunk {self.index}.report_gathered_to: the chunk reports to another "
+                "GatheredBytes already; pass None first"
+            )
         if self._book is not None and self._buffer is not None:
-            self._book.bytes -= self.gathered_bytes
+            self._book.nbytes -= self.buffer_bytes
         self._book = book
         if book is not None and self._buffer is not None:
-            book.bytes += self.gathered_bytes
+            book.nbytes += self.buffer_bytes
 
     @property
     def is_gathered(self) -> bool:

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerostack.chunk._chunk import Chunk, ChunkFullError, Handle, check_device
+from zerostack.chunk._chunk import Chunk, ChunkFullError, check_device
 from zerostack.chunk._state import TensorState
+from zerostack.chunk._streams import Handle
 
 logger = logging.getLogger(__name__)
 
