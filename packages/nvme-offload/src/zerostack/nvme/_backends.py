@@ -16,7 +16,10 @@ key with the page cache dropped (so the read goes to the disk):
 * its Python ``sync_read_events`` is bound to the C++ write wait: with
   io_uring it returned 13 us after the read was submitted, with 4064 of
   4096 sampled elements still unread. So a read is waited for with
-  ``synchronize()`` (all requests).
+  ``synchronize()`` (all requests, the writes in flight too: its
+  csrc/offload.cpp binds both ``sync_read_events`` and
+  ``sync_write_events`` to the write wait, so no read-only wait is
+  reachable from Python).
 * every wait holds the GIL: a thread waking every 1 ms woke once in a
   0.475 s ``synchronize()``, so nothing else in the process (the next
   forward's launches, a CPU update on a worker thread) moves while it
