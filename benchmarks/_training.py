@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -148,7 +149,8 @@ def describe(a) -> str:
     return (
         f"{shape}, batch {a.batch_size} x {a.seq_len}, bf16, activation checkpointing; median of "
         f"{a.steps} steps after {a.warmup}; spread = max/min step time over the timed steps; "
-        f"{a.repeat} run(s) in one process, interleaved"
+        "CPU step s and CPU-update wait s: means over the timed steps (the first step, which "
+        f"creates the Adam states, is not in them); {a.repeat} run(s) in one process, interleaved"
     )
 
 
@@ -227,9 +229,37 @@ def torch_step(opt: torch.optim.Optimizer) -> Callable:
     return step
 
 
-def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
+class Offload(NamedTuple):
+    """What ``run`` reads of an offloaded row's CPU step: ``pipeline`` (its
+    CPU-step pipeline: ``update_s``, seconds of updates, and ``wait_s``,
+    seconds the owner waited for them), ``settle`` (waits for the updates in
+    flight) and ``disk_wait_s`` (seconds the updates waited for the disk)."""
+
+    pipeline: Any
+    settle: Callable[[], None]
+    disk_wait_s: Callable[[], float] = lambda: 0.0
+
+
+def _offload_counters(offload: Offload) -> tuple[float, float, float]:
+    p = offload.pipeline
+    return p.update_s, p.wait_s, offload.disk_wait_s()
+
+
+def run(
+    name, model, step_fn, batch, steps, warmup, autocast, offload: Offload | None = None
+) -> dict:
     """Median step time split into forward, backward and the optimizer step
-    (synchronised between them), and the spread (max/min) of the step time."""
+    (synchronised between them), and the spread (max/min) of the step time.
+
+    With ``offload``, also the timed steps' means of its CPU step
+    (``cpu_step_s``), of the forward's waits for it (``wait_s``) and of its
+    waits for the disk (``disk_wait_s``). [Note: timed CPU steps] The waits
+    count from the first timed forward on; the updates from the first timed
+    ``step()`` on, when every update of the warm-up is done (the forward and
+    backward before it waited for the update of every parameter they used),
+    to the updates of the last timed step, settled after the loop. So the
+    first step, which also creates the Adam states (zero-filling their pages
+    on the host), is not in them."""
     idx, tgt = batch
     fwd, fb, opt, marks = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
@@ -242,6 +272,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
     for i in range(warmup + steps):
         if i == warmup:
             before = torch.cuda.memory_stats()
+            if offload is not None:
+                at_forward = _offload_counters(offload)
         torch.cuda.synchronize()
         r0, t0, c0 = retried(), time.perf_counter(), collecting.seconds
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -258,6 +290,8 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         if last:
             _print_segments(f"{name}, after the last backward", torch.cuda.memory._snapshot())
         rb, to = retried(), time.perf_counter()
+        if offload is not None and i == warmup:
+            at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
         step_fn(loss, backward_only=False)
         torch.cuda.synchronize()
         t2, ro = time.perf_counter(), retried()
@@ -272,6 +306,15 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
             )
     total = [a + b for a, b in zip(fb, opt, strict=True)]
+    timed = {}
+    if offload is not None:  # before any profiled step below adds to the counters
+        offload.settle()
+        update_s, wait_s, disk_s = _offload_counters(offload)
+        timed = dict(
+            cpu_step_s=(update_s - at_step[0]) / steps,
+            wait_s=(wait_s - at_forward[1]) / steps,
+            disk_wait_s=(disk_s - at_step[2]) / steps,
+        )
     profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
     if profiled.isdigit() and int(profiled) > 0:
         _profile(name, model, step_fn, idx, tgt, autocast, 3 if profiled == "1" else int(profiled))
@@ -298,6 +341,7 @@ def run(name, model, step_fn, batch, steps, warmup, autocast) -> dict:
         device_allocs=_counted(before, "num_device_alloc"),
         device_frees=_counted(before, "num_device_free"),
         loss=loss.item(),
+        **timed,
     )
 
 

@@ -59,18 +59,12 @@ def gemini(
         list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
     )
     opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=fraction)
-    disk_wait0 = [0.0]
-    done = [0]
 
     def step(loss, backward_only):
         if backward_only:
             opt.backward(loss)
-            return
-        opt.step()
-        done[0] += 1
-        if done[0] == warmup:  # count the timed steps only
-            opt.pipeline.updates.wait_s = opt.pipeline.updates.update_s = 0.0
-            disk_wait0[0] = opt.nvme_wait_s
+        else:
+            opt.step()
 
     if max_norm > 0:
         label += f", max_norm={max_norm:g}"
@@ -78,17 +72,15 @@ def gemini(
         label += f", nvme_offload_fraction={nvme:g}"
     if fraction == "auto" or opt.gpu_update_fraction > 0:
         label += ", " + T.fraction_label(fraction, opt.gpu_update_fraction)
-    result = T.run(label, model, step, batch, steps, warmup, False)
-    model.wait_updates()
-    result["wait_s"] = model.update_wait_s / steps
-    result["cpu_step_s"] = opt.cpu_step_s / steps
+    counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
+    result = T.run(label, model, step, batch, steps, warmup, False, counters)
     amounts = model.step_amounts()
     if amounts["host_numel"]:  # what --machine's floor needs: the placement's traffic, the disk's
         result.update(amounts, disk_bytes=adam.nvme_bytes_on_disk())
     if nvme > 0:  # bytes on disk, and the worker's time waiting for the disk (exposed I/O)
         result["name"] += (
             f" [{adam.nvme_bytes_on_disk() / 1e9:.1f} GB of Adam states on disk, the CPU step "
-            f"waited {(opt.nvme_wait_s - disk_wait0[0]) / steps:.3f} s/step for it]"
+            f"waited {result['disk_wait_s']:.3f} s/step for it]"
         )
     if model.auto is not None:
         a = model.auto

@@ -88,11 +88,9 @@ def _zero(
         label += f", cpu_update_numel={numel}"
     if not overlap_comm:
         label += ", overlap_communication=False"
-    result = T.run(label, model, step, batch, steps, warmup, False)
+    counters = T.Offload(zopt._pipe, zopt.wait_updates) if zopt._pipe is not None else None
+    result = T.run(label, model, step, batch, steps, warmup, False, counters)
     zopt.wait_updates()  # the last step's CPU updates end here, not in the next row
-    if zopt._pipe is not None:  # per step, warm-up included
-        result["wait_s"] = zopt._pipe.wait_s / (steps + warmup)
-        result["cpu_step_s"] = zopt._pipe.update_s / (steps + warmup)
     if offload:  # every master on the host: what --machine's floor needs
         result["host_numel"] = sum(end - start for start, end in zopt.local_ranges())
     return result
