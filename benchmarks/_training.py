@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import os
 import statistics
@@ -318,7 +319,7 @@ def run(
     profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
     if profiled.isdigit() and int(profiled) > 0:
         _profile(name, model, step_fn, idx, tgt, autocast, 3 if profiled == "1" else int(profiled))
-    host = os.environ.get("ZEROSTACK_BENCH_HOST_PROFILE", "0")  # N backwards under cProfile
+    host = os.environ.get("ZEROSTACK_BENCH_HOST_PROFILE", "0")  # N steps under cProfile
     if host.isdigit() and int(host) > 0:
         _host_profile(name, model, step_fn, idx, tgt, autocast, int(host))
     return dict(
@@ -397,33 +398,44 @@ def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
 
 
 def _host_profile(name, model, step_fn, idx, tgt, autocast, steps: int) -> None:
-    """More steps whose backward runs under cProfile: the Python functions
-    that hold the host while the device waits for launches (the backward
-    under cProfile is slower than without it; its own time is printed)."""
+    """More steps whose forward and backward run under cProfile, one profile
+    each: the Python functions that hold the host while the device waits for
+    launches (a phase under cProfile is slower than without it; the phases'
+    own times are printed)."""
     import cProfile
     import io
     import pstats
 
-    prof, walls = cProfile.Profile(), []
-    for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss = model(idx, tgt)
+    profs = {"forward": cProfile.Profile(), "backward": cProfile.Profile()}
+    walls: dict[str, list[float]] = {k: [] for k in profs}
+
+    def timed(phase: str, fn: Callable[[], Any]) -> Any:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        prof.enable()
-        step_fn(loss, backward_only=True)
-        prof.disable()
+        profs[phase].enable()
+        out = fn()
+        profs[phase].disable()
         torch.cuda.synchronize()
-        walls.append(time.perf_counter() - t0)
+        walls[phase].append(time.perf_counter() - t0)
+        return out
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return model(idx, tgt)
+
+    for _ in range(steps):
+        loss = timed("forward", forward)
+        timed("backward", functools.partial(step_fn, loss, backward_only=True))
         step_fn(loss, backward_only=False)
         torch.cuda.synchronize()
-    text = io.StringIO()
-    stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
-    stats.print_stats(18)
-    stats.sort_stats("cumulative").print_stats("zerostack", 18)
-    print(f"\n[host-profile] {name}: {steps} backwards under cProfile, wall "
-          f"{' '.join(f'{w:.3f}' for w in walls)} s", flush=True)  # fmt: skip
-    print(text.getvalue(), flush=True)
+    for phase, prof in profs.items():
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text).sort_stats("tottime")
+        stats.print_stats(18)
+        stats.sort_stats("cumulative").print_stats("zerostack", 18)
+        print(f"\n[host-profile] {name}: {steps} {phase}s under cProfile, wall "
+              f"{' '.join(f'{w:.3f}' for w in walls[phase])} s", flush=True)  # fmt: skip
+        print(text.getvalue(), flush=True)
 
 
 def _where(frames: list[dict], keep: int = 4) -> str:
