@@ -200,6 +200,41 @@ def test_without_a_process_group_the_chunk_is_one_rank():
     _check_gather_release(0, 1)
 
 
+def _collectives_counted(rank, world):
+    """The chunk cases with every collective of the process group counted;
+    at one rank none may reach it (see [Note: a collective over one rank])."""
+    from zerostack.chunk import _comm
+
+    calls = []
+
+    def counted(real):
+        def call(*args, **kwargs):
+            calls.append(real.__name__)
+            return real(*args, **kwargs)
+
+        return call
+
+    real = _comm._all_gather, _comm._reduce_scatter, dist.all_reduce
+    _comm._all_gather, _comm._reduce_scatter = counted(real[0]), counted(real[1])
+    dist.all_reduce = counted(real[2])
+    try:
+        _check_gather_release(rank, world)
+        for async_op in (False, True):
+            _check_reduce(rank, world, async_op, use_grad_chunk=False)
+        t = torch.arange(4.0)
+        _comm.all_reduce_sum(t)
+        _comm.all_reduce_max(t)
+        assert torch.equal(t, torch.arange(4.0) * world)
+    finally:
+        _comm._all_gather, _comm._reduce_scatter, dist.all_reduce = real
+    assert bool(calls) == (world > 1), (world, calls)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_collective_over_one_rank_skips_the_process_group(world_size):
+    spawn(_collectives_counted, world_size, backend="gloo")
+
+
 def _managed():
     """A manager of one closed 37-element chunk holding ``_tensors()``."""
     manager = ChunkManager({1: {"chunk_size": 37}}, compute_device="cpu")

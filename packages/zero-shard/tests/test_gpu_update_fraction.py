@@ -364,7 +364,7 @@ def _late_lane(monkeypatch, cycles=20_000_000):
     kernel, store, pack = fused.adam_update, LaneStaging._store, _reduction.pack_grads
 
     def late_pack(*args):
-        torch.cuda._sleep(cycles)  # on the reduction's stream, after its buffer is zeroed
+        torch.cuda._sleep(cycles)  # on the reduction's stream, before its buffer is packed
         pack(*args)
 
     def late_kernel(*args, **kw):

@@ -363,7 +363,7 @@ class Chunk:
         collective = None
         staging = (
             torch.empty(self.shard_size, dtype=self.dtype, device=self.compute_device)
-            if dist.is_initialized()
+            if self.world_size > 1  # See [Note: a collective over one rank]
             else None
         )
         side.wait_stream(torch.cuda.current_stream(self.compute_device))

@@ -203,25 +203,44 @@ def make_buckets(shards: list[_Shard], world: int, reduce_bucket_size: int) -> l
 
 
 def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-    """Move each parameter's gradient into the zeroed (world, piece_total)
-    ``buf``: rank r's piece to row r. The model's ``.grad`` becomes the
-    shard's guard (see [Note: sharded param.grad])."""
+    """Move each parameter's gradient into the (world, piece_total) ``buf``:
+    rank r's piece to row r. The model's ``.grad`` becomes the shard's guard
+    (see [Note: sharded param.grad]).
+
+    [Note: one copy a bucket] The copies go in one multi-tensor launch
+    (``torch._foreach_copy_``), and ``buf`` is zeroed first only when the
+    gradients leave part of it unwritten (a parameter without a gradient,
+    the zero padding of pieces at several ranks). A copy and a zeroing a
+    bucket are all the backward's hooks launch for it: with a launch a
+    parameter (about four a bucket on GPT-2 XL, 145 buckets) the hooks' host
+    time came near the backward's kernels (docs/benchmarks.md, "Offloaded
+    steps, 2026-12-04 tenth session")."""
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    whole = buf.shape[0] * bucket.piece_total  # elements the gradients must cover
     for s, off in zip(bucket.shards, bucket.offsets, strict=True):
         g = local_grad(s.param)
         if g is not None:
             s.used = True
-            # Whole rows in one copy, the padded tail in another (buf is zeroed).
+            # Whole rows in one copy, the padded tail in another.
             flat, n = g.reshape(-1), g.numel()
             rows = n // s.piece
             if rows:
-                buf[:rows, off : off + s.piece].copy_(flat[: rows * s.piece].view(rows, s.piece))
+                dsts.append(buf[:rows, off : off + s.piece])
+                srcs.append(flat[: rows * s.piece].view(rows, s.piece))
             if n - rows * s.piece:
-                buf[rows, off : off + n - rows * s.piece].copy_(flat[rows * s.piece :])
+                dsts.append(buf[rows, off : off + n - rows * s.piece])
+                srcs.append(flat[rows * s.piece :])
+            whole -= n
             if stream is not None:
                 g.record_stream(stream)
             s.guard.local = None  # type: ignore[union-attr]  # the reduced piece replaces it
             s.param.grad = s.guard
         s.ready = False
+    if whole:
+        buf.zero_()
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
 
 
 def pin_offload_buffers(

@@ -129,7 +129,6 @@ class GradientReduction:
                 buf = buf.view(self.world, bucket.piece_total)
             else:  # stage 1 keeps every bucket's all-reduced buffer until the step
                 buf = self.buffers.of_bucket(bucket, "reduced_full", dtype, self.world)
-            buf.zero_()
             pack_grads(bucket, buf, stream)
             if self.world > 1:
                 buf.div_(self.world)
