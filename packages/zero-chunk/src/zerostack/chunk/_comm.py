@@ -111,12 +111,13 @@ def _alone(group) -> bool:
     [Note: a collective over one rank] On one rank an all-gather or a
     reduce-scatter (a sum over one rank) is a copy and an all-reduce leaves
     its tensor as it is, so they are done here on the current stream,
-    without the process group. Through NCCL each cost about 0.2 ms of host
-    time (torch.distributed's Python and the launch), six times a step per
-    chunk under Gemini on one GPU: 0.08 s of the host's time in three steps
-    of a 24-chunk LLaMA under cProfile (docs/benchmarks.md, "Offloaded
-    steps, 2026-12-04 tenth session"). They return None, as without a
-    process group: there is nothing to wait for."""
+    without the process group. Through NCCL they took 34 ms of the host's
+    time in three steps of a 24-chunk LLaMA under Gemini on one GPU (213
+    calls under cProfile: torch.distributed's Python and the launch), and
+    the main job under torchrun on one GPU ran 1.28-1.31x faster without
+    them (docs/benchmarks.md, "Offloaded steps, 2026-12-04 tenth session").
+    They return None, as without a process group: there is nothing to wait
+    for."""
     return not dist.is_initialized() or dist.get_world_size(group) == 1
 
 

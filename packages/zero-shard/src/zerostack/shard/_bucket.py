@@ -210,11 +210,12 @@ def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | N
     [Note: one copy a bucket] The copies go in one multi-tensor launch
     (``torch._foreach_copy_``), and ``buf`` is zeroed first only when the
     gradients leave part of it unwritten (a parameter without a gradient,
-    the zero padding of pieces at several ranks). A copy and a zeroing a
-    bucket are all the backward's hooks launch for it: with a launch a
-    parameter (about four a bucket on GPT-2 XL, 145 buckets) the hooks' host
-    time came near the backward's kernels (docs/benchmarks.md, "Offloaded
-    steps, 2026-12-04 tenth session")."""
+    the zero padding of pieces at several ranks). The backward's host time
+    is close to its kernels' on an H200 (GPT-2 XL, 145 buckets of about four
+    parameters; profiled backwards left the device idle while the hooks
+    ran, docs/benchmarks.md, "Offloaded steps, 2026-12-04 tenth session"),
+    so the packing launches one copy a bucket, not one a parameter. The
+    backward's time did not change measurably there (same section)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     whole = buf.shape[0] * bucket.piece_total  # elements the gradients must cover
