@@ -253,14 +253,17 @@ def run(
     (synchronised between them), and the spread (max/min) of the step time.
 
     With ``offload``, also the timed steps' means of its CPU step
-    (``cpu_step_s``), of the forward's waits for it (``wait_s``) and of its
-    waits for the disk (``disk_wait_s``). [Note: timed CPU steps] The waits
-    count from the first timed forward on; the updates from the first timed
-    ``step()`` on, when every update of the warm-up is done (the forward and
-    backward before it waited for the update of every parameter they used),
-    to the updates of the last timed step, settled after the loop. So the
-    first step, which also creates the Adam states (zero-filling their pages
-    on the host), is not in them."""
+    (``cpu_step_s``), of the owner's waits for it (``wait_s``: the
+    forward's, and any in backward or ``step()``) and of its waits for the
+    disk (``disk_wait_s``). [Note: timed CPU steps] The waits count from the
+    first timed forward to the end of the last timed step; the updates from
+    the first timed ``step()`` on, when every update of the warm-up is done
+    (the forward and backward before it waited for the update of every
+    parameter they used), to the updates of the last timed step, settled
+    after the loop. So the first step, which also creates the Adam states
+    (zero-filling their pages on the host), is not in them."""
+    if steps < 1:
+        raise ValueError(f"run: steps must be >= 1 (got {steps})")
     idx, tgt = batch
     fwd, fb, opt, marks = [], [], [], []
     torch.cuda.reset_peak_memory_stats()
@@ -309,8 +312,9 @@ def run(
     total = [a + b for a, b in zip(fb, opt, strict=True)]
     timed = {}
     if offload is not None:  # before any profiled step below adds to the counters
+        wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
         offload.settle()
-        update_s, wait_s, disk_s = _offload_counters(offload)
+        update_s, _, disk_s = _offload_counters(offload)
         timed = dict(
             cpu_step_s=(update_s - at_step[0]) / steps,
             wait_s=(wait_s - at_forward[1]) / steps,

@@ -74,6 +74,7 @@ def gemini(
         label += ", " + T.fraction_label(fraction, opt.gpu_update_fraction)
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
     result = T.run(label, model, step, batch, steps, warmup, False, counters)
+    model.wait_updates()  # profiled steps' updates (ZEROSTACK_BENCH_PROFILE) end here
     amounts = model.step_amounts()
     if amounts["host_numel"]:  # what --machine's floor needs: the placement's traffic, the disk's
         result.update(amounts, disk_bytes=adam.nvme_bytes_on_disk())

@@ -113,9 +113,8 @@ def _alone(group) -> bool:
     its tensor as it is, so they are done here on the current stream,
     without the process group. Through NCCL they took 34 ms of the host's
     time in three steps of a 24-chunk LLaMA under Gemini on one GPU (213
-    calls under cProfile: torch.distributed's Python and the launch), and
-    the main job under torchrun on one GPU ran 1.28-1.31x faster without
-    them (docs/benchmarks.md, "Offloaded steps, 2026-12-04 tenth session").
+    calls, torch.distributed's functions under cProfile), and the main job
+    under torchrun on one GPU ran 1.25-1.31x faster without them (docs/benchmarks.md, "Offloaded steps, 2026-12-04 tenth session").
     They return None, as without a process group: there is nothing to wait
     for."""
     return not dist.is_initialized() or dist.get_world_size(group) == 1

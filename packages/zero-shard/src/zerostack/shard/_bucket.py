@@ -207,15 +207,18 @@ def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | N
     rank r's piece to row r. The model's ``.grad`` becomes the shard's guard
     (see [Note: sharded param.grad]).
 
-    [Note: one copy a bucket] The copies go in one multi-tensor launch
-    (``torch._foreach_copy_``), and ``buf`` is zeroed first only when the
+    [Note: one copy a bucket] The copies go in one ``torch._foreach_copy_``
+    (one multi-tensor launch at one rank; at several, where a piece's rows
+    are a strided view of ``buf``, torch copies them one by one, as before),
+    and ``buf`` is zeroed first only when the
     gradients leave part of it unwritten (a parameter without a gradient,
     the zero padding of pieces at several ranks). The backward's host time
     is close to its kernels' on an H200 (GPT-2 XL, 145 buckets of about four
     parameters; profiled backwards left the device idle while the hooks
     ran, docs/benchmarks.md, "Offloaded steps, 2026-12-04 tenth session"),
-    so the packing launches one copy a bucket, not one a parameter. The
-    backward's time did not change measurably there (same section)."""
+    so at one rank the packing launches one copy a bucket, not one a
+    parameter. The backward's time did not change measurably there (same
+    section)."""
     dsts: list[torch.Tensor] = []
     srcs: list[torch.Tensor] = []
     whole = buf.shape[0] * bucket.piece_total  # elements the gradients must cover
