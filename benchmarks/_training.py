@@ -249,8 +249,21 @@ def _offload_counters(offload: Offload) -> tuple[float, float, float]:
 def run(
     name, model, step_fn, batch, steps, warmup, autocast, offload: Offload | None = None
 ) -> dict:
-    """Median step time split into forward, backward and the optimizer step
+    """Median step time, its forward, backward and optimizer step
     (synchronised between them), and the spread (max/min) of the step time.
+
+    [Note: a step lasts from the end of the one before] A step's time is the
+    wall time from the end of the step before (its last synchronize) to its
+    own end, not the sum of its three phases. An offloaded ``step()`` returns
+    once its updates are queued, and a worker thread goes on queueing the
+    device lane's copies and kernels (see [Note: Adam where the bandwidth
+    is] in zerostack.shard) after it: up to 2026-12-04 a synchronize before
+    each forward, outside every phase, waited for that work and left it out
+    of the step, so rows with a device lane were timed short (below their
+    floor in some runs: 0.81x on one H200). There is no synchronize before
+    the forward now, and nothing between two steps is left out: the
+    allocator's counters read between the phases count too (a read of the
+    nested statistics, microseconds).
 
     With ``offload``, also the timed steps' means of its CPU step
     (``cpu_step_s``), of the owner's waits for it (``wait_s``: the
@@ -269,16 +282,19 @@ def run(
     torch.cuda.reset_peak_memory_stats()
 
     def retried() -> int:  # allocator retries so far (a cudaFree and a sync each)
-        return torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        return torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0)
 
     before: dict = {}  # the allocator's counters when the timed steps start
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
+    walls = []  # See [Note: a step lasts from the end of the one before]
+    torch.cuda.synchronize()
+    end = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
             before = torch.cuda.memory_stats()
             if offload is not None:
                 at_forward = _offload_counters(offload)
-        torch.cuda.synchronize()
+            end = time.perf_counter()  # the reads above are no part of the first timed step
         r0, t0, c0 = retried(), time.perf_counter(), collecting.seconds
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
@@ -303,13 +319,15 @@ def run(
             fwd.append(tf - t0)
             fb.append(tf - t0 + t1 - tb)
             opt.append(t2 - to)
+            walls.append(t2 - end)
             retries = "f" * (rf - r0) + "b" * (rb - rf) + "o" * (ro - rb)
             paused = collecting.seconds - c0
             marks.append(
                 (f"[retry {retries}]" if retries else "")
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
             )
-    total = [a + b for a, b in zip(fb, opt, strict=True)]
+        end = t2
+    total = walls
     timed = {}
     if offload is not None:  # before any profiled step below adds to the counters
         wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
@@ -335,8 +353,8 @@ def run(
         step_s=statistics.median(total),
         spread=max(total) / min(total),
         steps_s=[
-            (round(f, 3), round(b - f, 3), round(o, 3), m)
-            for f, b, o, m in zip(fwd, fb, opt, marks, strict=True)
+            (round(f, 3), round(b - f, 3), round(o, 3), round(w, 3), m)
+            for f, b, o, w, m in zip(fwd, fb, opt, walls, marks, strict=True)
         ],
         fwd_s=statistics.median(fwd),
         fwd_bwd_s=statistics.median(fb),
@@ -684,13 +702,14 @@ def print_table(
     if MACHINE[0] is not None:
         print_floors(results, MACHINE[0])
     print(
-        "\nper-step (forward, backward, optimizer) seconds, with the phases in which the CUDA "
+        "\nper-step (forward, backward, optimizer = the step's wall time, which also holds what "
+        "runs between the phases) seconds, with the phases in which the CUDA "
         "allocator retried ([retry f|b|o]: forward, backward, optimizer) and the time Python's "
         "garbage collector paused it ([gc N ms], when 1 ms or more), the last step's loss, "
         "the peak of the allocator's reserved memory and its device allocations and frees:"
     )
     for r in ok:
-        steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}{m}" for f, b, o, m in r["steps_s"])
+        steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}={w:.3f}{m}" for f, b, o, w, m in r["steps_s"])
         print(
             f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}; "
             f"reserved {r['peak_reserved_gb']:.1f} GB at most; {r['device_allocs']} device "

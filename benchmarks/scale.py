@@ -384,6 +384,7 @@ def train(a, config, ddp, opt, device) -> dict:
     times, losses = [], []
     cpu_step0 = wait0 = nvme0 = 0.0
     peak = None
+    end: float | None = None  # when the step before ended
 
     def step() -> float:
         loss = ddp(idx, tgt)
@@ -404,12 +405,20 @@ def train(a, config, ddp, opt, device) -> dict:
             t0 = time.perf_counter()
             loss = step()
             sync()
-            log(f"untimed step: {time.perf_counter() - t0:.2f} s, loss {loss:.3f}")
-        sync()
-        t0 = time.perf_counter()
+            end = time.perf_counter()
+            log(f"untimed step: {end - t0:.2f} s, loss {loss:.3f}")
+        if end is None:
+            sync()
+            end = time.perf_counter()
+        # A step lasts from the end of the one before, with no synchronize
+        # between them: one would wait, outside the step, for the device
+        # lane's copies and kernels that the CPU-step worker queues after
+        # step() returns ([Note: a step lasts from the end of the one before]
+        # in benchmarks/_training.py).
         losses.append(step())
         sync()
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - end
+        end += dt
         log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}")
         if i >= a.warmup:
             times.append(dt)

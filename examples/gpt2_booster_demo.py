@@ -179,13 +179,16 @@ def main() -> int:
 
     gen = torch.Generator().manual_seed(1 + rank)
     losses = []
+    # A step lasts from the end of the one before: an offloaded step() returns
+    # with updates still running, so a synchronize before the next step,
+    # outside its time, would leave their tail out.
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
     for step in range(1, a.steps + 1):
         if a.smoke:  # one batch over and over: a few steps must lower its loss
             gen.manual_seed(1 + rank)
         ids = torch.randint(0, vocab, (a.batch_size, a.seq_len), generator=gen).to(device)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         outputs = model(input_ids=ids)
         loss = criterion(outputs.logits, ids)
         booster.backward(loss, optimizer)
@@ -194,6 +197,7 @@ def main() -> int:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        start += step_time
         losses.append(loss.item())
         tflops = 8 * numel * a.batch_size * a.seq_len / step_time / 1e12
         if rank == 0:

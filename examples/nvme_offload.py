@@ -59,10 +59,10 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         wrapped, opt = model, HybridAdam(model.parameters(), lr=1e-4, **nvme)
         inner = opt
     losses, times = [], []
-    for step in range(args.steps):  # random tokens, the same at both fractions
+    start = time.perf_counter()  # a step lasts from the end of the one before: the last
+    for step in range(args.steps):  # CPU update runs on beside the next batch's making
         gen = torch.Generator().manual_seed(step)
         ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
-        start = time.perf_counter()
         opt.zero_grad()
         loss = next_token_loss(wrapped(input_ids=ids[:, :-1]).logits, ids[:, 1:])
         if args.child_mode == "gemini":
@@ -72,6 +72,7 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
+        start += times[-1]
     if args.child_mode == "gemini":  # the last CPU update may still be running (overlap)
         wrapped.wait_updates()
     # Host bytes by owner (GeminiOptimizer.host_bytes): masters, parameter
