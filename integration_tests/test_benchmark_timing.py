@@ -1,0 +1,57 @@
+"""benchmarks/_training.py's timed loop counts the whole of every step.
+
+An offloaded ``step()`` returns with the device lane's copies and kernels
+still being queued by the CPU-step worker; the benchmarks once synchronized
+before each forward, outside every timed phase, and so left that wait out
+of the step ([Note: a step lasts from the end of the one before]). On the
+CPU there is no device to wait for: a synchronize that takes time stands in
+for it, and the timed steps must account for the loop's wall time."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+SYNC_S = 0.05  # each synchronize of the stand-in device
+
+
+@pytest.fixture
+def training(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _training
+
+    stats = {"num_alloc_retries": 0, "num_device_alloc": 0, "num_device_free": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: time.sleep(SYNC_S))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda *a: dict(stats))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
+    for name in ("ZEROSTACK_BENCH_PROFILE", "ZEROSTACK_BENCH_HOST_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    yield _training
+    sys.modules.pop("_training", None)
+
+
+def test_the_timed_steps_hold_the_loop_s_wall_time(training) -> None:
+    steps = 4
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    t0 = time.perf_counter()
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
+        batch, steps, 0, False,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    walls = [w for *_, w, _mark in out["steps_s"]]
+    assert len(walls) == steps
+    # Only the synchronize before the first step (and the set-up and the
+    # summary, milliseconds) is no step's: a synchronize left out before each
+    # forward would leave `steps` of them out.
+    assert sum(walls) >= wall - 2 * SYNC_S, (walls, wall)
+    assert all(w >= 3 * SYNC_S - 1e-3 for w in walls), walls  # the three phases' synchronizes
+    assert min(walls) - 1e-3 <= out["step_s"] <= max(walls) + 1e-3  # the median of the walls
