@@ -30,7 +30,7 @@
 #                              share), SCALE_ARGS (more scale.py options), SCALE_TIMEOUT (s a run, default 530). The 8B row
 #                              of 2026-12-02's third session (4.21 s, 294 TFLOPS): BATCH=24 PLAIN_TFLOPS=291
 #                              SCALE_ARGS="--raw-gb 0 --force --steps 3 --pin-memory --max-prefetch 2" ... scale 8B 0;
-#                              the fifth session's, split (2.49 s, 332 TFLOPS): BATCH=16 and SCALE_ARGS plus
+#                              the fifth session's, split (2.49 s, 332 TFLOPS, timed short: see docs/benchmarks.md): BATCH=16, SCALE_ARGS plus
 #                              "--gpu-update-fraction auto --machine PROFILE" (ZEROSTACK_MACHINE_PROFILE=PROFILE)
 #   tools/device.sh prefetch [SIZE]  gathers ahead (max_prefetch): their GPU tests (zero-chunk's copy
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
