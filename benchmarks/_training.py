@@ -262,8 +262,7 @@ def run(
     of the step, so rows with a device lane were timed short (below their
     floor in some runs: 0.81x on one H200). There is no synchronize before
     the forward now, and nothing between two steps is left out: the
-    allocator's counters read between the phases count too (a read of the
-    nested statistics, microseconds).
+    allocator's counters read between the phases count too.
 
     With ``offload``, also the timed steps' means of its CPU step
     (``cpu_step_s``), of the owner's waits for it (``wait_s``: the
@@ -327,7 +326,6 @@ def run(
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
             )
         end = t2
-    total = walls
     timed = {}
     if offload is not None:  # before any profiled step below adds to the counters
         wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
@@ -346,12 +344,12 @@ def run(
         _host_profile(name, model, step_fn, idx, tgt, autocast, int(host))
     return dict(
         name=name,
-        tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(total) / 1e12,
+        tflops=FLOPS_PER_TOKEN[0] * idx.numel() / statistics.median(walls) / 1e12,
         rss_gb=_rss_gb(),
         alloc_retries=_counted(before, "num_alloc_retries"),
-        tokens_s=idx.numel() / statistics.median(total),
-        step_s=statistics.median(total),
-        spread=max(total) / min(total),
+        tokens_s=idx.numel() / statistics.median(walls),
+        step_s=statistics.median(walls),
+        spread=max(walls) / min(walls),
         steps_s=[
             (round(f, 3), round(b - f, 3), round(o, 3), round(w, 3), m)
             for f, b, o, w, m in zip(fwd, fb, opt, walls, marks, strict=True)

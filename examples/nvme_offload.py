@@ -59,8 +59,10 @@ def run(fraction: float, args: argparse.Namespace) -> dict:
         wrapped, opt = model, HybridAdam(model.parameters(), lr=1e-4, **nvme)
         inner = opt
     losses, times = [], []
-    start = time.perf_counter()  # a step lasts from the end of the one before: the last
-    for step in range(args.steps):  # CPU update runs on beside the next batch's making
+    # A step lasts from the end of the one before: the last CPU update runs on
+    # while the next batch is made.
+    start = time.perf_counter()
+    for step in range(args.steps):  # random tokens, the same at both fractions
         gen = torch.Generator().manual_seed(step)
         ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=gen).to(device)
         opt.zero_grad()
