@@ -260,7 +260,7 @@ def run(
     is] in zerostack.shard) after it: up to 2026-12-04 a synchronize before
     each forward, outside every phase, waited for that work and left it out
     of the step, so rows with a device lane were timed short (below their
-    floor in some runs: 0.81x on one H200). There is no synchronize before
+    floor in some runs: 0.79x on one H200). There is no synchronize before
     the forward now, and nothing between two steps is left out: the
     allocator's counters read between the phases count too.
 
