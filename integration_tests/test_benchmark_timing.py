@@ -9,6 +9,7 @@ for it, and the timed steps must account for the loop's wall time."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -34,12 +35,16 @@ def training(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
     for name in ("ZEROSTACK_BENCH_PROFILE", "ZEROSTACK_BENCH_HOST_PROFILE"):
         monkeypatch.delenv(name, raising=False)
+    collecting = gc.isenabled()
+    gc.disable()  # a collection in the set-up or the summary would be no step's time
     yield _training
+    if collecting:
+        gc.enable()
     sys.modules.pop("_training", None)
 
 
 def test_the_timed_steps_hold_the_loop_s_wall_time(training) -> None:
-    steps = 4
+    steps = 6
     batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     t0 = time.perf_counter()
     out = training.run(
@@ -52,6 +57,6 @@ def test_the_timed_steps_hold_the_loop_s_wall_time(training) -> None:
     # Only the synchronize before the first step (and the set-up and the
     # summary, milliseconds) is no step's: a synchronize left out before each
     # forward would leave `steps` of them out.
-    assert sum(walls) >= wall - 2 * SYNC_S, (walls, wall)
+    assert sum(walls) >= wall - SYNC_S - 0.1, (walls, wall)
     assert all(w >= 3 * SYNC_S - 1e-3 for w in walls), walls  # the three phases' synchronizes
     assert min(walls) - 1e-3 <= out["step_s"] <= max(walls) + 1e-3  # the median of the walls
