@@ -286,6 +286,7 @@ def run(
     before: dict = {}  # the allocator's counters when the timed steps start
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     walls = []  # See [Note: a step lasts from the end of the one before]
+    losses = []  # every step's, warm-up too, read after the loop (no sync inside it)
     torch.cuda.synchronize()
     end = time.perf_counter()
     for i in range(warmup + steps):
@@ -299,6 +300,7 @@ def run(
             loss = model(idx, tgt)
         torch.cuda.synchronize()
         tf = time.perf_counter()
+        losses.append(loss.detach())
         last = i == warmup + steps - 1 and os.environ.get("ZEROSTACK_BENCH_MEMORY_SNAPSHOT")
         if last:  # recorded by measure: each stream's segments at the last step's peaks
             _print_segments(f"{name}, after the last forward", torch.cuda.memory._snapshot())
@@ -362,6 +364,7 @@ def run(
         device_allocs=_counted(before, "num_device_alloc"),
         device_frees=_counted(before, "num_device_free"),
         loss=loss.item(),
+        losses=[float(x) for x in losses],
         **timed,
     )
 
@@ -703,13 +706,15 @@ def print_table(
         "\nper-step (forward, backward, optimizer = the step's wall time, which also holds what "
         "runs between the phases) seconds, with the phases in which the CUDA "
         "allocator retried ([retry f|b|o]: forward, backward, optimizer) and the time Python's "
-        "garbage collector paused it ([gc N ms], when 1 ms or more), the last step's loss, "
+        "garbage collector paused it ([gc N ms], when 1 ms or more), every step's loss "
+        "(the warm-up's too), "
         "the peak of the allocator's reserved memory and its device allocations and frees:"
     )
     for r in ok:
         steps = " ".join(f"{f:.3f}/{b:.3f}/{o:.3f}={w:.3f}{m}" for f, b, o, w, m in r["steps_s"])
         print(
-            f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; loss {r['loss']:.6f}; "
+            f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; losses "
+            f"{' '.join(f'{x:.6f}' for x in r['losses'])}; "
             f"reserved {r['peak_reserved_gb']:.1f} GB at most; {r['device_allocs']} device "
             f"allocations and {r['device_frees']} frees over the timed steps"
         )
