@@ -11,13 +11,10 @@ Configurations:
   torch.cuda.set_per_process_memory_fraction; run last, the cap stays for the
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
   ``--static-fracs``;
-* Gemini auto takes GeminiOptimizer's default ``gpu_update_fraction``
-  ("auto" under auto placement: the step-time model's share on this
-  machine): that share of the CPU-held optimizer chunks is updated by the
-  GPU's Adam, their masters and states streamed over PCIe, the rest by CPU
-  Adam. ``gemini_auto_cpu``: every CPU-held chunk in CPU Adam
-  (``gpu_update_fraction=0``); ``gemini_auto_split``: the share
-  ``--gpu-update-fraction`` gives (a number, or auto).
+* every Gemini row steps its CPU-held chunks in CPU Adam (GeminiOptimizer's
+  default ``gpu_update_fraction=0``; under auto placement on CUDA any other
+  share is refused, see zerostack.gemini's [Note: no split under auto
+  placement on CUDA]).
 
 Besides time, each Gemini row gives the exposed CPU-update wait (time the
 forward spent waiting for a chunk's CPU step) and the worker's CPU step time
@@ -44,7 +41,7 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None, fraction: float | str | None = None,
+    nvme: float = 0.0, nvme_dir: str | None = None,
     **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
@@ -58,7 +55,7 @@ def gemini(
     adam = HybridAdam(
         list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
     )
-    opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=fraction)
+    opt = GeminiOptimizer(adam, model, max_norm=max_norm)
 
     def step(loss, backward_only):
         if backward_only:
@@ -70,8 +67,6 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if fraction == "auto" or opt.gpu_update_fraction > 0:
-        label += ", " + T.fraction_label(fraction, opt.gpu_update_fraction)
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
     result = T.run(label, model, step, batch, steps, warmup, False, counters)
     model.wait_updates()  # profiled steps' updates (ZEROSTACK_BENCH_PROFILE) end here
@@ -91,12 +86,6 @@ def gemini(
         )
     else:
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
-    if opt.device_lane_chunks:  # the chunks the GPU's Adam stepped, and its staging
-        result["name"] += (
-            f" [{len(opt.device_lane_chunks)} CPU-held chunks in the GPU's Adam, "
-            f"{opt.device_lane_updates} updates, "
-            f"staging {opt.device_lane_staging_bytes / 2**20:.0f} MiB]"
-        )
     opt.close()
     return result
 
@@ -109,7 +98,7 @@ def _configurations(a, args, wanted):
     yield "plain", lambda: T.plain(*args)
     yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
     yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
-    if not {"gemini_auto", "gemini_auto_cpu", "gemini_auto_split", "gemini_static"} & set(wanted):
+    if not {"gemini_auto", "gemini_static"} & set(wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -120,18 +109,13 @@ def _configurations(a, args, wanted):
         said += f", steady_cuda_cap_ratio {ratio:g}"
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
         label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
-        # The default (None: "auto" under auto placement), all in CPU Adam, --gpu-update-fraction.
-        for name, fraction in (
-            ("gemini_auto", None), ("gemini_auto_cpu", 0.0), ("gemini_auto_split", a.gpu_update_fraction),
-        ):  # fmt: skip
-            yield (
-                name,
-                lambda label=label, norm=norm, fraction=fraction: gemini(
-                    *args, label, a.lazy, norm, fraction=fraction,
-                    placement_policy="auto", gpu_capacity_bytes=cap, **ahead,
-                    **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
-                ),
-            )  # fmt: skip
+        yield (
+            "gemini_auto",
+            lambda label=label, norm=norm: gemini(
+                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap,
+                **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
+            ),
+        )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = (
                 f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB{said}"
@@ -186,15 +170,10 @@ def main() -> int:
             help="the capped auto rows' steady_cuda_cap_ratio: the share of the cap that model "
             "data and activations may take (default: GeminiDDP's, 0.9)",
         )  # fmt: skip
-        ap.add_argument(
-            "--gpu-update-fraction", type=T.fraction_arg, default="auto",
-            help="gemini_auto_split's gpu_update_fraction, a number in [0, 1] or auto (the "
-            "step-time model's fastest split on this machine; default %(default)s)",
-        )  # fmt: skip
 
     ready = T.setup(
         __doc__,
-        "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_auto_cpu,gemini_auto_split,gemini_static",
+        "plain,fsdp2_offload,gemini_gpu,gemini_auto,gemini_static",
         extra,
     )
     if ready is None:

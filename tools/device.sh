@@ -16,12 +16,13 @@
 #                              --nvme-fraction FRACTION (default 0.5): its placement decision and the
 #                              optimizer states' bytes on disk (summary.json, chunks.txt in $OUT)
 #   tools/device.sh chunk      benchmarks/chunk_comm.py and benchmarks/zero_shard.py
-#   tools/device.sh split [zero|gemini|both] [FRACTIONS]  gpu_update_fraction: the GPU tests of the
-#                              device lanes (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's
-#                              profile ($PROFILE, as floor measures it), then once per fraction in
-#                              FRACTIONS (default "0.25 0.5"), clipped (max_norm 1) and with the floor:
-#                              zero: benchmarks/zero_shard.py plain, zero2_offload_cpu, zero2_offload_split;
-#                              gemini: benchmarks/gemini.py plain, gemini_auto_cpu, gemini_auto_split, 24 GiB cap
+#   tools/device.sh split [FRACTIONS]  gpu_update_fraction: the GPU tests of the device lanes
+#                              (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's profile ($PROFILE,
+#                              as floor measures it), then once per fraction in FRACTIONS (default
+#                              "0.25 0.5"), clipped (max_norm 1) and with the floor: benchmarks/zero_shard.py
+#                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane is refused under
+#                              auto placement on CUDA: see benchmarks/scale.py --gpu-update-fraction for it
+#                              under static placement)
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -56,10 +57,10 @@
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
-#                gemini_auto takes GeminiOptimizer's default gpu_update_fraction ("auto" under auto
-#                placement), zero2_offload ZeroOptimizer's default ("auto" with cpu_offload), both the step-time
-#                model's share from $PROFILE (through ZEROSTACK_MACHINE_PROFILE); zero2_offload_cpu every update
-#                in CPU Adam; CPU_ROWS=1 adds gemini_auto_cpu, every host-held update in CPU Adam
+#                gemini_auto steps every CPU-held chunk in CPU Adam (GeminiOptimizer's default; auto
+#                placement on CUDA refuses any other gpu_update_fraction); zero2_offload takes ZeroOptimizer's
+#                default ("auto" with cpu_offload: the step-time model's share from $PROFILE, through
+#                ZEROSTACK_MACHINE_PROFILE); zero2_offload_cpu every update in CPU Adam
 #   tools/device.sh help       this text
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -176,19 +177,10 @@ split)
     done | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|skipped"
   fi
   profile
-  which=zero
-  case "${1:-}" in zero|gemini|both) which=$1; shift ;; esac
   for f in ${1:-0.25 0.5}; do
-    if [ "$which" != gemini ]; then
-      timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload_cpu,zero2_offload_split \
-        --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$PROFILE" \
-        > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
-    fi
-    if [ "$which" != zero ]; then
-      timeout 280 python3 benchmarks/gemini.py --only plain,gemini_auto_cpu,gemini_auto_split \
-        --gpu-update-fraction "$f" --cap-gib 24 --max-norms 1 --steps 8 --warmup 2 \
-        --machine "$PROFILE" > "$OUT/gsplit_$f.log" 2>&1; echo "exit $?"; table "$OUT/gsplit_$f.log" 20
-    fi
+    timeout 280 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload_cpu,zero2_offload_split \
+      --gpu-update-fraction "$f" --max-norms 1 --steps 8 --warmup 2 --machine "$PROFILE" \
+      > "$OUT/split_$f.log" 2>&1; echo "exit $?"; table "$OUT/split_$f.log" 20
   done
   ;;
 chunk)
@@ -287,10 +279,10 @@ floor)
         > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
     gpt4b)
       timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 \
-        --only plain,gemini_gpu,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
     llama)
       timeout 400 python3 benchmarks/gemini.py --model llama \
-        --only plain,gemini_gpu,gemini_auto${CPU_ROWS:+,gemini_auto_cpu} --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
     main)
       rm -rf /tmp/floor_job
       timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \
