@@ -60,3 +60,17 @@ def test_the_timed_steps_hold_the_loop_s_wall_time(training) -> None:
     assert sum(walls) >= wall - SYNC_S - 0.1, (walls, wall)
     assert all(w >= 3 * SYNC_S - 1e-3 for w in walls), walls  # the three phases' synchronizes
     assert min(walls) - 1e-3 <= out["step_s"] <= max(walls) + 1e-3  # the median of the walls
+
+
+def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
+    # The per-step lines print every step's loss, so a row that trains wrong
+    # shows beside the rows of the same run (docs/benchmarks.md, "Offloaded
+    # steps, 2026-12-04: Gemini's device lane refused under auto placement").
+    seen = iter(range(100))
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.tensor(float(next(seen))),
+        lambda loss, backward_only: None, batch, 3, 2, False,
+    )  # fmt: skip
+    assert out["losses"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert out["loss"] == 4.0
