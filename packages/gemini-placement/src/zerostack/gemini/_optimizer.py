@@ -935,7 +935,7 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # - the 4.24B GPT trained wrong in 3 of 3 benchmark runs on two machines
 #   where the lane took 38 or 39 of 100 CPU-held chunks: losses 9.72, 10.26
 #   and 11.46 at the seventh step where CPU Adam alone gives 8.045, the last
-#   run off from the second step (10.710 against 10.641). Seven runs whose
+#   run off from the second step (10.710 against 10.641). Nine runs whose
 #   lane took 39 of 99 or 41 of 100 chunks matched CPU Adam to rounding on
 #   three machines. The cause is not found; every CPU-device test of the lane
 #   under auto placement, and every CUDA test under static placement, gives
