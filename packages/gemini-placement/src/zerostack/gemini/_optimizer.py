@@ -929,9 +929,10 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # Measured that day with honest step times (docs/benchmarks.md, "Offloaded
 # steps, 2026-12-04: Gemini's device lane refused under auto placement"):
 #
-# - it gained nothing above the runs' spread: LLaMA 1.1B under 12 GiB 0.302 s
-#   and 0.302 s against 0.298 s and 0.303 s with CPU Adam alone; a 4.24B GPT
-#   under 24 GiB 1.051 s and 1.065 s against 1.131 s and 1.058 s;
+# - it gained little: a 4.24B GPT under 24 GiB stepped in 0.93-1.01x the time
+#   of CPU Adam alone in the same processes (1.051, 1.065 and 1.083 s against
+#   1.131, 1.058 and 1.128 s), LLaMA 1.1B under 12 GiB in 0.997-1.013x (0.302 s
+#   twice against 0.303 s and 0.298 s);
 # - the 4.24B GPT trained wrong in 3 of 3 benchmark runs on two machines
 #   where the lane took 38 or 39 of 100 CPU-held chunks: losses 9.72, 10.26
 #   and 11.46 at the seventh step where CPU Adam alone gives 8.045, the last
@@ -953,7 +954,7 @@ def _refuse_split_under_auto(device: torch.device, fraction: object) -> None:
         raise NotImplementedError(
             f"{_API}: gpu_update_fraction under auto placement on CUDA is not available (got "
             f"{fraction!r}): a 4.24B GPT trained with it diverged from CPU Adam alone in 3 of 3 "
-            "runs, for a cause not found yet, and it was not faster there (docs/benchmarks.md, "
+            "runs, for a cause not found yet (docs/benchmarks.md, "
             "'Offloaded steps, 2026-12-04: Gemini's device lane refused under auto placement'). Leave gpu_update_fraction at 0, or use static "
             "placement (placement_policy='static' with offload_optim_frac), where it matches "
             "CPU Adam"
