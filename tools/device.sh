@@ -168,6 +168,10 @@ nvme-job)
     "$run_dir/summary.json"
   ;;
 split)
+  case "${1:-}" in zero|gemini|both)  # the old form: Gemini's split rows are gone
+    echo "tools/device.sh split: give fractions only (ZeRO's rows); Gemini's split is refused under auto placement" >&2
+    exit 2 ;;
+  esac
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   build; sources; machine
   if [ "${SKIP_TESTS:-0}" != 1 ]; then  # the device lanes' GPU tests live in these three packages

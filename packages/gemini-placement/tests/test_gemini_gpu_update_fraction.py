@@ -378,7 +378,7 @@ def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, c
 
 @pytest.mark.parametrize("placement", ["auto-small", "static-1.0"])
 def test_the_default_is_zero_under_both_placements_and_measures_nothing(placement, caplog):
-    # See zerostack.gemini's [Note: the split is opt-in under auto placement]:
+    # See zerostack.gemini's [Note: no split under auto placement on CUDA]:
     # every CPU-held chunk in CPU Adam, nothing measured, nothing said.
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
@@ -407,6 +407,20 @@ def test_auto_placement_on_cuda_refuses_a_share_and_says_why(fraction):
         _refuse_split_under_auto(torch.device("cuda"), fraction)
     _refuse_split_under_auto(torch.device("cuda:0"), 0.0)
     _refuse_split_under_auto(torch.device("cpu"), fraction)
+
+
+@pytest.mark.parametrize("fraction", [0.5, "auto"])
+def test_gemini_optimizer_under_auto_placement_on_cuda_refuses_before_anything_else(
+    fraction, monkeypatch
+):
+    # The refusal's wiring, on a CPU-only machine: a model whose compute
+    # device reads as CUDA (nothing runs there: the check comes first).
+    model = TinyGPT(CONFIG)
+    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
+                    **PLACEMENTS["auto-small"])  # fmt: skip
+    monkeypatch.setattr(ddp, "compute_device", torch.device("cuda"))
+    with pytest.raises(NotImplementedError, match="under auto placement on CUDA is not available"):
+        GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=fraction)
 
 
 def test_only_an_explicit_auto_requires_the_machines_profile(monkeypatch):

@@ -926,7 +926,7 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # [Note: no split under auto placement on CUDA] Up to 2026-12-04
 # GeminiOptimizer's default under auto placement was "auto": the step-time
 # model's share of the CPU-held updates in the GPU's Adam (the device lane).
-# Measured that day with honest step times (docs/benchmarks.md, "Offloaded
+# Measured that day with each step's wall time (docs/benchmarks.md, "Offloaded
 # steps, 2026-12-04: Gemini's device lane refused under auto placement"):
 #
 # - it gained little: a 4.24B GPT under 24 GiB stepped in 0.93-1.01x the time
@@ -954,10 +954,10 @@ def _refuse_split_under_auto(device: torch.device, fraction: object) -> None:
         raise NotImplementedError(
             f"{_API}: gpu_update_fraction under auto placement on CUDA is not available (got "
             f"{fraction!r}): a 4.24B GPT trained with it diverged from CPU Adam alone in 3 of 3 "
-            "runs, for a cause not found yet (docs/benchmarks.md, "
-            "'Offloaded steps, 2026-12-04: Gemini's device lane refused under auto placement'). Leave gpu_update_fraction at 0, or use static "
-            "placement (placement_policy='static' with offload_optim_frac), where it matches "
-            "CPU Adam"
+            "runs, for a cause not found yet (docs/benchmarks.md, 'Offloaded steps, 2026-12-04: "
+            "Gemini's device lane refused under auto placement'); leave gpu_update_fraction at "
+            "0, or use static placement (placement_policy='static' with offload_optim_frac), "
+            "where it matches CPU Adam"
         )
 
 
