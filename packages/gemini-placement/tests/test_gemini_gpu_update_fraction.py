@@ -629,7 +629,8 @@ def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, mon
 def test_auto_placement_on_cuda_steps_every_cpu_held_chunk_in_cpu_adam(tmp_path, monkeypatch):
     # The default under auto placement is 0.0 and any other share is refused
     # on CUDA (see zerostack.gemini's [Note: no split under auto placement on
-    # CUDA]); the machine's profile is not even read.
+    # CUDA]). A profile file is set, so a refusal that failed would not
+    # measure the machine.
     _profile_file(tmp_path, monkeypatch)
     for fraction in (None, 0.5, "auto"):
         torch.manual_seed(0)
