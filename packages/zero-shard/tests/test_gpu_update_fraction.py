@@ -425,3 +425,58 @@ def _synchronous_step_run(rank, world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_synchronous_step_returns_with_the_host_masters_updated_on_cuda():
     spawn(_synchronous_step_run, 1, backend="nccl", timeout_s=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_staging_takes_no_memory_the_compute_stream_still_reads():
+    # See [Note: staging allocated on its own stream]. The slots are allocated
+    # at the first update, while the compute stream may still have kernels
+    # queued over memory the main thread freed since start(). Here a block
+    # freed with a read of it queued behind a GPU sleep is the only free one
+    # of its size when the first update allocates: the read must still see
+    # what the compute stream wrote there, not the lane's copies.
+    from zerostack.fused_adam import cuda_kernel_available
+    from zerostack.shard._lane import LaneHomes, LaneStaging
+
+    if not cuda_kernel_available():
+        pytest.skip("needs zerostack-fused-adam's CUDA kernel")
+    n = 1 << 22
+    hyper = dict(lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, adamw_mode=True,
+                 bias_correction=True)  # fmt: skip
+
+    def lane(freed_ahead: bool):
+        staging = LaneStaging(torch.device("cuda"), n, n)
+        homes = LaneHomes.new(n, torch.float32, pin=True, cuda=True)
+        homes.master.fill_(1.0)
+        grad = torch.full((n,), 0.5, device="cuda")
+        new = torch.empty(n, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        staging.start()
+        seen, block = None, None
+        if freed_ahead:
+            freed = torch.full((n,), 3.0, device="cuda")
+            block = freed.data_ptr()
+            torch.cuda._sleep(1_000_000_000)  # ~0.5 s: the sum below is queued, not run
+            seen = freed.sum()
+            del freed  # back to the compute stream's pool; the sum still reads it
+        staging.run(homes, n, [(hyper, 1.0, [(0, n, grad)])], -1.0, torch.float32,
+                    lambda out, w: new[w[0] : w[1]].copy_(out))  # fmt: skip
+        slots = {t.data_ptr() for ring in staging._slots.values() for slot in ring for t in slot}
+        staging.settle()
+        torch.cuda.synchronize()
+        return seen, block in slots, homes, new
+
+    lane(freed_ahead=False)  # the kernel loaded: the lane's copies now start at once
+    seen, taken, homes, new = lane(freed_ahead=True)
+    # The block the compute stream freed (the allocator's best fit for a slot
+    # allocated in that stream's pool) is not a slot; so the lane's copies
+    # cannot reach what the queued sum reads (on an H200 they did: it read
+    # the lane's new masters, 0.9 each, when the slots were allocated there).
+    assert not taken
+    assert seen.item() == 3.0 * n  # exact: every partial sum is an integer below 2**24
+    # One Adam step of lr 0.1 from 1.0 (a few roundings of fp32 from 0.9).
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(homes.master, torch.full((n,), 0.9), rtol=8 * eps, atol=0)
+    assert torch.equal(new.cpu(), homes.master)

@@ -189,14 +189,34 @@ class LaneStaging:
             self._last.synchronize()
 
     def _buffers(self, dtypes: tuple[torch.dtype, ...]) -> list[torch.Tensor]:
-        """One buffer of a window per dtype, on the device; freed with the
-        lane, so reused only after the copies of both streams."""
-        made = [torch.empty(self.window, dtype=d, device=self.device) for d in dtypes]
-        if self.up is not None and self.down is not None:
-            for t in made:
-                t.record_stream(self.up)
-                t.record_stream(self.down)
+        """One buffer of a window per dtype, on the device, allocated on
+        ``up`` (see [Note: staging allocated on its own stream]); freed with
+        the lane, so reused only after the copies of both streams."""
+        if self.up is None or self.down is None:
+            return [torch.empty(self.window, dtype=d, device=self.device) for d in dtypes]
+        with torch.cuda.stream(self.up):
+            made = [torch.empty(self.window, dtype=d, device=self.device) for d in dtypes]
+        for t in made:
+            t.record_stream(self.down)
         return made
+
+    # [Note: staging allocated on its own stream] The staging slots are
+    # allocated at their first use, in an update: on the CPU-step worker
+    # thread, whose current stream is the compute stream. Allocated there, a
+    # slot could take a block the main thread had just freed on the compute
+    # stream with kernels of the next forward still queued over it; ``up``
+    # had waited for the compute stream at ``start()``, before those were
+    # queued, so ``up``'s copies into the slot and those kernels raced. On an
+    # H200 (2026-12-04, docs/benchmarks.md) this trained a 4.24B GPT under
+    # Gemini's auto placement wrong from its first update in 4 of 8 runs of
+    # one layout (the first device-lane chunk's parameters off by 6% of
+    # their sum at the next forward), and right whenever that first step was
+    # waited for before the next forward; a test here showed a queued read on
+    # the compute stream returning the lane's new masters. Allocated with
+    # ``up`` current, a slot's block comes from ``up``'s pool, whose earlier
+    # users ran on ``up`` in order; ``down`` reads and writes a slot only
+    # after ``up``'s event, and is recorded, so the block outlives its copies.
+    # After this change: 5 of 5 runs of that layout right.
 
     def _slot(
         self, dtypes: tuple[torch.dtype, ...], numel: int, grad: torch.dtype | None
