@@ -12,9 +12,10 @@ Configurations:
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
   ``--static-fracs``;
 * every Gemini row steps its CPU-held chunks in CPU Adam (GeminiOptimizer's
-  default ``gpu_update_fraction=0``; under auto placement on CUDA any other
-  share is refused, see zerostack.gemini's [Note: no split under auto
-  placement on CUDA]).
+  default ``gpu_update_fraction=0``, see zerostack.gemini's [Note: Gemini's
+  split is opt-in]), but ``gemini_auto_split``, asked for by name in
+  ``--only``: the capped auto row with ``--gpu-update-fraction`` (default
+  auto).
 
 Besides time, each Gemini row gives the exposed CPU-update wait (time the
 forward spent waiting for a chunk's CPU step) and the worker's CPU step time
@@ -41,7 +42,7 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None,
+    nvme: float = 0.0, nvme_dir: str | None = None, split: float | str = 0.0,
     **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
@@ -55,7 +56,7 @@ def gemini(
     adam = HybridAdam(
         list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
     )
-    opt = GeminiOptimizer(adam, model, max_norm=max_norm)
+    opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=split or None)
 
     def step(loss, backward_only):
         if backward_only:
@@ -67,6 +68,9 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
+    if split:
+        auto = " (auto)" if split == "auto" else ""
+        label += f", gpu_update_fraction={opt.gpu_update_fraction:.3g}{auto}"
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
     result = T.run(label, model, step, batch, steps, warmup, False, counters)
     model.wait_updates()  # profiled steps' updates (ZEROSTACK_BENCH_PROFILE) end here
@@ -82,7 +86,9 @@ def gemini(
         a = model.auto
         result["name"] += (
             f" ({len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
-            f"optimizer chunks on the GPU, {a.evictions} evictions)"
+            f"optimizer chunks on the GPU, {a.evictions} evictions"
+            + (f", {len(opt.device_lane_chunks)} in the GPU's Adam" if split else "")
+            + ")"
         )
     else:
         result["name"] += f" ({len(model.offloaded_masters)}/{len(model.grad_chunks)} on the CPU)"
@@ -98,7 +104,7 @@ def _configurations(a, args, wanted):
     yield "plain", lambda: T.plain(*args)
     yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
     yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
-    if not {"gemini_auto", "gemini_static"} & set(wanted):
+    if not {"gemini_auto", "gemini_auto_split", "gemini_static"} & set(wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -113,6 +119,14 @@ def _configurations(a, args, wanted):
             "gemini_auto",
             lambda label=label, norm=norm: gemini(
                 *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap,
+                **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
+            ),
+        )  # fmt: skip
+        yield (
+            "gemini_auto_split",
+            lambda label=label, norm=norm: gemini(
+                *args, label, a.lazy, norm, split=a.gpu_update_fraction,
+                placement_policy="auto", gpu_capacity_bytes=cap,
                 **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
             ),
         )  # fmt: skip
@@ -164,6 +178,12 @@ def main() -> int:
         ap.add_argument(
             "--max-prefetch", type=int, default=0,
             help="the capped rows' max_prefetch: chunks gathered ahead (default %(default)s)",
+        )  # fmt: skip
+        ap.add_argument(
+            "--gpu-update-fraction", type=T.fraction_arg, default="auto",
+            help="gemini_auto_split (asked for by --only, not in the default set): "
+            "GeminiOptimizer(gpu_update_fraction=F), the share of the CPU-held optimizer chunks "
+            "stepped by the GPU's Adam, a number in [0, 1] or auto (default %(default)s)",
         )  # fmt: skip
         ap.add_argument(
             "--steady-cuda-cap-ratio", type=float, default=None,

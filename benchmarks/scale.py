@@ -540,8 +540,7 @@ def main() -> int:
     ap.add_argument(
         "--gpu-update-fraction", type=fraction_arg, default=0.0,
         help="GeminiOptimizer(gpu_update_fraction=F): about this share of the CPU-held "
-        "optimizer chunks stepped by the GPU's Adam, or auto; --placement cpu only (auto "
-        "placement on CUDA refuses it) (default %(default)s)",
+        "optimizer chunks stepped by the GPU's Adam, or auto (default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",
@@ -598,12 +597,6 @@ def main() -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
-    if a.placement == "auto" and device.type == "cuda" and a.gpu_update_fraction != 0:
-        ap.error(  # before minutes of building the model (zerostack.gemini's refusal)
-            "--gpu-update-fraction under --placement auto on CUDA is refused by GeminiOptimizer "
-            "(docs/benchmarks.md, 'Offloaded steps, 2026-12-04: Gemini's device lane refused "
-            "under auto placement'); use --placement cpu"
-        )
     if device.type == "cpu" and not a.smoke:
         log("no CUDA device (or --cpu): computing on the CPU")
     directory = a.nvme_dir or tempfile.gettempdir()

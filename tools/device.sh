@@ -20,9 +20,8 @@
 #                              (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's profile ($PROFILE,
 #                              as floor measures it), then once per fraction in FRACTIONS (default
 #                              "0.25 0.5"), clipped (max_norm 1) and with the floor: benchmarks/zero_shard.py
-#                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane is refused under
-#                              auto placement on CUDA: see benchmarks/scale.py --gpu-update-fraction for it
-#                              under static placement)
+#                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane, opt-in: see
+#                              benchmarks/scale.py --gpu-update-fraction, under --placement cpu or auto)
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -57,8 +56,8 @@
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
-#                gemini_auto steps every CPU-held chunk in CPU Adam (GeminiOptimizer's default; auto
-#                placement on CUDA refuses any other gpu_update_fraction); zero2_offload takes ZeroOptimizer's
+#                gemini_auto steps every CPU-held chunk in CPU Adam (GeminiOptimizer's default: its
+#                split is opt-in); zero2_offload takes ZeroOptimizer's
 #                default ("auto" with cpu_offload: the step-time model's share from $PROFILE, through
 #                ZEROSTACK_MACHINE_PROFILE); zero2_offload_cpu every update in CPU Adam
 #   tools/device.sh help       this text
@@ -169,7 +168,7 @@ nvme-job)
   ;;
 split)
   case "${1:-}" in zero|gemini|both)  # the old form: Gemini's split rows are gone
-    echo "tools/device.sh split: give fractions only (ZeRO's rows); Gemini's split is refused under auto placement" >&2
+    echo "tools/device.sh split: give fractions only (ZeRO's rows); Gemini's split: scale with SCALE_ARGS=--gpu-update-fraction" >&2
     exit 2 ;;
   esac
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -82,13 +82,14 @@ def _train(model, ddp, opt, rank=0, steps=STEPS, overflow_at=None, first=0):
 
 
 def _same(a, b, what):
-    """Two nested state dicts: the same keys, dtypes and values."""
+    """Two nested state dicts: the same keys, dtypes and values (wherever
+    each tensor lives: placements differ in which states stay on the device)."""
     if isinstance(a, dict):
         assert a.keys() == b.keys(), what
         for k in a:
             _same(a[k], b[k], f"{what}.{k}")
     elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu(), b.cpu()), what
     else:
         assert a == b, what
 
@@ -378,8 +379,8 @@ def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, c
 
 @pytest.mark.parametrize("placement", ["auto-small", "static-1.0"])
 def test_the_default_is_zero_under_both_placements_and_measures_nothing(placement, caplog):
-    # See zerostack.gemini's [Note: no split under auto placement on CUDA]:
-    # every CPU-held chunk in CPU Adam, nothing measured, nothing said.
+    # See zerostack.gemini's [Note: Gemini's split is opt-in]: every
+    # CPU-held chunk in CPU Adam, nothing measured, nothing said.
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
@@ -390,37 +391,6 @@ def test_the_default_is_zero_under_both_placements_and_measures_nothing(placemen
     assert opt.gpu_update_fraction == 0.0 and opt._lane is None
     assert opt.device_lane_updates == 0
     assert "gpu_update_fraction" not in caplog.text
-
-
-@pytest.mark.parametrize("fraction", [0.5, 1.0, "auto"])
-def test_auto_placement_on_cuda_refuses_a_share_and_says_why(fraction):
-    # See zerostack.gemini's [Note: no split under auto placement on CUDA]:
-    # checked before any CUDA call, so a CPU-only machine tests it too. A
-    # CPU compute device (the lane's tests) and a share of 0 pass.
-    from zerostack.gemini._optimizer import _refuse_split_under_auto
-
-    with pytest.raises(NotImplementedError, match=(
-        r"GeminiOptimizer: gpu_update_fraction under auto placement on CUDA is not available "
-        rf"\(got {fraction!r}\): a 4.24B GPT trained with it diverged .*docs/benchmarks.md.*"
-        r"placement_policy='static'"
-    )):  # fmt: skip
-        _refuse_split_under_auto(torch.device("cuda"), fraction)
-    _refuse_split_under_auto(torch.device("cuda:0"), 0.0)
-    _refuse_split_under_auto(torch.device("cpu"), fraction)
-
-
-@pytest.mark.parametrize("fraction", [0.5, "auto"])
-def test_gemini_optimizer_under_auto_placement_on_cuda_refuses_before_anything_else(
-    fraction, monkeypatch
-):
-    # The refusal's wiring, on a CPU-only machine: a model whose compute
-    # device reads as CUDA (nothing runs there: the check comes first).
-    model = TinyGPT(CONFIG)
-    ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
-                    **PLACEMENTS["auto-small"])  # fmt: skip
-    monkeypatch.setattr(ddp, "compute_device", torch.device("cuda"))
-    with pytest.raises(NotImplementedError, match="under auto placement on CUDA is not available"):
-        GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=fraction)
 
 
 def test_only_an_explicit_auto_requires_the_machines_profile(monkeypatch):
@@ -626,26 +596,35 @@ def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_placement_on_cuda_steps_every_cpu_held_chunk_in_cpu_adam(tmp_path, monkeypatch):
-    # The default under auto placement is 0.0 and any other share is refused
-    # on CUDA (see zerostack.gemini's [Note: no split under auto placement on
-    # CUDA]). A profile file is set, so a refusal that failed would not
-    # measure the machine.
+def test_auto_placement_on_cuda_defaults_to_cpu_adam_and_its_split_gives_cpu_adams_bits(
+    tmp_path, monkeypatch
+):
+    # See zerostack.gemini's [Note: Gemini's split is opt-in]: nothing in the
+    # GPU's Adam unless asked; asked, CPU Adam's bits (fp32 parameters), from
+    # the first update on (the staging's race was there: see zerostack.shard's
+    # [Note: staging allocated on its own stream]). A profile file is set, so
+    # nothing measures the machine.
+    from zerostack.gemini._device_lane import staging_bytes
+    from zerostack.gemini._placement import AutoPlacement
+
+    def room(self):  # every parameter shard, one optimizer chunk, a lane's staging for the rest
+        one = max(c.shard_size for c in self.param_chunks)
+        shards = sum(self.shard_bytes(c) for c in self.param_chunks)
+        return shards + one * (4 + 8) + staging_bytes(one, torch.float32)
+
     _profile_file(tmp_path, monkeypatch)
-    for fraction in (None, 0.5, "auto"):
-        torch.manual_seed(0)
-        model = TinyGPT(CONFIG)
-        ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}},
-                        compute_device="cuda", **PLACEMENTS["auto-small"])  # fmt: skip
-        adam = HybridAdam(list(model.parameters()), lr=1e-2)
-        if fraction is not None:
-            with pytest.raises(NotImplementedError, match="under auto placement on CUDA"):
-                GeminiOptimizer(adam, ddp, gpu_update_fraction=fraction)
-            continue
-        opt = GeminiOptimizer(adam, ddp)
-        _train(model, ddp, opt, steps=2)
-        assert opt.gpu_update_fraction == 0.0 and opt.device_lane_chunks == []
-        opt.close()
+    monkeypatch.setitem(PLACEMENTS, "auto-cuda", dict(placement_policy="auto",
+                                                      gpu_capacity_bytes=1 << 28))  # fmt: skip
+    monkeypatch.setattr(AutoPlacement, "room_bytes", room)  # the plan, whatever the warm-up saw
+    ref = _cuda_run(None, torch.float32, placement="auto-cuda")
+    assert ref[0][2].gpu_update_fraction == 0.0 and ref[0][2].device_lane_chunks == []
+    for fraction in (0.5, 1.0):
+        run = _cuda_run(fraction, torch.float32, placement="auto-cuda")
+        lane = run[0][2]
+        assert lane.device_lane_chunks and lane.device_lane_updates > 0
+        _equal_to(run, ref)
+        lane.close()
+    ref[0][2].close()
 
 
 def _passes_its_group(rank, world):

@@ -98,9 +98,8 @@ class GeminiOptimizer:
             names), 0.0 where no split can run; the log says what it chose
             and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
             Default None: 0.0 (every CPU-held chunk in CPU Adam, no GPU
-            memory beyond the placement's). Under auto placement on CUDA
-            any other value raises NotImplementedError: see [Note: no split
-            under auto placement on CUDA].
+            memory beyond the placement's), under both placements: see
+            [Note: Gemini's split is opt-in].
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -112,8 +111,8 @@ class GeminiOptimizer:
 
     Raises:
         NotImplementedError: several parameter groups; gpu_update_fraction > 0
-            (or "auto") under auto placement on CUDA, or with an optimizer
-            other than fused-adam's Adam, or with Adam states on disk.
+            (or "auto") with an optimizer other than fused-adam's Adam, or
+            with Adam states on disk.
         ValueError: the optimizer is not built on the module's parameters;
             gpu_update_fraction outside [0, 1].
         TypeError: an unknown keyword, or loss_scaler with scaler keywords.
@@ -139,7 +138,7 @@ class GeminiOptimizer:
         if not isinstance(overlap_cpu_step, bool):
             raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
         asked = gpu_update_fraction is not None
-        if not asked:  # See [Note: no split under auto placement on CUDA]
+        if not asked:  # See [Note: Gemini's split is opt-in]
             gpu_update_fraction = 0.0
         why_not = _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
@@ -832,8 +831,6 @@ def _check_fraction(
     NVMe; a warning where no chunk is CPU-held. For ``"auto"``: why no
     split can run (None: one can)."""
     check_fraction(_API, fraction)
-    if module.config.auto:
-        _refuse_split_under_auto(module.compute_device, fraction)
     placement = module.config.placement
     offloads = module.config.auto or placement.offload_optim_frac > 0  # type: ignore[union-attr]
     if fraction == "auto":
@@ -923,43 +920,26 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 0 if isinstance(optimizer, torch.optim.SGD) else 8
 
 
-# [Note: no split under auto placement on CUDA] Up to 2026-12-04
-# GeminiOptimizer's default under auto placement was "auto": the step-time
-# model's share of the CPU-held updates in the GPU's Adam (the device lane).
-# Measured that day with each step's wall time (docs/benchmarks.md, "Offloaded
-# steps, 2026-12-04: Gemini's device lane refused under auto placement"):
-#
-# - it gained little: a 4.24B GPT under 24 GiB stepped in 0.93-1.01x the time
-#   of CPU Adam alone in the same processes (1.051, 1.065 and 1.083 s against
-#   1.131, 1.058 and 1.128 s), LLaMA 1.1B under 12 GiB in 0.997-1.013x (0.302 s
-#   twice against 0.303 s and 0.298 s);
-# - the 4.24B GPT trained wrong in 3 of 3 benchmark runs on two machines
-#   where the lane took 38 or 39 of 100 CPU-held chunks: losses 9.72, 10.26
-#   and 11.46 at the seventh step where CPU Adam alone gives 8.045, the last
-#   run off from the second step (10.710 against 10.641). Nine runs whose
-#   lane took 39 of 99 or 41 of 100 chunks matched CPU Adam to rounding on
-#   three machines. The cause is not found; every CPU-device test of the lane
-#   under auto placement, and every CUDA test under static placement, gives
-#   CPU Adam's bits.
-#
-# So the default is 0.0 under both placements, and on a CUDA device auto
-# placement refuses any other share until the cause is found. The lane stays
-# under static placement (its CUDA tests give CPU Adam's bits; the 8B rows of
-# benchmarks/scale.py matched its losses to rounding) and, for its tests,
-# under auto placement on a CPU device. ZeroOptimizer's lane keeps its
-# default: on the machine where this one failed it stepped 6.0% and 2.7%
-# faster than CPU Adam alone and matched its losses.
-def _refuse_split_under_auto(device: torch.device, fraction: object) -> None:
-    """See [Note: no split under auto placement on CUDA]."""
-    if device.type == "cuda" and fraction != 0:
-        raise NotImplementedError(
-            f"{_API}: gpu_update_fraction under auto placement on CUDA is not available (got "
-            f"{fraction!r}): a 4.24B GPT trained with it diverged from CPU Adam alone in 3 of 3 "
-            "runs, for a cause not found yet (docs/benchmarks.md, 'Offloaded steps, 2026-12-04: "
-            "Gemini's device lane refused under auto placement'); leave gpu_update_fraction at "
-            "0, or use static placement (placement_policy='static' with offload_optim_frac), "
-            "where it matches CPU Adam"
-        )
+# [Note: Gemini's split is opt-in] GeminiOptimizer's default
+# gpu_update_fraction is 0.0 under both placements: every CPU-held chunk
+# steps in CPU Adam. From the third session of 2026-12-03 to 2026-12-04 the
+# default under auto placement was "auto" (the step-time model's share in the
+# GPU's Adam), and on 2026-12-04 auto placement on CUDA refused any share:
+# a 4.24B GPT under a 24 GiB cap had trained wrong in 3 of 3 benchmark runs
+# of one lane layout (losses 9.72, 10.26 and 11.46 at the seventh step where
+# CPU Adam alone gives 8.045). The cause, found the same day, was the
+# device lane's staging, allocated at the first update in the compute
+# stream's pool on the CPU-step worker: a race with the next forward (see
+# zerostack.shard's [Note: staging allocated on its own stream]). With the
+# staging on its own stream, 5 of 5 runs of that layout matched CPU Adam
+# alone, where the old code had gone wrong in 4 of 8; so the refusal is gone.
+# The default stays 0.0 because no run has shown the split faster under
+# auto placement with each step's wall time in one process: a 4.24B GPT
+# stepped in 0.93-1.01x the time of CPU Adam alone (1.051, 1.065 and 1.083 s
+# against 1.131, 1.058 and 1.128 s), LLaMA 1.1B under 12 GiB in 0.997-1.013x
+# (docs/benchmarks.md, "Offloaded steps, 2026-12-04"). ZeroOptimizer keeps
+# "auto" as its default with ``cpu_offload``: 6.0% and 2.7% faster than CPU
+# Adam alone, on one machine, with matching losses.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:

@@ -427,8 +427,8 @@ class GeminiPlugin(Plugin):
             masters and states streamed from the host and back; HybridAdam
             only. In [0, 1], or "auto": the share the step-time model finds
             fastest on this machine (0.0 where none can run; the log says
-            why). Default None: 0.0. Under placement_policy="auto" on CUDA
-            any other value raises NotImplementedError (see GeminiOptimizer).
+            why). Default None: 0.0, under both placements (see
+            GeminiOptimizer).
         force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
