@@ -42,7 +42,7 @@ from zerostack.testing import TinyGPT
 
 def gemini(
     config, batch, steps, warmup, label: str, lazy: bool = False, max_norm: float = 0.0,
-    nvme: float = 0.0, nvme_dir: str | None = None, split: float | str = 0.0,
+    nvme: float = 0.0, nvme_dir: str | None = None, split: float | str | None = None,
     **kwargs,
 ) -> dict:  # fmt: skip
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def gemini(
     adam = HybridAdam(
         list(base.parameters()), nvme_offload_fraction=nvme, nvme_offload_dir=nvme_dir, **T.HYPER
     )
-    opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=split or None)
+    opt = GeminiOptimizer(adam, model, max_norm=max_norm, gpu_update_fraction=split)
 
     def step(loss, backward_only):
         if backward_only:
@@ -68,7 +68,7 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if split:
+    if split is not None:  # gemini_auto_split: labelled even at 0
         auto = " (auto)" if split == "auto" else ""
         label += f", gpu_update_fraction={opt.gpu_update_fraction:.3g}{auto}"
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
@@ -87,7 +87,7 @@ def gemini(
         result["name"] += (
             f" ({len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
             f"optimizer chunks on the GPU, {a.evictions} evictions"
-            + (f", {len(opt.device_lane_chunks)} in the GPU's Adam" if split else "")
+            + (f", {len(opt.device_lane_chunks)} in the GPU's Adam" if split is not None else "")
             + ")"
         )
     else:

@@ -21,7 +21,8 @@
 #                              as floor measures it), then once per fraction in FRACTIONS (default
 #                              "0.25 0.5"), clipped (max_norm 1) and with the floor: benchmarks/zero_shard.py
 #                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane, opt-in: see
-#                              benchmarks/scale.py --gpu-update-fraction, under --placement cpu or auto)
+#                              benchmarks/gemini.py --only gemini_auto_split, benchmarks/scale.py
+#                              --gpu-update-fraction)
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
 #                              with every chunk on the CPU, the GPU capped at 24 GiB, once per HybridAdam
 #                              nvme_offload_fraction in FRACTIONS (default "0 1"), states in /tmp; at 8B
@@ -167,8 +168,8 @@ nvme-job)
     "$run_dir/summary.json"
   ;;
 split)
-  case "${1:-}" in zero|gemini|both)  # the old form: Gemini's split rows are gone
-    echo "tools/device.sh split: give fractions only (ZeRO's rows); Gemini's split: scale with SCALE_ARGS=--gpu-update-fraction" >&2
+  case "${1:-}" in zero|gemini|both)  # the old form: Gemini's split is benchmarks/gemini.py's gemini_auto_split
+    echo "tools/device.sh split: give fractions only (ZeRO's rows); Gemini's split: benchmarks/gemini.py --only gemini_auto_split, or scale with SCALE_ARGS=--gpu-update-fraction" >&2
     exit 2 ;;
   esac
   export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

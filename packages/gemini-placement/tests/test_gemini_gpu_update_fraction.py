@@ -600,10 +600,12 @@ def test_auto_placement_on_cuda_defaults_to_cpu_adam_and_its_split_gives_cpu_ada
     tmp_path, monkeypatch
 ):
     # See zerostack.gemini's [Note: Gemini's split is opt-in]: nothing in the
-    # GPU's Adam unless asked; asked, CPU Adam's bits (fp32 parameters), from
-    # the first update on (the staging's race was there: see zerostack.shard's
-    # [Note: staging allocated on its own stream]). A profile file is set, so
-    # nothing measures the machine.
+    # GPU's Adam unless asked; asked, the bits of the run without it (fp32
+    # parameters; its device-held chunks step in the GPU's FusedAdam, which
+    # does CPU Adam's operations, and the plan keeps more of them there
+    # without the lane's staging). A model this small does not provoke the
+    # staging's race (zero-shard's test of [Note: staging allocated on its own
+    # stream] does). A profile file is set, so nothing measures the machine.
     from zerostack.gemini._device_lane import staging_bytes
     from zerostack.gemini._placement import AutoPlacement
 

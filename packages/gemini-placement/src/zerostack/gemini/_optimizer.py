@@ -926,20 +926,22 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # default under auto placement was "auto" (the step-time model's share in the
 # GPU's Adam), and on 2026-12-04 auto placement on CUDA refused any share:
 # a 4.24B GPT under a 24 GiB cap had trained wrong in 3 of 3 benchmark runs
-# of one lane layout (losses 9.72, 10.26 and 11.46 at the seventh step where
-# CPU Adam alone gives 8.045). The cause, found the same day, was the
-# device lane's staging, allocated at the first update in the compute
-# stream's pool on the CPU-step worker: a race with the next forward (see
-# zerostack.shard's [Note: staging allocated on its own stream]). With the
-# staging on its own stream, 5 of 5 runs of that layout matched CPU Adam
-# alone, where the old code had gone wrong in 4 of 8; so the refusal is gone.
-# The default stays 0.0 because no run has shown the split faster under
-# auto placement with each step's wall time in one process: a 4.24B GPT
-# stepped in 0.93-1.01x the time of CPU Adam alone (1.051, 1.065 and 1.083 s
-# against 1.131, 1.058 and 1.128 s), LLaMA 1.1B under 12 GiB in 0.997-1.013x
-# (docs/benchmarks.md, "Offloaded steps, 2026-12-04"). ZeroOptimizer keeps
-# "auto" as its default with ``cpu_offload``: 6.0% and 2.7% faster than CPU
-# Adam alone, on one machine, with matching losses.
+# whose lane took 38 or 39 of 100 chunks (losses 9.72, 10.26 and 11.46 at the
+# seventh step where CPU Adam alone gives 8.045). The cause, found the same
+# day, was the device lane's staging, allocated at the first update in the
+# compute stream's pool on the CPU-step worker: a race with the next forward
+# (zerostack.shard's [Note: staging allocated on its own stream]). With the
+# staging on its own stream 5 of 5 runs of a 39-chunk lane matched CPU Adam
+# alone, where the old code had gone wrong in 4 of 8 runs of 38 or 39 chunks;
+# so the refusal is gone. The default stays 0.0 because the split's gain is
+# not settled (docs/benchmarks.md, "Offloaded steps, 2026-12-04" and its
+# later section): on the 4.24B GPT it took 0.907x the time of CPU Adam alone
+# in one process after the fix, and 0.929x, 1.007x and 0.960x in the runs
+# that trained wrong; LLaMA 1.1B under 12 GiB 0.997-1.013x; the 8.06B row of
+# benchmarks/scale.py (static placement) was slower with it, 3.57 s against
+# 2.96 s, one run each. ZeroOptimizer keeps "auto" as its default with
+# ``cpu_offload``: 6.0% and 2.7% faster than CPU Adam alone, on one machine,
+# with matching losses.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:

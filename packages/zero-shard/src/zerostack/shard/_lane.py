@@ -202,21 +202,20 @@ class LaneStaging:
 
     # [Note: staging allocated on its own stream] The staging slots are
     # allocated at their first use, in an update: on the CPU-step worker
-    # thread, whose current stream is the compute stream. Allocated there, a
-    # slot could take a block the main thread had just freed on the compute
-    # stream with kernels of the next forward still queued over it; ``up``
-    # had waited for the compute stream at ``start()``, before those were
-    # queued, so ``up``'s copies into the slot and those kernels raced. On an
-    # H200 (2026-12-04, docs/benchmarks.md) this trained a 4.24B GPT under
-    # Gemini's auto placement wrong from its first update in 4 of 8 runs of
-    # one layout (the first device-lane chunk's parameters off by 6% of
-    # their sum at the next forward), and right whenever that first step was
-    # waited for before the next forward; a test here showed a queued read on
-    # the compute stream returning the lane's new masters. Allocated with
-    # ``up`` current, a slot's block comes from ``up``'s pool, whose earlier
-    # users ran on ``up`` in order; ``down`` reads and writes a slot only
-    # after ``up``'s event, and is recorded, so the block outlives its copies.
-    # After this change: 5 of 5 runs of that layout right.
+    # thread, whose current stream is the device's default stream (the
+    # compute stream unless the user set another). Allocated there, a slot
+    # could take a block the main thread had just freed on that stream with
+    # kernels of the next forward still queued over it; ``up`` had waited for
+    # the compute stream at ``start()``, before those were queued, so
+    # ``up``'s copies into the slot and those kernels raced. On H200 machines
+    # this trained a 4.24B GPT under Gemini's auto placement wrong from its
+    # first update in 4 of 8 benchmark runs whose lane took 38 or 39 chunks
+    # (the first lane chunk's parameters off by 6% of their sum at the next
+    # forward, in the run that measured it); docs/benchmarks.md, "Offloaded
+    # steps, 2026-12-04 (later)". Allocated with ``up`` current, a slot's
+    # block comes from ``up``'s pool, whose earlier users ran on ``up`` in
+    # order; ``down`` only reads a slot, after ``up``'s event, and is
+    # recorded, so the block outlives its copies.
 
     def _slot(
         self, dtypes: tuple[torch.dtype, ...], numel: int, grad: torch.dtype | None
