@@ -115,21 +115,15 @@ def _configurations(a, args, wanted):
         said += f", steady_cuda_cap_ratio {ratio:g}"
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
         label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
-        yield (
-            "gemini_auto",
-            lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, placement_policy="auto", gpu_capacity_bytes=cap,
-                **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
-            ),
-        )  # fmt: skip
-        yield (
-            "gemini_auto_split",
-            lambda label=label, norm=norm: gemini(
-                *args, label, a.lazy, norm, split=a.gpu_update_fraction,
-                placement_policy="auto", gpu_capacity_bytes=cap,
-                **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
-            ),
-        )  # fmt: skip
+        for name, split in (("gemini_auto", None), ("gemini_auto_split", a.gpu_update_fraction)):
+            yield (
+                name,
+                lambda label=label, norm=norm, split=split: gemini(
+                    *args, label, a.lazy, norm, split=split,
+                    placement_policy="auto", gpu_capacity_bytes=cap,
+                    **ahead, **({} if ratio is None else {"steady_cuda_cap_ratio": ratio}),
+                ),
+            )  # fmt: skip
         for frac in [float(f) for f in a.static_fracs.split(",") if f]:
             label = (
                 f"Gemini static offload_optim_frac={frac:g}, GPU capped at {a.cap_gib:g} GiB{said}"

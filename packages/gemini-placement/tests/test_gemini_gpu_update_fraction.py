@@ -622,10 +622,10 @@ def test_auto_placement_on_cuda_defaults_to_cpu_adam_and_its_split_gives_cpu_ada
     assert ref[0][2].gpu_update_fraction == 0.0 and ref[0][2].device_lane_chunks == []
     for fraction in (0.5, 1.0):
         run = _cuda_run(fraction, torch.float32, placement="auto-cuda")
-        lane = run[0][2]
-        assert lane.device_lane_chunks and lane.device_lane_updates > 0
+        opt = run[0][2]
+        assert opt.device_lane_chunks and opt.device_lane_updates > 0
         _equal_to(run, ref)
-        lane.close()
+        opt.close()
     ref[0][2].close()
 
 
