@@ -536,12 +536,15 @@ def test_auto_weighs_host_held_shards_by_what_they_move(tmp_path, monkeypatch):
     # value cross under the split.
     profile = _profile_file(tmp_path, monkeypatch)
     model, ddp, opt = _build("auto", "host-shards", device="cuda")
-    assert ddp.step_amounts()["host_value_fraction"] == 1.0
-    want = best_gpu_update_fraction(
-        profile, h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0
-    )
+    amounts = ddp.step_amounts()
+    assert amounts["host_value_fraction"] == 1.0
+    # every shard on the host and in the lane: 2 B streamed per update
+    assert amounts["streamed_bytes"] == pytest.approx(2 * amounts["host_numel"])
+    values = dict(h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0)
+    want = best_gpu_update_fraction(profile, **values, streamed_bytes_per_param=2)
     assert opt.gpu_update_fraction == pytest.approx(want)
     assert want != pytest.approx(best_gpu_update_fraction(profile))
+    assert want < best_gpu_update_fraction(profile, **values)  # the stream shares the link
     _train(model, ddp, opt, steps=1)
     opt.close()
 

@@ -136,6 +136,22 @@ def test_host_held_values_weigh_the_share(tmp_path, monkeypatch):
     assert got == pytest.approx(want) and want != pytest.approx(best_gpu_update_fraction(PROFILE))
 
 
+def test_streamed_parameters_lower_the_share(tmp_path, monkeypatch):
+    # Parameters streamed for each forward share the link with the split's
+    # copies up (see [Note: step-time floor]): "auto" gives the GPU less.
+    path = tmp_path / "machine.json"
+    PROFILE.save(path)
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    values = dict(h2d_bytes_per_param=0, d2h_bytes_per_param=2, host_value_fraction=1.0)
+    plain = best_gpu_update_fraction(PROFILE, **values)
+    streamed = best_gpu_update_fraction(PROFILE, **values, streamed_bytes_per_param=2)
+    assert 0 < streamed < plain
+    got = resolve_gpu_update_fraction(
+        "GeminiOptimizer", "auto", CUDA, None, 2, 1.0, streamed_bytes_per_param=2
+    )
+    assert got == pytest.approx(streamed)
+
+
 def _must_not_measure(*args, **kwargs):
     raise AssertionError("measured although a profile file was given")
 

@@ -107,6 +107,38 @@ def test_host_held_values_cross_both_ways_under_the_split() -> None:
     assert landed.backward_s == pytest.approx(2.0)
 
 
+def test_streamed_parameters_share_the_link_with_the_splits_copies_up() -> None:
+    # Every value on the host and streamed: 2 GB cross up for each forward
+    # (0.2 s at 10 GB/s alone). After backward, the next forward's 2 GB and
+    # the split's 14 B up per GPU update share one link: link(f) = 0.2 + 14 f / 12.
+    streamed = dict(h2d_bytes_per_param=0, host_value_fraction=1.0, streamed_bytes=2e9)
+    est = step_floor(PROFILE, **STEP, **streamed)
+    s = est.split
+    assert s is not None
+    # CPU Adam plus the GPU's Adam, 2 (1 - f) + 0.01 f, meets the link before
+    # it meets the copies alone (f = 12/19 without streaming, above)
+    f = (2 - 0.2) / (2 - 0.01 + 14 / 12)
+    assert s.gpu_fraction == pytest.approx(f) and s.bound == "link"
+    assert s.link_s == pytest.approx(0.2 + 14 * f / 12)
+    assert s.step_s == pytest.approx(0.2 + s.link_s)  # backward (0.2) + the link
+    assert s.link_s > s.update_s  # the update phase alone would be shorter
+    # Without the stream the split takes more of the updates; with it, the
+    # split's step at that share is longer than at the share chosen.
+    alone = step_floor(PROFILE, **STEP, h2d_bytes_per_param=0, host_value_fraction=1.0).split
+    assert alone is not None and alone.gpu_fraction == pytest.approx(12 / 19)
+    assert f < 12 / 19
+    at_alone = 0.2 + 0.2 + 14 * (12 / 19) / 12
+    assert s.step_s < at_alone
+    # CPU Adam alone copies nothing up: the stream hides in the forward as before.
+    assert est.cpu_only.link_s == pytest.approx(0.2) and est.cpu_only.bound == "cpu"
+    assert est.cpu_only.step_s == pytest.approx(0.2 + 1.0)
+    # Updates that may start in backward share the link with the backward's stream too.
+    early = step_floor(PROFILE, **STEP, **streamed, clip_before_update=False).split
+    assert early is not None
+    assert early.link_s == pytest.approx(0.4 + 14 * early.gpu_fraction / 12)
+    assert early.step_s >= early.link_s
+
+
 def test_a_gpu_adam_slower_than_cpu_adam_gets_no_share() -> None:
     slow_gpu = dataclasses.replace(PROFILE, gpu_adam_params_s=1e8)
     s = step_floor(slow_gpu, **STEP).split

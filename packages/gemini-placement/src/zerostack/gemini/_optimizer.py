@@ -174,10 +174,11 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
-        values, why_not = _lane_host_values(module, self.pairs, why_not)
+        values, streamed, why_not = _lane_host_values(module, self.pairs, why_not)
         self.gpu_update_fraction = resolve_gpu_update_fraction(
             _API, gpu_update_fraction, module.compute_device, why_not,
             module.mixed_precision.itemsize, values, module.process_group, required=asked,
+            streamed_bytes_per_param=streamed,
         )  # fmt: skip
         self._lane: GeminiLane | None = None
         self._bind_masters()
@@ -866,14 +867,16 @@ def _pageable_host_shard(module: GeminiDDP, chunk: Chunk) -> bool:
 
 def _lane_host_values(
     module: GeminiDDP, pairs: list[tuple[Chunk, Chunk]], why_not: str | None
-) -> tuple[float, str | None]:
+) -> tuple[float, float, str | None]:
     """For "auto": the share of the CPU-held elements the device lane can
     take whose parameter shard lives on the host (static placement; auto
     placement's lane takes none of those), weighed as if the lane's chunks
-    held that share too (see zerostack.shard's [Note: step-time floor]); and
-    ``why_not``, or why the lane can take none of them."""
+    held that share too; the bytes of every parameter shard on the host
+    (streamed to the GPU for each forward) per element the lane can take
+    (see zerostack.shard's [Note: step-time floor]); and ``why_not``, or
+    why the lane can take none of them."""
     if module.config.auto or module.compute_device.type != "cuda":
-        return 0.0, why_not
+        return 0.0, 0.0, why_not
     offloaded = module.offloaded_masters
     held = [(c, m) for c, m in pairs if m in offloaded]
     took = [(c, m) for c, m in held if not _pageable_host_shard(module, c)]
@@ -886,7 +889,9 @@ def _lane_host_values(
     hosted = sum(
         m.shard_size for c, m in took if c.shard_device.type == "cpu" and not c.keep_gathered
     )
-    return (hosted / total if total else 0.0), why_not
+    if not total:
+        return 0.0, 0.0, why_not
+    return hosted / total, module.step_amounts()["streamed_bytes"] / total, why_not
 
 
 def _raise_first(errors: list[CpuStepError]) -> None:

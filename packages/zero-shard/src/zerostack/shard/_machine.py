@@ -291,11 +291,12 @@ def _figures(p: MachineProfile) -> str:
 
 def best_gpu_update_fraction(
     profile: MachineProfile, *, h2d_bytes_per_param: float = 2, d2h_bytes_per_param: float = 2,
-    host_value_fraction: float = 0.0,
+    host_value_fraction: float = 0.0, streamed_bytes_per_param: float = 0.0,
 ) -> float:  # fmt: skip
-    """The share of the host-held updates whose update phase (and the
-    gradients' copies to the host, which the GPU's share saves) is shortest
-    on ``profile``'s machine: ``step_floor``'s best split, or 0.0 where the
+    """The share of the host-held updates whose update phase (with the
+    gradients' copies to the host, which the GPU's share saves, and the
+    link the next forward's streamed parameters share) is shortest on
+    ``profile``'s machine: ``step_floor``'s best split, or 0.0 where the
     profile lacks the "all at once" figures or the split is not faster. See
     [Note: gpu_update_fraction="auto"].
 
@@ -306,6 +307,9 @@ def best_gpu_update_fraction(
         d2h_bytes_per_param: gradient bytes copied to the host per CPU update.
         host_value_fraction: the share of the host-held updates whose
             parameter values live on the host too (``step_floor``'s).
+        streamed_bytes_per_param: parameter bytes that live on the host and
+            cross for each forward, per host-held update (``step_floor``'s
+            ``streamed_bytes`` over ``host_numel``). Default 0.0.
     """
     needed = (
         profile.h2d_bytes_s, profile.d2h_bytes_s, profile.cpu_adam_with_copies_bytes_s,
@@ -316,7 +320,7 @@ def best_gpu_update_fraction(
     estimate = step_floor(
         profile, forward_s=0.0, backward_s=0.0, host_numel=2**30,
         h2d_bytes_per_param=h2d_bytes_per_param, d2h_bytes_per_param=d2h_bytes_per_param,
-        host_value_fraction=host_value_fraction,
+        host_value_fraction=host_value_fraction, streamed_bytes=2**30 * streamed_bytes_per_param,
     )  # fmt: skip
     return estimate.best.gpu_fraction
 
@@ -324,7 +328,7 @@ def best_gpu_update_fraction(
 def resolve_gpu_update_fraction(
     api: str, fraction: float | str, device: torch.device, why_not: str | None,
     param_bytes: int = 2, host_value_fraction: float = 0.0, group: Any = None,
-    required: bool = True,
+    required: bool = True, streamed_bytes_per_param: float = 0.0,
 ) -> float:  # fmt: skip
     """``gpu_update_fraction`` as a number: itself, or for ``"auto"`` the
     machine's best (see [Note: gpu_update_fraction="auto"]), or 0.0 where
@@ -346,6 +350,9 @@ def resolve_gpu_update_fraction(
             (GeminiOptimizer's auto placement, ZeroOptimizer's cpu_offload):
             a profile a rank could not take then gives 0.0 on every rank,
             with a warning, instead of raising. Default True.
+        streamed_bytes_per_param: parameter bytes on the host that cross
+            for each forward, per host-held update (``best_gpu_update_fraction``'s).
+            Default 0.0.
 
     Raises:
         RuntimeError: ``required`` and a rank could not take the
@@ -368,6 +375,7 @@ def resolve_gpu_update_fraction(
             mine = best_gpu_update_fraction(
                 profile, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
                 d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
+                streamed_bytes_per_param=streamed_bytes_per_param,
             )  # fmt: skip
             figures = f"{_figures(profile)}; profile {source}"
         except Exception as error:  # said on every rank below, not only this one

@@ -40,6 +40,16 @@ start earlier. So::
     step   = forward + max(backward_s, d2h, streamed) + max(0, update - window)
     window = forward_hide_fraction * forward  (+ backward_s if they may start early)
 
+One link carries the update's copies up and the next forward's streamed
+parameters: from the end of backward to the step's end (the next forward
+and the update's exposed part) it moves ``streamed + h2d`` bytes, so that
+part lasts at least ``link = streamed / h2d_bytes_s + h2d``, ``h2d`` the
+update's copies at the rate the update phase takes (and where the updates
+may start in backward, the backward's streamed parameters too, over the
+whole step). The step is the longer of the two::
+
+    step = backward + max(forward + max(0, update - window), link)
+
 The split: a share ``f`` of the host-held updates runs in the GPU's Adam
 instead, fed over PCIe: master and both moments, 12 B per parameter, go to
 the GPU and come back. Where the parameter's value lives on the GPU, the
@@ -62,15 +72,17 @@ every resource busy at once each runs at its "all at once" bandwidth
 and the backward copies the gradients of the CPU's share and of the host
 values' share of the GPU's: ``N * g * (1 - f (1 - host_value_fraction))``.
 
-The best ``f`` makes ``max(cpu, h2d, d2h, disk) + gpu`` shortest. ``cpu``
-falls with ``f`` and both copies rise, so when the GPU's Adam is faster
-than the CPU's (by far, on every GPU) and the disk is not the bound, that
-is where ``cpu`` meets the busier copy direction: the smaller of the two
-``f`` that equalize ``cpu`` with ``h2d`` and with ``d2h``. When the disk
-is the bound, a larger ``f`` gains nothing and costs GPU time, so ``f``
-stops where ``cpu`` falls to the disk's time. (The sum is convex and
-piecewise linear in ``f``: its minimum is at 0, 1 or a crossing of two of
-its lines, which is how it is found.) The CPU-only floor uses the "alone"
+The best ``f`` makes the step shortest. ``cpu`` falls with ``f`` and
+both copies rise, so when the GPU's Adam is faster than the CPU's (by far,
+on every GPU) and the disk is not the bound, that is where ``cpu`` meets
+the busier copy direction: the smaller of the two ``f`` that equalize
+``cpu`` with ``h2d`` and with ``d2h``, or with ``link`` where parameters
+stream (Gemini's host-held shards: the split's copies up then share the
+link with the next forward's, so ``f`` stops earlier). When the disk is
+the bound, a larger ``f`` gains nothing and costs GPU time, so ``f`` stops
+where ``cpu`` falls to the disk's time. (The step is convex and piecewise
+linear in ``f``: its minimum is at 0, 1 or a crossing of two of its lines,
+which is how it is found; of equal steps, the smallest ``f``.) The CPU-only floor uses the "alone"
 bandwidths; the floor is the lower of the two. The copies' "both ways at
 once" figures without CPU Adam (``*_both_*``) are measured and kept for
 reading, not used here: during the update phase CPU Adam always runs.
@@ -78,8 +90,9 @@ reading, not used here: during the update phase CPU Adam always runs.
 Updates of GPU-resident masters (``gpu_numel``) run in the GPU's Adam
 and are added to the backward. Left out: several ranks on one host share
 its memory bandwidth and PCIe (give per-rank figures), the all-gather of
-updated parameters at world size > 1, and the GPU time that streaming
-steals from the forward it hides behind.
+updated parameters at world size > 1, the GPU time that streaming steals
+from the forward it hides behind, and the host memory bandwidth that the
+copies' DMA takes from CPU Adam beyond what the "all at once" figures saw.
 """
 
 from __future__ import annotations
@@ -205,6 +218,10 @@ class StepFloor:
     """Copies host to device during the update phase."""
     d2h_s: float
     """Copies device to host during the update phase (states of the split)."""
+    link_s: float
+    """The host-to-device link's time from the end of backward to the
+    step's end: the next forward's streamed parameters and ``h2d_s`` (the
+    whole step's streaming where the updates may start in backward)."""
     disk_s: float
     """Adam states read and written on disk."""
     gpu_adam_s: float
@@ -212,7 +229,9 @@ class StepFloor:
     gpu_fraction: float
     """The share of the host-held updates done by the GPU's Adam."""
     bound: str
-    """The resource that sets the update phase: cpu, h2d, d2h or disk."""
+    """What sets the step after backward: the update phase's slowest
+    resource (cpu, h2d, d2h or disk), or "link" where the streamed
+    parameters and the update's copies up, together, take longer."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,32 +274,105 @@ def _secs(amount: float, rate: float | None) -> float:
     return amount / rate
 
 
-def _split_fraction(
-    numel: float, rates: tuple[float, float, float], h2d_bytes: float, lane_bytes: float,
-    disk_s: float, gpu_rate: float,
-) -> float:  # fmt: skip
-    """The f in [0, 1] that makes the update phase shortest: ``max(cpu(f),
-    h2d(f), d2h(f), disk) + gpu(f)`` is convex and piecewise linear in f,
-    so its minimum lies at 0, 1 or where two of the lines cross.
-    ``lane_bytes``: what one GPU update moves each way."""
-    cpu_rate, up, down = rates
-    # each line as (at f=0, slope), in seconds
-    lines = [
-        (numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate, -numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate),
-        (numel * h2d_bytes / up, numel * (lane_bytes - h2d_bytes) / up),
-        (0.0, numel * lane_bytes / down),
-        (disk_s, 0.0),
+def _lines(
+    numel: float, rates: tuple[float, float | None, float | None, float | None],
+    times: tuple[float, float, float, float, float], moved: tuple[float, float, float],
+    gpu_rate: float | None,
+) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """Each term of the step as a line in ``f``, ``(at f=0, slope)`` in
+    seconds (arguments as ``_floor`` takes them): the update phase's
+    resources, the link's time, the GPU's Adam, and the gradients' copies
+    in backward."""
+    cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
+    stream_s = times[4]
+    h2d_bytes, d2h_bytes, host_values = moved
+    lane = _lane_bytes(moved)
+    cpu = numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
+    h2d = (_secs(numel * h2d_bytes, h2d_rate), _slope(numel * (lane - h2d_bytes), h2d_rate))
+    landed = _secs(numel * d2h_bytes, bwd_d2h_rate)
+    return {
+        "cpu": (cpu, -cpu),
+        "h2d": h2d,
+        "d2h": (0.0, _slope(numel * lane, upd_d2h_rate)),
+        "disk": (times[2], 0.0),
+        "link": (stream_s + h2d[0], h2d[1]),
+        "gpu": (0.0, _slope(numel, gpu_rate)),
+        "landed": (landed, -landed * (1 - host_values)),
+    }
+
+
+def _slope(amount: float, rate: float | None) -> float:
+    """Seconds per unit of ``f`` to move ``amount`` at ``rate``; 0 without a
+    rate, which only the CPU-only floor lacks (it is taken at f = 0)."""
+    return 0.0 if rate is None else amount / rate
+
+
+def _at(line: tuple[float, float], f: float) -> float:
+    return line[0] + line[1] * f
+
+
+def _floor(
+    numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
+    times: tuple[float, float, float, float, float], moved: tuple[float, float, float],
+    gpu_rate: float | None, clip: bool,
+) -> StepFloor:  # fmt: skip
+    """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
+    D2H B/s during the update); ``times`` = (forward, backward, disk, window,
+    the forward's streamed parameters at the H2D rate alone), the forward
+    and backward already at least their streamed copies; ``moved`` =
+    (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction);
+    ``clip``: the updates wait for backward's end."""
+    forward_s, backward_s, _, window, stream_s = times
+    lines = _lines(numel, rates, times, moved, gpu_rate)
+    terms = {k: _at(lines[k], f) for k in ("cpu", "h2d", "d2h", "disk")}
+    bound = max(terms, key=terms.__getitem__)
+    gpu_adam_s = _at(lines["gpu"], f)
+    update = terms[bound] + gpu_adam_s
+    hidden = min(update, window)
+    backward = max(backward_s, _at(lines["landed"], f))
+    # See [Note: step-time floor]: one link for the streamed parameters and the update's copies up.
+    link = _at(lines["link"], f) + (0.0 if clip else stream_s)
+    after = forward_s + update - hidden
+    if link > (after if clip else after + backward):
+        bound = "link"
+    step = backward + max(after, link) if clip else max(after + backward, link)
+    return StepFloor(
+        step_s=step, forward_s=forward_s, backward_s=backward, update_s=update,
+        hidden_s=hidden, cpu_s=terms["cpu"], h2d_s=terms["h2d"], d2h_s=terms["d2h"],
+        link_s=link, disk_s=terms["disk"], gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
+    )  # fmt: skip
+
+
+def _candidates(
+    lines: dict[str, tuple[float, float]], times: tuple[float, float, float, float, float],
+    clip: bool,
+) -> list[float]:  # fmt: skip
+    """Where ``_floor``'s step can change slope in ``f``: 0, 1 and every
+    crossing inside (0, 1) of two of its pieces. The step is the largest of
+    these lines: (the backward or its gradient copies) plus (the forward,
+    an update resource plus the GPU's Adam and ``forward - window``, or
+    with ``clip`` the link), and without ``clip`` the link alone. So it is
+    convex and piecewise linear in ``f``, and its minimum is at one of them."""
+    forward_s, backward_s, _, window, stream_s = times
+    gpu = lines["gpu"][1]
+    lead = forward_s - window
+    after = [(forward_s, 0.0)] + [
+        (lines[k][0] + lead, lines[k][1] + gpu) for k in ("cpu", "h2d", "d2h", "disk")
     ]
-    candidates = {0.0, 1.0}
-    for i, (a0, a1) in enumerate(lines):
-        for b0, b1 in lines[i + 1 :]:
+    link = lines["link"]
+    if clip:
+        after.append(link)
+    pieces = [
+        (a0 + b0, a1 + b1) for a0, a1 in after for b0, b1 in ((backward_s, 0.0), lines["landed"])
+    ]
+    if not clip:
+        pieces.append((link[0] + stream_s, link[1]))
+    found = {0.0, 1.0}
+    for i, (a0, a1) in enumerate(pieces):
+        for b0, b1 in pieces[i + 1 :]:
             if a1 != b1 and 0.0 < (b0 - a0) / (a1 - b1) < 1.0:
-                candidates.add((b0 - a0) / (a1 - b1))
-
-    def phase(f: float) -> float:
-        return max(c + k * f for c, k in lines) + numel * f / gpu_rate
-
-    return min(sorted(candidates), key=phase)
+                found.add((b0 - a0) / (a1 - b1))
+    return sorted(found)
 
 
 def _lane_bytes(moved: tuple[float, float, float]) -> float:
@@ -288,37 +380,6 @@ def _lane_bytes(moved: tuple[float, float, float]) -> float:
     moments, and for a value that lives on the host its gradient up and its
     new value down (``moved`` as ``_floor`` takes it)."""
     return STATE_BYTES_PER_PARAM + moved[2] * moved[1]
-
-
-def _floor(
-    numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
-    times: tuple[float, float, float, float], moved: tuple[float, float, float],
-    gpu_rate: float | None,
-) -> StepFloor:  # fmt: skip
-    """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
-    D2H B/s during the update); ``times`` = (forward, backward, disk, window),
-    the forward and backward already at least their streamed copies;
-    ``moved`` = (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)."""
-    cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
-    forward_s, backward_s, disk_s, window = times
-    h2d_bytes, d2h_bytes, host_values = moved
-    lane = _lane_bytes(moved)
-    landed = numel * d2h_bytes * (1 - f * (1 - host_values))
-    backward = max(backward_s, _secs(landed, bwd_d2h_rate))
-    cpu_s = numel * (1 - f) * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
-    h2d_s = _secs(numel * (lane * f + h2d_bytes * (1 - f)), h2d_rate)
-    d2h_s = _secs(numel * lane * f, upd_d2h_rate)
-    gpu_adam_s = _secs(numel * f, gpu_rate)
-    terms = {"cpu": cpu_s, "h2d": h2d_s, "d2h": d2h_s, "disk": disk_s}
-    bound = max(terms, key=terms.__getitem__)
-    update = terms[bound] + gpu_adam_s
-    hidden = min(update, window)
-    return StepFloor(
-        step_s=forward_s + backward + update - hidden, forward_s=forward_s, backward_s=backward,
-        update_s=update,
-        hidden_s=hidden, cpu_s=cpu_s, h2d_s=h2d_s, d2h_s=d2h_s, disk_s=disk_s,
-        gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
-    )  # fmt: skip
 
 
 def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -> None:
@@ -435,18 +496,20 @@ def step_floor(
         disk_write_bytes, profile.disk_write_bytes_s
     )
     window = forward_hide_fraction * forward_s + (0.0 if clip_before_update else backward_s)
-    times = (forward_s, backward_s, disk_s, window)
+    times = (forward_s, backward_s, disk_s, window, stream)
     moved = (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)
     alone = (profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
-    cpu_only = _floor(host_numel, 0.0, alone, times, moved, None)
-    return FloorEstimate(cpu_only=cpu_only, split=_split(profile, host_numel, times, moved))
+    cpu_only = _floor(host_numel, 0.0, alone, times, moved, None, clip_before_update)
+    split = _split(profile, host_numel, times, moved, clip_before_update)
+    return FloorEstimate(cpu_only=cpu_only, split=split)
 
 
 def _split(
-    profile: MachineProfile, numel: float, times: tuple[float, float, float, float],
-    moved: tuple[float, float, float],
+    profile: MachineProfile, numel: float, times: tuple[float, float, float, float, float],
+    moved: tuple[float, float, float], clip: bool,
 ) -> StepFloor | None:  # fmt: skip
-    """The floor under the best CPU/GPU split; None without the figures."""
+    """The floor under the best CPU/GPU split (the smallest ``f`` of the
+    shortest steps); None without the figures."""
     cpu_rate, up, down = (
         profile.cpu_adam_with_copies_bytes_s, profile.h2d_with_adam_bytes_s,
         profile.d2h_with_adam_bytes_s,
@@ -454,6 +517,10 @@ def _split(
     gpu_rate = profile.gpu_adam_params_s
     if numel == 0 or gpu_rate is None or not (cpu_rate and up and down):
         return None
-    f = _split_fraction(numel, (cpu_rate, up, down), moved[0], _lane_bytes(moved), times[2],
-                        gpu_rate)  # fmt: skip
-    return _floor(numel, f, (cpu_rate, up, profile.d2h_bytes_s, down), times, moved, gpu_rate)
+    rates = (cpu_rate, up, profile.d2h_bytes_s, down)
+    lines = _lines(numel, rates, times, moved, gpu_rate)
+    floors = [
+        _floor(numel, f, rates, times, moved, gpu_rate, clip)
+        for f in _candidates(lines, times, clip)
+    ]
+    return min(floors, key=lambda floor: floor.step_s)
