@@ -370,16 +370,11 @@ def resolve_gpu_update_fraction(
         return 0.0
     mine, figures, failed = _CANNOT, "", None
     if why_not is None:
-        try:
-            profile, source = machine_profile(device)
-            mine = best_gpu_update_fraction(
-                profile, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
-                d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
-                streamed_bytes_per_param=streamed_bytes_per_param,
-            )  # fmt: skip
-            figures = f"{_figures(profile)}; profile {source}"
-        except Exception as error:  # said on every rank below, not only this one
-            mine, failed = math.nan, error
+        mine, figures, failed = _this_ranks_share(
+            device, h2d_bytes_per_param=param_bytes * (1 - host_value_fraction),
+            d2h_bytes_per_param=param_bytes, host_value_fraction=host_value_fraction,
+            streamed_bytes_per_param=streamed_bytes_per_param,
+        )  # fmt: skip
     shares = _gather_shares(mine, device, group)
     broken = [r for r, share in enumerate(shares) if math.isnan(share)]
     if broken:
@@ -412,6 +407,21 @@ def resolve_gpu_update_fraction(
 
 
 _CANNOT = -1.0  # a rank's share where it cannot split
+
+
+def _this_ranks_share(
+    device: torch.device, **amounts: float
+) -> tuple[float, str, Exception | None]:
+    """This rank's best share from its machine's profile (``amounts`` as
+    ``best_gpu_update_fraction`` takes them), the profile's figures for the
+    log, and the error that kept it from a profile (its share then NaN,
+    for ``_gather_shares`` to tell every rank)."""
+    try:
+        profile, source = machine_profile(device)
+        mine = best_gpu_update_fraction(profile, **amounts)
+    except Exception as error:  # said on every rank by the caller, not only this one
+        return math.nan, "", error
+    return mine, f"{_figures(profile)}; profile {source}", None
 
 
 def _gather_shares(share: float, device: torch.device, group: Any) -> list[float]:
