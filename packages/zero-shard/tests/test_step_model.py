@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 
@@ -137,6 +138,71 @@ def test_streamed_parameters_share_the_link_with_the_splits_copies_up() -> None:
     assert early is not None
     assert early.link_s == pytest.approx(0.4 + 14 * early.gpu_fraction / 12)
     assert early.step_s >= early.link_s
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_the_split_is_the_shortest_step_over_every_share(clip: bool) -> None:
+    # The step is piecewise linear in the share; the split evaluates its
+    # breakpoints only. A fine grid of shares, on made-up machines and
+    # models, finds no shorter step.
+    rng = random.Random(7)
+    for _ in range(40):
+        profile = MachineProfile(**{
+            f.name: rng.uniform(1e9, 2e11) for f in dataclasses.fields(MachineProfile)
+            if f.name != "machine"
+        })  # fmt: skip
+        amounts = dict(
+            forward_s=rng.uniform(0, 2), backward_s=rng.uniform(0, 2),
+            host_numel=rng.randrange(10**6, 10**10), h2d_bytes_per_param=rng.choice([0, 2]),
+            d2h_bytes_per_param=rng.choice([2, 4]), host_value_fraction=rng.random(),
+            streamed_bytes=rng.choice([0.0, rng.uniform(0, 2e10)]),
+            disk_read_bytes=rng.choice([0.0, rng.uniform(0, 1e10)]),
+            forward_hide_fraction=rng.random(), clip_before_update=clip,
+        )  # fmt: skip
+        split = step_floor(profile, **amounts).split
+        assert split is not None
+        shortest = min(_step_at(profile, amounts, k / 2000) for k in range(2001))
+        assert split.step_s <= shortest * (1 + 1e-9)
+        assert split.step_s == pytest.approx(_step_at(profile, amounts, split.gpu_fraction))
+
+
+def _step_at(profile: MachineProfile, amounts: dict, f: float) -> float:
+    """The split's step at share ``f``, from the step written out by hand
+    (see [Note: step-time floor]), every resource at its "all at once" rate."""
+    n, g, values = (
+        amounts["host_numel"],
+        amounts["d2h_bytes_per_param"],
+        amounts["host_value_fraction"],
+    )
+    up_bytes = amounts["h2d_bytes_per_param"]
+    lane = 12 + values * g
+    stream = amounts["streamed_bytes"] / profile.h2d_bytes_s
+    forward = max(amounts["forward_s"], stream)
+    backward = max(
+        amounts["backward_s"], stream, n * g * (1 - f * (1 - values)) / profile.d2h_bytes_s
+    )  # fmt: skip
+    h2d = n * (lane * f + up_bytes * (1 - f)) / profile.h2d_with_adam_bytes_s
+    update = max(
+        n * (1 - f) * 28 / profile.cpu_adam_with_copies_bytes_s, h2d,
+        n * lane * f / profile.d2h_with_adam_bytes_s,
+        amounts["disk_read_bytes"] / profile.disk_read_bytes_s,
+    ) + n * f / profile.gpu_adam_params_s  # fmt: skip
+    hide = amounts["forward_hide_fraction"] * forward
+    if amounts["clip_before_update"]:
+        return backward + max(forward + max(0.0, update - hide), stream + h2d)
+    return max(forward + max(backward, update - hide), 2 * stream + h2d)
+
+
+def test_of_equal_steps_the_split_takes_the_smallest_share() -> None:
+    # A forward that hides every update: the step is forward + backward at
+    # every share, and the split gives the GPU none.
+    s = step_floor(PROFILE, forward_s=5.0, backward_s=1.0, host_numel=10**8).split
+    assert s is not None and s.gpu_fraction == 0.0
+    assert s.step_s == pytest.approx(6.0)
+    early = step_floor(
+        PROFILE, forward_s=0.0, backward_s=5.0, host_numel=10**8, clip_before_update=False
+    ).split  # fmt: skip
+    assert early is not None and early.gpu_fraction == 0.0
 
 
 def test_a_gpu_adam_slower_than_cpu_adam_gets_no_share() -> None:

@@ -293,12 +293,13 @@ def best_gpu_update_fraction(
     profile: MachineProfile, *, h2d_bytes_per_param: float = 2, d2h_bytes_per_param: float = 2,
     host_value_fraction: float = 0.0, streamed_bytes_per_param: float = 0.0,
 ) -> float:  # fmt: skip
-    """The share of the host-held updates whose update phase (with the
-    gradients' copies to the host, which the GPU's share saves, and the
-    link the next forward's streamed parameters share) is shortest on
-    ``profile``'s machine: ``step_floor``'s best split, or 0.0 where the
-    profile lacks the "all at once" figures or the split is not faster. See
-    [Note: gpu_update_fraction="auto"].
+    """The share of the host-held updates that makes the step shortest on
+    ``profile``'s machine, with nothing to hide behind (a forward and
+    backward of 0 s, but for the streamed parameters): the update phase,
+    the gradients' copies to the host (which the GPU's share saves) and the
+    link the next forward's streamed parameters share. ``step_floor``'s
+    best split, or 0.0 where the profile lacks the "all at once" figures or
+    the split is not faster. See [Note: gpu_update_fraction="auto"].
 
     Args:
         profile: the machine's figures.
@@ -308,8 +309,9 @@ def best_gpu_update_fraction(
         host_value_fraction: the share of the host-held updates whose
             parameter values live on the host too (``step_floor``'s).
         streamed_bytes_per_param: parameter bytes that live on the host and
-            cross for each forward, per host-held update (``step_floor``'s
-            ``streamed_bytes`` over ``host_numel``). Default 0.0.
+            cross for each forward, per host-held update the share applies
+            to (``step_floor``'s ``streamed_bytes`` over ``host_numel``).
+            Default 0.0.
     """
     needed = (
         profile.h2d_bytes_s, profile.d2h_bytes_s, profile.cpu_adam_with_copies_bytes_s,

@@ -37,8 +37,9 @@ behind the share ``forward_hide_fraction`` of the next forward (a module
 waits only for the buckets it uses), and behind backward too when they may
 start earlier. So::
 
-    step   = forward + max(backward_s, d2h, streamed) + max(0, update - window)
-    window = forward_hide_fraction * forward  (+ backward_s if they may start early)
+    step     = forward + backward + max(0, update - window)
+    backward = max(backward_s, d2h, streamed)
+    window   = forward_hide_fraction * forward  (+ backward if they may start early)
 
 One link carries the update's copies up and the next forward's streamed
 parameters: from the end of backward to the step's end (the next forward
@@ -49,6 +50,10 @@ may start in backward, the backward's streamed parameters too, over the
 whole step). The step is the longer of the two::
 
     step = backward + max(forward + max(0, update - window), link)
+
+and where the updates may start in backward (``window`` then holds it)::
+
+    step = max(forward + backward + max(0, update - window), link)
 
 The split: a share ``f`` of the host-held updates runs in the GPU's Adam
 instead, fed over PCIe: master and both moments, 12 B per parameter, go to
@@ -76,9 +81,9 @@ The best ``f`` makes the step shortest. ``cpu`` falls with ``f`` and
 both copies rise, so when the GPU's Adam is faster than the CPU's (by far,
 on every GPU) and the disk is not the bound, that is where ``cpu`` meets
 the busier copy direction: the smaller of the two ``f`` that equalize
-``cpu`` with ``h2d`` and with ``d2h``, or with ``link`` where parameters
-stream (Gemini's host-held shards: the split's copies up then share the
-link with the next forward's, so ``f`` stops earlier). When the disk is
+``cpu`` with ``h2d`` and with ``d2h``; where parameters stream (Gemini's
+host-held shards), the split's copies up share the link with the next
+forward's, and ``f`` stops earlier, where ``cpu + gpu`` meets ``link``. When the disk is
 the bound, a larger ``f`` gains nothing and costs GPU time, so ``f`` stops
 where ``cpu`` falls to the disk's time. (The step is convex and piecewise
 linear in ``f``: its minimum is at 0, 1 or a crossing of two of its lines,
@@ -101,7 +106,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 CPU_ADAM_BYTES_PER_PARAM = 28
 """Host memory traffic of one CPU Adam update with bf16/fp16 gradients and copy-out."""
@@ -203,7 +208,9 @@ class StepFloor:
     """One floor and its terms, in seconds (see [Note: step-time floor])."""
 
     step_s: float
-    """The floor: forward + the backward phase + the update's exposed part."""
+    """The floor: the backward phase + the longer of (forward + the
+    update's exposed part) and the link's time; where the updates may start
+    in backward, the longer of all of that and the link's time."""
     forward_s: float
     """max(forward, parameters streamed host to device)."""
     backward_s: float
@@ -229,9 +236,8 @@ class StepFloor:
     gpu_fraction: float
     """The share of the host-held updates done by the GPU's Adam."""
     bound: str
-    """What sets the step after backward: the update phase's slowest
-    resource (cpu, h2d, d2h or disk), or "link" where the streamed
-    parameters and the update's copies up, together, take longer."""
+    """The update phase's slowest resource (cpu, h2d, d2h or disk), or
+    "link" where the link's time sets the step."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,112 +280,135 @@ def _secs(amount: float, rate: float | None) -> float:
     return amount / rate
 
 
-def _lines(
-    numel: float, rates: tuple[float, float | None, float | None, float | None],
-    times: tuple[float, float, float, float, float], moved: tuple[float, float, float],
-    gpu_rate: float | None,
-) -> dict[str, tuple[float, float]]:  # fmt: skip
-    """Each term of the step as a line in ``f``, ``(at f=0, slope)`` in
-    seconds (arguments as ``_floor`` takes them): the update phase's
-    resources, the link's time, the GPU's Adam, and the gradients' copies
-    in backward."""
-    cpu_rate, h2d_rate, bwd_d2h_rate, upd_d2h_rate = rates
-    stream_s = times[4]
-    h2d_bytes, d2h_bytes, host_values = moved
-    lane = _lane_bytes(moved)
-    cpu = numel * CPU_ADAM_BYTES_PER_PARAM / cpu_rate
-    h2d = (_secs(numel * h2d_bytes, h2d_rate), _slope(numel * (lane - h2d_bytes), h2d_rate))
-    landed = _secs(numel * d2h_bytes, bwd_d2h_rate)
-    return {
-        "cpu": (cpu, -cpu),
-        "h2d": h2d,
-        "d2h": (0.0, _slope(numel * lane, upd_d2h_rate)),
-        "disk": (times[2], 0.0),
-        "link": (stream_s + h2d[0], h2d[1]),
-        "gpu": (0.0, _slope(numel, gpu_rate)),
-        "landed": (landed, -landed * (1 - host_values)),
-    }
-
-
 def _slope(amount: float, rate: float | None) -> float:
     """Seconds per unit of ``f`` to move ``amount`` at ``rate``; 0 without a
     rate, which only the CPU-only floor lacks (it is taken at f = 0)."""
-    return 0.0 if rate is None else amount / rate
+    return 0.0 if rate is None else _secs(amount, rate)
 
 
-def _at(line: tuple[float, float], f: float) -> float:
+class _Rates(NamedTuple):
+    """Bytes/s: CPU Adam, copies up, gradients down in backward, states
+    down in the update phase (None where the floor moves nothing there)."""
+
+    cpu: float
+    up: float | None
+    grads_down: float | None
+    states_down: float | None
+
+
+class _Times(NamedTuple):
+    """Seconds: the forward and backward (each already at least its
+    streamed copies), the disk's reads and writes, the part of the forward
+    the updates may hide behind, and the forward's streamed parameters at
+    the copy's rate alone."""
+
+    forward: float
+    backward: float
+    disk: float
+    hide: float
+    stream: float
+
+
+class _Moved(NamedTuple):
+    """Per host-held update: bytes of its new value up, of its gradient
+    down, and the share whose value lives on the host."""
+
+    up: float
+    down: float
+    host_values: float
+
+    @property
+    def lane(self) -> float:
+        """What one GPU update of the split moves each way: the master and
+        moments, and for a value that lives on the host its gradient up and
+        its new value down."""
+        return STATE_BYTES_PER_PARAM + self.host_values * self.down
+
+
+_Line = tuple[float, float]  # (seconds at f = 0, seconds per unit of f)
+_UPDATE = ("cpu", "h2d", "d2h", "disk")  # the update phase's resources
+
+
+def _lines(
+    numel: float, rates: _Rates, times: _Times, moved: _Moved, gpu_rate: float | None
+) -> dict[str, _Line]:
+    """Each term of the step as a line in ``f``: the update phase's
+    resources, the GPU's Adam, the link's time after backward (the
+    forward's stream and the update's copies up) and the gradients' copies
+    in backward."""
+    cpu = numel * CPU_ADAM_BYTES_PER_PARAM / rates.cpu
+    h2d = (_secs(numel * moved.up, rates.up), _slope(numel * (moved.lane - moved.up), rates.up))
+    landed = _secs(numel * moved.down, rates.grads_down)
+    return {
+        "cpu": (cpu, -cpu),
+        "h2d": h2d,
+        "d2h": (0.0, _slope(numel * moved.lane, rates.states_down)),
+        "disk": (times.disk, 0.0),
+        "gpu": (0.0, _slope(numel, gpu_rate)),
+        "link": (times.stream + h2d[0], h2d[1]),
+        "landed": (landed, -landed * (1 - moved.host_values)),
+    }
+
+
+def _pieces(lines: dict[str, _Line], times: _Times, clip: bool) -> list[tuple[str, _Line]]:
+    """The step as the largest of these lines in ``f``, each named by the
+    term after backward it holds (see [Note: step-time floor]). With
+    ``clip``: the backward (or its gradients' copies) plus the forward, an
+    update resource plus the GPU's Adam less the hidden part, or the link.
+    Without: the forward plus the backward (or its copies), an update
+    resource plus the GPU's Adam plus the forward's unhidden part, or the
+    link with the backward's stream. The step is convex and piecewise
+    linear in ``f``: its minimum is at 0, 1 or a crossing of two pieces."""
+    gpu = lines["gpu"][1]
+    lead = times.forward - times.hide
+    updates = [(k, (lines[k][0] + lead, lines[k][1] + gpu)) for k in _UPDATE]
+    backward = [(times.backward, 0.0), lines["landed"]]
+    link = lines["link"]
+    if clip:
+        after = [("forward", (times.forward, 0.0)), *updates, ("link", link)]
+        return [(name, (a0 + b0, a1 + b1)) for name, (a0, a1) in after for b0, b1 in backward]
+    passes = [("forward", (times.forward + b0, b1)) for b0, b1 in backward]
+    return [*passes, *updates, ("link", (link[0] + times.stream, link[1]))]
+
+
+def _at(line: _Line, f: float) -> float:
     return line[0] + line[1] * f
 
 
 def _floor(
-    numel: float, f: float, rates: tuple[float, float | None, float | None, float | None],
-    times: tuple[float, float, float, float, float], moved: tuple[float, float, float],
+    numel: float, f: float, rates: _Rates, times: _Times, moved: _Moved,
     gpu_rate: float | None, clip: bool,
 ) -> StepFloor:  # fmt: skip
-    """One floor: ``rates`` = (CPU Adam B/s, H2D B/s, D2H B/s during backward,
-    D2H B/s during the update); ``times`` = (forward, backward, disk, window,
-    the forward's streamed parameters at the H2D rate alone), the forward
-    and backward already at least their streamed copies; ``moved`` =
-    (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction);
-    ``clip``: the updates wait for backward's end."""
-    forward_s, backward_s, _, window, stream_s = times
+    """One floor at GPU share ``f``; ``clip``: the updates wait for
+    backward's end."""
     lines = _lines(numel, rates, times, moved, gpu_rate)
-    terms = {k: _at(lines[k], f) for k in ("cpu", "h2d", "d2h", "disk")}
+    terms = {k: _at(lines[k], f) for k in _UPDATE}
     bound = max(terms, key=terms.__getitem__)
     gpu_adam_s = _at(lines["gpu"], f)
     update = terms[bound] + gpu_adam_s
-    hidden = min(update, window)
-    backward = max(backward_s, _at(lines["landed"], f))
-    # See [Note: step-time floor]: one link for the streamed parameters and the update's copies up.
-    link = _at(lines["link"], f) + (0.0 if clip else stream_s)
-    after = forward_s + update - hidden
-    if link > (after if clip else after + backward):
+    backward = max(times.backward, _at(lines["landed"], f))
+    pieces = _pieces(lines, times, clip)
+    step = max(_at(line, f) for _, line in pieces)
+    if any(name == "link" and _at(line, f) == step for name, line in pieces):
         bound = "link"
-    step = backward + max(after, link) if clip else max(after + backward, link)
+    link = _at(lines["link"], f) + (0.0 if clip else times.stream)
     return StepFloor(
-        step_s=step, forward_s=forward_s, backward_s=backward, update_s=update,
-        hidden_s=hidden, cpu_s=terms["cpu"], h2d_s=terms["h2d"], d2h_s=terms["d2h"],
-        link_s=link, disk_s=terms["disk"], gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
+        step_s=step, forward_s=times.forward, backward_s=backward, update_s=update,
+        hidden_s=min(update, times.hide + (0.0 if clip else backward)), cpu_s=terms["cpu"],
+        h2d_s=terms["h2d"], d2h_s=terms["d2h"], link_s=link, disk_s=terms["disk"],
+        gpu_adam_s=gpu_adam_s, gpu_fraction=f, bound=bound,
     )  # fmt: skip
 
 
-def _candidates(
-    lines: dict[str, tuple[float, float]], times: tuple[float, float, float, float, float],
-    clip: bool,
-) -> list[float]:  # fmt: skip
-    """Where ``_floor``'s step can change slope in ``f``: 0, 1 and every
-    crossing inside (0, 1) of two of its pieces. The step is the largest of
-    these lines: (the backward or its gradient copies) plus (the forward,
-    an update resource plus the GPU's Adam and ``forward - window``, or
-    with ``clip`` the link), and without ``clip`` the link alone. So it is
-    convex and piecewise linear in ``f``, and its minimum is at one of them."""
-    forward_s, backward_s, _, window, stream_s = times
-    gpu = lines["gpu"][1]
-    lead = forward_s - window
-    after = [(forward_s, 0.0)] + [
-        (lines[k][0] + lead, lines[k][1] + gpu) for k in ("cpu", "h2d", "d2h", "disk")
-    ]
-    link = lines["link"]
-    if clip:
-        after.append(link)
-    pieces = [
-        (a0 + b0, a1 + b1) for a0, a1 in after for b0, b1 in ((backward_s, 0.0), lines["landed"])
-    ]
-    if not clip:
-        pieces.append((link[0] + stream_s, link[1]))
+def _candidates(pieces: list[tuple[str, _Line]]) -> list[float]:
+    """0, 1 and every crossing inside (0, 1) of two of ``pieces``: where
+    the step can change slope in ``f``."""
     found = {0.0, 1.0}
-    for i, (a0, a1) in enumerate(pieces):
-        for b0, b1 in pieces[i + 1 :]:
+    for i, (_, (a0, a1)) in enumerate(pieces):
+        for _, (b0, b1) in pieces[i + 1 :]:
             if a1 != b1 and 0.0 < (b0 - a0) / (a1 - b1) < 1.0:
                 found.add((b0 - a0) / (a1 - b1))
     return sorted(found)
-
-
-def _lane_bytes(moved: tuple[float, float, float]) -> float:
-    """What one GPU update of the split moves each way: the master and
-    moments, and for a value that lives on the host its gradient up and its
-    new value down (``moved`` as ``_floor`` takes it)."""
-    return STATE_BYTES_PER_PARAM + moved[2] * moved[1]
 
 
 def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -> None:
@@ -495,21 +524,19 @@ def step_floor(
     disk_s = _secs(disk_read_bytes, profile.disk_read_bytes_s) + _secs(
         disk_write_bytes, profile.disk_write_bytes_s
     )
-    window = forward_hide_fraction * forward_s + (0.0 if clip_before_update else backward_s)
-    times = (forward_s, backward_s, disk_s, window, stream)
-    moved = (h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)
-    alone = (profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
+    times = _Times(forward_s, backward_s, disk_s, forward_hide_fraction * forward_s, stream)
+    moved = _Moved(h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)
+    alone = _Rates(profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
     cpu_only = _floor(host_numel, 0.0, alone, times, moved, None, clip_before_update)
     split = _split(profile, host_numel, times, moved, clip_before_update)
     return FloorEstimate(cpu_only=cpu_only, split=split)
 
 
 def _split(
-    profile: MachineProfile, numel: float, times: tuple[float, float, float, float, float],
-    moved: tuple[float, float, float], clip: bool,
-) -> StepFloor | None:  # fmt: skip
+    profile: MachineProfile, numel: float, times: _Times, moved: _Moved, clip: bool
+) -> StepFloor | None:
     """The floor under the best CPU/GPU split (the smallest ``f`` of the
-    shortest steps); None without the figures."""
+    shortest steps, to rounding); None without the figures."""
     cpu_rate, up, down = (
         profile.cpu_adam_with_copies_bytes_s, profile.h2d_with_adam_bytes_s,
         profile.d2h_with_adam_bytes_s,
@@ -517,10 +544,8 @@ def _split(
     gpu_rate = profile.gpu_adam_params_s
     if numel == 0 or gpu_rate is None or not (cpu_rate and up and down):
         return None
-    rates = (cpu_rate, up, profile.d2h_bytes_s, down)
-    lines = _lines(numel, rates, times, moved, gpu_rate)
-    floors = [
-        _floor(numel, f, rates, times, moved, gpu_rate, clip)
-        for f in _candidates(lines, times, clip)
-    ]
-    return min(floors, key=lambda floor: floor.step_s)
+    rates = _Rates(cpu_rate, up, profile.d2h_bytes_s, down)
+    pieces = _pieces(_lines(numel, rates, times, moved, gpu_rate), times, clip)
+    floors = [_floor(numel, f, rates, times, moved, gpu_rate, clip) for f in _candidates(pieces)]
+    shortest = min(floor.step_s for floor in floors)
+    return next(floor for floor in floors if floor.step_s <= shortest * (1 + 1e-12))
