@@ -42,6 +42,13 @@ _GATHERABLE = frozenset({S.HOLD, S.FREE, S.HOLD_AFTER_BWD})
 _Slot = tuple[Chunk, TensorInfo]  # a parameter's chunk and its entry in the chunk
 
 
+def shard_on_host(chunk: Chunk) -> bool:
+    """``chunk``'s parameter shard lives on the host between uses (it is
+    gathered onto the compute device for each use, and its gradient is
+    reduced into host memory)."""
+    return not chunk.keep_gathered and chunk.shard_device.type == "cpu"
+
+
 class ChunkGroup(Enum):
     """The chunk sequences of a GeminiDDP model (ChunkManager config keys)."""
 
@@ -364,7 +371,7 @@ class GeminiDDP(nn.Module):
             item = c.dtype.itemsize
             # A shard on the host of a GPU (on a CPU compute device nothing moves).
             gpu = c.compute_device.type != "cpu"
-            on_host = gpu and c.shard_device.type == "cpu" and not c.keep_gathered
+            on_host = gpu and shard_on_host(c)
             if on_host:
                 streamed += c.shard_size * item
             master = c.paired_chunk

@@ -15,7 +15,7 @@ import torch
 from zerostack.chunk import Chunk, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
-from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall
+from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall, shard_on_host
 from zerostack.gemini._device_lane import GeminiLane, lane_staging_bytes, staging_bytes
 from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
@@ -859,8 +859,7 @@ def _pageable_host_shard(module: GeminiDDP, chunk: Chunk) -> bool:
     return (
         not module.config.auto
         and chunk.compute_device.type == "cuda"
-        and chunk.shard_device.type == "cpu"
-        and not chunk.keep_gathered
+        and shard_on_host(chunk)
         and not chunk.pin_memory
     )
 
@@ -886,9 +885,7 @@ def _lane_host_values(
             "(pin_memory=False), which the device lane does not stream from"
         )
     total = sum(m.shard_size for _, m in took)
-    hosted = sum(
-        m.shard_size for c, m in took if c.shard_device.type == "cpu" and not c.keep_gathered
-    )
+    hosted = sum(m.shard_size for c, m in took if shard_on_host(c))
     if not total:
         return 0.0, 0.0, why_not
     return hosted / total, module.step_amounts()["streamed_bytes"] / total, why_not
@@ -961,7 +958,7 @@ def _reduced_on_host(chunk: Chunk) -> bool:
     parameter chunk's shard lives there; a kept-gathered chunk reduces in
     its buffer on the device. Nothing to stage then, and the share is not
     read here, which would wait for its landing copy."""
-    return not chunk.keep_gathered and chunk.shard_device.type == "cpu"
+    return shard_on_host(chunk)
 
 
 def _grad_share(chunk: Chunk) -> torch.Tensor:
