@@ -96,8 +96,10 @@ Updates of GPU-resident masters (``gpu_numel``) run in the GPU's Adam
 and are added to the backward. Left out: several ranks on one host share
 its memory bandwidth and PCIe (give per-rank figures), the all-gather of
 updated parameters at world size > 1, the GPU time that streaming steals
-from the forward it hides behind, and the host memory bandwidth that the
-copies' DMA takes from CPU Adam beyond what the "all at once" figures saw.
+from the forward it hides behind, the host memory bandwidth that the
+copies' DMA takes from CPU Adam beyond what the "all at once" figures saw,
+and the time a gather the forward waits for spends queued behind a larger
+copy of the split on the same copy engine (bytes, not order, are counted).
 """
 
 from __future__ import annotations
