@@ -935,15 +935,15 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # (zerostack.shard's [Note: staging allocated on its own stream]). With the
 # staging on its own stream 5 of 5 runs of a 39-chunk lane matched CPU Adam
 # alone, where the old code had gone wrong in 4 of 8 runs of 38 or 39 chunks;
-# so the refusal is gone. The default stays 0.0 because the split's gain is
-# not settled (docs/benchmarks.md, "Offloaded steps, 2026-12-04" and its
-# later section): on the 4.24B GPT it took 0.907x the time of CPU Adam alone
-# in one process after the fix, and 0.929x, 1.007x and 0.960x in the runs
-# that trained wrong; LLaMA 1.1B under 12 GiB 0.997-1.013x; the 8.06B row of
-# benchmarks/scale.py (static placement) was slower with it, 3.57 s against
-# 2.96 s, one run each. ZeroOptimizer keeps "auto" as its default with
-# ``cpu_offload``: 6.0% and 2.7% faster than CPU Adam alone, on one machine,
-# with matching losses.
+# so the refusal is gone. The default stays 0.0 because the split's gain
+# depends on the model (docs/benchmarks.md, "Offloaded steps, 2026-12-04"
+# and its later sections; pairs in one process, after the fix): the 4.24B GPT
+# under 24 GiB took 0.907x, 0.914x and 0.847x the time of CPU Adam alone;
+# LLaMA 1.1B under 12 GiB 0.962-1.085x (3 of 6 faster); the 8.06B row of
+# benchmarks/scale.py (static placement, every shard streamed) 3.14 s and
+# 3.40 s against 3.14 s and 3.04 s, alternating on one machine. ZeroOptimizer
+# keeps "auto" as its default with ``cpu_offload``: 0.87-0.95x the time of
+# CPU Adam alone in 6 of 6 pairs on two machines, with matching losses.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:
