@@ -416,7 +416,7 @@ def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
     events = prof.events()
     print(f"[profile] {name}: {device_time(events)}", flush=True)
-    for line in phase_times(events):
+    for line in phase_times(events) + copy_streams(events):
         print(f"[profile] {name}: {line}", flush=True)
 
 
@@ -582,6 +582,48 @@ def phase_times(events) -> list[str]:
             f"device idle {idle:.3f} s"
         )
     return lines
+
+
+def copy_streams(events) -> list[str]:
+    """Each stream's copies in a torch.profiler trace (host to device and
+    device to host, seconds and how many), then, each way, how long copies
+    of two or more streams ran at once. Copies of two streams that never
+    overlap in time took turns on one copy engine: a short copy queued
+    behind a long one waited for it whole (a forward's gather behind the
+    device lane's chunk of master and moments); ones that overlap shared
+    the link."""
+    per: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for e in events:
+        if str(e.device_type) != "DeviceType.CUDA" or e.is_user_annotation:
+            continue
+        way = "h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name else None
+        if way is not None:
+            span = (e.time_range.start / 1e6, e.time_range.end / 1e6)
+            per.setdefault((way, e.device_resource_id), []).append(span)
+    lines = []
+    for (way, stream), spans in sorted(per.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        copies = _count(len(spans), "copy", "copies")
+        lines.append(f"stream {stream}: {way.upper()} {_length(_union(spans)):.3f} s ({copies})")
+    for way in ("h2d", "d2h"):
+        merged = [_union(v) for (w, _), v in per.items() if w == way]
+        if not merged:
+            continue
+        edges = sorted((t, d) for spans in merged for a, b in spans for t, d in ((a, 1), (b, -1)))
+        at_once, running, since = 0.0, 0, 0.0
+        for t, d in edges:
+            if running >= 2:
+                at_once += t - since
+            running, since = running + d, t
+        total = _length(_union([s for spans in merged for s in spans]))
+        lines.append(
+            f"{way.upper()} of two or more streams at once: {at_once:.3f} s of the {total:.3f} s "
+            f"some {way.upper()} copy ran ({_count(len(merged), 'stream', 'streams')})"
+        )
+    return lines
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def device_time(events) -> str:

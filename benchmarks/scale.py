@@ -446,7 +446,7 @@ def train(a, config, ddp, opt, device) -> dict:
 def profile_steps(step, sync) -> None:
     """Two more steps under torch.profiler: where the device's time went
     (kernels, copies each way, idle) and the operators by device time."""
-    from _training import device_time
+    from _training import copy_streams, device_time
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -458,6 +458,8 @@ def profile_steps(step, sync) -> None:
         sync()
     log(f"profile: 2 steps in {time.perf_counter() - t0:.2f} s (profiler on); "
         f"{device_time(prof.events())}")  # fmt: skip
+    for line in copy_streams(prof.events()):
+        log(f"profile: {line}")
     table = prof.key_averages().table
     if torch.cuda.is_available():
         log("profile by device time:\n" + table(sort_by="self_device_time_total", row_limit=20))

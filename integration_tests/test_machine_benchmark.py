@@ -157,6 +157,27 @@ def test_phase_times_splits_each_phase_into_kernels_copies_and_idle() -> None:
     ]
 
 
+def test_copy_streams_says_whether_two_streams_copies_ran_at_once() -> None:
+    T = _training()
+    h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
+    events = [
+        _Event("gemm", "CUDA", 0.0, 5.0, stream=7),  # no copy: not counted
+        _Event(h2d, "CUDA", 0.0, 1.0, stream=20),  # the lane's long copy up
+        _Event(h2d, "CUDA", 1.0, 1.1, stream=21),  # a gather, after it: took turns
+        _Event(h2d, "CUDA", 2.0, 3.0, stream=20),
+        _Event(h2d, "CUDA", 2.5, 2.75, stream=21),  # a gather beside it: shared the link
+        _Event(h2d, "CUDA", 2.6, 2.8, stream=21),  # overlaps its own stream's copy
+        _Event(d2h, "CUDA", 4.0, 4.5, stream=22),
+    ]
+    assert T.copy_streams(events) == [
+        "stream 20: H2D 2.000 s (2 copies)",
+        "stream 21: H2D 0.400 s (3 copies)",
+        "stream 22: D2H 0.500 s (1 copy)",
+        "H2D of two or more streams at once: 0.300 s of the 2.100 s some H2D copy ran (2 streams)",
+        "D2H of two or more streams at once: 0.000 s of the 0.500 s some D2H copy ran (1 stream)",
+    ]
+
+
 def test_the_gc_clock_sums_the_collectors_pauses() -> None:
     T = _training()
     clock = T._GcClock()

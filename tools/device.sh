@@ -37,8 +37,12 @@
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
 #                              (default 2B) pinned, every chunk on the CPU, batch BATCH (default 8), once per
 #                              max_prefetch in PREFETCHES (default "0 2"), each with --profile (the device's
-#                              kernels, copies and idle time; a Chrome trace, trace_D.json.gz), PLAIN_TFLOPS
-#                              and SCALE_ARGS as for scale; SKIP_TESTS=1: no tests
+#                              kernels, copies and idle time; each stream's copies and how long two streams
+#                              copied at once; a Chrome trace, trace_D.json.gz), PLAIN_TFLOPS and SCALE_ARGS
+#                              as for scale; SKIP_TESTS=1: no tests. Whether the 8.06B split's lane copies
+#                              hold up the forward's gathers: SKIP_TESTS=1 BATCH=16 PREFETCHES=2
+#                              SCALE_ARGS="--gpu-update-fraction auto --machine PROFILE" ... prefetch 8B
+#                              (after `floor profile`, which writes PROFILE)
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
 #   tools/device.sh solver [tests] [bench MODELS BUDGETS SOLVERS]
