@@ -225,34 +225,44 @@ def test_a_state_of_another_model_is_refused(plugin):
         model.load_full_state_dict({k: v for k, v in model_state.items() if k != "lm_head.weight"})
 
 
-def test_loading_the_optimizer_while_an_update_runs_keeps_its_masters():
-    """LowLevelZeroPlugin(cpu_offload=True): ``step()`` returns with updates
-    still running on the worker; loading the optimizer then (its masters
-    keep their values) waits for them before it reads the masters, so the
-    step is not taken back."""
+@pytest.mark.parametrize("kind", ["zero", "gemini"])
+def test_loading_the_optimizer_while_an_update_runs_keeps_its_masters(kind):
+    """LowLevelZeroPlugin(cpu_offload=True), GeminiPlugin with its optimizer
+    states on the CPU: ``step()`` returns with updates still running on the
+    worker; loading the optimizer then (its masters keep their values)
+    waits for them before it reads the masters, so the step is not taken
+    back."""
     import threading
 
     def boosted():
-        plugin = LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True)
-        return _boost(plugin, seed=0, optimizer="adamw")
+        if kind == "zero":
+            plugin = LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True)
+            return _boost(plugin, seed=0, optimizer="adamw")
+        plugin = GeminiPlugin(placement_policy="static", offload_optim_frac=1.0, precision="fp32")
+        return _boost(plugin, seed=0)
 
     booster, model, opt = boosted()
     _train(booster, model, opt, 0, 1, 0, 1)
     saved = opt.full_state_dict()
-    zero = opt.optim
-    first, update, opened = zero._order[0], zero._cpu_update, threading.Event()
+    inner, opened = opt.optim, threading.Event()
+    update = inner._cpu_update
+    first = inner._order[0] if kind == "zero" else 0
 
-    def held(buckets, *args):  # the first bucket's update waits until the load began
-        if any(b is first for b in buckets):
+    def held(unit, *args):  # the first unit's update waits until the load began
+        firsts = unit == first if kind == "gemini" else any(b is first for b in unit)
+        if firsts:
             assert opened.wait(timeout=30)
-        update(buckets, *args)
+        update(unit, *args)
 
-    zero._cpu_update = held
+    inner._cpu_update = held
     _train(booster, model, opt, 1, 1, 0, 1)
     threading.Timer(0.3, opened.set).start()
     opt.load_full_state_dict(saved)
     ref_booster, ref_model, ref_opt = boosted()
     _train(ref_booster, ref_model, ref_opt, 0, 2, 0, 1)
-    ref_opt.optim.wait_updates()  # its last step written back
+    if kind == "zero":
+        ref_opt.optim.wait_updates()  # its last step written back
+    else:
+        ref_model.module.wait_updates()
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -301,6 +301,10 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
                 hyperparameters (GeminiOptimizer has one group).
         """
         opt, ddp = self.optim, self._model.module
+        # Its masters are read below: no update of the last step may still
+        # write them (on the CPU-step worker, or the device lane's copies back).
+        ddp.drop_batch_for_load()
+        ddp.wait_updates()
         names = [name for name, _ in self._trainable()]
         check_names(self._API, state_dict["state"], set(names))
         params: dict[str, dict[str, Any]] = {}
