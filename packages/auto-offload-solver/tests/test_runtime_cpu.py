@@ -10,6 +10,7 @@ from offload_helpers import (
     fake_profile,
     gpt2_2,
     halfway_budget,
+    lm_loss,
     offload_losses,
     ref_batch,
     reference_losses,
@@ -18,7 +19,7 @@ from offload_helpers import (
     tiny_ref_gpt,
 )
 
-from zerostack.auto_offload import memory_optimize
+from zerostack.auto_offload import AMPOptimizer, memory_optimize
 from zerostack.testing import training_tolerance
 
 HYPER = dict(lr=1e-2, weight_decay=0.1, clip=0.5)
@@ -225,12 +226,52 @@ def test_state_dict_round_trip():
     for k, v in sd.items():  # fp32 masters: the original values, not bf16-rounded
         if k in original:
             assert v.dtype == torch.float32 and torch.equal(v, original[k].float()), k
-    out = om(**batch()).float()
+    out = om(**batch()).float()  # no backward follows: regions stay on the device
     changed = {k: v + 0.5 if v.is_floating_point() else v for k, v in sd.items()}
     om.load_state_dict(changed)
     assert torch.equal(om.state_dict()["model.lm_head.weight"], changed["model.lm_head.weight"])
-    assert not torch.allclose(om(**batch()).float(), out)  # the next forward uploads them
+    loaded = om(**batch()).float()
+    assert not torch.allclose(loaded, out)
+    torch.manual_seed(0)  # the next forward uploads them all: a fresh module's output
+    fresh = memory_optimize(tiny_gpt2(1), batch(), precision="bf16", device="cpu",
+                            profile=fake_profile())  # fmt: skip
+    fresh.load_state_dict(changed)
+    assert torch.equal(loaded, fresh(**batch()).float())
     with pytest.raises(KeyError, match="unknown \\['nope'\\]"):
         om.load_state_dict({**changed, "nope": torch.zeros(1)})
     with pytest.raises(ValueError, match="has shape"):
         om.load_state_dict({**changed, "model.lm_head.weight": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_an_evaluation_between_backward_and_step_changes_nothing(solver):
+    """A forward under torch.no_grad() after the backward leaves the regions
+    it uploaded on the device (no backward frees them); the step rewrites
+    the half copies, and the next forward must upload those, not run the
+    values from before the step."""
+
+    def losses(evaluate: bool) -> list[float]:
+        budget = halfway_budget(gpt2_2, solver)  # some regions offloaded, some kept
+        torch.manual_seed(0)  # after it: it builds a model on its first call only
+        om = memory_optimize(
+            gpt2_2(), batch(), budget, solver, precision="bf16", device="cpu",
+            profile=fake_profile(),
+        )  # fmt: skip
+        assert any(r.need_offload for r in om.regions) and not all(
+            r.need_offload for r in om.regions if r.params
+        )
+        opt = AMPOptimizer(torch.optim.SGD(om.master_parameters(), lr=0.5), om)
+        out = []
+        for _ in range(3):
+            loss = lm_loss(om(**batch()), batch()["input_ids"])
+            opt.backward(loss)
+            if evaluate:
+                with torch.no_grad():
+                    om(**batch(seed=1))
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    plain = losses(False)
+    assert plain[-1] < plain[0]
+    assert losses(True) == plain

@@ -182,6 +182,9 @@ class AMPOptimizer:
                 "AMPOptimizer.step: no gradients since the last step or zero_grad(); call "
                 "AMPOptimizer.backward(loss) first"
             )
+        # A forward since the backward (an evaluation) left regions on the
+        # device with the old values: the next forward must upload the new.
+        self.module.runtime.finish()
         norm_sq = float(self.module.grad_norm_sq())  # the step's one host read
         max_norm = self.max_norm
         if self._clip_once is not None:

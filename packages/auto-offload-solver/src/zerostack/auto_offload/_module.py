@@ -246,6 +246,7 @@ class BaseOffloadModule:
             raise KeyError(
                 f"BaseOffloadModule.load_state_dict: missing {missing}, unknown {unknown}"
             )
+        self.runtime.finish()  # nothing resident keeps the old values
         with torch.no_grad():
             for name, value in state.items():
                 target = self.master_of(params[name]) if name in params else buffers[name]

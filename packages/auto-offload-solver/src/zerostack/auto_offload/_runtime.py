@@ -127,7 +127,11 @@ class OffloadRuntime(torch.nn.Module):
 
     def finish(self) -> None:
         """After backward: wait for the downloads, drop stale events, free
-        what is still resident (regions without gradients)."""
+        what is still resident (regions without gradients). Before the host
+        rewrites the half copies (a step, a load): the same, for what a
+        forward that no backward followed left resident (an evaluation
+        under ``torch.no_grad()``, or a forward that raised), so the next
+        forward uploads the new values and no copy in flight reads them."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.fwd_events.clear()
