@@ -660,3 +660,52 @@ def test_auto_is_taken_over_the_models_process_group():
     # "auto" is a collective over the data-parallel group: GeminiDDP's, not
     # the default group, when the user gave one.
     spawn(_passes_its_group, 2, backend="gloo", timeout_s=120)
+
+
+def test_masters_read_outside_an_update_wait_for_the_lanes_copies_back(monkeypatch):
+    """A skipped fp16 step, a dropped batch and dropped fp16 gradients write
+    chunks back from their masters. A lane chunk's master is its pinned home,
+    which the last step's copies back (the lane's ``down`` stream) may still
+    be writing on CUDA: each path waits for them (the lane's host wait; here
+    a spy, as a CPU lane copies nothing) before the first write-back."""
+    import zerostack.gemini._ddp as ddp_module
+    import zerostack.gemini._optimizer as optimizer_module
+
+    model, ddp, opt = _build(0.5, "static-0.5", dtype=torch.float16)
+    _train(model, ddp, opt, steps=1)
+    events: list[str] = []
+    settle = opt.pipeline.lane_settle
+    assert settle is not None
+
+    def spied_settle():
+        events.append("settle")
+        settle()
+
+    opt.pipeline.lane_settle = spied_settle
+
+    def spied(real):
+        def write_back(*args, **kwargs):
+            events.append("write")
+            return real(*args, **kwargs)
+
+        return write_back
+
+    for module in (ddp_module, optimizer_module):
+        monkeypatch.setattr(module, "write_back", spied(module.write_back))
+
+    def first_write_waited(what):
+        assert "write" in events, what
+        assert "settle" in events[: events.index("write")], f"{what}: {events[:5]}"
+        events.clear()
+
+    _train(model, ddp, opt, steps=1, overflow_at=1, first=1)  # the scaler skips it
+    first_write_waited("a skipped step")
+    idx, tgt = make_batch(CONFIG, 2, 16, seed=7)
+    opt.backward(ddp(idx, tgt).float())
+    opt.zero_grad()  # a batch whose step never comes
+    first_write_waited("a dropped batch")
+    ddp(idx, tgt).float().backward()  # not scaled: the step refuses and drops the gradients
+    with pytest.raises(RuntimeError, match="fp16 gradients were not scaled"):
+        opt.step()
+    first_write_waited("dropped gradients")
+    _train(model, ddp, opt, steps=1, first=3)  # and training goes on

@@ -71,6 +71,13 @@ class CpuStepPipeline:
         back: no collective), nor a device-lane copy back to the host, for
         readers of the optimizer's figures."""
         self.updates.settle()
+        self.settle_lane()
+
+    def settle_lane(self) -> None:
+        """Wait until the device lane's homes hold its copies back (a host
+        wait; nothing without a lane). A lane chunk's master is its pinned
+        home, so anything that reads the masters outside an update (a
+        write-back from them) waits for this first."""
         if self.lane_settle is not None:
             self.lane_settle()
 
@@ -290,8 +297,7 @@ class CpuStepPipeline:
         and the device lane's copies back to the host."""
         for chunk in self.pending():
             self.await_chunk(chunk)
-        if self.lane_settle is not None:
-            self.lane_settle()
+        self.settle_lane()
 
     def await_kept_gathered(self) -> None:
         """Finish the pending updates of kept-gathered chunks, in chunk order.

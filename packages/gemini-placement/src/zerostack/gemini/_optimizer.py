@@ -315,6 +315,7 @@ class GeminiOptimizer:
         self._staged_early.clear()
         for i in self._host:
             self.pipeline.drop_staged(self.pairs[i][0])
+        self.pipeline.settle_lane()  # GeminiDDP writes chunks back from the masters next
 
     # -- gradients of CPU-held chunks ------------------------------------------------
 
@@ -496,6 +497,7 @@ class GeminiOptimizer:
 
     def _drop_grads(self) -> None:
         self._clip = 1.0
+        self.pipeline.settle_lane()  # the masters are read below
         for chunk, _ in self.pairs:
             _grad_target(chunk).forget_reduced_norm()
             write_back(self.manager, chunk)
@@ -555,6 +557,7 @@ class GeminiOptimizer:
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self._clip = 1.0
         if plan.skip:
+            self.pipeline.settle_lane()  # the masters are read below
             for chunk, _ in self.pairs:
                 write_back(self.manager, chunk)
             return False
