@@ -245,6 +245,36 @@ def _as_one_backward(retain: bool) -> Callable[[Env, Any], None]:
     return check
 
 
+def _dropped_by_the_model(how: str) -> Callable[[Env], dict[str, torch.Tensor]]:
+    """After a first step: a backward whose gradients the model's own
+    ``zero_grad`` (``how``: the boosted model's, or the user's module's
+    through ``unwrap()``) drops, then another backward and the step (the
+    loop of PyTorch's DCGAN example, whose ``netD.zero_grad()`` drops the
+    generator's backward)."""
+
+    def act(env: Env) -> dict[str, torch.Tensor]:
+        env.step(5)
+        env.booster.backward(env.loss(0), env.opt)
+        (env.model if how == "boosted" else env.model.unwrap()).zero_grad()
+        env.booster.backward(env.loss(1), env.opt)
+        env.opt.step()
+        env.settle()
+        return env.weights()
+
+    return act
+
+
+def _as_the_second_backward_alone(env: Env, got: dict[str, torch.Tensor]) -> None:
+    ref = Env(env.kind, optimizer="sgd")
+    ref.step(5)
+    before = ref.weights()
+    ref.booster.backward(ref.loss(1), ref.opt)
+    ref.opt.step()
+    ref.settle()
+    assert _max_change(ref.weights(), got) < 1e-6
+    assert _max_change(before, got) > 1e-3
+
+
 def _add_group(env: Env) -> dict[str, torch.Tensor]:
     env.opt.add_param_group({"params": [env.model.unwrap().tok_emb.weight], "lr": 1e-2})
     before = env.weights()
@@ -537,6 +567,8 @@ ROWS = [
     Row("backward-retain-graph", TORCH + ("zero1", "zero2"), functools.partial(_two_backwards, retain=True), _as_one_backward(True), options=dict(optimizer="sgd")),
     Row("backward-retain-graph-refused", GEMINI + AUTO, lambda env: env.opt.backward(env.loss(0), retain_graph=True), error=NotImplementedError, match=r"backward: retain_graph=True is not supported \(got True\).*add the losses and call backward once"),
     Row("accumulate-without-no-sync", TORCH + ("zero1", "zero2", "zero2-offload", "zero2-offload-clip"), functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd")),
+    Row("model-zero-grad-drops-a-backward", TORCH + ZERO + GEMINI, _dropped_by_the_model("boosted"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
+    Row("module-zero-grad-drops-a-backward", TORCH + ZERO, _dropped_by_the_model("unwrap"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

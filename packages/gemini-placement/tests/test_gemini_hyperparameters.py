@@ -160,6 +160,12 @@ def test_a_scheduler_on_the_wrapper_and_on_the_users_optimizer_see_the_same_grou
     full["param_group"]["lr"] = 2e-3
     opt.load_full_state_dict(full)
     assert user.param_groups[0]["lr"] == 2e-3
+    opt.param_groups[0]["lr"] = 4e-3  # a schedule's value, not yet stepped with
+    shard = opt.state_dict()  # torch's way: this rank's state_dict and load_state_dict
+    assert shard["optimizer"]["param_groups"][0]["lr"] == 4e-3
+    shard["optimizer"]["param_groups"][0].update(lr=3e-3, weight_decay=0.25)
+    opt.load_state_dict(shard)
+    assert user.param_groups[0]["lr"] == 3e-3 and user.param_groups[0]["weight_decay"] == 0.25
     assert opt.optimizer.param_groups[0]["params"] == opt.masters  # the twin steps the masters
     assert all(
         p.requires_grad for p in user.param_groups[0]["params"]

@@ -124,3 +124,48 @@ def _all(rank, world):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_zero_grad_after_an_exception_drops_the_batch_bitwise(world_size):
     spawn(_all, world_size, backend="gloo", timeout_s=300)
+
+
+@pytest.mark.parametrize(
+    "drop", ["module", "module-set-to-zero", "one-param", "then-step", "set-to-zero-then-step"]
+)
+@pytest.mark.parametrize(
+    ("stage", "offload"), [(1, False), (2, False), (2, True)], ids=["s1", "s2", "s2-offload"]
+)
+def test_the_modules_zero_grad_drops_gradients_as_torch_does(stage, offload, drop):
+    """The habit of torch loops (PyTorch's DCGAN example among them): the
+    model's own ``zero_grad()`` (or ``p.grad = None``) between a backward
+    and the next. Its gradients were already reduced into the shards; they
+    are forgotten as torch forgets a dropped ``.grad``, parameter by
+    parameter: one left with none does not step, one zeroed steps with
+    zeros (SGD with momentum and weight decay moves it)."""
+
+    def run(zero_shard: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = TinyGPT(CONFIG)
+        inner = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+        opt = inner
+        if zero_shard:
+            opt = ZeroOptimizer(
+                inner, stage=stage, cpu_offload=offload, module=model, reduce_bucket_size=20_000
+            )
+        for step in range(2):
+            opt.zero_grad()
+            model(*make_batch(CONFIG, 2, 16, seed=step)).backward()  # dropped below
+            if drop == "module":
+                model.zero_grad()
+            elif drop in ("module-set-to-zero", "set-to-zero-then-step"):
+                model.zero_grad(set_to_none=False)
+            else:
+                for p in (model.lm_head.weight,) if drop == "one-param" else model.parameters():
+                    p.grad = None
+            if not drop.endswith("then-step"):
+                model(*make_batch(CONFIG, 2, 16, seed=10 + step)).backward()
+            opt.step()
+        if zero_shard:
+            opt.wait_updates()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    ours, torchs = run(True), run(False)
+    for k in torchs:
+        torch.testing.assert_close(ours[k], torchs[k], rtol=0, atol=0, msg=k)

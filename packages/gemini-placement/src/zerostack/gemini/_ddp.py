@@ -785,7 +785,8 @@ class GeminiDDP(nn.Module):
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
                 "parameters belong; call optimizer.step() before the next forward (to accumulate "
                 "gradients over several batches, run all but the last backward inside no_sync() "
-                "(booster.no_sync(model)) with enable_gradient_accumulation=True)"
+                "(booster.no_sync(model)) with enable_gradient_accumulation=True), or "
+                "optimizer.zero_grad() to drop them (the boosted model's zero_grad() does too)"
             )
         if self._state is T.BACKWARD:
             raise RuntimeError(

@@ -744,10 +744,10 @@ class GeminiOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (over the master chunks)."""
         self.module.wait_updates()
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-        }
+        inner = self.optimizer.state_dict()
+        for group in inner["param_groups"]:  # the user's values: the twin's are a step's
+            group.update(hyperparameters(self.param_groups[0]))
+        return {"optimizer": inner, "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load ``state_dict()`` output of the same rank and world size."""
@@ -756,6 +756,9 @@ class GeminiOptimizer:
         self.module.drop_batch_for_load()
         self.module.wait_updates()
         self.optimizer.load_state_dict(state["optimizer"])
+        # Into the user's groups, which every step reads (see zero-shard's
+        # [Note: the user's hyperparameters]), as the other loads do.
+        self.param_groups[0].update(hyperparameters(self.optimizer.param_groups[0]))
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
 

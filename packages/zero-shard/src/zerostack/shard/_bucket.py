@@ -239,6 +239,7 @@ def pack_grads(bucket: _Bucket, buf: torch.Tensor, stream: torch.cuda.Stream | N
             if stream is not None:
                 g.record_stream(stream)
             s.guard.local = None  # type: ignore[union-attr]  # the reduced piece replaces it
+            s.guard.cleared = False  # type: ignore[union-attr]
             s.param.grad = s.guard
         s.ready = False
     if whole:

@@ -16,7 +16,9 @@ meet a tensor that refuses to be read.
 
 What still works on it, so that the wrappers' own paths and torch's
 bookkeeping go on as before: ``nn.Module.zero_grad`` / ``Optimizer.zero_grad``
-(``set_to_none`` either way: ``zero_()`` drops what it holds), and
+(``set_to_none`` either way: ``zero_()`` drops what it holds and marks it
+:attr:`ShardedGradient.cleared`, so a wrapper can drop the reduced piece
+too, as it does when ``param.grad`` no longer holds its guard), and
 autograd's accumulation into it (a backward after the wrapper took the
 gradient and before the step: ``param.grad += new`` stores ``new`` in
 :attr:`ShardedGradient.local`, which the wrapper reads back through
@@ -45,10 +47,13 @@ class ShardedGradient(torch.Tensor):
     Attributes:
         local: a gradient autograd accumulated into ``param.grad`` after
             the wrapper took the last one (None when there is none).
+        cleared: ``zero_()`` ran on it (``zero_grad(set_to_none=False)``)
+            since the wrapper last took a gradient; the wrapper resets it.
     """
 
-    __slots__ = ("local", "owner")
+    __slots__ = ("cleared", "local", "owner")
     local: torch.Tensor | None
+    cleared: bool
     owner: str
 
     @staticmethod
@@ -59,6 +64,7 @@ class ShardedGradient(torch.Tensor):
             cls, shape, dtype=dtype, device=device, requires_grad=False
         )
         self.local = None
+        self.cleared = False
         self.owner = owner
         return self
 
@@ -69,7 +75,7 @@ class ShardedGradient(torch.Tensor):
         kwargs = kwargs or {}
         me = args[0] if args and type(args[0]) is cls else None
         if me is not None and func in _ZERO_OPS:
-            me.local = None
+            me.local, me.cleared = None, True
             return me
         if (
             me is not None

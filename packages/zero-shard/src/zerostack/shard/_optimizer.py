@@ -674,6 +674,7 @@ class ZeroOptimizer:
             self._transition(T.ACCUMULATED if self._no_sync else T.REDUCING)
         if self.reduction.bucket_of[s.index].launched:  # reduced in this step: a new backward
             self.reduction.restart()
+            self._forget_dropped()
         if self._no_sync:
             return  # local gradients in param.grad, as DDP's no_sync leaves them
         if not self.overlap:
@@ -720,6 +721,8 @@ class ZeroOptimizer:
             # clip_grad_by_norm reduced everything already (no backward since).
             clipped = self._state is T.CLIPPED
             device_norm_sq = self._clip_norm_sq if clipped else self.reduction.finish()
+            if self._forget_dropped():
+                device_norm_sq = None  # taken from the pieces left
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
@@ -742,6 +745,24 @@ class ZeroOptimizer:
         self.zero_grad()
         self.collector.tick()
         return True
+
+    def _forget_dropped(self) -> bool:
+        """What torch does to a ``.grad`` the user dropped or zeroed since
+        it was reduced (``model.zero_grad()``, the module's own or the
+        boosted model's, ``p.grad = None``), done to its reduced piece:
+        dropped (``set_to_none=True``), the parameter steps only with what a
+        later backward gives it, and not at all without one; zeroed
+        (``set_to_none=False``), the piece is zeros. True when a piece
+        changed (the norm is then taken from the pieces)."""
+        changed = False
+        for s in self.shards:
+            if s.grad is None:
+                continue
+            if s.param.grad is not s.guard:
+                s.grad, s.used, changed = None, False, True
+            elif s.guard.cleared:
+                s.grad, s.guard.cleared, changed = torch.zeros_like(s.grad), False, True
+        return changed
 
     def _check_scaled(self, api: str) -> None:
         if self._unscaled:
@@ -793,6 +814,8 @@ class ZeroOptimizer:
         with phase("zerostack::reduce"):
             if self._state is not T.CLIPPED:
                 self._clip_norm_sq = self.reduction.finish()
+                if self._forget_dropped():
+                    self._clip_norm_sq = None  # taken from the pieces left
                 self._transition(T.CLIPPED)
             if norm_type == 2.0 and self._clip_norm_sq is not None:
                 part = self._clip_norm_sq.clone()
