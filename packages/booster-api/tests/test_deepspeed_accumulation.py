@@ -175,3 +175,29 @@ def test_a_boundary_step_that_raises_stays_the_boundary():
         opt.step()
     assert opt.micro_steps == 1 and opt.is_gradient_accumulation_boundary()
     assert opt.step() is True and opt.micro_steps == 2 and len(calls) == 2
+
+
+def test_a_scheduler_stepped_by_hand_and_a_backward_without_step_are_said_once():
+    """Under a DeepSpeed config optimizer.step() steps the lr scheduler passed
+    to boost, as DeepSpeed's engine.step() does: stepping the object one
+    built as well steps it twice, and two backwards with no step() between
+    put more micro-batches in a window than the config says. Each is said
+    once."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+    user_opt = _optimizer("sgd", model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user_opt, lambda s: 1.0 / (1 + s))
+    model, opt, *_ = booster.boost(model, user_opt, lr_scheduler=scheduler)
+    idx, tgt = make_batch(CONFIG, 4, 16, seed=0)
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(3):  # DeepSpeed's loop, and the user's own scheduler.step()
+            for _ in range(2):
+                booster.backward(_loss(model(idx), tgt), opt)
+                opt.step()
+            scheduler.step()
+        booster.backward(_loss(model(idx), tgt), opt)
+        booster.backward(_loss(model(idx), tgt), opt)  # a torch-style accumulation loop
+    said = [str(w.message) for w in caught]
+    assert len([m for m in said if "stepped outside optimizer.step()" in m]) == 1, said
+    assert len([m for m in said if "a second backward with no step() between" in m]) == 1, said

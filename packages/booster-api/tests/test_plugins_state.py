@@ -266,3 +266,35 @@ def test_loading_the_optimizer_while_an_update_runs_keeps_its_masters(kind):
         ref_model.module.wait_updates()
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _boost_batchnorm(rank, world):
+    import warnings
+
+    for make in (
+        lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+        lambda: GeminiPlugin(precision="fp32"),
+    ):
+        for sync in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+            if sync:
+                model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                Booster(plugin=make()).boost(model, opt)
+            said = [str(w.message) for w in caught if "running statistics" in str(w.message)]
+            if sync:
+                assert not said, said
+            else:
+                assert len(said) == 1, said
+                assert "(got ['1'])" in said[0] and "convert_sync_batchnorm" in said[0], said
+
+
+def test_running_statistics_that_stay_per_rank_are_said_once():
+    """At two ranks, a BatchNorm's running statistics stay per rank under
+    LowLevelZeroPlugin and GeminiPlugin (as under FSDP2, ColossalAI and
+    DeepSpeed; torch DDP broadcasts rank 0's): boost says so once, and not
+    for SyncBatchNorm."""
+    spawn(_boost_batchnorm, 2, backend="gloo", timeout_s=120)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -74,6 +75,31 @@ def scaler_kwargs(
             stacklevel=4,  # the caller of booster.boost (through configure)
         )
     return {}
+
+
+def warn_rank_local_running_stats(api: str, model: nn.Module) -> None:
+    """Say once, at several ranks, that normalization layers' running
+    statistics stay per rank: as under FSDP2, ColossalAI and DeepSpeed, and
+    unlike torch DDP (``broadcast_buffers=True`` sends rank 0's at every
+    forward), each rank updates its own, and checkpoints hold rank 0's."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    names = [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase)
+        and m.track_running_stats
+        and not isinstance(m, nn.SyncBatchNorm)
+    ]
+    if names:
+        warnings.warn(
+            f"{api}: the running statistics of {len(names)} normalization layer(s) (got "
+            f"{names[:3]}) stay per rank, as under FSDP2, ColossalAI and DeepSpeed (torch DDP "
+            "broadcasts rank 0's at every forward); checkpoints hold rank 0's. For statistics "
+            "over every rank, convert them first: torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+            UserWarning,
+            stacklevel=4,  # the caller of booster.boost (through configure)
+        )
 
 
 class Plugin(ABC):

@@ -264,6 +264,8 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         self.micro_steps = 0  # step() calls so far, as DeepSpeed's engine counts them
         self.lr_scheduler: Any = None
         self._backward_since_step = False
+        self._scheduler_epoch: Any = None  # the scheduler's last_epoch after step() stepped it
+        self._warned: set[str] = set()
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the next ``step()`` steps (DeepSpeed's engine method)."""
@@ -272,8 +274,16 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss / gradient_accumulation_steps`` backward; no communication
         before the window's last micro-step."""
-        self._backward_since_step = True
         gas = self.gradient_accumulation_steps
+        if self._backward_since_step and gas > 1:
+            self._warn_once(
+                "backward",
+                f"{self._API}.backward: a second backward with no step() between (got "
+                f"gradient_accumulation_steps={gas}); as DeepSpeed's engine, optimizer.step() "
+                "counts the micro-steps and steps only at the accumulation boundary: call it "
+                "after every backward, or this window holds more micro-batches than the config's",
+            )
+        self._backward_since_step = True
         if gas == 1:
             return self.optim.backward(loss, retain_graph=retain_graph)
         loss = loss / gas
@@ -297,8 +307,28 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         self.micro_steps += 1
         self._backward_since_step = False
         if stepped and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+            self._step_scheduler()
         return stepped
+
+    def _step_scheduler(self) -> None:
+        scheduler = self.lr_scheduler
+        epoch = getattr(scheduler, "last_epoch", None)
+        if self._scheduler_epoch is not None and epoch != self._scheduler_epoch:
+            self._warn_once(
+                "scheduler",
+                f"{self._API}.step: the lr scheduler passed to boost was stepped outside "
+                f"optimizer.step() (got last_epoch {epoch}, {self._scheduler_epoch} after the "
+                "last step()); under a DeepSpeed config optimizer.step() steps it at each "
+                "gradient accumulation boundary, as DeepSpeed's engine.step() does, so that call "
+                f"stepped {type(scheduler).__name__} twice: remove it",
+            )
+        scheduler.step()
+        self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         inside = self.micro_steps % self.gradient_accumulation_steps

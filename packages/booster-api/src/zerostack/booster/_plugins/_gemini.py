@@ -24,6 +24,7 @@ from zerostack.booster._plugins._base import (
     precision_name,
     scaler_config,
     scaler_kwargs,
+    warn_rank_local_running_stats,
 )
 from zerostack.booster._plugins._contract import (
     incompatible,
@@ -556,6 +557,7 @@ class GeminiPlugin(Plugin):
         into the chunks) and the optimizer in GeminiOptimizer."""
         log = logger.warning if self.verbose else logger.debug
         if not isinstance(model, GeminiModel):
+            warn_rank_local_running_stats(_API, model)
             facts = ModelFacts.of(model)
             ddp = GeminiDDP(model, self.gemini_config, compute_device=self._device())
             model = GeminiModel(ddp, facts)

@@ -20,6 +20,7 @@ from zerostack.booster._plugins._base import (
     check_zero_options,
     scaler_config,
     scaler_kwargs,
+    warn_rank_local_running_stats,
 )
 from zerostack.booster._plugins._contract import incompatible, refuse_moves, without_prefix
 from zerostack.booster._plugins._lazy import is_lazy
@@ -553,6 +554,7 @@ class LowLevelZeroPlugin(Plugin):
         if self.deepspeed is not None:
             self.deepspeed.check_boost(optimizer)
         if not isinstance(model, LowLevelZeroModel):
+            warn_rank_local_running_stats(_API, model)
             if is_lazy(model):
                 LazyInitContext.materialize(model)  # on its default_device, then moved
             model = model.to(device=default_compute_device(), dtype=self.dtype)
