@@ -199,3 +199,21 @@ def test_asynchronous_copies_through_a_locked_buffer_and_its_release_mid_copy():
     gc.collect()
     torch.cuda.synchronize()
     assert torch.equal(dev, src * 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_non_blocking_move_to_pinned_host_memory_is_waited_for_by_the_shard():
+    """``shard_move("cpu", non_blocking=True)`` returns with its copy still
+    running; the ``shard`` property waits for it (a kernel queued before the
+    copy keeps the device busy, so an unwaited read would see zeros)."""
+    numel = 16 * MIB
+    chunk = Chunk(numel, None, torch.float32, compute_device="cuda", shard_device="cuda",
+                  pin_memory=True)  # fmt: skip
+    chunk.append_tensor(torch.ones(numel, device="cuda"))
+    chunk.close_chunk()
+    torch.cuda._sleep(200_000_000)  # the copy queues behind about 0.1 s of device time
+    chunk.shard_move("cpu", non_blocking=True)
+    shard = chunk.shard
+    assert shard.device.type == "cpu" and shard.is_pinned()
+    assert bool((shard == 1).all())

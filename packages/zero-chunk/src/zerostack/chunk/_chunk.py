@@ -568,19 +568,29 @@ class Chunk:
     # -- placement ---------------------------------------------------------
 
     def shard_move(self, device: torch.device | str, non_blocking: bool = False) -> None:
-        """Move this rank's shard to ``device`` (pinned on the CPU when asked)."""
+        """Move this rank's shard to ``device`` (pinned on the CPU when asked).
+        With ``non_blocking``, a copy from a CUDA device into pinned host
+        memory may still run on return: the host reaches the new shard only
+        through the ``shard`` property, which waits for it (as for a reduced
+        share landing, [Note: a reduced share lands on the host])."""
         self._check_closed("shard_move")
         device = check_device(f"Chunk {self.index}.shard_move", "device", device)
         self.settle()  # a copy in flight reads the shard
         if self.shard is None or self.shard.device == device:
             self.shard_device = device
             return
+        landing = None
         if device.type == "cpu":
+            source = self.shard
             moved = _empty_on(self.shard_size, self.dtype, device, self.pin_memory)
-            moved.copy_(self.shard, non_blocking=non_blocking)
+            moved.copy_(source, non_blocking=non_blocking)
+            if non_blocking and source.device.type == "cuda" and moved.is_pinned():
+                landing = torch.cuda.Event(blocking=True)  # a host waits: no spinning
+                landing.record(torch.cuda.current_stream(source.device))
         else:
             moved = self.shard.to(device, non_blocking=non_blocking)
         self.shard, self.shard_device = moved, device
+        self._landing = landing
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes this chunk holds, by device type ("cpu", "cuda", ...)."""
