@@ -200,3 +200,43 @@ def test_a_module_skipped_on_one_rank_at_zero2_with_offload():
     # run the same modules (documented).
     kwargs = dict(shard_param_frac=0.0, offload_optim_frac=1.0)
     spawn(_rank_dependent_branch, 2, args=(kwargs,), backend="gloo", timeout_s=60)
+
+
+class _Branch(torch.nn.Module):
+    """A head used at every step, a branch at some."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.branch = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        out = self.head(h) + (self.branch(h) if use_branch else 0)
+        return out.square().mean()
+
+
+@pytest.mark.parametrize(("uses", "said"), [((True, False, True, False), 1), ((False,) * 4, 0)])
+def test_a_parameter_back_after_steps_without_a_gradient_is_said_once(uses, said):
+    """Adam counts steps per chunk (as ColossalAI's Gemini): a parameter
+    that had no gradient at a step and has one again gets its chunk's count
+    for its bias correction, unlike torch's Adam. Said once, when it first
+    happens; a parameter never used is not."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _Branch()
+    ddp = GeminiDDP(model, mixed_precision=torch.float32, chunk_config_dict={1: CHUNKS},
+                    compute_device="cpu")  # fmt: skip
+    opt = GeminiOptimizer(HybridAdam(list(model.parameters()), lr=1e-2), ddp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, use in enumerate(uses):
+            opt.backward(ddp(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)), use))
+            opt.step()
+            opt.zero_grad()
+    told = [str(w.message) for w in caught if "Adam counts steps per chunk" in str(w.message)]
+    assert len(told) == said, told
+    if said:
+        assert "['branch.weight', 'branch.bias']" in told[0]

@@ -148,6 +148,8 @@ class GeminiOptimizer:
         scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
         collector = CollectorSchedule(_API, gc_every_n_steps)
         self._closed = False
+        # Parameters some stepped chunk left without a gradient (see _say_step_counts).
+        self._skipped: set[int] | None = set()
         self.module = module
         self.manager = module.chunk_manager
         self.pipeline = CpuStepPipeline(self.manager, module.compute_device, overlap_cpu_step)
@@ -567,6 +569,7 @@ class GeminiOptimizer:
         # its grad None and torch's optimizers skip it: its slices of the
         # master and of the optimizer state are put back after the step.
         unused = [p for p, u in zip(trainable, stats[1:], strict=True) if u == 0]
+        self._say_step_counts(trainable, stats[1:], unused)
         self._home_lane_states(unused)
         saved = self._save_slices(unused)
         # Device-held masters: one launch, asynchronous on the device. (The
@@ -716,6 +719,30 @@ class GeminiOptimizer:
                     values[sl].copy_(value)
         else:
             values.copy_(master)
+
+    def _say_step_counts(self, trainable: list, used: list, unused: list) -> None:
+        """Adam counts its steps per chunk here, as in ColossalAI's Gemini,
+        and torch's per parameter: a parameter that had no gradient at a
+        step and has one again gets its chunk's count for its bias
+        correction. Said once, when that first happens."""
+        if self._skipped is None or "betas" not in self.optimizer.defaults:
+            return
+        back = [
+            p for p, u in zip(trainable, used, strict=True) if u != 0 and id(p) in self._skipped
+        ]
+        if back:
+            self._skipped = None
+            names = [self.module.param_names[p] for p in back[:3]]
+            warnings.warn(
+                f"{_API}.step: {len(back)} parameter(s) have a gradient again after steps "
+                f"without one (got {names}); Adam counts steps per chunk, as ColossalAI's Gemini "
+                "does, so their bias correction uses their chunk's step count, not their own as "
+                "in torch's Adam (LowLevelZeroPlugin counts them as torch does)",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        self._skipped.update(id(p) for p in unused)
 
     def _save_slices(self, params: Sequence[torch.Tensor]) -> dict[int, list]:
         """Copies of ``params``' elements in this rank's master shards and
