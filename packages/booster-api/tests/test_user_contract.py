@@ -275,6 +275,12 @@ def _as_the_second_backward_alone(env: Env, got: dict[str, torch.Tensor]) -> Non
     assert _max_change(before, got) > 1e-3
 
 
+def _evaluate_before_the_step(env: Env) -> None:
+    env.booster.backward(env.loss(0), env.opt)
+    with torch.no_grad():
+        env.loss(1)
+
+
 def _add_group(env: Env) -> dict[str, torch.Tensor]:
     env.opt.add_param_group({"params": [env.model.unwrap().tok_emb.weight], "lr": 1e-2})
     before = env.weights()
@@ -569,6 +575,7 @@ ROWS = [
     Row("accumulate-without-no-sync", TORCH + ("zero1", "zero2", "zero2-offload", "zero2-offload-clip"), functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd")),
     Row("model-zero-grad-drops-a-backward", TORCH + ZERO + GEMINI, _dropped_by_the_model("boosted"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("module-zero-grad-drops-a-backward", TORCH + ZERO, _dropped_by_the_model("unwrap"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
+    Row("evaluate-between-backward-and-step-gemini", GEMINI, _evaluate_before_the_step, error=RuntimeError, match=r"an evaluation \(no gradients\) between a backward and its optimizer\.step\(\).*evaluate after optimizer\.step\(\)"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

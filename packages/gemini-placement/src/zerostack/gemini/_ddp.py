@@ -780,6 +780,12 @@ class GeminiDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.retry_failed_updates()  # a failed CPU update: the model cannot go on
+        if self._state is T.REDUCED and not torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{_API}.forward: an evaluation (no gradients) between a backward and its "
+                "optimizer.step(): the reduced gradients sit where the parameters belong; "
+                "evaluate after optimizer.step() (or drop the gradients with optimizer.zero_grad())"
+            )
         if self._state is T.REDUCED:
             raise RuntimeError(
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
