@@ -536,3 +536,78 @@ def test_a_write_back_that_raises_mid_call_is_finished_by_the_next():
         for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert failures == [target]
+
+
+class _ReadsAChildsParameter(torch.nn.Module):
+    """A parent that reads a child's parameter instead of calling it: the
+    bias added (not saved for backward: a stale read is silent), or the
+    weight in ``F.linear`` (saved: autograd saw the write-back)."""
+
+    def __init__(self, read: str) -> None:
+        super().__init__()
+        self.read = read
+        self.trunk = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)  # never called
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        if self.read == "bias":
+            return h[:, :4] + self.head.bias
+        return torch.nn.functional.linear(h, self.head.weight, self.head.bias)
+
+
+@pytest.mark.parametrize("read", ["bias", "weight"])
+def test_a_parameter_read_outside_its_module_is_waited_for(read):
+    """See [Note: parameters read outside their module]: the head's update
+    is held back on the worker, so a forward that does not wait for it
+    reads the values before it; the run equals torch's, step by step, and
+    says once that every update is now waited for at the forward's start."""
+    import warnings
+
+    def run(zero_shard: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = _ReadsAChildsParameter(read)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if zero_shard:
+            opt = ZeroOptimizer(
+                opt, cpu_offload=True, module=model, reduce_bucket_size=1, cpu_update_numel=1
+            )
+            update = opt._cpu_update
+
+            def held(buckets, *args):  # the head's update ends after the next forward began
+                if any(s.param is model.head.bias for b in buckets for s in b.shards):
+                    time.sleep(0.2)
+                update(buckets, *args)
+
+            opt._cpu_update = held
+        losses = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.backward(loss) if zero_shard else loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = run(True)
+    said = [str(w.message) for w in caught if "outside its module's forward" in str(w.message)]
+    assert len(said) == 1 and "head." in said[0], said
+    assert ours == run(False)
+
+
+def test_a_model_that_calls_its_modules_waits_per_bucket_and_says_nothing():
+    import warnings
+
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    zero = _zero(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for step in range(3):
+            _train(model, zero, step)
+    assert not zero._await_all
+    zero.wait_updates()

@@ -32,10 +32,24 @@ def _grad_hook(me: weakref.ref[ZeroOptimizer], index: int) -> None:
         zero._on_grad(zero.shards[index])
 
 
-def _forward_hook(me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...]) -> None:
+def _forward_hook(
+    me: weakref.ref[ZeroOptimizer], positions: tuple[int, ...], shards: frozenset[int]
+) -> None:
     zero = me()
-    if zero is not None and zero._pipe is not None and zero._pipe.round_open:
+    if zero is None:
+        return
+    zero._hooked |= shards  # See [Note: parameters read outside their module]
+    if zero._pipe is not None and zero._pipe.round_open:
         zero._await_positions(positions)
+
+
+def _root_hook(me: weakref.ref[ZeroOptimizer]) -> None:
+    zero = me()
+    if zero is None:
+        return
+    zero._hooked = set()
+    if zero._await_all and zero._pipe is not None and zero._pipe.round_open:
+        zero._await_positions(tuple(range(len(zero._order))))
 
 
 def _state_dict_hook(me: weakref.ref[ZeroOptimizer]) -> None:
@@ -56,17 +70,20 @@ def register_grad_hooks(zero: ZeroOptimizer) -> list[RemovableHandle]:
 
 def register_forward_hooks(zero: ZeroOptimizer, module: torch.nn.Module) -> list[RemovableHandle]:
     """Each module with parameters of its own waits, before its forward,
-    for the buckets that hold them (positions in write-back order);
-    ``module.state_dict()`` waits for all."""
+    for the buckets that hold them (positions in write-back order), and
+    the root module first notes a new forward (see [Note: parameters read
+    outside their module]); ``module.state_dict()`` waits for all."""
     me = weakref.ref(zero)
-    where = {id(s.param): k for k, b in enumerate(zero._order) for s in b.shards}
-    handles = []
+    where = {id(s.param): (k, s.index) for k, b in enumerate(zero._order) for s in b.shards}
+    handles = [module.register_forward_pre_hook(lambda _m, _a, me=me: _root_hook(me))]
     for m in module.modules():
-        positions = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
-        if positions:
+        found = [where[id(p)] for p in m.parameters(recurse=False) if id(p) in where]
+        if found:
+            positions = tuple(sorted({k for k, _ in found}))
+            shards = frozenset(i for _, i in found)
             handles.append(
                 m.register_forward_pre_hook(
-                    lambda _m, _a, pos=tuple(positions), me=me: _forward_hook(me, pos)
+                    lambda _m, _a, pos=positions, sh=shards, me=me: _forward_hook(me, pos, sh)
                 )
             )
     handles.append(module.register_state_dict_pre_hook(lambda *_a, me=me: _state_dict_hook(me)))

@@ -462,6 +462,9 @@ class ZeroOptimizer:
         self._clip = 1.0
         self._clip_norm_sq: torch.Tensor | None = None
         self._update_lock = threading.Lock()  # see _cpu_update
+        # [Note: parameters read outside their module]
+        self._hooked: set[int] = set()  # shards whose module's pre-hook ran in this forward
+        self._await_all = False
         self._hooks = register_grad_hooks(self)
         if self._defer:
             self._hooks += register_forward_hooks(self, module)
@@ -663,7 +666,40 @@ class ZeroOptimizer:
                 "zero_grad() to drop it)"
             )
 
+    # [Note: parameters read outside their module] With deferred CPU
+    # updates, a parameter's update is written back when a forward pre-hook
+    # of the module that owns it runs (``_await_positions``). A forward that
+    # reads a parameter outside its module's forward (a parent's
+    # ``x + self.child.bias``, ``F.linear(x, self.head.weight)`` where
+    # ``self.head`` is never called) read the values from before the last
+    # step, silently (or autograd raised that a saved tensor was modified in
+    # place, when the write-back came at backward). So each module's hook
+    # notes its parameters, the root module's hook starts the note afresh,
+    # and a gradient for a parameter no hook noted in the forward turns on
+    # waiting for every update at the root's forward (``_await_all``), with
+    # one warning. The first step's forward reads nothing stale (no update
+    # is pending), so a model that always reads the parameter so is exact;
+    # one whose forwards differ may have read it stale once, as the warning
+    # says. Ranks that run the same program turn it on at the same step.
+
+    def _note_unhooked(self, s: _Shard) -> None:
+        if self._await_all or not self._defer or s.index in self._hooked:
+            return
+        self._await_all = True
+        warnings.warn(
+            f"{_API}: parameter {s.name} was used in forward outside its module's forward (got a "
+            "gradient for it, but its module's forward did not run), where its update is "
+            "waited for; from the next forward on, every update of the step is waited for "
+            "when the model's forward starts (less of the CPU step overlaps the forward). "
+            "Call its module instead of reading the parameter to keep the overlap; a forward "
+            "that read it before its last update (not the first step's) used the values "
+            "before that update",
+            UserWarning,
+            stacklevel=2,
+        )
+
     def _on_grad(self, s: _Shard) -> None:
+        self._note_unhooked(s)
         self._refuse_unfinished(f"{_API}.backward")  # loss.backward() called directly
         self._refuse_after_clip("backward")
         if self._pipe is not None and self._pipe.round_open:
