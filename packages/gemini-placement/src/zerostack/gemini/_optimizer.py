@@ -148,8 +148,7 @@ class GeminiOptimizer:
         scaler = make_loss_scaler(_API, fp16, loss_scaler, scaler_kwargs)
         collector = CollectorSchedule(_API, gc_every_n_steps)
         self._closed = False
-        # Parameters some stepped chunk left without a gradient (see _say_step_counts).
-        self._skipped: set[int] | None = set()
+        self._skipped: set[int] | None = set()  # no gradient at a step: _say_step_counts
         self.module = module
         self.manager = module.chunk_manager
         self.pipeline = CpuStepPipeline(self.manager, module.compute_device, overlap_cpu_step)
@@ -189,8 +188,7 @@ class GeminiOptimizer:
         if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
             self.optimizer.nvme_plan([])
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
-        self._scaled_backward = False
-        self._warned_idle = False
+        self._scaled_backward = self._warned_idle = False
         self.last_grad_norm = 0.0
         # clip_grad_by_norm: the coefficient recorded for the coming step (see
         # zerostack.shard's [Note: gradient clipping]).

@@ -454,16 +454,14 @@ class ZeroOptimizer:
         self._state = T.IDLE  # See [Note: ZeRO training state table]
         self._no_sync = False  # inside no_sync(): a scope, not a state
         # Whether this step's gradients came through backward(), which scales
-        # the loss: fp16 gradients that did not are refused at step().
-        self._scaled_backward = False
-        self._unscaled = False
+        # the loss (fp16 gradients that did not, _unscaled, are refused at step()).
+        self._scaled_backward = self._unscaled = False
         # clip_grad_by_norm (see [Note: gradient clipping]): the coefficient
         # recorded for the coming step, and this step's squared norm it took.
         self._clip = 1.0
         self._clip_norm_sq: torch.Tensor | None = None
         self._update_lock = threading.Lock()  # see _cpu_update
-        # [Note: parameters read outside their module]
-        self._hooked: set[int] = set()  # shards whose module's pre-hook ran in this forward
+        self._hooked: set[int] = set()  # See [Note: parameters read outside their module]
         self._await_all = False
         self._hooks = register_grad_hooks(self)
         if self._defer:
