@@ -113,7 +113,8 @@ def main() -> int:
     )  # fmt: skip
     ap.add_argument(
         "--precision", choices=["fp16", "bf16"], default=None,
-        help="mixed precision of the plugin (default: fp16 on CUDA as in ColossalAI, bf16 on a CPU)",
+        help="mixed precision of the plugin (default: fp16 on CUDA as in ColossalAI and with "
+        "--smoke, bf16 otherwise on a CPU)",
     )  # fmt: skip
     ap.add_argument(
         "--batch-size", type=int, default=None,

@@ -275,3 +275,46 @@ def test_an_evaluation_between_backward_and_step_changes_nothing(solver):
     plain = losses(False)
     assert plain[-1] < plain[0]
     assert losses(True) == plain
+
+
+class _HeadFirst(torch.nn.Module):
+    """Registers its head first and runs it last: region order is not
+    registration order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, 32)
+        self.body = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(x)))
+
+
+def test_master_parameters_come_in_the_models_order_so_states_load_either_way():
+    """torch's optimizers number their states by position: an optimizer
+    built on ``master_parameters()`` (the guide's way) and one built on
+    ``parameters()`` (or a plain torch run's) must number them alike, or a
+    loaded state lands on other parameters."""
+    import copy
+
+    x = torch.randn(4, 32)
+
+    def build(on_masters: bool):
+        torch.manual_seed(0)
+        om = memory_optimize(_HeadFirst(), (x,), precision="bf16", device="cpu",
+                             profile=fake_profile())  # fmt: skip
+        params = om.master_parameters() if on_masters else list(om.parameters())
+        return om, AMPOptimizer(torch.optim.AdamW(params, lr=1e-2), om)
+
+    om, opt = build(True)
+    assert [id(m) for m in om.master_parameters()] == [id(om.master_of(p)) for p in om.parameters()]
+    for _ in range(2):
+        opt.backward(om(x).float().square().mean())
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    other, other_opt = build(False)
+    other_opt.load_state_dict(saved)
+    for (name, p), q in zip(om.named_parameters(), other.parameters(), strict=True):
+        mine = opt.optim.state[om.master_of(p)]["exp_avg"]
+        theirs = other_opt.optim.state[other.master_of(q)]["exp_avg"]
+        assert torch.equal(mine, theirs), name

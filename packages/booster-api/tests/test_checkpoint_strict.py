@@ -109,3 +109,41 @@ def _cases(rank, world, root, plugin):
 @pytest.mark.parametrize("plugin", list(PLUGINS))
 def test_strict_false_returns_and_logs_what_it_skipped(tmp_path, plugin):
     spawn(_cases, 1, args=(str(tmp_path), plugin), timeout_s=300)
+
+
+@pytest.mark.parametrize("plugin", ["none", "zero2", "gemini"])
+def test_a_per_rank_checkpoint_of_other_shapes_is_refused_before_anything_loads(tmp_path, plugin):
+    """A weight saved as (32, 16) into a model whose weight is (16, 32):
+    the per-rank layout's pieces are flat, so the same number of elements
+    once loaded as the values in another order, silently. The saved shapes
+    are compared first, as the one-file layout and torch do; nothing of the
+    model, optimizer or scheduler changes. And a state saved without a
+    dataloader position refuses a dataloader before anything loads too."""
+
+    def boosted(shape):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(*shape, bias=False)
+        booster = Booster(device="cpu") if plugin == "none" else Booster(plugin=PLUGINS[plugin]())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=sched)
+        return booster, model, opt, sched
+
+    booster, model, opt, sched = boosted((16, 32))
+    booster.backward(model(torch.randn(4, 16)).sum(), opt)
+    opt.step()
+    booster.save_state(str(tmp_path / "state"), model, opt, sched)
+    booster, model, opt, sched = boosted((32, 16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds tensors of other shapes than this model's \(got "
+                       r"\[\('weight', \(32, 16\), \(16, 32\)\)\]"):  # fmt: skip
+        booster.load_state(str(tmp_path / "state"), model, opt, sched)
+    if plugin == "none":
+        return
+    booster, model, opt, sched = boosted((16, 32))
+    loader = booster.plugin.prepare_dataloader(torch.utils.data.TensorDataset(torch.zeros(8)), 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="holds no dataloader position"):
+        booster.load_state(str(tmp_path / "state"), model, opt, sched, dataloader=loader)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert sched.last_epoch == 0

@@ -298,3 +298,83 @@ def test_running_statistics_that_stay_per_rank_are_said_once():
     DeepSpeed; torch DDP broadcasts rank 0's): boost says so once, and not
     for SyncBatchNorm."""
     spawn(_boost_batchnorm, 2, backend="gloo", timeout_s=120)
+
+
+def _save_and_load_batchnorm(rank, world, root):
+    import warnings
+
+    def boosted(plugin):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+        booster = Booster(plugin=plugin())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the per-rank statistics, said once
+            model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return booster, model, opt
+
+    for name, plugin in (
+        ("zero2", lambda: LowLevelZeroPlugin(stage=2, precision="fp32")),
+        ("gemini", lambda: GeminiPlugin(precision="fp32")),
+    ):
+        booster, model, opt = boosted(plugin)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+        booster.backward(model(x).square().mean(), opt)  # the statistics differ by rank
+        opt.step()
+        bn = model.unwrap()[1]
+        mine = [bn.running_mean.clone(), bn.running_var.clone()]
+        ranks = [[torch.empty_like(t) for t in mine] for _ in range(world)]
+        for i, t in enumerate(mine):
+            dist.all_gather([r[i] for r in ranks], t)
+        assert not torch.equal(ranks[0][1], ranks[1][1])
+        booster.save_state(f"{root}/{name}", model, opt)  # the per-rank layout
+        booster, model, opt = boosted(plugin)
+        booster.load_state(f"{root}/{name}", model, opt)
+        bn = model.unwrap()[1]
+        assert torch.equal(bn.running_mean, ranks[0][0]), name  # rank 0's, both of them
+        assert torch.equal(bn.running_var, ranks[0][1]), name
+
+
+def test_a_per_rank_checkpoint_holds_rank_0s_buffers(tmp_path):
+    """Buffers are whole on every rank and may differ (BatchNorm's running
+    statistics under LowLevelZeroPlugin and GeminiPlugin): the per-rank
+    layout saves rank 0's, as the one-file layout does. The checkpoint
+    engine kept one rank's copy of each key, not always the same rank's (a
+    running_mean of rank 0 beside a running_var of rank 1)."""
+    spawn(_save_and_load_batchnorm, 2, args=(str(tmp_path),), backend="gloo", timeout_s=240)
+
+
+@pytest.mark.parametrize("plugin", ["none", "zero2"])
+def test_a_state_of_other_parameter_groups_is_refused(plugin):
+    """Saved with one group, loaded into an optimizer whose biases and norms
+    are a group without weight decay (the usual recipe): torch's
+    load_state_dict refuses another layout of groups; taking the one saved
+    group's values for both once made the no-decay group decay, silently."""
+
+    def boosted(split: bool):
+        torch.manual_seed(0)
+        model = TinyGPT(CONFIG)
+        params = dict(model.named_parameters())
+        if split:
+            plain = [p for n, p in params.items() if p.dim() < 2]
+            groups = [
+                {"params": [p for p in params.values() if p.dim() >= 2], "weight_decay": 0.1},
+                {"params": plain, "weight_decay": 0.0, "lr": 5e-3},
+            ]
+        else:
+            groups = [{"params": list(params.values()), "weight_decay": 0.1}]
+        opt = torch.optim.AdamW(groups, lr=1e-2)
+        made = LowLevelZeroPlugin(stage=2, precision="fp32") if plugin == "zero2" else None
+        booster = Booster(device="cpu") if made is None else Booster(plugin=made)
+        model, opt, *_ = booster.boost(model, opt)
+        return booster, model, opt
+
+    booster, model, opt = boosted(split=False)
+    _train(booster, model, opt, 0, 1, 0, 1)
+    full = opt.full_state_dict()
+    _, _, other = boosted(split=True)
+    groups = [(g["lr"], g["weight_decay"]) for g in other.param_groups]
+    with pytest.raises(ValueError, match=r"parameter groups are laid out otherwise than this"):
+        other.load_full_state_dict(full)
+    assert [(g["lr"], g["weight_decay"]) for g in other.param_groups] == groups
+    _, _, same = boosted(split=False)
+    same.load_full_state_dict(full)  # the same layout loads

@@ -119,11 +119,22 @@ def test_sampler_position_round_trip():
     other.set_epoch(2)  # a new epoch starts from its beginning
     assert len([i for (b,) in resumed for i in b]) == 10
     # Saved at world 2, loaded at world 1: the same number of samples over all ranks.
-    alone = StatefulDistributedSampler(dataset, num_replicas=1, rank=0)
+    alone = StatefulDistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=5)
     alone.load_state_dict(state)
     assert alone.consumed == 6
     with pytest.raises(ValueError, match=r"state must be a state_dict\(\) of this sampler"):
         alone.load_state_dict({"epoch": 1})
+    # Another order of the data: the position would skip samples and repeat others.
+    for kwargs, got in (
+        (dict(seed=6), r"\{'seed': \(5, 6\)\}"),
+        (dict(shuffle=False), r"\{'shuffle': \(True, False\)\}"),
+        (dict(dataset=TensorDataset(torch.arange(24))), r"\{'dataset_len': \(20, 24\)\}"),
+    ):
+        kw = {"dataset": dataset, "shuffle": True, "seed": 5, **kwargs}
+        again = StatefulDistributedSampler(kw.pop("dataset"), num_replicas=2, rank=1, **kw)
+        with pytest.raises(ValueError, match=r"saved position is in another order .*got " + got):
+            again.load_state_dict(state)
+        assert again.consumed == 0
 
 
 def test_rng_state_round_trip():

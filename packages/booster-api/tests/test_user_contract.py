@@ -98,6 +98,7 @@ class Env:
             opt = torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
         else:
             opt = HybridAdam(params, lr=1e-2)
+        self.user_opt = opt  # the object handed to boost
         made = PLUGINS[plugin](**(plugin_kwargs or {}))
         self.booster = Booster(device="cpu") if made is None else Booster(plugin=made)
         self.model, self.opt, *_ = self.booster.boost(self.plain, opt)
@@ -279,6 +280,11 @@ def _evaluate_before_the_step(env: Env) -> None:
     env.booster.backward(env.loss(0), env.opt)
     with torch.no_grad():
         env.loss(1)
+
+
+def _step_the_optimizer_handed_to_boost(env: Env) -> None:
+    env.booster.backward(env.loss(0), env.opt)
+    env.user_opt.step()
 
 
 def _add_group(env: Env) -> dict[str, torch.Tensor]:
@@ -576,6 +582,8 @@ ROWS = [
     Row("model-zero-grad-drops-a-backward", TORCH + ZERO + GEMINI, _dropped_by_the_model("boosted"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("module-zero-grad-drops-a-backward", TORCH + ZERO, _dropped_by_the_model("unwrap"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("evaluate-between-backward-and-step-gemini", GEMINI, _evaluate_before_the_step, error=RuntimeError, match=r"an evaluation \(no gradients\) between a backward and its optimizer\.step\(\).*evaluate after optimizer\.step\(\)"),
+    Row("step-the-optimizer-handed-to-boost", ZERO, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.step: this optimizer was handed to ZeroOptimizer .*Step the optimizer booster\.boost returned"),
+    Row("step-the-optimizer-handed-to-boost-gemini", GEMINI, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam: .*gradient holds no values \(got ShardedGradient\).*step the optimizer booster\.boost \(or the wrapper\) returned"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

@@ -19,6 +19,17 @@ from zerostack.fused_adam import CPUAdam, FusedAdam, HybridAdam, cuda_kernel_ava
 from zerostack.testing import BadInput, check_bad_input, check_unique_ids, one_torch_thread
 
 
+def _step_with_hand_set_maximize(env: dict[str, Any]) -> None:
+    """``maximize`` set on a group after construction (torch's optimizers
+    honour it): the step refuses it rather than ignoring it."""
+    group = env["opt"].param_groups[0]
+    group["maximize"] = True
+    try:
+        env["opt"].step()
+    finally:
+        del group["maximize"]
+
+
 def _env() -> dict[str, Any]:
     """Two parameters and a CPUAdam that has stepped once (so it has state)."""
     torch.manual_seed(0)
@@ -165,6 +176,7 @@ CASES = [
     BadInput("group-decoupled-vs-adamw_mode", lambda env: CPUAdam([{"params": [env["new"]], "decoupled_weight_decay": False}]), ValueError, r"CPUAdam: decoupled_weight_decay=False contradicts adamw_mode=True; set adamw_mode", True),
     BadInput("load-amsgrad-state", _sd(lambda sd: sd["param_groups"][0].update(amsgrad=True)), NotImplementedError, r"load_state_dict: amsgrad=True is an option of torch\.optim\.AdamW", True),
     BadInput("add-group-adamw_mode-str", lambda env: env["opt"].add_param_group({"params": [env["new"]], "adamw_mode": "no"}), TypeError, r"adamw_mode must be a bool \(got 'no'\)", True),
+    BadInput("step-maximize-set-by-hand", _step_with_hand_set_maximize, NotImplementedError, r"CPUAdam: maximize=True is an option of torch\.optim\.AdamW that is not implemented here", True),
     # -- step: gradients and arguments ------------------------------------------------
     BadInput("grad-float64", _bad_grad(lambda: torch.ones(2, 3, dtype=torch.float64)), TypeError, r"param 0\.1 .* gradient of unsupported dtype \(got torch\.float64\)", True),
     BadInput("grad-sparse", _bad_grad(lambda: torch.ones(2, 3).to_sparse()), ValueError, r"param 0\.1 .* sparse gradient", True),

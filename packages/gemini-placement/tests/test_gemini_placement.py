@@ -42,6 +42,31 @@ def _bytes(chunks):
     return sum(c.chunk_size * c.dtype.itemsize for c in chunks)
 
 
+@pytest.mark.parametrize("chunk_size", [6_000, 20_000, 60_000])
+@pytest.mark.parametrize("frac", [0.05, 0.25, 0.5, 0.75])
+def test_any_optimizer_share_offloads_the_fewest_last_chunks_that_hold_it(frac, chunk_size):
+    """offload_optim_frac=f puts on the CPU every master chunk holding part
+    of the last f of the elements: at least f (so any f > 0 offloads a
+    chunk, as ColossalAI's static policy does), and no chunk more. It once
+    took only chunks whose first tensor lay in the last f, and 0.25 of a
+    model of three chunks offloaded none, silently."""
+    torch.manual_seed(0)
+    ddp = GeminiDDP(
+        TinyGPT(CONFIG), mixed_precision=torch.float32, offload_optim_frac=frac,
+        chunk_config_dict={1: {"chunk_size": chunk_size, "keep_gathered": False}},
+        compute_device="cpu",
+    )  # fmt: skip
+    masters = sorted(ddp.chunk_manager.chunks("fp32_param"), key=lambda c: c.index)
+    sizes = [m.utilized_size for m in masters]
+    offloaded = [m in ddp.offloaded_masters for m in masters]
+    k = sum(offloaded)
+    assert k >= 1 and offloaded == [False] * (len(masters) - k) + [True] * k
+    assert all(m.shard_device.type == "cpu" for m in masters[-k:])
+    total = sum(sizes)
+    assert sum(sizes[-k:]) >= frac * total  # at least the share
+    assert sum(sizes[-k + 1 :]) < frac * total if k > 1 else True  # and no chunk more
+
+
 @pytest.mark.parametrize("frac", [0.0, 0.3, 0.5, 1.0])
 def test_static_fractions_are_shares_of_bytes(frac):
     ddp, _ = _wrap(offload_optim_frac=frac, shard_param_frac=1.0 - frac)

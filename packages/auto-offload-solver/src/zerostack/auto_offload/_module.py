@@ -198,7 +198,10 @@ class BaseOffloadModule:
 
     def master_parameters(self) -> list[torch.nn.Parameter]:
         """fp32 CPU masters, one per owned parameter, views of the regions'
-        host buffers: build the optimizer on these (or on ``parameters()``;
+        host buffers, in the order of ``parameters()`` (the model's, as
+        torch's optimizers number their states: a state saved from an
+        optimizer built on either list loads into one built on the other):
+        build the optimizer on these (or on ``parameters()``;
         :class:`AMPOptimizer` swaps those for these)."""
         if not hasattr(self, "_masters"):
             self._masters: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
@@ -211,7 +214,7 @@ class BaseOffloadModule:
                     if hasattr(m, "grad_dtype"):
                         m.grad_dtype = None  # torch >= 2.10: half gradients stepped as they came
                     self._masters[p] = m
-        return list(self._masters.values())
+        return [self._masters[p] for p in self.model.parameters() if p in self._masters]
 
     def master_of(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         """The fp32 master of a model parameter."""
@@ -289,7 +292,8 @@ class BaseOffloadModule:
         if not mode:
             raise NotImplementedError(
                 "BaseOffloadModule.train(False): the graph was traced in training mode "
-                "(dropout on); evaluate the original model instead"
+                "(dropout on); to evaluate, load module.state_dict() into a fresh model (the original "
+                "model's parameters were moved into the plan's regions)"
             )
         return self
 

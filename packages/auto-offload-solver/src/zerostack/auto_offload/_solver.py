@@ -32,11 +32,11 @@ class MemoryBudgetError(ValueError):
     """The memory budget is below the least that any offload plan needs.
 
     Attributes:
-        least_bytes: the smallest ``memory_budget`` (bytes, before the error
-            factor) that a plan fits in.
+        least_bytes: the smallest ``memory_budget`` (whole bytes, before the
+            error factor) that a plan fits in.
     """
 
-    def __init__(self, message: str, least_bytes: float) -> None:
+    def __init__(self, message: str, least_bytes: int) -> None:
         super().__init__(message)
         self.least_bytes = least_bytes
 
@@ -133,10 +133,10 @@ class Solver:
     def _check_feasible(self) -> None:
         least = self.least_memory_plan()
         if least.peak_mem > self.memory_budget:
-            need = least.peak_mem / self.error_factor
+            need = math.ceil(least.peak_mem / self.error_factor)
             raise MemoryBudgetError(
-                f"{type(self).__name__}: memory_budget {self.memory_budget / self.error_factor / _MB:.1f} MB "
-                f"is below the least that would work, {need / _MB:.1f} MB (every offloadable region "
+                f"{type(self).__name__}: memory_budget {self.memory_budget / self.error_factor / _MB:.2f} MB "
+                f"is below the least that would work, {need / _MB:.2f} MB ({need} bytes: every offloadable region "
                 f"offloaded; peak {least.peak_mem / _MB:.1f} MB / error_factor {self.error_factor}); "
                 "raise memory_budget or shrink the batch",
                 least_bytes=need,

@@ -123,6 +123,13 @@ def save_model(api: str, model: Any, path: str, extra: Any = None) -> None:
     """Every rank writes its part of ``model`` into the directory ``path``;
     rank 0 then calls ``extra(directory)`` (e.g. to write ``config.json``)."""
     state: dict[str, Any] = {_MODEL + name: v for name, v in model.sharded_state_dict().items()}
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        # Buffers are whole on every rank and may differ (BatchNorm's
+        # statistics): rank 0's alone, as the one-file layout saves them. Of
+        # keys every rank wrote, the checkpoint engine kept one rank's each,
+        # not always the same rank's (running_mean of one, running_var of another).
+        for name in persistent_buffers(model.unwrap()):
+            state.pop(_MODEL + name, None)
     state["meta"] = _meta("model", _shapes(model))
     _save(api, path, "model", state, extra)
 
@@ -144,7 +151,7 @@ def load_model(api: str, model: Any, path: str, strict: bool) -> tuple[list[str]
     Raises:
         ValueError: with ``strict``, names missing on either side; a size differs.
     """
-    read_meta(api, path, "model")
+    _check_shapes(api, path, read_meta(api, path, "model").get("shapes") or {}, _shapes(model))
     keys = engine.saved_keys(path)
     saved = {k[len(_MODEL) :] for k in keys if k.startswith(_MODEL)}
     ranges = model.local_ranges()
@@ -163,6 +170,22 @@ def load_model(api: str, model: Any, path: str, strict: bool) -> tuple[list[str]
     engine.load(path, dest)
     model.load_sharded_state_dict({k[len(_MODEL) :]: p.tensor for k, p in dest.items()})
     return missing, unexpected
+
+
+def _check_shapes(api: str, path: str, saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """The saved tensors' shapes are the model's, name by name, before
+    anything is read (pieces are flat: a tensor of another shape and the
+    same size would load as its values in another order)."""
+    wrong = [
+        (name, tuple(saved[name]), tuple(mine[name]))
+        for name in sorted(set(saved) & set(mine))
+        if tuple(saved[name]) != tuple(mine[name])
+    ]
+    if wrong:
+        raise ValueError(
+            f"{api}: {path} holds tensors of other shapes than this model's (got {wrong[:4]} "
+            "as (name, saved shape, model's shape)); load a checkpoint of this model"
+        )
 
 
 def save_optimizer(api: str, optimizer: Any, path: str) -> None:

@@ -139,12 +139,6 @@ def load_state(
                 f"{api}: {path} holds no {what} (got {what}=... but no {name}); pass "
                 f"{what}=None or a state saved with one"
             )
-    io = booster.checkpoint_io
-    io.load_model(model, os.path.join(path, MODEL_DIR), verify=verify)
-    if optimizer is not None:
-        io.load_optimizer(optimizer, os.path.join(path, OPTIMIZER_DIR), verify=verify)
-    if lr_scheduler is not None:
-        io.load_lr_scheduler(lr_scheduler, os.path.join(path, SCHEDULER_FILE), verify=verify)
     rank, world = _rank_world()
     saved_world = next(iter(ranks.values()))[0]
     source = rank if saved_world == world else rank % saved_world
@@ -164,11 +158,23 @@ def load_state(
     mine = files.read_torch(ranks[source][1], api, check_crc=verify and found is None)
     if found is not None:
         record.check_save_id(api, ranks[source][1], found["save_id"], mine.get("save_id"))
-    if dataloader is not None:
+    if dataloader is not None:  # first: it may refuse the position, and is put back on a failure
         if mine.get("dataloader") is None:
             raise ValueError(
-                f"{api}: {path} holds no dataloader position (got dataloader=... but it was saved "
-                "without one); pass dataloader=None"
+                f"{api}: {path} holds no dataloader position (got dataloader=... but it was "
+                "saved without one); pass dataloader=None"
             )
+        before = dataloader.state_dict()
         dataloader.load_state_dict(mine["dataloader"])
+    io = booster.checkpoint_io
+    try:
+        io.load_model(model, os.path.join(path, MODEL_DIR), verify=verify)
+        if optimizer is not None:
+            io.load_optimizer(optimizer, os.path.join(path, OPTIMIZER_DIR), verify=verify)
+        if lr_scheduler is not None:
+            io.load_lr_scheduler(lr_scheduler, os.path.join(path, SCHEDULER_FILE), verify=verify)
+    except BaseException:
+        if dataloader is not None:
+            dataloader.load_state_dict(before)
+        raise
     set_rng_state(mine["rng"])

@@ -67,13 +67,7 @@ _TORCH_ONLY = {"amsgrad": False, "maximize": False, "capturable": False, "differ
 
 def _check_torch_keys(api: str, group: dict[str, Any], adamw_mode: bool) -> None:
     """Refuse torch's Adam options in a group: the kernels would ignore them."""
-    for key, off in _TORCH_ONLY.items():
-        if key in group and group[key] != off:
-            raise NotImplementedError(
-                f"{api}: {key}={group[key]!r} is an option of torch.optim.AdamW that is not "
-                f"implemented here (got {key}={group[key]!r} in a parameter group); use "
-                f"torch.optim.AdamW for it, or leave {key} out"
-            )
+    _refuse_torch_options(api, group)
     decoupled = group.get("decoupled_weight_decay")
     if decoupled is not None and bool(decoupled) != adamw_mode:
         raise ValueError(
@@ -81,6 +75,16 @@ def _check_torch_keys(api: str, group: dict[str, Any], adamw_mode: bool) -> None
             f"{adamw_mode!r}; set adamw_mode (True: decoupled decay as AdamW, "
             "False: L2 as Adam) and leave decoupled_weight_decay out"
         )
+
+
+def _refuse_torch_options(api: str, group: dict[str, Any]) -> None:
+    for key, off in _TORCH_ONLY.items():
+        if key in group and group[key] != off:
+            raise NotImplementedError(
+                f"{api}: {key}={group[key]!r} is an option of torch.optim.AdamW that is not "
+                f"implemented here (got {key}={group[key]!r} in a parameter group); use "
+                f"torch.optim.AdamW for it, or leave {key} out"
+            )
 
 
 def _check_nvme(
@@ -306,6 +310,15 @@ class _Adam(torch.optim.Optimizer):
     def _check_grad(self, gi: int, pi: int, p: torch.Tensor) -> torch.Tensor:
         self._check_param(gi, pi, p)
         g = p.grad
+        if type(g) is not torch.Tensor and g.numel() and g.data_ptr() == 0:
+            # A gradient that holds no values: zero-shard's ShardedGradient, what a
+            # boosted model's param.grad is while its wrapper holds the gradient.
+            raise RuntimeError(
+                f"{self._api}: {self._name(gi, pi, p)}'s gradient holds no values (got "
+                f"{type(g).__name__}): this parameter belongs to a boosted or wrapped model, "
+                "whose optimizer steps it; step the optimizer booster.boost (or the wrapper) "
+                "returned, not this one"
+            )
         if g.is_sparse:
             name = self._name(gi, pi, p)
             raise ValueError(f"{self._api}: {name} has a sparse gradient; Adam needs dense ones")
@@ -387,6 +400,8 @@ class _Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale = 1.0 / div_scale if div_scale > 0 else 1.0
+        for group in self.param_groups:  # torch's options set by hand since: not ignored
+            _refuse_torch_options(self._api, group)
         # Every gradient is checked before any state changes: a bad one
         # leaves the whole optimizer as it was.
         grads = [

@@ -114,7 +114,9 @@ class StaticPlacementConfig:
     overrides the chunk configuration's keep_gathered. Default 1.0."""
     offload_optim_frac: float = 0.0
     """Share of fp32 master chunks (with their optimizer states) stepped on
-    the CPU: the last ones in registration order. Default 0.0."""
+    the CPU: the fewest last ones in registration order that hold at least
+    this share of the elements (whole chunks: any share above 0 offloads
+    one). Default 0.0."""
     offload_param_frac: float = 0.0
     """Share of parameter shards kept on the CPU between uses. Default 0.0."""
     max_prefetch: int = 0

@@ -303,11 +303,19 @@ class GeminiDDP(nn.Module):
             master, "fp32_param", master_group, self.process_group,
             cpu_offload=where.master_on_cpu, pin_memory=pin,
         )  # fmt: skip
-        if where.master_on_cpu and mchunk.num_tensors == 1:  # a chunk is placed when created
+        if where.master_on_cpu:
+            # A chunk is placed when created; one that a later tensor of it
+            # puts on the CPU goes there whole once closed (_pair_and_place_buffers):
+            # every chunk holding part of the last offload_optim_frac is
+            # offloaded, so any share > 0 offloads one chunk at least, as
+            # ColossalAI's static policy offloads whole chunks up to the share.
             self.placement.offload_master(mchunk)
         self.masters[p] = master
 
     def _pair_and_place_buffers(self, module: nn.Module) -> None:
+        for mchunk in self.placement.offloaded_masters:  # see _register_one
+            if mchunk.shard_device.type != "cpu":
+                self.chunk_manager.move_chunk(mchunk, "cpu")
         for p, master in self.masters.items():
             chunk, mchunk = self.chunk_manager.get_chunk(p), self.chunk_manager.get_chunk(master)
             if chunk.paired_chunk is None:

@@ -122,7 +122,8 @@ def takes_div_scale(optimizer: torch.optim.Optimizer) -> bool:
     """True when ``optimizer.step`` divides gradients itself (fused-adam's)."""
     kind = type(optimizer)
     if kind not in _TAKES_DIV_SCALE:
-        _TAKES_DIV_SCALE[kind] = "div_scale" in inspect.signature(optimizer.step).parameters
+        # The class's step: an instance's may be a wrapper (an lr scheduler's, ZeroOptimizer's).
+        _TAKES_DIV_SCALE[kind] = "div_scale" in inspect.signature(kind.step).parameters
     return _TAKES_DIV_SCALE[kind]
 
 

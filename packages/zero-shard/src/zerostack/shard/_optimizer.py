@@ -263,6 +263,36 @@ def _offload_pipeline(
     )  # fmt: skip
 
 
+def _refuse_user_steps(zero: ZeroOptimizer, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer the user built, once ZeroOptimizer took its groups
+    over: they hold the masters, which have a gradient only inside
+    ZeroOptimizer's step, so its own ``step()`` from the user's loop (the
+    object passed to ``booster.boost`` rather than the one returned) did
+    nothing, silently. It raises instead; ZeroOptimizer's calls pass. Like
+    torch's lr schedulers' wrapper of ``step``, which it calls when one is
+    there, it holds the optimizer weakly (no cycle keeps the masters), and
+    ZeroOptimizer too (see [Note: hooks hold the optimizer weakly]); marked
+    as theirs, so a scheduler built later does not wrap it (ZeroOptimizer
+    marks the user's optimizer stepped: ``mark_stepped``)."""
+    me, opt_ref = weakref.ref(zero), weakref.ref(optimizer)
+    inner = optimizer.__dict__.get("step")  # a scheduler's wrapper, or None: the class's
+    method = type(optimizer).step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        owner, opt = me(), opt_ref()
+        if owner is not None and not owner._stepping:
+            raise RuntimeError(
+                f"{type(opt).__name__}.step: this optimizer was handed to {_API} (through "
+                "booster.boost or directly), whose shards hold the gradients; its own step() "
+                "would change nothing. Step the optimizer booster.boost returned (or the "
+                f"{_API})"
+            )
+        return inner(*args, **kwargs) if inner is not None else method(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step  # type: ignore[method-assign]
+
+
 class TrainingState(Enum):
     """Where a ZeroOptimizer is in a training step (changed only by ``_transition``)."""
 
@@ -502,6 +532,8 @@ class ZeroOptimizer:
         self._div_scale = takes_div_scale(self.optimizer)
         # The CPU kernel writes the updated fp16/bf16 pieces into host_params itself.
         self._copy_out = cpu_offload and self._div_scale and hasattr(self.optimizer, "set_copy_out")
+        self._stepping = False  # in _step_inner: the user's optimizer's step() is ours
+        _refuse_user_steps(self, optimizer)
 
     def _lay_out_buckets(self, reduce_bucket_size: int) -> None:
         """The buckets, their reusable buffers and their reduction; with
@@ -798,6 +830,14 @@ class ZeroOptimizer:
                 s.grad, s.guard.cleared, changed = torch.zeros_like(s.grad), False, True
         return changed
 
+    def drop_batch_for_load(self) -> None:
+        """A load (of the model or of this optimizer) drops the batch whose
+        backward ran since the last step, as ``zero_grad()`` does (see [Note:
+        dropping a batch]): its reduced gradients would otherwise reach the
+        loaded values at the next step. Nothing to drop: nothing done."""
+        if self._state is not T.IDLE:
+            self.zero_grad()
+
     def _check_scaled(self, api: str) -> None:
         if self._unscaled:
             self._unscaled = False
@@ -880,12 +920,15 @@ class ZeroOptimizer:
         """The inner optimizer's step over the masters that have a ``.grad``;
         an NVMe write that failed after the update (the states stay in RAM)
         is logged, not raised."""
+        self._stepping = True
         try:
             step_with_div_scale(self.optimizer, div_scale)
         except OSError as error:
             if not write_failed(error):
                 raise
             logger.error("%s: %s", _API, error)
+        finally:
+            self._stepping = False
 
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
         """Queue the update of every bucket with a used parameter, in
@@ -1232,6 +1275,7 @@ class ZeroOptimizer:
             ValueError: another model, or another world size or rank (use
                 ``full_state_dict`` / ``load_full_state_dict`` for that).
         """
+        self.drop_batch_for_load()
         _formats.load_rank_state_dict(self, state)
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -1241,6 +1285,7 @@ class ZeroOptimizer:
 
     def load_full_state_dict(self, full: dict[str, Any]) -> None:
         """Load ``full_state_dict()`` output, saved at any world size."""
+        self.drop_batch_for_load()
         _formats.load_full_state_dict(self, full)
 
     def local_ranges(self) -> list[tuple[int, int]]:
@@ -1266,6 +1311,7 @@ class ZeroOptimizer:
             ValueError: another number of parameters, or a tensor not sized
                 as this rank's range.
         """
+        self.drop_batch_for_load()
         _formats.load_local_state_dict(self, local)
 
     def _settle(self) -> None:

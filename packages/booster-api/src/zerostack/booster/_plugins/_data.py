@@ -58,14 +58,16 @@ class StatefulDistributedSampler(DistributedSampler):
         return self._start > 0
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "consumed", "num_replicas", "seed", "shuffle"}``: the
-        position in samples of this rank."""
+        """``{"epoch", "consumed", "num_replicas", "seed", "shuffle",
+        "dataset_len"}``: the position in samples of this rank, and what
+        decides the order it points into (checked at the load)."""
         return {
             "epoch": self.epoch,
             "consumed": self.consumed,
             "num_replicas": self.num_replicas,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "dataset_len": len(self.dataset),  # type: ignore[arg-type]
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -74,13 +76,23 @@ class StatefulDistributedSampler(DistributedSampler):
         samples themselves differ, as the ranks split the data otherwise).
 
         Raises:
-            ValueError: ``state`` is not a ``state_dict()``.
+            ValueError: ``state`` is not a ``state_dict()``, or its seed,
+                shuffle or dataset length differ from this sampler's (the
+                position would skip samples not seen and repeat others).
         """
         if not isinstance(state, dict) or not {"epoch", "consumed"} <= set(state):
             raise ValueError(
                 f"{_API}.load_state_dict: state must be a state_dict() of this sampler (got "
                 f"{sorted(state) if isinstance(state, dict) else type(state).__name__}); pass "
                 "what state_dict() returned"
+            )
+        now = {"seed": self.seed, "shuffle": self.shuffle, "dataset_len": len(self.dataset)}  # type: ignore[arg-type]
+        other = {k: (state[k], v) for k, v in now.items() if k in state and state[k] != v}
+        if other:  # the position would point into another order of the data
+            raise ValueError(
+                f"{_API}.load_state_dict: the saved position is in another order of the data "
+                f"(got {other} as (saved, now)); build the dataloader with the saved seed, "
+                "shuffle and dataset, or leave the dataloader out of the load to start the epoch afresh"
             )
         consumed = int(state["consumed"])
         saved_world = int(state.get("num_replicas", self.num_replicas))

@@ -33,6 +33,7 @@ from zerostack.booster._plugins._sharded import (
 from zerostack.booster._plugins._state import (
     ModelFacts,
     check_names,
+    check_same_groups,
     export_entry,
     import_entry,
     merge_hyper,
@@ -132,6 +133,7 @@ class LowLevelZeroModel(ModelWrapper):
         every fp32 master."""
         zero = self.zero
         if zero is not None:
+            zero.drop_batch_for_load()
             zero.wait_updates()  # no CPU update may write after the load
         self.module.load_state_dict(state_dict, strict=strict)
         if zero is None:
@@ -316,6 +318,7 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
 
     def _merged_groups(self, saved: list[dict[str, Any]], names: list[str]) -> list[dict]:
         current = self.optim.optimizer.state_dict()["param_groups"]
+        check_same_groups(self._API, saved, [[names[i] for i in g["params"]] for g in current])
         return [
             {
                 **merge_hyper(g, saved_group(saved, [names[i] for i in g["params"]])),

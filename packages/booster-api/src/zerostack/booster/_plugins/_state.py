@@ -128,6 +128,33 @@ def saved_group(groups: list[dict[str, Any]], names: list[str]) -> dict[str, Any
     return None
 
 
+def check_same_groups(api: str, saved: list[dict[str, Any]], current: list[list[str]]) -> None:
+    """The saved groups split the parameters both sides have as the current
+    groups (``current``: each group's parameter names) do: torch's
+    ``load_state_dict`` refuses another layout of groups; taking a group's
+    values for parameters now in another (a no-decay group's after a
+    checkpoint with one group) would change their training silently.
+
+    Raises:
+        ValueError: two parameters in one group on one side and not on the other.
+    """
+    where = {n: i for i, g in enumerate(saved) for n in g["params"]}
+    to_current: dict[int, tuple[int, str]] = {}  # saved group -> (current group, a name)
+    to_saved: dict[int, tuple[int, str]] = {}
+    for c, names in enumerate(current):
+        for name in (n for n in names if n in where):
+            s = where[name]
+            for seen, key, value in ((to_current, s, c), (to_saved, c, s)):
+                other, first = seen.setdefault(key, (value, name))
+                if other != value:
+                    raise ValueError(
+                        f"{api}: the state's parameter groups are laid out otherwise than this "
+                        f"optimizer's (got {first!r} and {name!r}, in one group on one side and "
+                        "in two on the other); build the optimizer with the groups it was saved "
+                        "with, as torch's load_state_dict requires"
+                    )
+
+
 def merge_hyper(current: dict[str, Any], saved: dict[str, Any] | None) -> dict[str, Any]:
     """``current``'s hyperparameters, with the saved values of the keys both
     optimizers know (lr, betas, eps, weight_decay, initial_lr, ...). Keys of
@@ -203,6 +230,10 @@ def full_to_positional(
             mine = {k: v.view(shape) if _is_flat_state(k, v) else v for k, v in mine.items()}
         state[i] = mine
     groups = []
+    check_same_groups(
+        api, full["param_groups"],
+        [[param_name(api, names, params[i]) for i in g["params"]] for g in current["param_groups"]],
+    )  # fmt: skip
     for g in current["param_groups"]:
         group_names = [param_name(api, names, params[i]) for i in g["params"]]
         groups.append(
