@@ -252,3 +252,14 @@ def test_two_processes_saving_to_one_path_at_once(tmp_path):
     booster.load_model(model, path)
     for name, value in model.unwrap().state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+def test_a_save_that_never_had_a_checkpoint_does_not_speak_of_one(tmp_path):
+    """A failed save to a path that held nothing (its parent is a file)
+    says nothing is left there, not that a previous checkpoint is unchanged."""
+    booster, model, _ = _boost("zero2-offload", str(tmp_path / "nvme"))
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointSaveError) as caught:
+        booster.save_model(model, str(tmp_path / "file" / "model.pt"))
+    assert "nothing is left at" in str(caught.value)
+    assert "previous checkpoint" not in str(caught.value)

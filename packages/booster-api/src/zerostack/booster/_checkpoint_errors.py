@@ -133,7 +133,11 @@ def compose(api: str, path: str, summary: dict[str, Any], needed_bytes: int | No
     code = summary.get("errno")
     needed_bytes = max(needed_bytes or 0, summary.get("needed_bytes") or 0) or None
     where = f"on rank {summary['rank']}: {summary['cause']}"
-    keep = f"the previous checkpoint at {path} is unchanged"
+    # A failed save leaves what was there; a path that held nothing holds nothing.
+    had = os.path.lexists(path)
+    keep = (
+        f"the previous checkpoint at {path} is unchanged" if had else f"nothing is left at {path}"
+    )
     if code in (errno_codes.ENOSPC, errno_codes.EDQUOT):
         directory, free = free_bytes(os.path.dirname(os.path.abspath(path)))
         need = "an unknown amount" if needed_bytes is None else format_bytes(needed_bytes)
