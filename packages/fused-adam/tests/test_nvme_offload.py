@@ -86,6 +86,20 @@ def test_fraction_picks_whole_cpu_params_in_order(tmp_path):
     assert "exp_avg" not in opt.state.get(params[0], {})
 
 
+def test_a_share_mostly_left_in_memory_is_said_once(tmp_path):
+    """0.3 of [1000, 10, 10] elements: the large parameter does not fit and
+    stays in host memory, the two small ones go (20 of 306 elements): the
+    share is taken whole and never passed, and one that far short warns."""
+    params = make_params([1000, 10, 10], torch.float32)
+    opt = CPUAdam(params, nvme_offload_fraction=0.3, nvme_offload_dir=str(tmp_path))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.warns(UserWarning, match=r"nvme_offload_fraction=0\.3 put 7% of its share on disk "
+                      r"\(got 20 of 306 elements\)"):  # fmt: skip
+        opt.step()
+    assert [key for pieces in opt._nvme.keys.values() for key, _, _ in pieces] == ["0.1:0", "0.2:0"]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_large_params_are_swapped_in_pieces(backend, monkeypatch, tmp_path):
     monkeypatch.setattr(nvme_bridge, "PIECE_NUMEL", 1000)

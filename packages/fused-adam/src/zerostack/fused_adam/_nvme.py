@@ -148,6 +148,7 @@ class NVMeStates:
         fresh = [p for p, ks in keys.items() if ks[0][0] not in old]
         self.keys, self._bound, self._bound_host = keys, params, self._host
         self._warn_no_effect(params, cpu)
+        self._warn_short(offloaded, target)
         logger.info(
             "nvme: Adam states of %d of %d parameters (%d elements, %.1f MB, %.0f%% of the "
             "CPU-held ones) on disk in %s",
@@ -182,6 +183,18 @@ class NVMeStates:
                 f"host-held parameter is larger than that share (got {total} host-held "
                 f"elements, the smallest parameter {smallest}); raise nvme_offload_fraction to "
                 f"at least {smallest / total:.3g}, or hold more optimizer states on the host"
+            )
+
+    def _warn_short(self, offloaded: int, target: float) -> None:
+        """Warn once when the states on disk fall well short of the share:
+        parameters are taken whole, and one that no longer fits is skipped,
+        so a share below a large parameter's size leaves mostly small ones."""
+        if 0 < offloaded < 0.5 * target:
+            _warn_once(
+                f"{self.api}: nvme_offload_fraction={self.fraction} put {offloaded / target:.0%} "
+                f"of its share on disk (got {offloaded} of {target:.0f} elements): the share is "
+                "taken whole parameter by parameter, never above it, and the parameters that "
+                "did not fit stay in host memory; raise nvme_offload_fraction to take them"
             )
 
     def plan(self, params: list[torch.Tensor]) -> None:
