@@ -138,6 +138,45 @@ def test_kept_slices_of_states_on_disk_survive_one_step(monkeypatch, tmp_path):
         opt.keep_disk_states(p, slice(0, 4, 2))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_states_come_back_from_disk_when_a_parameter_is_no_longer_host_held(
+    backend, monkeypatch, tmp_path
+):
+    """A wrapper's placement that stops holding a parameter on the host (auto
+    placement's plan after a resume): its states come back from disk into the
+    state, its disk reservation is given back, and the steps go on exactly as
+    with every state in RAM."""
+    monkeypatch.setattr(nvme_bridge, "PIECE_NUMEL", 1000)
+    on_disk, in_ram = (
+        make_params([2500, 300, 7], torch.float32),
+        make_params([2500, 300, 7], torch.float32),
+    )
+    a = CPUAdam(on_disk, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path), nvme_backend=backend, **HYPER)  # fmt: skip
+    b = CPUAdam(in_ram, **HYPER)
+    swapper = a._nvme.swapper
+
+    def steps(n, start):
+        for step in range(start, start + n):
+            for params in (on_disk, in_ram):
+                for p, g in zip(params, make_grads(params, torch.float32, step), strict=True):
+                    p.grad = g
+            a.step()
+            b.step()
+
+    steps(2, 0)
+    assert swapper.reserved_bytes == a.nvme_bytes_on_disk() == 8 * 2807
+    a.nvme_host_params([on_disk[1]])  # the others leave the host tier
+    steps(2, 2)
+    assert a.nvme_bytes_on_disk() == swapper.reserved_bytes == 8 * 300
+    assert set(a.state[on_disk[0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(a.state[on_disk[1]]) == {"step"}
+    for x, y in zip(on_disk, in_ram, strict=True):
+        assert torch.equal(x, y)
+    for p, q in zip(on_disk, in_ram, strict=True):
+        if p is not on_disk[1]:
+            assert torch.equal(a.state[p]["exp_avg_sq"], b.state[q]["exp_avg_sq"])
+
+
 def test_states_on_disk_are_not_kept_in_the_state(tmp_path):
     params = make_params([1000, 1000], torch.float32)
     opt = CPUAdam(params, nvme_offload_fraction=1.0, nvme_offload_dir=str(tmp_path))

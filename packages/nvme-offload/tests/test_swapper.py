@@ -54,6 +54,26 @@ def test_states_are_on_disk_not_in_memory(backend, tmp_path):
     assert swapper.reserved_bytes == 6 * 4 * 2**20
 
 
+def test_a_released_key_gives_back_its_reservation_and_its_value(backend, tmp_path):
+    swapper = StateSwapper(tmp_path, backend=backend, prefetch_depth=1)
+    truth = _run_steps(swapper, [1000, 500], steps=2)
+    swapper.register("never written", 300)
+    assert swapper.reserved_bytes == 4 * 1800
+    swapper.release("k0")
+    swapper.release("never written")
+    swapper.release("never registered")  # ignored
+    assert swapper.reserved_bytes == 4 * 500
+    assert not swapper.holds("k0") and swapper.holds("k1")
+    with pytest.raises(RuntimeError, match="'k0' was not registered"):
+        swapper.read("k0", torch.empty(1000))
+    assert torch.equal(swapper.read("k1", torch.empty(500)), truth["k1"])
+    swapper.register("k0", 1000)  # within the file's size: a new value
+    swapper.write("k0", torch.ones(1000))
+    assert torch.equal(swapper.read("k0", torch.empty(1000)), torch.ones(1000))
+    assert torch.equal(swapper.read("k1", torch.empty(500)), truth["k1"])
+    swapper.close()
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_host_buffers_are_the_slots_whatever_the_number_of_keys(backend, depth, tmp_path):
     for num_keys in (2, 12):

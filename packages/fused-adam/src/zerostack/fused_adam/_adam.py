@@ -190,10 +190,13 @@ class _Adam(torch.optim.Optimizer):
             return {}
         params = [p for g in self.param_groups for p in g["params"]]
         if not self._nvme.bound_to(params):
-            for p in self._nvme.bind(self.param_groups):
+            fresh, back = self._nvme.bind(self.param_groups)
+            for p in fresh:
                 state = self.state.get(p)
                 if state and "exp_avg" in state:
                     self._nvme.load(p, state.pop("exp_avg"), state.pop("exp_avg_sq"))
+            for p, (exp_avg, exp_avg_sq) in back.items():
+                self.state[p].update(exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
         return self._nvme.keys
 
     def keep_disk_states(self, p: torch.Tensor, elements: slice) -> None:

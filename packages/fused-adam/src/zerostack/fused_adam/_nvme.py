@@ -53,7 +53,10 @@ class NVMeStates:
     GeminiOptimizer names its offloaded master chunks, so that on a CPU
     compute device the same chunks go to disk as on a GPU. Keys are
     positional (group.index:start), so a rebinding to other tensors of the
-    same sizes keeps what is on disk.
+    same sizes keeps what is on disk. A parameter no longer host-held at a
+    rebinding (moved to a GPU; auto placement's plan keeping its chunk on
+    the device after a resume loaded its states to disk) gets its states
+    back from disk, and its disk reservation is given back.
 
     A parameter is cut into pieces of at most PIECE_NUMEL elements; each piece
     is one key holding ``[exp_avg piece, exp_avg_sq piece]`` as one fp32
@@ -104,18 +107,25 @@ class NVMeStates:
             and all(a is b for a, b in zip(params, self._bound, strict=True))
         )
 
-    def bind(self, param_groups: list[dict]) -> list[torch.Tensor]:
+    def bind(
+        self, param_groups: list[dict]
+    ) -> tuple[list[torch.Tensor], dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
         """Choose the parameters whose states live on disk (see [Note: NVMe
-        binding]). Returns the parameters newly put on disk.
+        binding]). Returns the parameters newly put on disk, and the states
+        read back from disk of those no longer host-held (a parameter moved
+        to a GPU, or auto placement's plan keeping its chunk on the device),
+        keyed by the parameter now in that place, on its device.
 
         Raises:
-            NotImplementedError: a parameter whose states are on disk moved
-                to a GPU or changed size.
+            NotImplementedError: a parameter whose states are on disk changed
+                size or is gone.
         """
         with self.lock:
             return self._bind(param_groups)
 
-    def _bind(self, param_groups: list[dict]) -> list[torch.Tensor]:
+    def _bind(
+        self, param_groups: list[dict]
+    ) -> tuple[list[torch.Tensor], dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
         self._finish_open()
         params = [p for g in param_groups for p in g["params"]]
         cpu = [
@@ -139,12 +149,8 @@ class NVMeStates:
                     pieces.append((key, start, end))
                 keys[p] = pieces
                 offloaded += p.numel()
-        gone = [k for k in old if k not in {ks[0][0] for ks in keys.values()}]
-        if any(self.swapper.is_on_disk(k) for k in gone):
-            raise NotImplementedError(
-                f"{self.api}: parameters whose Adam states are on disk moved off the CPU or "
-                "changed; build the optimizer on the tensors it will step"
-            )
+        kept = {ks[0][0] for ks in keys.values()}
+        back = self._read_back({k: p for k, p in old.items() if k not in kept}, param_groups)
         fresh = [p for p, ks in keys.items() if ks[0][0] not in old]
         self.keys, self._bound, self._bound_host = keys, params, self._host
         self._warn_no_effect(params, cpu)
@@ -155,7 +161,40 @@ class NVMeStates:
             len(keys), len(params), offloaded, 8 * offloaded / 2**20,
             100 * offloaded / max(1, sum(p.numel() for p in cpu)), self.swapper.workdir,
         )  # fmt: skip
-        return fresh
+        return fresh, back
+
+    def _read_back(
+        self, gone: dict[str, torch.Tensor], param_groups: list[dict]
+    ) -> dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Parameters whose states no longer go to disk (``gone``, by first
+        key): their disk space is given back, and their states, where any
+        were written, are returned for the parameter now in each one's place
+        (same group and index), on its device. Checked for all before any is
+        read, so a refusal leaves everything on disk as it was."""
+        now: dict[str, torch.Tensor] = {}
+        for first, was in gone.items():
+            if not any(self.swapper.holds(key) for key, _, _ in self.keys[was]):
+                continue
+            gi, pi = (int(i) for i in first.split(":")[0].split("."))
+            group = param_groups[gi]["params"] if gi < len(param_groups) else []
+            there = group[pi] if pi < len(group) else None
+            if there is None or there.numel() != was.numel():
+                raise NotImplementedError(
+                    f"{self.api}: a parameter whose Adam states are on disk is gone or changed "
+                    f"size (had {was.numel()} elements, now "
+                    f"{'none' if there is None else there.numel()}); build the optimizer on "
+                    "the tensors it will step"
+                )
+            now[first] = there
+        states = {}
+        for first, was in gone.items():
+            if first in now:
+                p = now[first]
+                m, v = self._snapshot(was)  # file-backed: copied to the parameter's device
+                states[p] = tuple(t.reshape(p.shape).to(p.device, copy=True) for t in (m, v))
+            for key, _, _ in self.keys[was]:
+                self.swapper.release(key)
+        return states
 
     def _warn_no_effect(self, params: list[torch.Tensor], host: list[torch.Tensor]) -> None:
         """Warn once when the fraction puts nothing on disk: no state is held

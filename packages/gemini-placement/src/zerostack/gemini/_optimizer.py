@@ -185,8 +185,8 @@ class GeminiOptimizer:
         self._bind_masters()
         if not module.config.auto:  # auto placement: at its plan (the first step)
             self._choose_lane()
-        if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
-            self.optimizer.nvme_plan([])
+            if hasattr(self.optimizer, "nvme_plan"):  # the masters it steps: states to disk now
+                self.optimizer.nvme_plan([])
         self._lock = threading.Lock()  # one inner optimizer.step() at a time
         self._scaled_backward = self._warned_idle = False
         self.last_grad_norm = 0.0

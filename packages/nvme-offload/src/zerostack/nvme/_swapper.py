@@ -153,6 +153,22 @@ class StateSwapper:
     def is_on_disk(self, key: str) -> bool:
         return key in self._on_disk
 
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` has a value: on disk, or kept in RAM after a failed write."""
+        return key in self._on_disk or key in self._resident
+
+    def release(self, key: str) -> None:
+        """Forget ``key``: its value (read it first to keep it) and its
+        reservation, which a later ``register`` may take (the file keeps its
+        size). A key never registered is ignored."""
+        self._check_open("release")
+        if key not in self._numel:
+            return
+        if key in self._on_disk:
+            self._drop(key)
+        self._resident.pop(key, None)
+        self._reserved -= 4 * self._numel.pop(key)
+
     # -- whole-buffer operations (checkpoints, first writes) -----------------
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
