@@ -259,7 +259,8 @@ class StateSwapper:
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory the swapper holds now: the pipeline's slots
-        ((prefetch_depth + 2) buffers of the largest key), and keys kept in
+        (prefetch_depth + 2 buffers of the largest key, fewer for fewer
+        keys), and keys kept in
         RAM after a failed write."""
         return [*self._slots, *self._resident.values()]
 
@@ -288,8 +289,11 @@ class PrefetchPipeline:
         self.keys = keys
         self.depth = swapper.prefetch_depth
         max_numel = max((swapper._numel[k] for k in keys), default=0)
-        # depth slots being read, one computing, one still being written.
-        self.slots = swapper._slot_buffers(self.depth + 2, max_numel) if keys else []
+        # depth slots being read, one computing, one still being written;
+        # never more than there are keys (a small model's states are not
+        # outweighed by their staging).
+        count = min(self.depth + 2, len(keys))
+        self.slots = swapper._slot_buffers(count, max_numel) if keys else []
         self._reads: dict[int, object] = {}
         self._writes: dict[int, tuple] = {}  # slot -> (key index, handle)
         self._next_read = 0
