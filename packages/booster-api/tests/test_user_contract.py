@@ -713,3 +713,47 @@ def _at_two_ranks(rank: int, world: int) -> None:
 
 def test_at_two_ranks() -> None:
     spawn(_at_two_ranks, 2)
+
+
+@pytest.mark.parametrize("placement", ["static", "auto"])
+def test_gemini_parameters_never_show_gradients_between_backward_and_write_back(placement):
+    """One rank, kept-gathered chunks (gradients written over the
+    parameters): from backward until the next forward writes the step's
+    values back, a Gemini parameter read through the model is empty (as
+    when sharded at several ranks), never the gradient; unwrap().state_dict()
+    refuses; the next forward's parameters are torch's after the step."""
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    tol = 3 * 16 * torch.finfo(torch.float32).eps  # 3 fp32 Adam steps, a few ulp each
+    where = {"offload_optim_frac": 1.0} if placement == "static" else {"gpu_capacity_bytes": 4000}
+    plugin = GeminiPlugin(precision="fp32", placement_policy=placement, **where)
+    plain = build()
+    model, opt, *_ = Booster(plugin=plugin).boost(
+        plain, torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    )
+    ref_before: list[torch.Tensor] = []
+    for step in range(3):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        out = model(x)
+        if step:  # the last step's values, written back by this forward
+            for p, q in zip(plain.parameters(), ref_before, strict=True):
+                torch.testing.assert_close(p.detach(), q, rtol=0, atol=tol)
+        opt.backward(F.mse_loss(out, y))
+        opt.step()
+        ref_before = [p.detach().clone() for p in ref.parameters()]
+        assert model.module.offloaded_masters, "chunks stepped on the CPU"
+        assert all(p.numel() == 0 for p in plain.parameters()), "no gradient shows as a parameter"
+        with pytest.raises(RuntimeError, match=r"hold no values from a backward until the next forward"):  # fmt: skip
+            model.unwrap().state_dict()
+        state = model.state_dict()  # gathers from the masters
+        for (name, v), q in zip(state.items(), ref_before, strict=True):
+            torch.testing.assert_close(v, q, rtol=0, atol=tol, msg=name)

@@ -3,6 +3,8 @@ the table of moves, and the state each call of a step leaves."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -53,8 +55,16 @@ def test_each_call_of_a_step_leaves_its_state(overlap):
     assert zero.training_state is T.CLIPPED
     assert zero.step()
     assert zero.training_state is T.IDLE
-    assert zero.step()  # a step without a backward stays IDLE
+    # A step without a backward: the last one consumed the gradients (as
+    # DeepSpeed's), so it changes nothing, returns False and says so once.
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match=r"no gradient since the last step .*nothing to do: a step consumes its gradients"):  # fmt: skip
+        assert not zero.step()
     assert zero.training_state is T.IDLE
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not zero.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 class _Fault:

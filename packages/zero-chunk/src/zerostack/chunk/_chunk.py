@@ -289,10 +289,13 @@ class Chunk:
         for t, info in self.tensors_info.items():
             t.data = self.buffer[info.offset : info.end].view(info.shape)
 
-    def _drop_buffer(self) -> None:
-        self.buffer = None
+    def _unbind(self) -> None:
         for t in self.tensors_info:
             t.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+
+    def _drop_buffer(self) -> None:
+        self.buffer = None
+        self._unbind()
 
     def access(self, async_op: bool = False) -> Handle | None:
         """Gather the whole chunk on the compute device (all-gather of the shards).
@@ -528,6 +531,12 @@ class Chunk:
         if self.keep_gathered:
             work = _comm.all_reduce_sum(full, self.process_group, async_op)
             handle = Handle(work, lambda: None)
+            if target is self:
+                # Gradients written over the parameters: the tensors hold
+                # none of the chunk's values until sync_gathered (the write-
+                # back of the step) points them at the buffer again, as a
+                # sharded chunk's tensors are empty until its next gather.
+                self._unbind()
         else:
             out = torch.empty(self.shard_size, dtype=self.dtype, device=self.compute_device)
             work = _comm.reduce_scatter_sum(out, full, self.process_group, async_op)
@@ -679,6 +688,7 @@ class Chunk:
         if self.world_size > 1:
             share = self.local_share().clone()
             _comm.all_gather_into(self.buffer, share, self.process_group, async_op=False)
+        self._rebind()  # tensors unbound by a reduce over the parameters
 
     def copy_into_slot(self, tensor: torch.Tensor, values: torch.Tensor | None) -> None:
         """Write ``values`` (``tensor``'s numel, any shape; None: zeros) over

@@ -417,6 +417,9 @@ class ZeroOptimizer:
             than Adam/AdamW or with Adam states on disk.
     """
 
+    _warned_idle = False  # step() without a gradient, said once
+    _end_queued = False  # _end_backward queued for the running backward
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -743,6 +746,9 @@ class ZeroOptimizer:
             self._forget_dropped()
         if self._no_sync:
             return  # local gradients in param.grad, as DDP's no_sync leaves them
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if not self.overlap:
             # Reduced at step: until then the guard holds the local gradient
             # (see [Note: sharded param.grad]). A plain param.grad means the
@@ -755,6 +761,21 @@ class ZeroOptimizer:
         s.ready = True
         self.reduction.launch_ready()
 
+    def _end_backward(self) -> None:
+        """The end of a backward that reduces (autograd's last callback): a
+        trainable parameter without a gradient on this rank gets its guard
+        too, as torch DDP hands every rank the reduced gradient of a
+        parameter used on any rank. The piece the other ranks reduce into it
+        is then this rank's to step, and a ``model.zero_grad()`` before the
+        step drops it here as on the ranks that used it (see
+        ``_forget_dropped``). Parameters no rank used are told by the step's
+        counts, as before."""
+        self._end_queued = False
+        for s in self.shards:
+            if s.param.requires_grad and s.param.grad is None:
+                s.guard.local, s.guard.cleared = None, False
+                s.param.grad = s.guard
+
     # -- the step -----------------------------------------------------------------
 
     def step(self) -> bool:
@@ -762,7 +783,8 @@ class ZeroOptimizer:
         parameters. See [Note: overflow policy].
 
         Returns:
-            False when the step was skipped (fp16 overflow), else True.
+            False when the step was skipped (fp16 overflow, or no gradient
+            since the last step: one warning), else True.
 
         Raises:
             RuntimeError: fp16 gradients that were not scaled through
@@ -778,6 +800,17 @@ class ZeroOptimizer:
             self.zero_grad()
             self.collector.tick()
             return True
+        if self._state is T.IDLE:  # the last step consumed the gradients, as DeepSpeed's does
+            if not self._warned_idle:
+                self._warned_idle = True
+                warnings.warn(
+                    f"{_API}.step: no gradient since the last step (no backward, or one that "
+                    "reached no parameter); nothing to do: a step consumes its gradients, as "
+                    "DeepSpeed's and ColossalAI's ZeRO optimizers do",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return False
         self._check_scaled("step")
         self._write_back_pending()  # the last step's, when no forward ran since
         for bucket in self.buckets:

@@ -340,7 +340,9 @@ def _refuse_sharded_state_dict(
     ddp_ref: Any, module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
     """state_dict pre-hook of the user's module under Gemini: its parameters
-    are chunk views, empty while their chunk is sharded."""
+    are chunk views, empty while their chunk is sharded, and from a backward
+    until its step's values are written back (see zerostack.chunk's
+    ``Chunk.reduce``)."""
     ddp = ddp_ref()
     if ddp is None:
         return
@@ -350,9 +352,10 @@ def _refuse_sharded_state_dict(
             raise RuntimeError(
                 f"{_API}: model.unwrap().state_dict() would hold empty tensors (got "
                 f"{ddp.param_names[p]} of shape {tuple(p.shape)}): the parameters are sharded "
-                "over the ranks between forward passes; call the boosted model's state_dict() "
-                "on every rank (it gathers them, as ColossalAI's GeminiDDP.state_dict) or "
-                "booster.save_model(model, path)"
+                "over the ranks between forward passes, and hold no values from a backward "
+                "until the next forward writes the step's back; call the boosted model's "
+                "state_dict() on every rank (it gathers them, as ColossalAI's "
+                "GeminiDDP.state_dict) or booster.save_model(model, path)"
             )
 
 
