@@ -287,6 +287,10 @@ def _step_the_optimizer_handed_to_boost(env: Env) -> None:
     env.user_opt.step()
 
 
+def _add_group_to_the_optimizer_handed_to_boost(env: Env) -> None:
+    env.user_opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+
 def _add_group(env: Env) -> dict[str, torch.Tensor]:
     env.opt.add_param_group({"params": [env.model.unwrap().tok_emb.weight], "lr": 1e-2})
     before = env.weights()
@@ -583,6 +587,7 @@ ROWS = [
     Row("module-zero-grad-drops-a-backward", TORCH + ZERO, _dropped_by_the_model("unwrap"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("evaluate-between-backward-and-step-gemini", GEMINI, _evaluate_before_the_step, error=RuntimeError, match=r"an evaluation \(no gradients\) between a backward and its optimizer\.step\(\).*evaluate after optimizer\.step\(\)"),
     Row("step-the-optimizer-handed-to-boost", ZERO, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.step: this optimizer was handed to ZeroOptimizer .*Step the optimizer booster\.boost returned"),
+    Row("add-group-to-the-optimizer-handed-to-boost", ZERO, _add_group_to_the_optimizer_handed_to_boost, error=NotImplementedError, match=r"HybridAdam\.add_param_group: this optimizer was handed to ZeroOptimizer .*a group added now would never be stepped"),
     Row("step-the-optimizer-handed-to-boost-gemini", GEMINI, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam: .*gradient holds no values \(got ShardedGradient\).*step the optimizer booster\.boost \(or the wrapper\) returned"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
@@ -598,7 +603,7 @@ ROWS = [
     Row("eval-refused", AUTO, lambda env: env.model.eval(), error=NotImplementedError, match=r"train\(False\): the graph was traced in training mode"),
     Row("freeze-after-boost", TORCH + SHARDED, _freeze_later, _frozen_stays),
     Row("unfreeze-after-boost", TORCH + ZERO, _unfreeze_later, _unfrozen_trains, options=dict(frozen=("pos_emb.weight",))),
-    Row("unfreeze-after-boost-refused", GEMINI, _unfreeze_later, error=NotImplementedError, match=r"GeminiPlugin: parameters frozen when the model was boosted cannot be unfrozen \(got requires_grad=True on \['pos_emb\.weight'\]\)", options=dict(frozen=("pos_emb.weight",))),
+    Row("unfreeze-after-boost-refused", GEMINI, _unfreeze_later, error=NotImplementedError, match=r"GeminiDDP: parameters frozen when the model was wrapped cannot be unfrozen \(got requires_grad=True on \['pos_emb\.weight'\]\).*before GeminiDDP \(or booster\.boost with GeminiPlugin\)", options=dict(frozen=("pos_emb.weight",))),
     Row("forward-hook", TORCH + SHARDED, _hooked_output, _hook_ran),
     Row("forward-hook-refused", AUTO, _submodule_hook, error=NotImplementedError, match=r"forward hooks on the traced module's submodules do not run under AutoOffloadPlugin \(got a hook on '\w+'\)"),
     Row("parameters", ALL, _parameters, _every_parameter),

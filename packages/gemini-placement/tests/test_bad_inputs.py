@@ -298,3 +298,16 @@ def test_bad_input(case: BadInput) -> None:
 
 def test_the_table_names_every_case_once() -> None:
     check_unique_ids(CASES)
+
+
+def test_a_parameter_frozen_when_wrapped_and_unfrozen_later_is_refused_at_forward():
+    """It has no fp32 master and no gradient hook: trained as before it was
+    silently not (1.4e-2 off torch at the first step after unfreezing)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    ddp = GeminiDDP(model, mixed_precision=torch.float32, compute_device="cpu")
+    ddp(torch.randn(2, 4))  # frozen: fine
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match=r"GeminiDDP: parameters frozen when the model was wrapped cannot be unfrozen \(got requires_grad=True on \['0\.weight'\]\)"):  # fmt: skip
+        ddp(torch.randn(2, 4))

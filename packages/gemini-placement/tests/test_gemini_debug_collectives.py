@@ -97,3 +97,46 @@ def test_a_bad_setting_is_refused():
     with pytest.raises(TypeError, match=r"enabled must be a bool or None \(got 'yes'\)"):
         debug_collectives("yes")
     assert debug_collectives() is False
+
+
+class _Experts(torch.nn.Module):
+    """Two experts of one size, each its own chunk; ``route`` picks one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(5, 5) for _ in range(2))
+        self.route = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts[self.route](x).pow(2).mean()
+
+
+def _routed_by_rank(rank, world):
+    torch.manual_seed(0)
+    model = _Experts()
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu",
+        chunk_config_dict={2: {"chunk_size": 30, "keep_gathered": False}},
+    )  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(list(model.parameters()), lr=1.0), ddp)
+    before = ddp.state_dict()
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(rank))
+    model.route = rank  # each gather pairs with the other expert's on the other rank
+    opt.backward(ddp(x))
+    with pytest.raises(CollectiveMismatchError, match=r"the ranks gathered different chunks since the last step: different modules ran on different ranks .*this step's gradients are dropped"):  # fmt: skip
+        opt.step()
+    after = ddp.state_dict()  # nothing was stepped
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    model.route = 0  # the same modules on every rank: trains as torch would
+    opt.backward(ddp(x))
+    assert opt.step()
+    assert not torch.equal(ddp.state_dict()["experts.0.weight"], before["experts.0.weight"])
+
+
+def test_ranks_that_gathered_different_chunks_of_one_size_raise_at_the_step():
+    """Different modules on different ranks with chunks of one size: no hang,
+    each rank computes with the other's chunk. Without the debug mode the
+    step's check of the ranks' gather traces raises on every rank (before, the
+    step trained on the wrong gradients: an expert's weight 0.22 off torch
+    DDP's after one SGD step)."""
+    spawn(_routed_by_rank, 2, backend="gloo")

@@ -17,6 +17,7 @@ from torch import nn
 from zerostack.chunk import (
     Chunk,
     ChunkManager,
+    CollectiveMismatchError,
     LazyInitContext,
     TensorInfo,
     TensorState,
@@ -284,6 +285,7 @@ class GeminiDDP(nn.Module):
                 register(p)
             self.chunk_manager.close_all_groups()
         self._pair_and_place_buffers(module)
+        self._frozen = [p for p in self.params if p not in self.masters]  # see _refuse_unfrozen
 
     def _register_one(self, pin: bool, p: torch.Tensor) -> None:
         where = self.placement.decide(self._seen, p.numel(), self._total_numel)
@@ -447,6 +449,45 @@ class GeminiDDP(nn.Module):
         self._updates, self._on_reduced, self._on_drop = pipeline, on_reduced, on_drop
         self._on_chunk_reduced = on_chunk_reduced
         self.placement.busy = pipeline
+
+    def take_gather_trace(self) -> list[float]:
+        """This rank's trace of the chunks gathered since the last step
+        (``ChunkManager.take_gather_trace``) as four 6-bit pieces, each with
+        its square, for the step's all-reduce (sums exact in fp32 up to 4096
+        ranks); empty at one rank or above 4096. See ``check_gather_traces``."""
+        trace = self.chunk_manager.take_gather_trace()
+        if not 1 < self.world_size <= 4096:
+            return []
+        pieces = [(trace >> shift) & 63 for shift in (0, 6, 12, 18)]
+        return [float(v) for b in pieces for v in (b, b * b)]
+
+    def check_gather_traces(self, sums: Sequence[float]) -> None:
+        """The ``take_gather_trace`` values summed over the ranks: at N ranks,
+        N * sum(b*b) == sum(b)**2 for every piece only when every rank's
+        piece is the same, so every rank raises alike.
+
+        [Note: ranks that gathered different chunks] Gathers are collectives
+        paired by order: ranks that ran different modules (a branch taken by
+        the data, MoE routing) gather different chunks, and where those are
+        the same size nothing hangs: each rank computes with the other
+        ranks' chunks, and the step would train on wrong gradients, silently.
+        The step checks the ranks' traces in the all-reduce it makes anyway
+        (one hash collision in 2**24 a step).
+
+        Raises:
+            CollectiveMismatchError: the ranks' traces differ.
+        """
+        n = self.world_size
+        if any(n * sq != s * s for s, sq in zip(sums[0::2], sums[1::2], strict=True)):
+            raise CollectiveMismatchError(
+                f"{_API}: the ranks gathered different chunks since the last step: different "
+                "modules ran on different ranks (a branch taken by the data, MoE routing), so "
+                "each gather was paired with another chunk's on the other ranks and the "
+                "forward and backward used wrong parameters; this step's gradients are "
+                "dropped. Every rank must run forward and backward through the same modules, "
+                "as under ColossalAI's GeminiDDP; run with ZEROSTACK_DEBUG_COLLECTIVES=1 to "
+                "see the first module where the ranks differ"
+            )
 
     def take_used(self, params: Sequence[torch.Tensor]) -> list[float]:
         """1.0 for each of ``params`` that got a gradient since the last step,
@@ -786,6 +827,19 @@ class GeminiDDP(nn.Module):
             return {k: self._cast_inputs(v) for k, v in obj.items()}
         return obj
 
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen when the model was wrapped has no fp32 master
+        and no gradient hook: set ``requires_grad`` later, it would never be
+        trained, silently."""
+        if self._frozen and any(p.requires_grad for p in self._frozen):
+            names = [self.param_names[p] for p in self._frozen if p.requires_grad]
+            raise NotImplementedError(
+                f"{_API}: parameters frozen when the model was wrapped cannot be unfrozen (got "
+                f"requires_grad=True on {names[:3]}); they have no fp32 master and would not be "
+                "trained: set requires_grad before GeminiDDP (or booster.boost with "
+                "GeminiPlugin) wraps the model (freezing a trained parameter later is fine)"
+            )
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.retry_failed_updates()  # a failed CPU update: the model cannot go on
         if self._state is T.REDUCED and not torch.is_grad_enabled():
@@ -807,6 +861,7 @@ class GeminiDDP(nn.Module):
                 f"{_API}.forward: the last backward did not finish (an exception in it?); call "
                 "optimizer.zero_grad() to drop that batch, then forward again"
             )
+        self._refuse_unfrozen()
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         training = torch.is_grad_enabled()
         if self._updates is not None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from zerostack.chunk import Chunk, phase
+from zerostack.chunk import Chunk, CollectiveMismatchError, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall, shard_on_host
@@ -550,8 +550,16 @@ class GeminiOptimizer:
         module = self.module
         grads = [_grad_share(c) for c, _ in self.pairs]
         trainable = self._trainable_params
-        used = torch.tensor(module.take_used(trainable), device=module.compute_device)
+        trace = module.take_gather_trace()  # See [Note: ranks that gathered different chunks]
+        used = torch.tensor(module.take_used(trainable) + trace, device=module.compute_device)
         stats = grad_stats([], used, module.process_group, norm_sq=self._norm_part(2.0))
+        if trace:
+            try:
+                module.check_gather_traces(stats[-len(trace) :])
+            except CollectiveMismatchError:
+                self._drop_grads()
+                raise
+            stats = stats[: -len(trace)]
         for chunk, _ in self.pairs:  # the updates write new values over these shares
             _grad_target(chunk).forget_reduced_norm()
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)

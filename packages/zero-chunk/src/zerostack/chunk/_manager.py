@@ -68,6 +68,7 @@ class ChunkManager:
         self.accessed_chunks: set[Chunk] = set()
         self.total_mem: Counter[str] = Counter()
         self._next_index = 0
+        self._gathers = 0  # see take_gather_trace
 
     # -- accounting ----------------------------------------------------------
 
@@ -209,9 +210,18 @@ class ChunkManager:
                 self.accessed_chunks.add(chunk)
             return None
         handle = self._apply(chunk, chunk.access, async_op)
+        self._gathers = (self._gathers * 33 + chunk.index + 1) % (1 << 24)
         if not chunk.keep_gathered:
             self.accessed_chunks.add(chunk)
         return handle
+
+    def take_gather_trace(self) -> int:
+        """A 24-bit hash of the chunks gathered (by index, in order) since the
+        last call, and start again: ranks whose traces differ issued their
+        all-gathers for different chunks, pairing each gather with another
+        chunk's on the other ranks (GeminiDDP checks it at every step)."""
+        trace, self._gathers = self._gathers, 0
+        return trace
 
     def release_chunk(self, chunk: Chunk) -> None:
         """Drop ``chunk``'s gathered copy (it must be releasable)."""

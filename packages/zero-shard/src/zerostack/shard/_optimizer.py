@@ -273,7 +273,9 @@ def _refuse_user_steps(zero: ZeroOptimizer, optimizer: torch.optim.Optimizer) ->
     there, it holds the optimizer weakly (no cycle keeps the masters), and
     ZeroOptimizer too (see [Note: hooks hold the optimizer weakly]); marked
     as theirs, so a scheduler built later does not wrap it (ZeroOptimizer
-    marks the user's optimizer stepped: ``mark_stepped``)."""
+    marks the user's optimizer stepped: ``mark_stepped``). Its
+    ``add_param_group`` raises too: a group added now would hold no
+    master, and its gradients would pile up, never cleared or stepped."""
     me, opt_ref = weakref.ref(zero), weakref.ref(optimizer)
     inner = optimizer.__dict__.get("step")  # a scheduler's wrapper, or None: the class's
     method = type(optimizer).step
@@ -291,6 +293,16 @@ def _refuse_user_steps(zero: ZeroOptimizer, optimizer: torch.optim.Optimizer) ->
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign]
+
+    def add_param_group(param_group: Any) -> None:
+        raise NotImplementedError(
+            f"{type(opt_ref()).__name__}.add_param_group: this optimizer was handed to {_API} "
+            "(through booster.boost or directly), which replaced its parameters by fp32 "
+            "masters; a group added now would never be stepped. Build the optimizer with "
+            "every group before booster.boost (or ZeroOptimizer)"
+        )
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 class TrainingState(Enum):

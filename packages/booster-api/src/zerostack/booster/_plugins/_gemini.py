@@ -102,21 +102,11 @@ class GeminiModel(ModelWrapper):
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
-        # Parameters frozen at boost have no fp32 master: see forward.
-        self._frozen = [p for p in module.params if not p.requires_grad]
         module.module.register_state_dict_pre_hook(
             functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
         )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._frozen and any(p.requires_grad for p in self._frozen):
-            names = [self.module.param_names[p] for p in self._frozen if p.requires_grad]
-            raise NotImplementedError(
-                f"{_API}: parameters frozen when the model was boosted cannot be unfrozen (got "
-                f"requires_grad=True on {names[:3]}); they have no fp32 master and would not be "
-                "trained: set requires_grad before booster.boost (freezing a trained parameter "
-                "later is fine)"
-            )
         return self.module(*args, **kwargs)
 
     def unwrap(self) -> nn.Module:
