@@ -762,3 +762,37 @@ def test_gemini_parameters_never_show_gradients_between_backward_and_write_back(
         state = model.state_dict()  # gathers from the masters
         for (name, v), q in zip(state.items(), ref_before, strict=True):
             torch.testing.assert_close(v, q, rtol=0, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("plugin", ["zero-offload", "gemini-offload"])
+def test_wait_updates_puts_the_steps_values_in_the_parameters(plugin):
+    """Read right after step() (an EMA), the parameters of an overlapped CPU
+    step are not yet the step's (ZeRO: the values before it; Gemini at one
+    rank: empty); the boosted optimizer's wait_updates() writes them back."""
+    torch.manual_seed(1)
+    x = torch.randn(8, 16)
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    if plugin == "zero-offload":
+        chosen = LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True)
+    else:
+        chosen = GeminiPlugin(precision="fp32", offload_optim_frac=1.0)
+    plain = build()
+    before = [p.detach().clone() for p in plain.parameters()]
+    booster = Booster(plugin=chosen)
+    model, opt, *_ = booster.boost(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    booster.backward(model(x).square().mean(), opt)
+    opt.step()
+    for p, b in zip(plain.parameters(), before, strict=True):  # not the step's yet
+        assert p.numel() == 0 if plugin == "gemini-offload" else torch.equal(p, b)
+    opt.wait_updates()
+    tol = 16 * torch.finfo(torch.float32).eps  # one fp32 Adam step
+    for p, q in zip(plain.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=tol)

@@ -623,6 +623,13 @@ class ZeroOptimizer:
             state_bytes / 2**20, master_device, ", fp16 loss scaling" if self.fp16 else "",
             f"; {self._lane.describe()}" if self._lane is not None else "",
         )  # fmt: skip
+        if self._defer:
+            logger.info(
+                "ZeRO: the CPU updates overlap the next forward (overlap_cpu_step): after "
+                "step() the parameters hold the step's values once that forward wrote them "
+                "back; read them before it (an EMA, a log of the weights) through "
+                "model.state_dict() or after wait_updates()"
+            )
 
     @property
     def training_state(self) -> TrainingState:

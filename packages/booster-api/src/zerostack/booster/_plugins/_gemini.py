@@ -194,6 +194,14 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
+    def wait_updates(self) -> None:
+        """Finish the last step's CPU updates and write them back: at one rank
+        the model's parameters then hold the step's values before the next
+        forward (at several, a sharded chunk's parameters stay empty between
+        forward passes: read the weights with the model's ``state_dict()``).
+        Every rank calls it at the same point: a write-back may all-gather."""
+        self._model.module.wait_updates()
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """``loss.backward()``, scaled for fp16.
 

@@ -230,6 +230,14 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         """``loss.backward(retain_graph=...)``, scaled for fp16."""
         self.optim.backward(loss, retain_graph=retain_graph)
 
+    def wait_updates(self) -> None:
+        """With ``cpu_offload``: finish the last step's CPU updates and write
+        them back, so that the model's parameters hold the step's values
+        before the next forward (an EMA or a log of the weights right after
+        ``step()``). Every rank calls it at the same point: the write-back
+        all-gathers. Without ``cpu_offload`` a no-op."""
+        self.optim.wait_updates()
+
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._step_closure(closure)
 
