@@ -69,3 +69,38 @@ def _case(rank: int, world: int, kind: str, zero_kwargs: dict) -> None:
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_a_parameter_used_on_some_ranks_is_stepped_whole(world, zero_kwargs, kind):
     spawn(_case, world, args=(kind, zero_kwargs), backend="gloo")
+
+
+def _after_a_failed_backward(rank: int, world: int) -> None:
+    """A backward that raised (its end-of-backward callback never ran),
+    dropped with zero_grad(): the steps after it still step every piece."""
+    torch.manual_seed(0)
+    model = _Branchy()
+    ref_model = copy.deepcopy(model)
+    ref = DDP(ref_model, find_unused_parameters=True)
+    ref_opt = _optimizer("sgd", ref.parameters())
+    zero = ZeroOptimizer(_optimizer("sgd", model.parameters()), module=model, stage=2)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    # After ZeroOptimizer's own hook on that parameter (registered first).
+    handle = model.a.bias.register_post_accumulate_grad_hook(
+        lambda p: (_ for _ in ()).throw(ValueError("a hook failed"))
+    )
+    with pytest.raises(ValueError, match="a hook failed"):
+        zero.backward(model(x))
+    handle.remove()
+    zero.zero_grad()
+    for step in range(2):
+        for m in (model, ref_model):
+            m.use_b = rank == world - 1
+        ref(x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        zero.backward(model(x))
+        zero.step()
+        zero.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+def test_a_failed_backward_dropped_with_zero_grad_leaves_partial_use_stepped_whole():
+    spawn(_after_a_failed_backward, 2, backend="gloo")

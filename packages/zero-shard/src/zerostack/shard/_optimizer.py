@@ -1303,6 +1303,7 @@ class ZeroOptimizer:
             self._transition(T.IDLE)
             self.wait_updates()
         self.reduction.reset()
+        self._end_queued = False  # a backward that raised never ran its callback
         for s in self.shards:
             s.param.grad = None
             s.guard.local = None
