@@ -37,27 +37,39 @@ def _optimizer(kind: str, params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _case(rank: int, world: int, kind: str, zero_kwargs: dict) -> None:
+def _pair(kind: str, zero_kwargs: dict):
+    """The model and ZeroOptimizer, and torch DDP's copy with its optimizer."""
     torch.manual_seed(0)
     model = _Branchy()
     ref_model = copy.deepcopy(model)
     ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = _optimizer(kind, ref.parameters())
     zero = ZeroOptimizer(_optimizer(kind, model.parameters()), module=model, **zero_kwargs)
+    return model, zero, ref, _optimizer(kind, ref.parameters())
+
+
+def _compared_step(model, zero, ref, ref_opt, x: torch.Tensor, use_b: bool, step: int) -> None:
+    """One step of each on ``x``, the branch used where ``use_b``; the
+    parameters then equal torch's (fp32: the same sums in a few roundings
+    per element and step)."""
+    for m in (model, ref.module):
+        m.use_b = use_b
+    ref(x).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    zero.backward(model(x))
+    zero.step()
+    zero.zero_grad()
+    zero.wait_updates()
+    for (name, p), q in zip(model.named_parameters(), ref.module.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+def _case(rank: int, world: int, kind: str, zero_kwargs: dict) -> None:
+    model, zero, ref, ref_opt = _pair(kind, zero_kwargs)
     for step in range(3):
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-        for m in (model, ref_model):
-            m.use_b = rank == world - 1 if step != 1 else rank == 0
-        ref(x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        zero.backward(model(x))
-        zero.step()
-        zero.zero_grad()
-        zero.wait_updates()
-        # fp32: the same sums in a few roundings per element and step.
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        use_b = rank == world - 1 if step != 1 else rank == 0
+        _compared_step(model, zero, ref, ref_opt, x, use_b, step)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -74,12 +86,7 @@ def test_a_parameter_used_on_some_ranks_is_stepped_whole(world, zero_kwargs, kin
 def _after_a_failed_backward(rank: int, world: int) -> None:
     """A backward that raised (its end-of-backward callback never ran),
     dropped with zero_grad(): the steps after it still step every piece."""
-    torch.manual_seed(0)
-    model = _Branchy()
-    ref_model = copy.deepcopy(model)
-    ref = DDP(ref_model, find_unused_parameters=True)
-    ref_opt = _optimizer("sgd", ref.parameters())
-    zero = ZeroOptimizer(_optimizer("sgd", model.parameters()), module=model, stage=2)
+    model, zero, ref, ref_opt = _pair("sgd", {"stage": 2})
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
     # After ZeroOptimizer's own hook on that parameter (registered first).
     handle = model.a.bias.register_post_accumulate_grad_hook(
@@ -90,16 +97,7 @@ def _after_a_failed_backward(rank: int, world: int) -> None:
     handle.remove()
     zero.zero_grad()
     for step in range(2):
-        for m in (model, ref_model):
-            m.use_b = rank == world - 1
-        ref(x).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        zero.backward(model(x))
-        zero.step()
-        zero.zero_grad()
-        for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        _compared_step(model, zero, ref, ref_opt, x, rank == world - 1, step)
 
 
 def test_a_failed_backward_dropped_with_zero_grad_leaves_partial_use_stepped_whole():
