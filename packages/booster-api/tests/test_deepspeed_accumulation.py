@@ -31,6 +31,7 @@ class Case:
     clip: float = 0.0
     offload: bool = False
     zero_grad_every_micro_step: bool = True  # the booster's loop; DeepSpeed's never calls it
+    zero_grad_by_model: bool = False  # model.zero_grad() (torch's DCGAN loop), not the optimizer's
 
 
 CASES = [
@@ -39,6 +40,7 @@ CASES = [
     Case(name="zero2-sgd-gas3-clip", stage=2, kind="sgd", gas=3, clip=0.05),
     Case(name="zero2-adamw-gas2-offload-clip", stage=2, kind="adamw", gas=2, clip=0.05, offload=True),
     Case(name="zero2-adamw-gas1", stage=2, kind="adamw", gas=1),
+    Case(name="zero2-sgd-gas2-model-zero-grad", stage=2, kind="sgd", gas=2, zero_grad_by_model=True),
 ]  # fmt: skip
 
 
@@ -88,7 +90,7 @@ def _run_case(rank: int, world: int, case: Case) -> None:
             assert launched == ((last and case.gas > 1) or case.gas == 1), f"{where}: communication"
             stepped = opt.step()
             if case.zero_grad_every_micro_step:
-                opt.zero_grad()
+                (model if case.zero_grad_by_model else opt).zero_grad()
             torch.testing.assert_close(loss, ref_loss, **TOL32, msg=lambda m, w=where: f"{w}: {m}")
             if not last:
                 assert stepped is None, where

@@ -22,7 +22,8 @@ N (gas), the boosted optimizer follows DeepSpeed's ``engine.backward`` /
     (a loop that calls it every micro-step keeps its gradients); called
     after a backward with no ``step()`` since (a micro-batch dropped, e.g.
     after an exception in backward), it drops the whole window's gradients
-    and the window starts again.
+    and the window starts again. The boosted model's ``zero_grad()`` is the
+    optimizer's (it dropped the window's gradients, held in ``.grad``).
   - The lr scheduler (the config's, or one passed to ``boost``) is stepped
     by ``optimizer.step()`` at each boundary, as DeepSpeed's engine steps
     it; ``lr_scheduler.step()`` on the scheduler ``boost`` returns does
@@ -244,6 +245,8 @@ class DeepSpeedTraining:
         DeepSpeed gradient accumulation]); ``cpu_checkpointing``'s hooks."""
         if self.settings.cpu_checkpointing and getattr(model, "host_activations", None) is None:
             model.host_activations = HostActivations(model.unwrap())  # type: ignore[assignment]
+        if isinstance(optimizer, DeepSpeedZeroOptimizer):  # its zero_grad is the model's
+            model.window_owner = weakref.ref(optimizer)
         if isinstance(lr_scheduler, EngineSteppedScheduler):
             lr_scheduler = lr_scheduler.scheduler
         if lr_scheduler is None or not isinstance(optimizer, DeepSpeedZeroOptimizer):

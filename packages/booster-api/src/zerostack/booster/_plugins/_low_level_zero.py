@@ -92,6 +92,20 @@ class LowLevelZeroModel(ModelWrapper):
     def unwrap(self) -> nn.Module:
         return self.module
 
+    # Under a DeepSpeed config, the optimizer whose accumulation window
+    # zero_grad() must keep (a weak reference: it holds this model).
+    window_owner: Callable[[], Any] | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; under a DeepSpeed config with gradient accumulation the
+        optimizer's (see [Note: DeepSpeed gradient accumulation]): called
+        after ``step()`` inside a window it keeps the window's gradients."""
+        owner = self.window_owner() if self.window_owner is not None else None
+        if owner is not None:
+            owner.zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
     def _apply(self, fn: Any, recurse: bool = True) -> LowLevelZeroModel:
         # See [Note: boosted model methods]
         refuse_moves(self._API, _API, fn, [*self.module.parameters(), *self.module.buffers()])
