@@ -22,10 +22,10 @@ class _Branchy(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(6, 5)
         self.b = torch.nn.Linear(6, 5)  # used where ``use_b``
-        self.use_b = True
+        self.use_a = self.use_b = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
+        h = self.a(x) if self.use_a else x[:, :5] * 1.0
         if self.use_b:
             h = h + self.b(x)
         return h.square().mean()
@@ -102,3 +102,34 @@ def _after_a_failed_backward(rank: int, world: int) -> None:
 
 def test_a_failed_backward_dropped_with_zero_grad_leaves_partial_use_stepped_whole():
     spawn(_after_a_failed_backward, 2, backend="gloo")
+
+
+def _a_rank_reaching_no_parameter(rank: int, world: int) -> None:
+    """Against one process stepping the mean of every rank's loss (torch DDP
+    aborts when a rank's loss reaches no parameter)."""
+    model, zero, ref, _ = _pair("sgd", {"stage": 2})
+    plain = copy.deepcopy(ref.module)
+    plain_opt = _optimizer("sgd", plain.parameters())
+    for step in range(2):
+
+        def batch(r: int, step: int = step) -> torch.Tensor:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + r))
+            return x.requires_grad_()  # a loss that reaches no parameter still has a backward
+
+        for r in range(world):
+            plain.use_a = plain.use_b = not (step == 0 and r == world - 1)
+            (plain(batch(r)) / world).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        model.use_a = model.use_b = not (step == 0 and rank == world - 1)
+        zero.backward(model(batch(rank)))
+        assert zero.step()
+        zero.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+
+
+def test_a_rank_whose_loss_reaches_no_parameter_steps_with_the_others():
+    """Its step() takes part in every collective (for a while it returned
+    alone: the others hung in the reduction)."""
+    spawn(_a_rank_reaching_no_parameter, 2, backend="gloo", timeout_s=60)

@@ -431,6 +431,7 @@ class ZeroOptimizer:
 
     _warned_idle = False  # step() without a gradient, said once
     _end_queued = False  # _end_backward queued for the running backward
+    _ended = False  # _end_backward ran since the last step: every parameter has its guard
 
     def __init__(
         self,
@@ -789,7 +790,7 @@ class ZeroOptimizer:
         step drops it here as on the ranks that used it (see
         ``_forget_dropped``). Parameters no rank used are told by the step's
         counts, as before."""
-        self._end_queued = False
+        self._end_queued, self._ended = False, True
         for s in self.shards:
             if s.param.requires_grad and s.param.grad is None:
                 s.guard.local, s.guard.cleared = None, False
@@ -819,17 +820,6 @@ class ZeroOptimizer:
             self.zero_grad()
             self.collector.tick()
             return True
-        if self._state is T.IDLE:  # the last step consumed the gradients, as DeepSpeed's does
-            if not self._warned_idle:
-                self._warned_idle = True
-                warnings.warn(
-                    f"{_API}.step: no gradient since the last step (no backward, or one that "
-                    "reached no parameter); nothing to do: a step consumes its gradients, as "
-                    "DeepSpeed's and ColossalAI's ZeRO optimizers do",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return False
         self._check_scaled("step")
         self._write_back_pending()  # the last step's, when no forward ran since
         for bucket in self.buckets:
@@ -844,6 +834,11 @@ class ZeroOptimizer:
             used = torch.tensor([float(s.used) for s in self.shards], device=self.device)
             grads = [s.grad for s in self.shards if s.grad is not None]
             stats = grad_stats(grads, used, self.group, norm_sq=device_norm_sq)
+        if not any(stats[1:]):  # no rank has a gradient: every rank returns here
+            self._say_nothing_to_do()
+            self.zero_grad()
+            self.collector.tick()
+            return False
         plan = plan_step(_API, stats[0], self.scaler, self.max_norm, clip=self._clip)
         self.last_grad_norm = plan.grad_norm
         if plan.skip:
@@ -864,10 +859,22 @@ class ZeroOptimizer:
         self.collector.tick()
         return True
 
+    def _say_nothing_to_do(self) -> None:
+        if not self._warned_idle:
+            self._warned_idle = True
+            warnings.warn(
+                f"{_API}.step: no gradient since the last step on any rank (no backward, or "
+                "one that reached no parameter); nothing to do: a step consumes its gradients, "
+                "as DeepSpeed's and ColossalAI's ZeRO optimizers do",
+                UserWarning,
+                stacklevel=4,
+            )
+
     def _forget_dropped(self) -> bool:
         """What torch does to a ``.grad`` the user dropped or zeroed since
         it was reduced (``model.zero_grad()``, the module's own or the
-        boosted model's, ``p.grad = None``), done to its reduced piece:
+        boosted model's, ``p.grad = None``), done to its reduced piece
+        (on a rank that handed out the guard: see ``_end_backward``):
         dropped (``set_to_none=True``), the parameter steps only with what a
         later backward gives it, and not at all without one; zeroed
         (``set_to_none=False``), the piece is zeros. True when a piece
@@ -876,7 +883,9 @@ class ZeroOptimizer:
         for s in self.shards:
             if s.grad is None:
                 continue
-            if s.param.grad is not s.guard:
+            # A guard never handed out here (no backward on this rank reached a
+            # parameter) cannot have been dropped: the piece the others reduced stays.
+            if (s.used or self._ended) and s.param.grad is not s.guard:
                 s.grad, s.used, changed = None, False, True
             elif s.guard.cleared:
                 s.grad, s.guard.cleared, changed = torch.zeros_like(s.grad), False, True
@@ -1303,7 +1312,7 @@ class ZeroOptimizer:
             self._transition(T.IDLE)
             self.wait_updates()
         self.reduction.reset()
-        self._end_queued = False  # a backward that raised never ran its callback
+        self._end_queued = self._ended = False  # a backward that raised never ran its callback
         for s in self.shards:
             s.param.grad = None
             s.guard.local = None
