@@ -240,3 +240,53 @@ def test_a_parameter_back_after_steps_without_a_gradient_is_said_once(uses, said
     assert len(told) == said, told
     if said:
         assert "['branch.weight', 'branch.bias']" in told[0]
+
+
+class _AddBias(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.bias  # saves nothing: its gradient comes before the recompute
+
+
+class _Recomputed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.add = _AddBias()  # registered last: the last chunk, reduced first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda t: self.add(self.lin(t)), x, use_reentrant=False).square().mean()
+
+
+@pytest.mark.parametrize("keep_gathered", [True, False])
+def test_a_forward_recomputed_after_its_chunks_reduce_runs(keep_gathered):
+    """Activation checkpointing without early stop recomputes the whole
+    segment in backward, after the last chunk was reduced (its gradients
+    written over its parameters): a kept-gathered chunk's tensors, unbound by
+    the reduce, are bound again for it; the step equals torch's."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    model = _Recomputed()
+    ref = copy.deepcopy(model)
+    ddp = GeminiDDP(
+        model, mixed_precision=torch.float32, compute_device="cpu",
+        chunk_config_dict={1: {"chunk_size": 20, "keep_gathered": keep_gathered}},
+    )  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(list(model.parameters()), lr=0.1), ddp)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    with set_checkpoint_early_stop(False):
+        opt.backward(ddp(x))
+        ref(x).backward()
+    assert opt.step()
+    ref_opt.step()
+    ddp.wait_updates()
+    state = ddp.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(
+            state[name], value, rtol=0, atol=4 * torch.finfo(torch.float32).eps
+        )

@@ -103,6 +103,8 @@ class Chunk:
         ValueError: chunk_size < 1, or a dtype that is not floating point.
     """
 
+    _unbound = False  # gathered, its tensors pointed away from the buffer (see reduce)
+
     def __init__(
         self,
         chunk_size: int,
@@ -286,10 +288,12 @@ class Chunk:
 
     def _rebind(self) -> None:
         self._in_flight = None
+        self._unbound = False
         for t, info in self.tensors_info.items():
             t.data = self.buffer[info.offset : info.end].view(info.shape)
 
     def _unbind(self) -> None:
+        self._unbound = True
         for t in self.tensors_info:
             t.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
 
@@ -310,6 +314,8 @@ class Chunk:
         self._check_closed("access")
         if self.is_gathered:
             self.settle()
+            if self._unbound:  # a forward recomputed in backward after the reduce (its
+                self._rebind()  # values are the gradients, as a sharded chunk's re-gather)
             return None
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
         try:
