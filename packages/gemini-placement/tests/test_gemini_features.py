@@ -290,3 +290,21 @@ def test_a_forward_recomputed_after_its_chunks_reduce_runs(keep_gathered):
         torch.testing.assert_close(
             state[name], value, rtol=0, atol=4 * torch.finfo(torch.float32).eps
         )
+
+
+def test_the_users_module_run_between_backward_and_step_is_refused():
+    """model.unwrap() (the user's module, as Hugging Face's generate() runs
+    it) between a backward and its step computed with the reduced gradients
+    in place of the parameters, silently (logits 0.85 off torch's); it raises
+    as GeminiDDP's own forward does, and runs after the step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    ddp = GeminiDDP(model, mixed_precision=torch.float32, compute_device="cpu")
+    opt = GeminiOptimizer(torch.optim.SGD(list(model.parameters()), lr=0.1), ddp)
+    x = torch.randn(3, 4)
+    opt.backward(ddp(x).square().mean())
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"GeminiDDP: the forward of module 0 between a backward and its optimizer\.step\(\) \(through model\.unwrap\(\) or a submodule\)"):  # fmt: skip
+        model(x)
+    assert opt.step()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ddp(x))

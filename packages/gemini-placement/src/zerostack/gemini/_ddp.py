@@ -672,6 +672,13 @@ class GeminiDDP(nn.Module):
                 self.chunk_manager.release_chunk(chunk)
 
     def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk], label: str) -> None:
+        if self._state is T.REDUCED:  # not through forward(), which says so first: unwrap()
+            raise RuntimeError(
+                f"{_API}: the {label} between a backward and its optimizer.step() (through "
+                "model.unwrap() or a submodule): the reduced gradients sit where the "
+                "parameters belong, and it would compute with them; run it after "
+                "optimizer.step() (or drop the gradients with optimizer.zero_grad())"
+            )
         if self._state is not T.BACKWARD and not self.placement.keeps_cache:
             # Forward has moved past the chunks this module does not use:
             # release those (a chunk shared by consecutive modules is gathered
