@@ -868,9 +868,10 @@ class ZeroOptimizer:
         if not self._warned_idle:
             self._warned_idle = True
             warnings.warn(
-                f"{_API}.step: no gradient since the last step on any rank (no backward, or "
-                "one that reached no parameter); nothing to do: a step consumes its gradients, "
-                "as DeepSpeed's and ColossalAI's ZeRO optimizers do",
+                f"{_API}.step: no gradient since the last step on any rank (no backward, one "
+                "that reached no parameter, or gradients dropped by zero_grad()); nothing to "
+                "do: a step consumes its gradients, as DeepSpeed's and ColossalAI's ZeRO "
+                "optimizers do",
                 UserWarning,
                 stacklevel=4,
             )
