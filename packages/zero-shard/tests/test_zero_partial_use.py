@@ -133,33 +133,3 @@ def test_a_rank_whose_loss_reaches_no_parameter_steps_with_the_others():
     """Its step() takes part in every collective (for a while it returned
     alone: the others hung in the reduction)."""
     spawn(_a_rank_reaching_no_parameter, 2, backend="gloo", timeout_s=60)
-
-
-def _two_backwards(rank: int, world: int, zero_kwargs: dict) -> None:
-    """Two backwards before the step, without no_sync (torch's
-    accumulation), the branch used on rank 0 only in the first: the ranks
-    issued different reductions (gloo aborted on a collective mismatch)."""
-    model, zero, ref, ref_opt = _pair("sgd", zero_kwargs)
-    for step in range(2):
-        for micro, use_b in enumerate((rank == 0, True)):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * micro + rank))
-            for m in (model, ref.module):
-                m.use_b = use_b
-            ref(x).backward()
-            zero.backward(model(x))
-        ref_opt.step()
-        ref_opt.zero_grad()
-        zero.step()
-        zero.zero_grad()
-        zero.wait_updates()
-        for (name, p), q in zip(model.named_parameters(), ref.module.parameters(), strict=True):
-            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
-
-
-@pytest.mark.parametrize(
-    "zero_kwargs",
-    [{"stage": 1}, {"stage": 2, "cpu_offload": True}],
-    ids=["stage1", "stage2-offload"],
-)
-def test_two_backwards_with_a_partly_used_parameter_equal_ddp(zero_kwargs):
-    spawn(_two_backwards, 2, args=(zero_kwargs,), backend="gloo", timeout_s=60)

@@ -789,17 +789,16 @@ class ZeroOptimizer:
         is then this rank's to step, and a ``model.zero_grad()`` before the
         step drops it here as on the ranks that used it (see
         ``_forget_dropped``). Parameters no rank used are told by the step's
-        counts, as before. The buckets still waiting for such a parameter
-        are launched now, on every rank alike, so that a second backward
-        before the step (torch's accumulation) finds the same reductions
-        done everywhere."""
+        counts, as before. (Under reentrant activation checkpointing this runs
+        at the end of each segment's inner backward too: a guard handed out
+        early takes what autograd accumulates into it, as in a second
+        backward; so nothing here launches a reduction, which would then run
+        once a segment.)"""
         self._end_queued, self._ended = False, True
         for s in self.shards:
             if s.param.requires_grad and s.param.grad is None:
                 s.guard.local, s.guard.cleared = None, False
                 s.param.grad = s.guard
-        if self.overlap:
-            self.reduction.launch_ready(flush=True)
 
     # -- the step -----------------------------------------------------------------
 
