@@ -191,7 +191,10 @@ class NVMeStates:
             if first in now:
                 p = now[first]
                 m, v = self._snapshot(was)  # file-backed: copied to the parameter's device
-                states[p] = tuple(t.reshape(p.shape).to(p.device, copy=True) for t in (m, v))
+                states[p] = (
+                    m.reshape(p.shape).to(p.device, copy=True),
+                    v.reshape(p.shape).to(p.device, copy=True),
+                )
             for key, _, _ in self.keys[was]:
                 self.swapper.release(key)
         return states
