@@ -292,6 +292,14 @@ class Chunk:
         for t, info in self.tensors_info.items():
             t.data = self.buffer[info.offset : info.end].view(info.shape)
 
+    def bind(self) -> None:
+        """Point the tensors at the gathered buffer again if a reduce over
+        the parameters unbound them (see ``reduce``): the step's write-back,
+        or a forward recomputed in backward after the reduce (its values are
+        then the gradients, as a sharded chunk's re-gather gives)."""
+        if self._unbound:
+            self._rebind()
+
     def _unbind(self) -> None:
         self._unbound = True
         for t in self.tensors_info:
@@ -314,8 +322,7 @@ class Chunk:
         self._check_closed("access")
         if self.is_gathered:
             self.settle()
-            if self._unbound:  # a forward recomputed in backward after the reduce (its
-                self._rebind()  # values are the gradients, as a sharded chunk's re-gather)
+            self.bind()
             return None
         self.buffer = torch.empty(self.chunk_size, dtype=self.dtype, device=self.compute_device)
         try:
@@ -694,7 +701,7 @@ class Chunk:
         if self.world_size > 1:
             share = self.local_share().clone()
             _comm.all_gather_into(self.buffer, share, self.process_group, async_op=False)
-        self._rebind()  # tensors unbound by a reduce over the parameters
+        self.bind()
 
     def copy_into_slot(self, tensor: torch.Tensor, values: torch.Tensor | None) -> None:
         """Write ``values`` (``tensor``'s numel, any shape; None: zeros) over

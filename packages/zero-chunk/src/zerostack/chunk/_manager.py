@@ -206,7 +206,7 @@ class ChunkManager:
             chunk.settle()
             return None
         if chunk.is_gathered:  # kept gathered (or zero-filled): nothing moves, nothing to count
-            chunk.access()  # its tensors bound to the buffer again if a reduce unbound them
+            chunk.bind()
             if not chunk.keep_gathered:
                 self.accessed_chunks.add(chunk)
             return None
