@@ -103,6 +103,11 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
         help="run the whole set of configurations this many times in one process, interleaved",
     )  # fmt: skip
     ap.add_argument(
+        "--switch-interval", type=float, default=None, metavar="SECONDS",
+        help="sys.setswitchinterval: how long a thread may hold the GIL while another waits "
+        "for it (Python's default 0.005); the CPU step's worker takes it between kernel calls",
+    )  # fmt: skip
+    ap.add_argument(
         "--machine", default=None, metavar="PROFILE.json",
         help="a MachineProfile written by benchmarks/machine.py: each offloaded row also prints "
         "its floor (zerostack.shard.step_floor) and achieved / floor",
@@ -112,6 +117,10 @@ def setup(doc: str, only: str, extra: Callable[[argparse.ArgumentParser], None] 
     a = ap.parse_args()
     if a.machine is not None:
         MACHINE[0] = MachineProfile.load(a.machine)
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
+    print(f"[bench] GIL switch interval {sys.getswitchinterval()} s", file=sys.stderr, flush=True)
+    KERNEL_CLOCK.install()
     if not torch.cuda.is_available():
         print(f"{os.path.basename(sys.argv[0])}: needs a CUDA device", file=sys.stderr)
         return None
@@ -241,9 +250,9 @@ class Offload(NamedTuple):
     disk_wait_s: Callable[[], float] = lambda: 0.0
 
 
-def _offload_counters(offload: Offload) -> tuple[float, float, float]:
+def _offload_counters(offload: Offload) -> tuple[float, float, float, tuple[float, int, int]]:
     p = offload.pipeline
-    return p.update_s, p.wait_s, offload.disk_wait_s()
+    return p.update_s, p.wait_s, offload.disk_wait_s(), KERNEL_CLOCK.read()
 
 
 def run(
@@ -332,11 +341,12 @@ def run(
     if offload is not None:  # before any profiled step below adds to the counters
         wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
         offload.settle()
-        update_s, _, disk_s = _offload_counters(offload)
+        update_s, _, disk_s, kernel = _offload_counters(offload)
         timed = dict(
             cpu_step_s=(update_s - at_step[0]) / steps,
             wait_s=(wait_s - at_forward[1]) / steps,
             disk_wait_s=(disk_s - at_step[2]) / steps,
+            cpu_kernel=tuple((k - k0) / steps for k, k0 in zip(kernel, at_step[3], strict=True)),
         )
     profiled = os.environ.get("ZEROSTACK_BENCH_PROFILE", "0")  # 1: three steps; N > 1: N
     if profiled.isdigit() and int(profiled) > 0:
@@ -384,6 +394,47 @@ class _GcClock:
 
 GC_CLOCK = _GcClock()  # registered once: a row that raises leaves nothing behind
 gc.callbacks.append(GC_CLOCK)
+
+
+class _KernelClock:
+    """CPU Adam's compiled ``adam_step``, timed: seconds inside it, calls and
+    elements, summed. The CPU step (``update_s``) also holds the Python
+    around each call (setting ``.grad``, the inner optimizer's pass over its
+    parameters, the copy-out) and any wait for the GIL; the difference says
+    how much of the CPU step is not the kernel. A wrapper on the module the
+    launcher calls (``zerostack.fused_adam._kernels._cpu``): about a
+    microsecond a call."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls, self.elements = 0.0, 0, 0
+        self._module: Any = None
+
+    def install(self) -> None:
+        try:
+            from zerostack.fused_adam import _kernels
+        except ImportError:
+            return
+        if _kernels._cpu is None or isinstance(_kernels._cpu, _KernelClock):
+            return
+        self._module, _kernels._cpu = _kernels._cpu, self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_module"], name)
+
+    def adam_step(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._module.adam_step(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            self.elements += sum(kwargs.get("numels", args[5] if len(args) > 5 else ()))
+
+    def read(self) -> tuple[float, int, int]:
+        return self.seconds, self.calls, self.elements
+
+
+KERNEL_CLOCK = _KernelClock()
 
 
 def _counted(before: dict, key: str) -> int:
@@ -758,8 +809,20 @@ def print_table(
             f"- run {r.get('run', 0)}, {r['name'][:60]}: {steps}; losses "
             f"{' '.join(f'{x:.6f}' for x in r['losses'])}; "
             f"reserved {r['peak_reserved_gb']:.1f} GB at most; {r['device_allocs']} device "
-            f"allocations and {r['device_frees']} frees over the timed steps"
+            f"allocations and {r['device_frees']} frees over the timed steps" + _kernel_line(r)
         )
+
+
+def _kernel_line(r: dict) -> str:
+    """A row's CPU Adam kernel a step (see ``_KernelClock``), beside its CPU step."""
+    if not r.get("cpu_kernel") or not r["cpu_kernel"][1]:
+        return ""
+    seconds, calls, elements = r["cpu_kernel"]
+    return (
+        f"; CPU Adam kernel {seconds:.3f} s of the CPU step's {r['cpu_step_s']:.3f} s a step, "
+        f"{calls:.1f} calls, {elements / 1e9:.3f} G elements ({elements / seconds / 1e9:.2f} G "
+        f"elements/s, {28 * elements / seconds / 1e9:.1f} GB/s at 28 B each)"
+    )
 
 
 MOVED = (

@@ -61,6 +61,8 @@
 #       gpt4b    benchmarks/gemini.py 36 x 3072 (4B class) --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3
 #       llama    benchmarks/gemini.py --model llama --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3
 #       main     the main job on the GPU with --machine (its summary's floor line)
+#                FLOOR_ARGS: more options for the benchmarks' parts (e.g. "--switch-interval 0.0005"),
+#                LOG_TAG: a suffix for their logs' names (two settings in one call)
 #                gemini_auto steps every CPU-held chunk in CPU Adam (GeminiOptimizer's default: its
 #                split is opt-in); zero2_offload takes ZeroOptimizer's
 #                default ("auto" with cpu_offload: the step-time model's share from $PROFILE, through
@@ -277,20 +279,20 @@ floor)
   build; sources; machine
   for part in ${*:-profile zero gpt4b llama main}; do
     if [ "$part" = profile ]; then profile again; else profile; fi
-    M=(--machine "$PROFILE")
+    M=(--machine "$PROFILE" ${FLOOR_ARGS:-})
     export ZEROSTACK_MACHINE_PROFILE="$PROFILE"  # "auto": the floor's profile, not a new measure
     case "$part" in
     profile) ;;
     zero)
       timeout 400 python3 benchmarks/zero_shard.py --only plain,zero2,zero2_offload,zero2_offload_cpu \
         --max-norms 1 --repeat 3 "${M[@]}" \
-        > "$OUT/floor_zero.log" 2>&1; table "$OUT/floor_zero.log" 24 ;;
+        > "$OUT/floor_zero${LOG_TAG:-}.log" 2>&1; table "$OUT/floor_zero${LOG_TAG:-}.log" 24 ;;
     gpt4b)
       timeout 500 python3 benchmarks/gemini.py --layers 36 --dim 3072 --heads 24 \
-        --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b.log" 2>&1; table "$OUT/floor_gpt4b.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto --cap-gib 24 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_gpt4b${LOG_TAG:-}.log" 2>&1; table "$OUT/floor_gpt4b${LOG_TAG:-}.log" 24 ;;
     llama)
       timeout 400 python3 benchmarks/gemini.py --model llama \
-        --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama.log" 2>&1; table "$OUT/floor_llama.log" 24 ;;
+        --only plain,gemini_gpu,gemini_auto --cap-gib 12 --max-norms 1 --repeat 3 "${M[@]}" > "$OUT/floor_llama${LOG_TAG:-}.log" 2>&1; table "$OUT/floor_llama${LOG_TAG:-}.log" 24 ;;
     main)
       rm -rf /tmp/floor_job
       timeout 200 python3 examples/train_booster.py --steps 40 --log-every 10 --run-dir /tmp/floor_job "${M[@]}" \
