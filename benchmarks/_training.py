@@ -11,6 +11,7 @@ import gc
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -250,7 +251,9 @@ class Offload(NamedTuple):
     disk_wait_s: Callable[[], float] = lambda: 0.0
 
 
-def _offload_counters(offload: Offload) -> tuple[float, float, float, tuple[float, int, int]]:
+def _offload_counters(
+    offload: Offload,
+) -> tuple[float, float, float, tuple[float, int, int, float]]:
     p = offload.pipeline
     return p.update_s, p.wait_s, offload.disk_wait_s(), KERNEL_CLOCK.read()
 
@@ -398,15 +401,17 @@ gc.callbacks.append(GC_CLOCK)
 
 class _KernelClock:
     """CPU Adam's compiled ``adam_step``, timed: seconds inside it, calls and
-    elements, summed. The CPU step (``update_s``) also holds the Python
-    around each call (setting ``.grad``, the inner optimizer's pass over its
-    parameters, the copy-out) and any wait for the GIL; the difference says
-    how much of the CPU step is not the kernel. A wrapper on the module the
-    launcher calls (``zerostack.fused_adam._kernels._cpu``): about a
-    microsecond a call."""
+    elements, summed; and the seconds the CPU-step worker spent in
+    ``torch.cuda.Event.synchronize``. The CPU step (``update_s``) also holds
+    the Python around each call (setting ``.grad``, the inner optimizer's
+    pass over its parameters, the copy-out) and any wait for the GIL; the
+    difference says how much of the CPU step is neither the kernel nor an
+    event. Wrappers on the module the launcher calls
+    (``zerostack.fused_adam._kernels._cpu``) and on the event's method:
+    about a microsecond a call."""
 
     def __init__(self) -> None:
-        self.seconds, self.calls, self.elements = 0.0, 0, 0
+        self.seconds, self.calls, self.elements, self.event_s = 0.0, 0, 0, 0.0
         self._module: Any = None
 
     def install(self) -> None:
@@ -417,6 +422,18 @@ class _KernelClock:
         if _kernels._cpu is None or isinstance(_kernels._cpu, _KernelClock):
             return
         self._module, _kernels._cpu = _kernels._cpu, self
+        synchronize = torch.cuda.Event.synchronize
+
+        def timed_synchronize(event: torch.cuda.Event) -> None:
+            if not threading.current_thread().name.startswith("zerostack-cpu-step"):
+                return synchronize(event)
+            t0 = time.perf_counter()
+            try:
+                return synchronize(event)
+            finally:
+                self.event_s += time.perf_counter() - t0
+
+        torch.cuda.Event.synchronize = timed_synchronize  # type: ignore[method-assign]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_module"], name)
@@ -430,8 +447,8 @@ class _KernelClock:
             self.calls += 1
             self.elements += sum(kwargs.get("numels", args[5] if len(args) > 5 else ()))
 
-    def read(self) -> tuple[float, int, int]:
-        return self.seconds, self.calls, self.elements
+    def read(self) -> tuple[float, int, int, float]:
+        return self.seconds, self.calls, self.elements, self.event_s
 
 
 KERNEL_CLOCK = _KernelClock()
@@ -817,9 +834,10 @@ def _kernel_line(r: dict) -> str:
     """A row's CPU Adam kernel a step (see ``_KernelClock``), beside its CPU step."""
     if not r.get("cpu_kernel") or not r["cpu_kernel"][1]:
         return ""
-    seconds, calls, elements = r["cpu_kernel"]
+    seconds, calls, elements, event_s = r["cpu_kernel"]
     return (
-        f"; CPU Adam kernel {seconds:.3f} s of the CPU step's {r['cpu_step_s']:.3f} s a step, "
+        f"; CPU Adam kernel {seconds:.3f} s and the worker's event waits {event_s:.3f} s of the "
+        f"CPU step's {r['cpu_step_s']:.3f} s a step, "
         f"{calls:.1f} calls, {elements / 1e9:.3f} G elements ({elements / seconds / 1e9:.2f} G "
         f"elements/s, {28 * elements / seconds / 1e9:.1f} GB/s at 28 B each)"
     )
