@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zerostack.chunk import Chunk, ChunkManager, phase, pinned_empty
-from zerostack.shard import CpuStepError, CpuUpdatePipeline
+from zerostack.shard import CpuStepError, CpuUpdatePipeline, wait_event
 
 __all__ = ["CpuStepError", "CpuStepPipeline", "write_back"]
 
@@ -126,7 +126,7 @@ class CpuStepPipeline:
         if buf is None:  # kept for reuse: exactly its size (see [Note: exact pinned buffers])
             return pinned_empty(numel, dtype) if pin else torch.empty(numel, dtype=dtype)
         if pending is not None:  # an asynchronous copy to the device may still read it
-            pending.synchronize()
+            wait_event(pending)
         return buf
 
     def _give(self, buf: torch.Tensor | None, event: Any = None) -> None:
@@ -200,7 +200,7 @@ class CpuStepPipeline:
             return grad
         event = self._staged.pop(chunk, None)
         if event is not None:
-            event.synchronize()
+            wait_event(event)
         return self._host_grads[chunk]
 
     def _release(self, chunk: Chunk) -> None:

@@ -11,7 +11,12 @@ from zerostack.shard._clip import (
     record_clip,
 )
 from zerostack.shard._config import ZeroConfig, as_kwargs, changed_fields, check_fraction
-from zerostack.shard._cpu_pipeline import CpuStepError, CpuUpdatePipeline, write_failed
+from zerostack.shard._cpu_pipeline import (
+    CpuStepError,
+    CpuUpdatePipeline,
+    wait_event,
+    write_failed,
+)
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
 from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
@@ -92,5 +97,6 @@ __all__ = [
     "step_with_div_scale",
     "stepping_twin",
     "takes_div_scale",
+    "wait_event",
     "write_failed",
 ]

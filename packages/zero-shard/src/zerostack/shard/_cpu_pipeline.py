@@ -174,6 +174,17 @@ def write_failed(error: OSError) -> bool:
     return type(error).__name__ == "NVMeWriteError"
 
 
+def wait_event(event: Any) -> None:
+    """Wait on the host for a CUDA ``event`` to complete; one already
+    complete is not waited for. ``query`` keeps the GIL, ``synchronize``
+    lets it go and must take it back: on the CPU-step worker, while the
+    main thread runs the next forward's Python, that is a handover both ways
+    for an event that is, as a rule, long done (see zerostack.fused_adam's
+    [Note: few torch calls on the CPU-step worker])."""
+    if not event.query():
+        event.synchronize()
+
+
 def _cuda_index(device: torch.device) -> int | None:
     """The CUDA device the worker makes current (None off CUDA)."""
     if device.type != "cuda":

@@ -33,7 +33,7 @@ from zerostack.shard._bucket import (
 )
 from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record_clip
 from zerostack.shard._config import CPU_UPDATE_NUMEL, ZeroConfig, check_cpu_update_numel
-from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, write_failed
+from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, wait_event, write_failed
 from zerostack.shard._device_lane import DeviceLane, lane_writable
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
@@ -1070,7 +1070,7 @@ class ZeroOptimizer:
         bucket's ``host_params``."""
         for bucket in buckets:
             if bucket.copied is not None:
-                bucket.copied.synchronize()  # the last H2D copy out of host_params is done
+                wait_event(bucket.copied)  # the last H2D copy out of host_params is done
         # One update at a time: the inner optimizer steps every master with a
         # .grad, and a failed update's retry runs on the main thread while
         # the worker may be running another call's.
