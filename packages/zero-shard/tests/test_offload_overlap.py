@@ -323,6 +323,21 @@ def test_checkpoint_while_updates_are_in_flight():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_submodules_state_dict_waits_for_the_step():
+    """A backbone saved apart (``model.blocks[0].state_dict()``) right after
+    ``step()`` holds the step's values, as the root's ``state_dict()``
+    does; it read them one step stale."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    ref_model = copy.deepcopy(model)
+    zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, overlap=False, max_norm=1.0)
+    for step in range(3):
+        assert _train(model, zero, step) and _train(ref_model, ref, step)
+        got = {k: v.clone() for k, v in model.blocks[-1].state_dict().items()}
+        for k, v in ref_model.blocks[-1].state_dict().items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"step {step}: {k}")
+
+
 class _KernelFault:
     """While ``active``, every CPU Adam kernel call raises before it runs (a
     failed NVMe read, say): nothing of the update happens."""

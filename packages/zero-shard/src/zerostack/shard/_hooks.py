@@ -72,7 +72,8 @@ def register_forward_hooks(zero: ZeroOptimizer, module: torch.nn.Module) -> list
     """Each module with parameters of its own waits, before its forward,
     for the buckets that hold them (positions in write-back order), and
     the root module first notes a new forward (see [Note: parameters read
-    outside their module]); ``module.state_dict()`` waits for all."""
+    outside their module]); the state_dict() of the module or of any
+    submodule waits for all."""
     me = weakref.ref(zero)
     where = {id(s.param): (k, s.index) for k, b in enumerate(zero._order) for s in b.shards}
     handles = [module.register_forward_pre_hook(lambda _m, _a, me=me: _root_hook(me))]
@@ -86,5 +87,10 @@ def register_forward_hooks(zero: ZeroOptimizer, module: torch.nn.Module) -> list
                     lambda _m, _a, pos=positions, sh=shards, me=me: _forward_hook(me, pos, sh)
                 )
             )
-    handles.append(module.register_state_dict_pre_hook(lambda *_a, me=me: _state_dict_hook(me)))
+    # Every module's, not the root's alone: a submodule's state_dict() (a
+    # backbone saved apart) read the parameters one step stale.
+    handles += [
+        m.register_state_dict_pre_hook(lambda *_a, me=me: _state_dict_hook(me))
+        for m in module.modules()
+    ]
     return handles
