@@ -7,6 +7,7 @@ does, or the error / warning pinned by its message."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -683,6 +684,8 @@ def _at_two_ranks(rank: int, world: int) -> None:
     model, *_ = booster.boost(plain)
     with pytest.raises(RuntimeError, match=r"model\.unwrap\(\)\.state_dict\(\) would hold empty tensors \(got tok_emb\.weight of shape \(0,\)\)"):  # fmt: skip
         model.unwrap().state_dict()
+    with pytest.raises(RuntimeError, match=r"would hold empty tensors \(got blocks\.0\."):
+        model.unwrap().blocks[0].state_dict()  # a submodule's: it gave (0,) tensors
     state = model.state_dict()
     assert set(state) == {f"module.{k}" for k in whole}
     for k, v in whole.items():
@@ -718,6 +721,21 @@ def _at_two_ranks(rank: int, world: int) -> None:
 
 def test_at_two_ranks() -> None:
     spawn(_at_two_ranks, 2)
+
+
+def test_gemini_refuses_a_copy_of_its_module():
+    """``AveragedModel(model.unwrap())`` under GeminiPlugin deep-copied
+    GeminiDDP's hooks with copies of the chunks: the EMA computed with the
+    weights of the time of the copy (bitwise the untrained model's after
+    training), silently. The copy raises, naming the way that works."""
+    torch.manual_seed(0)
+    net = TinyGPT(CONFIG)
+    booster = Booster(plugin=GeminiPlugin(precision="fp32"))
+    model, *_ = booster.boost(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=r"copy\.deepcopy of a module wrapped by GeminiDDP"):
+        torch.optim.swa_utils.AveragedModel(model.unwrap())
+    with pytest.raises(RuntimeError, match=r"update the copy from the boosted model's state_dict"):
+        copy.deepcopy(model.unwrap().blocks[0])
 
 
 @pytest.mark.parametrize("placement", ["static", "auto"])

@@ -1161,6 +1161,19 @@ class _ModuleHooks:
         backward_label = f"backward of module {name}"
         self._pre_backward = _WeakCall(ddp, "_pre_backward", self.slots, chunks, backward_label)
 
+    def __deepcopy__(self, memo: dict) -> _ModuleHooks:
+        # A copy would run GeminiDDP's hooks on copies of the chunks: the
+        # copied module computes with the weights of the time of the copy.
+        raise RuntimeError(
+            f"{_API}: copy.deepcopy of a module wrapped by GeminiDDP (GeminiPlugin's "
+            "model.unwrap(), or one of its submodules; torch.optim.swa_utils.AveragedModel "
+            "makes such a copy): its parameters are views into chunks that the copy would not "
+            "follow, so it would compute with the weights of the time of the copy. For an EMA, "
+            "copy the model before booster.boost and update the copy from the boosted model's "
+            "state_dict() (on every rank); see the booster guide, 'Reading the weights "
+            "during training'"
+        )
+
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:

@@ -102,9 +102,9 @@ class GeminiModel(ModelWrapper):
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
-        module.module.register_state_dict_pre_hook(
-            functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
-        )
+        refuse = functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
+        for m in module.module.modules():  # a submodule's state_dict() too (a backbone)
+            m.register_state_dict_pre_hook(refuse)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -345,13 +345,15 @@ def _refuse_sharded_state_dict(
     if ddp is None:
         return
     manager = ddp.chunk_manager
-    for p in ddp.params:
-        if p.numel() != manager.get_chunk(p).tensors_info[p].shape.numel():
+    for p in module.parameters():
+        chunk = manager.tensor_chunk_map.get(p)
+        if chunk is not None and p.numel() != chunk.tensors_info[p].shape.numel():
             raise RuntimeError(
                 f"{_API}: model.unwrap().state_dict() would hold empty tensors (got "
                 f"{ddp.param_names[p]} of shape {tuple(p.shape)}): the parameters are sharded "
                 "over the ranks between forward passes, and hold no values from a backward "
-                "until the next forward writes the step's back; call the boosted model's "
+                "until the next forward writes the step's back (a submodule's state_dict() too); "
+                "call the boosted model's "
                 "state_dict() on every rank (it gathers them, as ColossalAI's "
                 "GeminiDDP.state_dict) or booster.save_model(model, path)"
             )
