@@ -61,11 +61,11 @@ CPU Adam, on the same homes, after their last copy back (as does a chunk
 whose host gradient is pageable, whose copy would make the host wait).
 
 Which chunks: the first in compute order (chunk order under static
-placement, which records none), which the next forward needs first. The
-worker runs the updates in order and a device-lane update only queues copies
-and a kernel, so with these first it queues all of them at once and goes on
-to CPU Adam: PCIe, the GPU and the CPU all work from the start of the update
-phase. And the forward's first chunks wait only for the device lane, whose
+placement, which records none), which the next forward needs first. A
+device-lane update only queues copies and a kernel, on a worker of its own
+beside CPU Adam's (zerostack.shard's [Note: the device lane's own worker]):
+PCIe, the GPU and the CPU all work from the start of the update phase. And
+the forward's first chunks wait only for the device lane, whose
 first chunk is ready one copy and one kernel after ``step()``, while CPU
 Adam gets their forward's time as a head start.
 

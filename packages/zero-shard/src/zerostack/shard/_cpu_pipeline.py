@@ -1,5 +1,5 @@
 """The one CPU-step pipeline: the updates of a step whose states live on the
-host, by key, on a worker thread or inline, and the rule for an update that
+host, by key, on worker threads or inline, and the rule for an update that
 fails. Most run in CPU Adam; the device lanes of ZeroOptimizer and
 GeminiOptimizer (``gpu_update_fraction``) queue others in the device's Adam
 under the same keys (``submit(..., lane="device")``, see [Note: Adam where
@@ -174,6 +174,23 @@ def write_failed(error: OSError) -> bool:
     return type(error).__name__ == "NVMeWriteError"
 
 
+# [Note: the device lane's own worker] A device-lane update (``lane="device"``,
+# see [Note: Adam where the bandwidth is]) only queues copies and kernels,
+# but that queueing is Python and torch calls, window by window and
+# parameter by parameter. On the one worker it ran before the first CPU Adam
+# call, every step: ZeroOptimizer's split of GPT-2 XL's shape (share 0.39) on
+# an H200 took 0.295-0.318 s a step in its updates, of which CPU Adam's kernel
+# 0.240-0.249 s; with every update in CPU Adam, 0.354-0.363 s and 0.331-0.340 s
+# (docs/benchmarks.md, "2026-12-05 seventeenth session"). The CPU update
+# phase is the bound of these steps (the next forward waits for it), so the
+# lane's updates run on a second worker and CPU Adam starts at once. Each
+# worker takes its own lane's keys in order; the owner waits for keys in
+# order whichever worker ran them; the two share no lock (the CPU updates'
+# and the lane's staging lock are the owners' own) and touch different
+# masters and states (the inner optimizer steps only the masters with a
+# ``.grad``, which the lane never sets).
+
+
 def wait_event(event: Any) -> None:
     """Wait on the host for a CUDA ``event`` to complete; one already
     complete is not waited for. ``query`` keeps the GIL, ``synchronize``
@@ -201,13 +218,14 @@ def _init_worker(cuda_index: int | None, idents: set[int]) -> None:
 
 
 class CpuUpdatePipeline:
-    """The CPU updates of a step, by int key, on one worker thread or inline.
+    """The CPU updates of a step, by int key, on worker threads (one for CPU
+    Adam, one for the device lane) or inline.
 
     Args:
         api: the owner's name, for messages.
         unit: what a key names in messages: a text with ``{}`` for the key
             (e.g. ``"chunk {}"``), or a function of the key.
-        overlap: run updates on a worker thread (else inline, at ``submit``).
+        overlap: run updates on worker threads (else inline, at ``submit``).
         device: the compute device (the worker's current CUDA device).
         retry_at: what runs a kept update again, for the error's message.
         write_back_stream: with a CUDA ``device``, a stream for the owner's
@@ -221,16 +239,21 @@ class CpuUpdatePipeline:
     ) -> None:  # fmt: skip
         self.api, self.unit, self.retry_at = api, unit, retry_at
         cuda = device.type == "cuda"
-        self._executor: ThreadPoolExecutor | None = None
-        # This pipeline's worker (not another's: a finalizer or a step waiter
+        # One worker for CPU Adam, one for the device lane's updates (a
+        # thread starts at its first update): see [Note: the device lane's
+        # own worker].
+        self._executors: dict[str, ThreadPoolExecutor] = {}
+        # This pipeline's workers (not another's: a finalizer or a step waiter
         # may run on any pipeline's worker); a set, not the pipeline, goes to
-        # the thread, which must not hold the pipeline (see ``closer``).
+        # the threads, which must not hold the pipeline (see ``closer``).
         self._idents: set[int] = set()
         if overlap:
-            self._executor = ThreadPoolExecutor(
-                1, thread_name_prefix=_THREAD_PREFIX, initializer=_init_worker,
-                initargs=(_cuda_index(device), self._idents),
-            )  # fmt: skip
+            for lane, suffix in (("CPU", ""), ("device", "-device-lane")):
+                self._executors[lane] = ThreadPoolExecutor(
+                    1, thread_name_prefix=_THREAD_PREFIX + suffix, initializer=_init_worker,
+                    initargs=(_cuda_index(device), self._idents),
+                )  # fmt: skip
+        self._counting = threading.Lock()  # the two workers add to the figures below
         self.stream = torch.cuda.Stream(device) if cuda and write_back_stream else None
         self.round_open = False  # the owner's: a step's write-backs not all waited for yet
         # Held keys (not finished), each with the kernel its update runs in,
@@ -241,6 +264,7 @@ class CpuUpdatePipeline:
         self._futures: dict[int, Future] = {}  # running on the worker, not waited for
         self._failed: set[int] = set()  # kept to run again
         self.update_s = 0.0  # seconds of CPU updates (hidden unless waited for)
+        self.device_update_s = 0.0  # seconds of the device lane's updates (queueing its work)
         self.wait_s = 0.0  # seconds the owner waited for them (exposed)
         self.worker_updates = 0  # updates that ran on the worker thread
 
@@ -252,7 +276,7 @@ class CpuUpdatePipeline:
 
     @property
     def overlapping(self) -> bool:
-        return self._executor is not None
+        return bool(self._executors)
 
     def __contains__(self, key: object) -> bool:
         """True while ``key`` has an update not finished: pending or failed."""
@@ -285,11 +309,11 @@ class CpuUpdatePipeline:
     def close(self) -> None:
         """Let what is running end (errors kept, not raised) and stop the worker."""
         self.settle()
-        if self._executor is not None:
-            # The owner may be freed by the worker itself (its last task held
+        for executor in self._executors.values():
+            # The owner may be freed by a worker itself (its last task held
             # it): a thread cannot join itself.
-            self._executor.shutdown(wait=not self._on_own_worker())
-            self._executor = None
+            executor.shutdown(wait=not self._on_own_worker())
+        self._executors = {}
 
     def closer(self) -> Callable[[], None]:
         """What stops the worker without holding this pipeline, for the
@@ -297,10 +321,10 @@ class CpuUpdatePipeline:
         holds the owner (a bound method), so a finalizer holding the
         pipeline would keep the owner, its masters and states alive for the
         whole process. See [Note: a dropped owner is freed]."""
-        executor, idents = self._executor, self._idents
+        executors, idents = list(self._executors.values()), self._idents
 
         def stop() -> None:
-            if executor is not None:  # shutting down twice is harmless
+            for executor in executors:  # shutting down twice is harmless
                 executor.shutdown(wait=threading.get_ident() not in idents)
 
         return stop
@@ -311,8 +335,9 @@ class CpuUpdatePipeline:
         ``lane`` names the kernel in messages ("CPU", or "device" for an
         update in the device's Adam, see [Note: Adam where the bandwidth is])."""
         self._held[key] = lane
-        if self._executor is not None:
-            self._futures[key] = self._executor.submit(self._run, key, update, *args)
+        if self._executors:
+            executor = self._executors["device" if lane == "device" else "CPU"]
+            self._futures[key] = executor.submit(self._run, key, update, *args)
             return True
         try:
             self._run(key, update, *args)
@@ -328,9 +353,13 @@ class CpuUpdatePipeline:
         except BaseException:
             self._again[key] = (update, args)  # read by the owner after the future's error
             raise
-        if self._on_own_worker():
-            self.worker_updates += 1
-        self.update_s += time.perf_counter() - t0
+        with self._counting:
+            if self._on_own_worker():
+                self.worker_updates += 1
+            if self._held.get(key) == "device":
+                self.device_update_s += time.perf_counter() - t0
+            else:
+                self.update_s += time.perf_counter() - t0
 
     def next_done(self) -> bool:
         """True when the first held update has finished running (or ran inline)."""

@@ -41,11 +41,10 @@ before. A device-lane bucket:
   all-gathers this rank's pieces from the parameters.
 
 Which buckets: the first in write-back order, which the next forward needs
-first. The one worker runs the updates in key order, and a device-lane
-update only queues copies and a kernel, so with these buckets first it
-queues all of them at once and goes on to CPU Adam: PCIe, the GPU and the
-CPU work at the same time from the start of the update phase (had they come
-last, the worker would queue them only after every CPU update). And the
+first. A device-lane update only queues copies and a kernel, on a worker
+of its own (zerostack.shard's [Note: the device lane's own worker]), beside
+CPU Adam's: PCIe, the GPU and the CPU work at the same time from the start
+of the update phase. And the
 forward's first modules wait only for the device lane, whose first bucket
 is ready one copy and one kernel after ``step()``, while CPU Adam gets the
 time of their forward as a head start on the buckets after them.
