@@ -291,11 +291,17 @@ def test_a_failed_call_of_several_buckets_names_them_and_zero_grad_drops_them(ca
     assert _train(model, zero, 2)
 
 
-def test_checkpoint_while_updates_are_in_flight():
+def _overlapped_and_synchronous():
+    """One model stepped with the CPU step overlapped, a copy stepped inside ``step()``."""
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ref_model = copy.deepcopy(model)
     zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, overlap=False, max_norm=1.0)
+    return model, zero, ref_model, ref
+
+
+def test_checkpoint_while_updates_are_in_flight():
+    model, zero, ref_model, ref = _overlapped_and_synchronous()
     for step in range(2):
         assert _train(model, zero, step) and _train(ref_model, ref, step)
     gate = _Gate(zero, zero._order[-1])
@@ -324,13 +330,10 @@ def test_checkpoint_while_updates_are_in_flight():
 
 
 def test_a_submodules_state_dict_waits_for_the_step():
-    """A backbone saved apart (``model.blocks[0].state_dict()``) right after
+    """A block saved apart (``model.blocks[-1].state_dict()``) right after
     ``step()`` holds the step's values, as the root's ``state_dict()``
     does; it read them one step stale."""
-    torch.manual_seed(0)
-    model = TinyGPT(CONFIG)
-    ref_model = copy.deepcopy(model)
-    zero, ref = _zero(model, max_norm=1.0), _zero(ref_model, overlap=False, max_norm=1.0)
+    model, zero, ref_model, ref = _overlapped_and_synchronous()
     for step in range(3):
         assert _train(model, zero, step) and _train(ref_model, ref, step)
         got = {k: v.clone() for k, v in model.blocks[-1].state_dict().items()}
