@@ -445,6 +445,9 @@ class Booster:
         Raises:
             CheckpointCorruptError: the record is missing, a file is
                 damaged, or files of different saves are mixed.
+            ValueError: the checkpoint's parameter groups list other
+                parameters than the optimizer's (saved from another model,
+                which torch's ``load_state_dict`` refuses too); nothing is loaded.
         """
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify)
 

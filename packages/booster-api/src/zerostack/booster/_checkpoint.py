@@ -526,7 +526,10 @@ class CheckpointIO:
             CheckpointCorruptError: the record of a directory is missing, a
                 file is missing, truncated or altered, or files of different
                 saves are mixed; the message names it.
-            ValueError: the checkpoint does not hold an optimizer state.
+            ValueError: the checkpoint does not hold an optimizer state, or
+                its parameter groups list other parameters than the
+                optimizer's (a state of another model, which torch's
+                ``load_state_dict`` refuses too); nothing is loaded.
         """
         api = "CheckpointIO.load_optimizer"
         _check_type(api, "optimizer", optimizer, OptimizerWrapper)

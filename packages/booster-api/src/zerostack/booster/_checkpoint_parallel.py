@@ -205,6 +205,9 @@ def load_optimizer(api: str, optimizer: Any, path: str) -> None:
 
     Raises:
         KeyError: the checkpoint holds states of parameters the optimizer lacks.
+        ValueError: its parameter groups list other parameters than the
+            optimizer's (the plugin's ``load_sharded_state_dict`` checks
+            before it loads anything).
     """
     read_meta(api, path, "optimizer")
     keys = engine.saved_keys(path)

@@ -20,6 +20,7 @@ from zerostack.booster._plugins._contract import (
 )
 from zerostack.booster._plugins._state import (
     ModelFacts,
+    frozen_names,
     full_to_positional,
     positional_to_full,
     scaler_state,
@@ -192,12 +193,15 @@ class AutoOffloadOptimizer(BoostedOptimizer):
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
             ValueError: a state tensor's size differs from its parameter's.
         """
         inner = self.optim.optim
         positional = full_to_positional(
-            self._API, state_dict, inner.state_dict(), self._params(), self._names, flat=False
-        )
+            self._API, state_dict, inner.state_dict(), self._params(), self._names, flat=False,
+            frozen=frozen_names(self._model.unwrap()),
+        )  # fmt: skip
         inner.load_state_dict(positional)
         if self.scaler is not None:
             saved = scaler_state(self.scaler.state_dict(), state_dict.get("loss_scaler"))

@@ -40,8 +40,10 @@ from zerostack.booster._plugins._sharded import (
 )
 from zerostack.booster._plugins._state import (
     ModelFacts,
+    check_group_params,
     check_names,
     export_entry,
+    frozen_names,
     import_entry,
     merge_hyper,
     scaler_state,
@@ -265,17 +267,27 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
             "loss_scaler": local["scaler"],
         }
 
+    def _check(self, state_dict: dict[str, Any]) -> list[str]:
+        """The trainable parameters' names, once the state is one of this model's."""
+        names = [name for name, _ in self._trainable()]
+        check_names(self._API, state_dict["state"], set(names))
+        check_group_params(
+            self._API, state_dict["param_groups"], [names], frozen_names(self._model.unwrap())
+        )
+        return names
+
     def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
         """GeminiOptimizer.load_local_state_dict from this rank's ranges of a
         checkpoint of any plugin and world size; the masters keep their values.
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
             NotImplementedError: the state's groups differ in hyperparameters.
         """
         opt = self.optim
-        names = [name for name, _ in self._trainable()]
-        check_names(self._API, state_dict["state"], set(names))
+        names = self._check(state_dict)
         hyper = _one_group(self._API, opt, state_dict["param_groups"], names)
         own = opt.scaler.state_dict() if opt.scaler is not None else None
         opt.load_local_state_dict(
@@ -295,17 +307,18 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
             ValueError: a state tensor's size differs from its parameter's.
             NotImplementedError: the state's parameter groups differ in
                 hyperparameters (GeminiOptimizer has one group).
         """
         opt, ddp = self.optim, self._model.module
+        names = self._check(state_dict)
         # Its masters are read below: no update of the last step may still
         # write them (on the CPU-step worker, or the device lane's copies back).
         ddp.drop_batch_for_load()
         ddp.wait_updates()
-        names = [name for name, _ in self._trainable()]
-        check_names(self._API, state_dict["state"], set(names))
         params: dict[str, dict[str, Any]] = {}
         for (chunk, _), master in zip(opt.pairs, opt.masters, strict=True):
             # GeminiOptimizer slices whole tensors per chunk: each parameter's

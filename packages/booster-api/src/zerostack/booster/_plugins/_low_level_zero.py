@@ -32,9 +32,11 @@ from zerostack.booster._plugins._sharded import (
 )
 from zerostack.booster._plugins._state import (
     ModelFacts,
+    check_group_params,
     check_names,
     check_same_groups,
     export_entry,
+    frozen_names,
     import_entry,
     merge_hyper,
     param_names,
@@ -321,10 +323,13 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
         """
         zero = self.optim
         names = self._names()
         check_names(self._API, state_dict["state"], set(names))
+        groups = self._merged_groups(state_dict["param_groups"], names)
         entries = [
             {k: v for k, v in state_dict["state"].get(name, {}).items() if k != "master"}
             for name in names
@@ -333,20 +338,19 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         zero.load_local_state_dict(
             {
                 "params": entries,
-                "param_groups": self._merged_groups(state_dict["param_groups"], names),
+                "param_groups": groups,
                 "scaler": scaler_state(own, state_dict.get("loss_scaler")),
             }
         )
 
     def _merged_groups(self, saved: list[dict[str, Any]], names: list[str]) -> list[dict]:
         current = self.optim.optimizer.state_dict()["param_groups"]
-        check_same_groups(self._API, saved, [[names[i] for i in g["params"]] for g in current])
+        current_names = [[names[i] for i in g["params"]] for g in current]
+        check_group_params(self._API, saved, current_names, frozen_names(self._model.unwrap()))
+        check_same_groups(self._API, saved, current_names)
         return [
-            {
-                **merge_hyper(g, saved_group(saved, [names[i] for i in g["params"]])),
-                "params": g["params"],
-            }
-            for g in current
+            {**merge_hyper(g, saved_group(saved, group_names)), "params": g["params"]}
+            for g, group_names in zip(current, current_names, strict=True)
         ]
 
     @torch.no_grad()
@@ -358,12 +362,15 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
             ValueError: a state tensor's size differs from its parameter's.
         """
         zero = self.optim
         zero.wait_updates()  # its masters are read below: no update may still write them
         names = self._names()
         check_names(self._API, state_dict["state"], set(names))
+        groups = self._merged_groups(state_dict["param_groups"], names)
         params = []
         for s, name in zip(zero.shards, names, strict=True):
             numel = s.param.numel()
@@ -375,7 +382,6 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
             master[start:end] = s.master[: end - start].cpu()
             mine["master"] = master
             params.append(mine)
-        groups = self._merged_groups(state_dict["param_groups"], names)
         own = zero.scaler.state_dict() if zero.scaler is not None else None
         zero.load_full_state_dict(
             {

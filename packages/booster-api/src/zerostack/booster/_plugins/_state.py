@@ -114,6 +114,43 @@ def check_names(api: str, state: dict[str, Any], known: set[str]) -> None:
         )
 
 
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The first names of ``module``'s parameters that do not train."""
+    return frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+
+
+def check_group_params(
+    api: str, saved: list[dict[str, Any]], current: list[list[str]], frozen: frozenset[str]
+) -> None:
+    """The saved groups list the current groups' parameters (``current``:
+    each group's names), no more and no fewer: a state saved from another
+    model is refused before anything loads, as torch's ``load_state_dict``
+    refuses groups of other sizes. The groups list every parameter, with a
+    state or not (one that never had a gradient has none). Names in
+    ``frozen`` (parameters of the model that do not train) may be on one
+    side only: GeminiOptimizer lists only trainable parameters, torch's
+    optimizers every one they were built on.
+
+    Raises:
+        ValueError: naming the parameters one side lacks.
+    """
+    have = {n for names in current for n in names}
+    got = {n for g in saved for n in g["params"]}
+    missing, extra = sorted(have - got - frozen), sorted(got - have - frozen)
+    if missing or extra:
+        raise ValueError(
+            f"{api}: the state's parameter groups list other parameters than this optimizer's "
+            f"(got {_few(missing)} missing from the state, {_few(extra)} not in this optimizer): "
+            "a state saved from another model, which torch's load_state_dict refuses (\"loaded "
+            "state dict contains a parameter group that doesn't match the size of optimizer's "
+            'group"); load an optimizer state saved from this model'
+        )
+
+
+def _few(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
+
+
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's hyperparameters (every key but ``params``), copied."""
     return {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
@@ -214,13 +251,20 @@ def full_to_positional(
     params: list[torch.Tensor],
     names: dict[int, str],
     flat: bool,
+    frozen: frozenset[str],
 ) -> dict[str, Any]:
     """The full format to torch's positional ``state_dict()`` for an optimizer
     whose own ``state_dict()`` is ``current`` and whose parameters (or
     shards, index ``i``) belong to ``params[i]``; ``flat`` keeps tensors 1-D
-    (ZeRO-1/2 slices them), else they take the parameter's shape."""
+    (ZeRO-1/2 slices them), else they take the parameter's shape; ``frozen``
+    as :func:`check_group_params`'s. Checks everything before it converts."""
     by_name = {param_name(api, names, p): i for i, p in enumerate(params)}
     check_names(api, full["state"], set(by_name))
+    current_names = [
+        [param_name(api, names, params[i]) for i in g["params"]] for g in current["param_groups"]
+    ]
+    check_group_params(api, full["param_groups"], current_names, frozen)
+    check_same_groups(api, full["param_groups"], current_names)
     state = {}
     for name, entry in full["state"].items():
         i = by_name[name]
@@ -229,19 +273,10 @@ def full_to_positional(
             shape = params[i].shape
             mine = {k: v.view(shape) if _is_flat_state(k, v) else v for k, v in mine.items()}
         state[i] = mine
-    groups = []
-    check_same_groups(
-        api, full["param_groups"],
-        [[param_name(api, names, params[i]) for i in g["params"]] for g in current["param_groups"]],
-    )  # fmt: skip
-    for g in current["param_groups"]:
-        group_names = [param_name(api, names, params[i]) for i in g["params"]]
-        groups.append(
-            {
-                **merge_hyper(g, saved_group(full["param_groups"], group_names)),
-                "params": g["params"],
-            }
-        )
+    groups = [
+        {**merge_hyper(g, saved_group(full["param_groups"], group_names)), "params": g["params"]}
+        for g, group_names in zip(current["param_groups"], current_names, strict=True)
+    ]
     return {"state": state, "param_groups": groups}
 
 

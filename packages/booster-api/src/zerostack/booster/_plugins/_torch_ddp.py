@@ -30,6 +30,7 @@ from zerostack.booster._plugins._sharded import (
 )
 from zerostack.booster._plugins._state import (
     ModelFacts,
+    frozen_names,
     full_to_positional,
     param_name,
     param_names,
@@ -269,11 +270,14 @@ class TorchDDPOptimizer(BoostedOptimizer):
 
         Raises:
             KeyError: the state names a parameter this optimizer lacks.
+            ValueError: the state's parameter groups list other parameters than
+                this optimizer's (a state of another model); nothing is loaded.
             ValueError: a state tensor's size differs from its parameter's.
         """
+        module = self._model.unwrap()
         positional = full_to_positional(
             self._API, state_dict, self.optim.state_dict(), self._params(),
-            param_names(self._model.unwrap()), flat=False,
+            param_names(module), flat=False, frozen=frozen_names(module),
         )  # fmt: skip
         self.optim.load_state_dict(positional)
         if self.scaler is not None:
