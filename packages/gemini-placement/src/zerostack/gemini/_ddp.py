@@ -34,7 +34,7 @@ from zerostack.chunk import (
 from zerostack.gemini._config import AutoPlacementConfig, GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline, write_back
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
-from zerostack.shard import ShardedGradient, local_grad
+from zerostack.shard import ShardedGradient, local_grad, sync_from_rank0
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
@@ -265,6 +265,10 @@ class GeminiDDP(nn.Module):
             self.config.auto and self.compute_device.type == "cuda"
         )
         register = _WeakCall(self, "_register_one", pin)
+        # Before any goes into a chunk; see [Note: rank 0's initial values] (meta ones skipped).
+        sync_from_rank0(
+            [*self.aliases.items(), *module.named_buffers()], group=self.process_group, api=_API
+        )
         if any(p.is_meta for p in self.params):
             # Built under LazyInitContext: materialized one module at a time
             # straight into the chunks, never whole.

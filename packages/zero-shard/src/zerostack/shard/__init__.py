@@ -45,6 +45,7 @@ from zerostack.shard._mixed_precision import (
 )
 from zerostack.shard._optimizer import TrainingState, ZeroOptimizer
 from zerostack.shard._partition import shard_bounds, shard_numel
+from zerostack.shard._rank0_sync import sync_from_rank0
 from zerostack.shard._state_dict import check_state_keys
 from zerostack.shard._step_model import FloorEstimate, MachineProfile, StepFloor, step_floor
 
@@ -96,6 +97,7 @@ __all__ = [
     "step_floor",
     "step_with_div_scale",
     "stepping_twin",
+    "sync_from_rank0",
     "takes_div_scale",
     "wait_event",
     "write_failed",

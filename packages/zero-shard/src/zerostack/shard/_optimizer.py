@@ -48,6 +48,7 @@ from zerostack.shard._mixed_precision import (
     step_with_div_scale,
     takes_div_scale,
 )
+from zerostack.shard._rank0_sync import sync_from_rank0
 from zerostack.shard._reduction import BucketBuffers, GradientReduction
 
 logger = logging.getLogger(__name__)
@@ -120,18 +121,27 @@ def _params_and_device(
     return params, next(iter(devices))
 
 
-def _module_names(module: torch.nn.Module | None, params: list[torch.Tensor]) -> dict[int, str]:
-    """Parameter names by id; checks that the optimizer covers the module."""
-    if module is None:
-        return {}
-    in_opt = {id(p) for p in params}
-    for n, p in module.named_parameters():
-        if p.requires_grad and id(p) not in in_opt:
-            raise ValueError(
-                f"{_API}: parameter {n!r} of the module is missing from the wrapped optimizer; "
-                "build the optimizer on model.parameters()"
-            )
-    return {id(p): n for n, p in module.named_parameters()}
+def _module_names(
+    module: torch.nn.Module | None, params: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> dict[int, str]:
+    """Parameter names by id; checks that the optimizer covers the module,
+    then makes every rank hold rank 0's parameters (and the module's
+    buffers), see [Note: rank 0's initial values]."""
+    names: dict[int, str] = {}
+    if module is not None:
+        in_opt = {id(p) for p in params}
+        for n, p in module.named_parameters():
+            if p.requires_grad and id(p) not in in_opt:
+                raise ValueError(
+                    f"{_API}: parameter {n!r} of the module is missing from the wrapped "
+                    "optimizer; build the optimizer on model.parameters()"
+                )
+        names = {id(p): n for n, p in module.named_parameters()}
+    # The module's frozen parameters and buffers too, as DDP; tensors met twice count once.
+    named = [*module.named_parameters(), *module.named_buffers()] if module is not None else []
+    named += [(f"param {i}", p) for i, p in enumerate(params)]
+    sync_from_rank0(named, group=group, api=_API)
+    return names
 
 
 def _offload_fraction(
@@ -458,7 +468,7 @@ class ZeroOptimizer:
                     gpu_update_fraction)  # fmt: skip
         self._take_cpu_update_numel(cpu_update_numel, cpu_offload)
         params, self.device = _params_and_device(optimizer)
-        names = _module_names(module, params)
+        names = _module_names(module, params, process_group)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)

@@ -55,6 +55,7 @@ from zerostack.shard import (
     ZeroOptimizer,
     as_kwargs,
     shard_bounds,
+    sync_from_rank0,
 )
 
 logger = logging.getLogger(__name__)
@@ -605,6 +606,9 @@ class LowLevelZeroPlugin(Plugin):
             model.zero = zero
             optimizer = wrap(zero, model)
             attach_scheduler(lr_scheduler, optimizer, user)
+        elif optimizer is None:  # ZeroOptimizer would; see [Note: rank 0's initial values]
+            net = model.unwrap()
+            sync_from_rank0([*net.named_parameters(), *net.named_buffers()], api=_API)
         if ds is not None:
             lr_scheduler = ds.after_zero(model, optimizer, lr_scheduler)
         log("%s: stage %d, %s, %s", _API, self.stage, self.precision, zero_kwargs)
