@@ -6,63 +6,17 @@ says so once, and costs one small all-reduce when they agree."""
 from __future__ import annotations
 
 import copy
-import logging
 from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerostack.shard import ZeroOptimizer, sync_from_rank0
-from zerostack.testing import spawn
+from zerostack.testing import BufferedNet, LogRecords, reference_step, spawn, tensor_values
 
 STEPS = 5
 TOL32 = dict(rtol=1e-6, atol=1e-6)
-
-
-class _Net(nn.Module):
-    """Parameters, a frozen one, and buffers of every awkward kind."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.out = nn.Linear(8, 1)
-        self.frozen = nn.Parameter(torch.randn(8), requires_grad=False)
-        self.register_buffer("proj", torch.randn(8, 8))
-        self.register_buffer("perm", torch.randperm(64))  # the same sum on every rank
-        self.register_buffer("mask", torch.rand(8) > 0.3)  # bool
-        self.register_buffer("count", torch.randint(1000, ()))  # 0-dim int
-        self.register_buffer("cols", torch.randn(6, 8).t())  # not contiguous
-        self.register_buffer("low", torch.randn(5, dtype=torch.bfloat16))
-        self.register_buffer("scratch", torch.randn(3), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.lin(x) + self.frozen) @ self.proj
-        return self.out(h * self.mask).squeeze(-1)
-
-
-def _values(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-
-
-class _Records(logging.Handler):
-    """The warnings of sync_from_rank0's logger, while in a ``with``."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-        self._logger = logging.getLogger("zerostack.shard._rank0_sync")
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self) -> _Records:
-        self._logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._logger.removeHandler(self)
 
 
 def _check_rank0s(rank, model, before, source):
@@ -79,11 +33,11 @@ def _check_rank0s(rank, model, before, source):
 
 def _differently_seeded(rank, world):
     torch.manual_seed(100 + rank)
-    model = _Net()
-    before = _values(model)
+    model = BufferedNet()
+    before = tensor_values(model)
     ref = DDP(copy.deepcopy(model))  # DDP broadcasts rank 0's values
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    with _Records() as said:
+    with LogRecords("zerostack.shard._rank0_sync") as said:
         zero = ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                              module=model, stage=2)  # fmt: skip
     differ = _check_rank0s(rank, model, before, 0)
@@ -98,11 +52,7 @@ def _differently_seeded(rank, world):
     else:
         assert said.messages == []
     for step in range(STEPS):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        ref_loss = ref(x).pow(2).mean()
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        x, ref_loss = reference_step(ref, ref_opt, step, rank)
         loss = model(x).pow(2).mean()
         zero.backward(loss)
         assert zero.step()
@@ -112,29 +62,29 @@ def _differently_seeded(rank, world):
             torch.testing.assert_close(p, q, **TOL32, msg=f"step {step} {n}")
     # Without a module: the optimizer's parameters (the buffers are not its).
     torch.manual_seed(200 + rank)
-    bare = _Net()
-    before = _values(bare)
+    bare = BufferedNet()
+    before = tensor_values(bare)
     ZeroOptimizer(torch.optim.SGD(bare.parameters(), lr=0.1))
     every = [None] * world
     dist.all_gather_object(every, before)
     params = dict(bare.named_parameters())
-    for n, t in _values(bare).items():
+    for n, t in tensor_values(bare).items():
         assert torch.equal(t, every[0][n] if n in params else before[n]), f"rank {rank}: {n}"
 
 
 def _same_seed(rank, world):
     torch.manual_seed(0)
-    model = _Net()
-    before = _values(model)
+    model = BufferedNet()
+    before = tensor_values(model)
     reduces = mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce)
     no_broadcast = mock.patch.object(dist, "broadcast", side_effect=AssertionError("broadcast"))
-    with _Records() as said, no_broadcast:
+    with LogRecords("zerostack.shard._rank0_sync") as said, no_broadcast:
         with reduces as counted:
             assert sync_from_rank0([*model.named_parameters(), *model.named_buffers()]) == 0
         assert counted.call_count == 1  # the one small all-reduce
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model)
     assert said.messages == []
-    for n, t in _values(model).items():
+    for n, t in tensor_values(model).items():
         assert torch.equal(t, before[n]), n
 
 
@@ -151,9 +101,9 @@ def _in_groups(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = pairs[rank // 2]
     torch.manual_seed(100 + rank)
-    model = _Net()
-    before = _values(model)
-    with _Records() as said:
+    model = BufferedNet()
+    before = tensor_values(model)
+    with LogRecords("zerostack.shard._rank0_sync") as said:
         ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model,
                       process_group=group)  # fmt: skip
     # Each pair now holds its own first rank's values: 0's for 0 and 1, 2's for 2 and 3.

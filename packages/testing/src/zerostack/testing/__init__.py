@@ -10,6 +10,7 @@ from zerostack.testing._bad_inputs import (
 )
 from zerostack.testing._disk import drop_page_cache
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
+from zerostack.testing._seeded import BufferedNet, LogRecords, reference_step, tensor_values
 from zerostack.testing._spawn import SpawnError, spawn
 from zerostack.testing._state_table import check_state_table
 from zerostack.testing._tolerance import (
@@ -21,7 +22,9 @@ from zerostack.testing._tolerance import (
 
 __all__ = [
     "BadInput",
+    "BufferedNet",
     "GPTConfig",
+    "LogRecords",
     "SpawnError",
     "TinyGPT",
     "__version__",
@@ -34,8 +37,10 @@ __all__ = [
     "make_batch",
     "num_parameters",
     "one_torch_thread",
+    "reference_step",
     "same_state",
     "spawn",
+    "tensor_values",
     "tolerance",
     "training_tolerance",
 ]
