@@ -16,6 +16,9 @@ class BufferedNet(nn.Module):
     contiguous); ``every_kind`` adds a 0-dim int, a bf16 and a
     non-persistent one."""
 
+    proj: torch.Tensor
+    mask: torch.Tensor
+
     def __init__(self, every_kind: bool = True) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
