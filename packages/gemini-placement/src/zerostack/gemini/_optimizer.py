@@ -39,6 +39,7 @@ from zerostack.shard import (
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
+    with_user_step_hooks,
     write_failed,
 )
 
@@ -357,10 +358,13 @@ class GeminiOptimizer:
 
     # -- the step ---------------------------------------------------------------------
 
+    @with_user_step_hooks
     def step(self) -> bool:
         """Clip, unscale, step the masters, write the parameters back into
         their chunks. Returns False when skipped for fp16 overflow (or when
-        no backward ran since the last step).
+        no backward ran since the last step). The user's optimizer's step
+        hooks run once, around it (zerostack.shard's [Note: the user's step
+        hooks]).
 
         Raises:
             RuntimeError: no backward finished since the last step, fp16

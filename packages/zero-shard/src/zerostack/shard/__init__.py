@@ -19,7 +19,12 @@ from zerostack.shard._cpu_pipeline import (
 )
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, local_grad
-from zerostack.shard._hyper import hyperparameters, mark_stepped, stepping_twin
+from zerostack.shard._hyper import (
+    hyperparameters,
+    mark_stepped,
+    stepping_twin,
+    with_user_step_hooks,
+)
 from zerostack.shard._lane import (
     LANE_HYPER,
     LaneHomes,
@@ -100,5 +105,6 @@ __all__ = [
     "sync_from_rank0",
     "takes_div_scale",
     "wait_event",
+    "with_user_step_hooks",
     "write_failed",
 ]

@@ -22,6 +22,9 @@ the user's groups.
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +48,58 @@ def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     # twin steps through its class.
     twin.__dict__.pop("step", None)
     twin.param_groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
+    # The user's step hooks run once a step, on the user's optimizer, from
+    # the wrapper's step() (``with_user_step_hooks``), not once a twin step.
+    twin._optimizer_step_pre_hooks = OrderedDict()
+    twin._optimizer_step_post_hooks = OrderedDict()
     return twin
+
+
+def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A wrapper's ``step()`` that runs the step pre-hooks registered on the
+    user's optimizer (``register_step_pre_hook``, ``owner._user``) once a
+    step, with the user's optimizer, as torch runs them before its step.
+
+    [Note: the user's step hooks] Where the wrapper steps a twin (see [Note:
+    the user's hyperparameters]) once per CPU update or chunk, or an
+    optimizer of its own (CPUAdam for torch Adam), torch's step wrapper ran
+    the user's hooks once per twin step (twice a step under Gemini's auto
+    placement), with the twin as their optimizer: an lr a pre-hook set went
+    into the twin's groups and was overwritten from the user's at the next
+    step (the lr stayed halved once, where torch halves it every step), or
+    the hooks never ran. Now a pre-hook runs once, before the step reads the
+    user's hyperparameters: what it sets applies to this step and stays, as
+    in torch. A post-hook raises ``NotImplementedError`` there: the updates
+    run on a worker, chunk by chunk or call by call, after ``step()``
+    returns, and no single point after them is the end of torch's step; call
+    the code after ``optimizer.step()`` (after ``optimizer.wait_updates()``,
+    on every rank, to read the step's values). Where the user's optimizer
+    steps the masters itself (ZeRO without ``cpu_offload``), torch runs its
+    hooks, once, and this does nothing. A pre-hook that returns new
+    arguments raises: the wrapper's step takes none."""
+
+    @functools.wraps(step)
+    def run(owner: Any) -> bool:
+        user = owner._user
+        if owner.optimizer is user:  # it steps itself: torch runs its hooks
+            return step(owner)
+        if getattr(user, "_optimizer_step_post_hooks", None):
+            raise NotImplementedError(
+                f"{type(user).__name__}: a step post-hook (register_step_post_hook) on the "
+                "optimizer handed to booster.boost: its updates run on a worker, chunk by chunk "
+                "or call by call, after step() returns (cpu_offload, GeminiPlugin), so there is "
+                "no end of step to run it at; call that code after optimizer.step() (after "
+                "optimizer.wait_updates(), on every rank, to read the step's values)"
+            )
+        for hook in list(getattr(user, "_optimizer_step_pre_hooks", {}).values()):
+            if hook(user, (), {}) is not None:
+                raise RuntimeError(
+                    f"{type(user).__name__}: a step pre-hook returned new arguments for step(); "
+                    "the optimizer booster.boost returned steps without arguments"
+                )
+        return step(owner)
+
+    return run
 
 
 def foreign_keys(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> frozenset[str]:

@@ -38,7 +38,13 @@ from zerostack.shard._device_lane import DeviceLane, lane_writable
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
-from zerostack.shard._hyper import foreign_keys, hyperparameters, mark_stepped, stepping_twin
+from zerostack.shard._hyper import (
+    foreign_keys,
+    hyperparameters,
+    mark_stepped,
+    stepping_twin,
+    with_user_step_hooks,
+)
 from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_prefix, lane_refusal
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._machine import resolve_gpu_update_fraction
@@ -812,9 +818,10 @@ class ZeroOptimizer:
 
     # -- the step -----------------------------------------------------------------
 
+    @with_user_step_hooks
     def step(self) -> bool:
         """Reduce what is left, clip, unscale, step the masters, all-gather the
-        parameters. See [Note: overflow policy].
+        parameters. See [Note: overflow policy] and [Note: the user's step hooks].
 
         Returns:
             False when the step was skipped (fp16 overflow, or no gradient
