@@ -318,3 +318,35 @@ def test_master_parameters_come_in_the_models_order_so_states_load_either_way():
         mine = opt.optim.state[om.master_of(p)]["exp_avg"]
         theirs = other_opt.optim.state[other.master_of(q)]["exp_avg"]
         assert torch.equal(mine, theirs), name
+
+
+def test_a_step_post_hook_that_writes_the_masters_reaches_the_next_upload():
+    """HybridAdam writes the half copies in its kernel (copy-out); a step
+    post-hook of the user's that scaled the masters (the parameters of the
+    optimizer they built) changed the masters only, and the next forward
+    uploaded the kernel's values: 1.5e-2 off the masters after one step."""
+    from zerostack.fused_adam import HybridAdam
+
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = gpt2_2()
+    budget = halfway_budget(gpt2_2, "asyn")
+    om = memory_optimize(model, inputs, budget, "asyn", precision="bf16", profile=fake_profile(),
+                         device="cpu")  # fmt: skip
+    inner = HybridAdam(om.master_parameters(), lr=1e-2)
+
+    def shrink(optimizer, args, kwargs):
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.mul_(0.9)
+
+    inner.register_step_post_hook(shrink)
+    opt = AMPOptimizer(inner, om)
+    for _ in range(2):
+        opt.zero_grad()
+        out = om(**inputs)
+        opt.backward(lm_loss(out, inputs["input_ids"]))
+        opt.step()
+        for master, _, half in opt._views:
+            assert torch.equal(half, master.detach().to(half.dtype))
