@@ -486,7 +486,10 @@ class Booster:
         own part), the lr scheduler, and per rank the RNG states (Python,
         numpy, torch CPU, every CUDA device) and the dataloader's position
         (its epoch and the batches consumed in it). See [Note: training
-        state directory] in zerostack.booster._checkpoint_state.
+        state directory] in zerostack.booster._checkpoint_state. Under a
+        DeepSpeed config with ``gradient_accumulation_steps``, save at a
+        window's boundary: the open window's gradients are not saved (a
+        save inside one warns).
 
         ```python
         booster.save_state("ckpt/step-100", model, optimizer, lr_scheduler, dataloader)
