@@ -127,7 +127,7 @@ def _params_and_device(
     return params, next(iter(devices))
 
 
-def _module_names(
+def _names_and_rank0_values(
     module: torch.nn.Module | None, params: list[torch.Tensor], group: dist.ProcessGroup | None
 ) -> dict[int, str]:
     """Parameter names by id; checks that the optimizer covers the module,
@@ -474,7 +474,7 @@ class ZeroOptimizer:
                     gpu_update_fraction)  # fmt: skip
         self._take_cpu_update_numel(cpu_update_numel, cpu_offload)
         params, self.device = _params_and_device(optimizer)
-        names = _module_names(module, params, process_group)
+        names = _names_and_rank0_values(module, params, process_group)
         self.fp16 = any(p.dtype == torch.float16 for p in params)
         self.scaler = make_loss_scaler(_API, self.fp16, loss_scaler, scaler_kwargs)
         self.collector = CollectorSchedule(_API, gc_every_n_steps)
