@@ -137,3 +137,23 @@ def test_settle_from_another_pipelines_worker_waits():
     b.wait(0)
     a.close()
     b.close()
+
+
+def test_cpu_updates_do_not_wait_behind_the_device_lanes():
+    """A device-lane update runs on a worker of its own ([Note: the device
+    lane's own worker]): CPU Adam's update, queued after it, finishes while
+    the lane's is still running; on one worker it waited for it."""
+    pipe = _pipe(True)
+    release = threading.Event()
+    done: list[str] = []
+    pipe.submit(0, lambda: (release.wait(timeout=30), done.append("device")), lane="device")
+    pipe.submit(1, lambda: done.append("CPU"))
+    try:
+        pipe.wait(1)
+        assert done == ["CPU"], done
+    finally:
+        release.set()
+    pipe.wait(0)
+    assert done == ["CPU", "device"]
+    assert pipe.device_update_s > 0 and pipe.update_s < pipe.device_update_s
+    pipe.close()
