@@ -350,3 +350,41 @@ def test_a_step_post_hook_that_writes_the_masters_reaches_the_next_upload():
         opt.step()
         for master, _, half in opt._views:
             assert torch.equal(half, master.detach().to(half.dtype))
+
+
+@pytest.mark.parametrize("kind", ["hybrid-adam", "torch-sgd"])
+def test_masters_written_between_steps_reach_the_next_forward(kind):
+    """A master written between steps (a weight constraint on the optimizer's
+    params, ``master_parameters()``) stayed out of the forwards: the next
+    forward uploaded the half copy from before the edit, with the loss of
+    the unedited model, until the next step overwrote it."""
+    from zerostack.fused_adam import HybridAdam
+
+    inputs = batch(2, 8)
+
+    def build():
+        torch.manual_seed(0)
+        return memory_optimize(gpt2_2(), inputs, halfway_budget(gpt2_2, "asyn"), "asyn",
+                               precision="bf16", profile=fake_profile(), device="cpu")  # fmt: skip
+
+    om = build()
+    inner = (
+        HybridAdam(om.master_parameters(), lr=1e-2)
+        if kind == "hybrid-adam"
+        else torch.optim.SGD(om.master_parameters(), lr=1e-2)
+    )
+    opt = AMPOptimizer(inner, om)
+    opt.backward(lm_loss(om(**inputs), inputs["input_ids"]))
+    opt.step()
+    before = lm_loss(om(**inputs), inputs["input_ids"]).item()
+    with torch.no_grad():
+        for group in inner.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+    edited = lm_loss(om(**inputs), inputs["input_ids"]).item()
+    for master, _, half in opt._views:
+        assert torch.equal(half, master.detach().to(half.dtype))
+    other = build()  # the edited weights through load_state_dict, which refreshes the copies
+    other.load_state_dict(om.state_dict())
+    assert edited == lm_loss(other(**inputs), inputs["input_ids"]).item()
+    assert edited != before

@@ -11,7 +11,7 @@ import torch
 from zerostack.booster import Booster, GeminiPlugin, LazyInitContext, LowLevelZeroPlugin
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import AutoPlacementConfig, GeminiConfig, StaticPlacementConfig
-from zerostack.testing import GPTConfig, TinyGPT, make_batch
+from zerostack.testing import GPTConfig, TinyGPT, inner_steps, make_batch
 
 CONFIG = GPTConfig(bias=False, vocab_size=128, dim=32, max_seq_len=32)
 
@@ -131,12 +131,11 @@ def test_cpu_update_numel_reaches_the_optimizer(numel):
     model, opt, *_ = booster.boost(model, HybridAdam(model.parameters()))
     zero = opt.optim
     assert zero.cpu_update_numel == numel and len(zero.buckets) >= 3
-    calls = []
-    zero.optimizer.register_step_pre_hook(lambda *_: calls.append(None))
     idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
-    booster.backward(model(idx, tgt), opt)
-    assert opt.step()
-    zero.wait_updates()
+    with inner_steps(zero.optimizer) as calls:
+        booster.backward(model(idx, tgt), opt)
+        assert opt.step()
+        zero.wait_updates()
     assert len(calls) == (len(zero.buckets) if numel == 1 else 1)
 
 

@@ -85,3 +85,35 @@ def test_a_post_hook_runs_once_a_step_or_raises_where_updates_run_on_a_worker(pl
         return
     boosted.step()
     assert calls == [opt]
+
+
+@pytest.mark.parametrize("plugin", list(PLUGINS))
+def test_torchs_global_step_hooks_run_once_a_step_with_the_users_optimizer(plugin):
+    """torch's global hooks (register_optimizer_step_pre_hook, ..._post_hook:
+    step counters, memory trackers) ran once per inner step, with an inner
+    optimizer: twice a step under Gemini's auto placement."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    booster = Booster(plugin=PLUGINS[plugin]())
+    model, boosted, *_ = booster.boost(net, opt)
+    calls: list = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(("pre", o))),
+        register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append(("post", o))),
+    ]
+    try:
+        for _ in range(3):
+            booster.backward(model(torch.randn(4, 8)).square().mean(), boosted)
+            boosted.step()
+            boosted.zero_grad()
+        boosted.wait_updates()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [("pre", opt), ("post", opt)] * 3, (plugin, calls)

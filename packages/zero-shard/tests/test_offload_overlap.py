@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from zerostack.shard import CpuStepError, ZeroConfig, ZeroOptimizer, as_kwargs
-from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
+from zerostack.testing import GPTConfig, TinyGPT, inner_steps, make_batch, spawn
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("zerostack.fused_adam") is None,
@@ -220,15 +220,14 @@ def _built_with(numel, via):
 
 
 def _cpu_adam_calls_per_step(model, zero, steps=2):
-    """The calls of the CPU Adam (its step hook) in each training step."""
-    calls = []
-    zero.optimizer.register_step_pre_hook(lambda *_: calls.append(None))
+    """The calls of the CPU Adam in each training step."""
     per_step = []
-    for step in range(steps):
-        before = len(calls)
-        assert _train(model, zero, step)
-        zero.wait_updates()
-        per_step.append(len(calls) - before)
+    with inner_steps(zero.optimizer) as calls:
+        for step in range(steps):
+            before = len(calls)
+            assert _train(model, zero, step)
+            zero.wait_updates()
+            per_step.append(len(calls) - before)
     return per_step
 
 

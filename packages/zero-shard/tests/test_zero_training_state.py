@@ -10,7 +10,7 @@ import torch
 
 from zerostack.shard import TrainingState, ZeroOptimizer
 from zerostack.shard._optimizer import _MOVES
-from zerostack.testing import GPTConfig, TinyGPT, check_state_table, make_batch
+from zerostack.testing import GPTConfig, TinyGPT, check_state_table, inner_steps, make_batch
 
 CONFIG = GPTConfig(num_layers=1, dim=16, num_heads=2, bias=False)
 T = TrainingState
@@ -68,29 +68,31 @@ def test_each_call_of_a_step_leaves_its_state(overlap):
 
 
 class _Fault:
-    """While ``active``, the inner optimizer's step raises before it runs."""
+    """While ``active``, the inner optimizer's step raises before it runs
+    (given to ``inner_steps``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, monkeypatch) -> None:
+    def __init__(self) -> None:
         self.active = False
-        real = inner.step
 
-        def step(*args, **kwargs):
-            if self.active:
-                raise OSError("disk read failed: injected")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(inner, "step", step)
+    def __call__(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.active:
+            raise OSError("disk read failed: injected")
 
 
 @pytest.mark.parametrize("finish", ["step", "zero_grad"])
-def test_a_failed_cpu_update_leaves_the_step_unfinished(finish, monkeypatch):
+def test_a_failed_cpu_update_leaves_the_step_unfinished(finish):
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     zero = ZeroOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), module=model, cpu_offload=True,
         overlap_cpu_step=False,
     )  # fmt: skip
-    fault = _Fault(zero.optimizer, monkeypatch)
+    fault = _Fault()
+    with inner_steps(zero.optimizer, fault):
+        _fail_then_finish(model, zero, fault, finish)
+
+
+def _fail_then_finish(model, zero, fault, finish):
     zero.backward(_loss(model))
     fault.active = True
     with pytest.raises(RuntimeError, match=r"failed \(OSError: disk read failed"):

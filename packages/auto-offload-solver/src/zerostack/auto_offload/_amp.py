@@ -200,17 +200,12 @@ class AMPOptimizer:
             if grad is not None and not self._copy_out and grad.dtype != master.dtype:
                 grad = grad.to(master.dtype)
             master.grad = grad
-        versions = [master._version for master, _, _ in self._views]
         with torch.profiler.record_function("zerostack::cpu_update"):
             ret = step_with_div_scale(self.optim, plan.div_scale)
-        with torch.no_grad():
-            for (master, _, half), version in zip(self._views, versions, strict=True):
-                # fused-adam's kernel wrote the half copy itself (copy-out) and
-                # leaves the master's version as it was; a step hook of the
-                # user's that wrote the master (register_step_post_hook) moved
-                # it: that master's copy is refreshed too.
-                if not self._copy_out or master._version != version:
-                    half.copy_(master)
+        # fused-adam's kernels wrote the half copies (copy-out); what torch
+        # wrote (its optimizers, a step hook) is copied now. See
+        # BaseOffloadModule's [Note: half copies follow the masters].
+        self.module.sync_halves()
         for master, _, _ in self._views:
             master.grad = None
         self.zero_grad()

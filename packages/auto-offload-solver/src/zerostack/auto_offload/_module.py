@@ -133,6 +133,7 @@ class BaseOffloadModule:
             TypeError: inputs other than those traced.
         """
         flat = self._flat_inputs(args, kwargs)
+        self.sync_halves()
         for region in self.regions:
             region.grad_numel_done = 0
         out = self.model(*flat)
@@ -180,6 +181,31 @@ class BaseOffloadModule:
             if region.can_release:
                 self._norm_sq += region.grad_norm_sq()
                 self.runtime.offload_grads(region)
+
+    def sync_halves(self) -> None:
+        """Copy into the half copy the next forward uploads every region's fp32
+        masters that were written since their half copy last matched them.
+
+        [Note: half copies follow the masters] A region's masters are views
+        of one host buffer and share its version counter, which every write
+        through torch moves: a torch optimizer's step, a step hook, a load, or
+        the user's own edit between steps (``with torch.no_grad():
+        master.mul_(0.9)`` on ``master_parameters()`` or the optimizer's
+        params). fused-adam's kernels write the half copy with the master
+        (copy-out) and move no counter. So the step, a load and every forward
+        call this: a region whose counter moved is copied whole (after the
+        runtime let go of what a forward left resident), and one that did
+        not costs nothing. Before, a master written between steps stayed out
+        of the forwards until the next step overwrote it.
+        """
+        stale = [r for r in self.regions if r.params and r.cpu_master._version != r.half_version]
+        if not stale:
+            return
+        self.runtime.finish()  # nothing resident or in flight keeps or reads the old copy
+        with torch.no_grad():
+            for region in stale:
+                region.cpu_half.copy_(region.cpu_master)
+                region.half_version = region.cpu_master._version
 
     # -- gradients -----------------------------------------------------------
 
@@ -259,9 +285,7 @@ class BaseOffloadModule:
                         f"{tuple(value.shape)}, the model {tuple(target.shape)}"
                     )
                 target.copy_(value)
-            for region in self.regions:
-                if region.params:
-                    region.cpu_half.copy_(region.cpu_master)
+        self.sync_halves()
 
     def placement_table(self) -> str:
         """Where every region's parameters live over a step, as a text table

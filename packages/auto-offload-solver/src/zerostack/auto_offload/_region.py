@@ -53,6 +53,9 @@ class Region:
         self.cuda_data: torch.Tensor | None = None
         self.cpu_master: torch.Tensor | None = None
         self.cpu_half: torch.Tensor | None = None
+        # cpu_master's version counter when cpu_half last matched it (see
+        # BaseOffloadModule's [Note: half copies follow the masters]).
+        self.half_version = -1
         self.cpu_grad: torch.Tensor | None = None
         self.param_to_range: dict[torch.nn.Parameter, tuple[int, int]] = {}
         self.grad_numel_done = 0
@@ -141,6 +144,7 @@ class Region:
             self.param_to_range[p] = (offset, offset + n)
             offset += n
         self.cpu_half.copy_(self.cpu_master)
+        self.half_version = self.cpu_master._version
         for p in self.params:
             begin, end = self.param_to_range[p]
             p.data = self.cuda_data[begin:end].view(p.shape)

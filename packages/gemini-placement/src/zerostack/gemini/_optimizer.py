@@ -592,7 +592,7 @@ class GeminiOptimizer:
                 # A shard kept on the host (offload_param_frac) reduced its gradient there.
                 grad, master = grads[i], self.masters[i]
                 master.grad = self._as_grad(grad, master)
-            step_with_div_scale(self.optimizer, plan.div_scale)
+            step_with_div_scale(self.optimizer, plan.div_scale, hooks=False)
             for i in self._device:
                 self.masters[i].grad = None
         for i in self._device:
@@ -710,7 +710,7 @@ class GeminiOptimizer:
             if self._copy_out:
                 self.optimizer.set_copy_out(master, values)  # type: ignore[attr-defined]
             try:
-                step_with_div_scale(self.optimizer, div_scale)
+                step_with_div_scale(self.optimizer, div_scale, hooks=False)
             except OSError as error:
                 # A failed state write (zerostack.nvme's NVMeWriteError): the
                 # update completed and the state stays in RAM, written again

@@ -9,6 +9,7 @@ from zerostack.testing._bad_inputs import (
     same_state,
 )
 from zerostack.testing._disk import drop_page_cache
+from zerostack.testing._inner import inner_steps
 from zerostack.testing._model import GPTConfig, TinyGPT, make_batch, num_parameters
 from zerostack.testing._seeded import BufferedNet, LogRecords, reference_step, tensor_values
 from zerostack.testing._spawn import SpawnError, spawn
@@ -33,6 +34,7 @@ __all__ = [
     "check_state_table",
     "check_unique_ids",
     "drop_page_cache",
+    "inner_steps",
     "loss_tolerance",
     "make_batch",
     "num_parameters",

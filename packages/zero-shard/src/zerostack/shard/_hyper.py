@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 
 def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -73,10 +74,16 @@ def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
     run on a worker, chunk by chunk or call by call, after ``step()``
     returns, and no single point after them is the end of torch's step; call
     the code after ``optimizer.step()`` (after ``optimizer.wait_updates()``,
-    on every rank, to read the step's values). Where the user's optimizer
-    steps the masters itself (ZeRO without ``cpu_offload``), torch runs its
-    hooks, once, and this does nothing. A pre-hook that returns new
-    arguments raises: the wrapper's step takes none."""
+    on every rank, to read the step's values). torch's global hooks
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook`` and
+    ``..._post_hook``: tools that count steps or track memory, such as
+    torch's profiler step counter and MemTracker) run once a step too, with
+    the user's optimizer, the post-hooks when ``step()`` returns; the inner
+    steps run without torch's hook wrapper (``step_with_div_scale(...,
+    hooks=False)``). Where the user's optimizer steps the masters itself
+    (ZeRO without ``cpu_offload``), torch runs all these hooks, once, and
+    this does nothing. A pre-hook that returns new arguments raises: the
+    wrapper's step takes none."""
 
     @functools.wraps(step)
     def run(owner: Any) -> bool:
@@ -91,13 +98,19 @@ def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
                 "no end of step to run it at; call that code after optimizer.step() (after "
                 "optimizer.wait_updates(), on every rank, to read the step's values)"
             )
-        for hook in list(getattr(user, "_optimizer_step_pre_hooks", {}).values()):
+        for hook in [
+            *_global_optimizer_pre_hooks.values(),
+            *getattr(user, "_optimizer_step_pre_hooks", {}).values(),
+        ]:
             if hook(user, (), {}) is not None:
                 raise RuntimeError(
                     f"{type(user).__name__}: a step pre-hook returned new arguments for step(); "
                     "the optimizer booster.boost returned steps without arguments"
                 )
-        return step(owner)
+        stepped = step(owner)
+        for hook in list(_global_optimizer_post_hooks.values()):
+            hook(user, (), {})
+        return stepped
 
     return run
 

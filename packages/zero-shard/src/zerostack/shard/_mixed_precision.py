@@ -14,6 +14,7 @@ GeminiOptimizer both decide through ``plan_step``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -127,12 +128,18 @@ def takes_div_scale(optimizer: torch.optim.Optimizer) -> bool:
     return _TAKES_DIV_SCALE[kind]
 
 
-def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> None:
+def step_with_div_scale(
+    optimizer: torch.optim.Optimizer, div_scale: float, *, hooks: bool = True
+) -> None:
     """``optimizer.step()`` on gradients divided by ``div_scale`` (-1: as they
     are): passed through where the optimizer takes it, else the gradients
-    are divided in place first (one foreach call)."""
+    are divided in place first (one foreach call). ``hooks=False`` steps
+    through the class's step without torch's hook wrapper: an inner step of
+    a wrapper whose own ``step()`` runs the hooks (zerostack.shard's [Note:
+    the user's step hooks])."""
+    step = optimizer.step if hooks else functools.partial(unhooked_step(optimizer), optimizer)
     if takes_div_scale(optimizer):
-        optimizer.step(div_scale=div_scale)  # type: ignore[call-overload]
+        step(div_scale=div_scale)
         return
     if div_scale > 0:
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
@@ -143,4 +150,13 @@ def step_with_div_scale(optimizer: torch.optim.Optimizer, div_scale: float) -> N
                 p.grad = p.grad.to(p.dtype)
         if params:
             torch._foreach_mul_([p.grad for p in params], 1.0 / div_scale)
-    optimizer.step()
+    step()
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The class's ``step`` function without the wrapper torch puts around it
+    at construction (``Optimizer.profile_hook_step``: the global and the
+    instance's step hooks, a profiler range); the class's own where there
+    is no such wrapper."""
+    step = type(optimizer).step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step

@@ -1005,7 +1005,7 @@ class ZeroOptimizer:
         is logged, not raised."""
         self._stepping = True
         try:
-            step_with_div_scale(self.optimizer, div_scale)
+            step_with_div_scale(self.optimizer, div_scale, hooks=self.optimizer is self._user)
         except OSError as error:
             if not write_failed(error):
                 raise
