@@ -137,7 +137,7 @@ def step_with_div_scale(
     through the class's step without torch's hook wrapper: an inner step of
     a wrapper whose own ``step()`` runs the hooks (zerostack.shard's [Note:
     the user's step hooks])."""
-    step = optimizer.step if hooks else functools.partial(unhooked_step(optimizer), optimizer)
+    step: Any = optimizer.step if hooks else functools.partial(unhooked_step(optimizer), optimizer)
     if takes_div_scale(optimizer):
         step(div_scale=div_scale)
         return
@@ -158,5 +158,5 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
     at construction (``Optimizer.profile_hook_step``: the global and the
     instance's step hooks, a profiler range); the class's own where there
     is no such wrapper."""
-    step = type(optimizer).step
+    step: Any = type(optimizer).step
     return step.__wrapped__ if getattr(step, "hooked", False) else step
