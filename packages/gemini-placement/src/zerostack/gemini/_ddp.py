@@ -182,6 +182,8 @@ class GeminiDDP(nn.Module):
         self._next_reduce = 0
         self._pending: list[tuple[Chunk, Any]] = []  # reductions in flight, with their handle
         self._used: set[torch.Tensor] = set()  # params that got a gradient since the last step
+        # params whose .grad is their guard since the last step (see refuse_changed_grads)
+        self._handed: set[torch.Tensor] = set()
         # The optimizer's link, see attach_step: its CPU-step pipeline, and
         # what to call at the end of a reducing backward and when a batch is dropped.
         self._updates: CpuStepPipeline | None = None
@@ -493,11 +495,37 @@ class GeminiDDP(nn.Module):
                 "see the first module where the ranks differ"
             )
 
+    def refuse_changed_grads(self, api: str) -> None:
+        """Raise, before the step uses the reduced gradients, where the user
+        changed a ``.grad`` after the backward: ``model.zero_grad()`` (the
+        wrapped module's), ``p.grad = None``, ``p.grad = g`` or
+        ``p.grad.zero_()``. The reduced gradients live in the chunks and
+        ``.grad`` only stands for them, so the step used them as if nothing
+        had changed, silently. Dropping the whole batch is
+        ``optimizer.zero_grad()``."""
+        if self._state is not T.REDUCED:
+            return
+        guards = {id(p): g for p, g in zip(self.params, self._guards, strict=True)}
+        changed = [p for p in self._handed if p.grad is not guards[id(p)] or guards[id(p)].cleared]
+        if not changed:
+            return
+        ids = {id(p) for p in changed}
+        names = [n for n, p in self.module.named_parameters() if id(p) in ids]
+        raise RuntimeError(
+            f"{api}: .grad of {names[:3]}{' ...' if len(names) > 3 else ''} was dropped, zeroed "
+            "or replaced after the backward (model.zero_grad(), p.grad = None, p.grad = g); "
+            "the reduced gradients live in GeminiDDP's chunks (.grad only stands for them), "
+            "so the step cannot leave out or change one parameter's. Call optimizer.zero_grad() "
+            "to drop the batch; change gradients before they are reduced with a tensor hook "
+            "(param.register_hook)"
+        )
+
     def take_used(self, params: Sequence[torch.Tensor]) -> list[float]:
         """1.0 for each of ``params`` that got a gradient since the last step,
         else 0.0; forgets them (the step consumes them)."""
         used = [float(p in self._used) for p in params]
         self._used.clear()
+        self._handed.clear()
         return used
 
     def plan_placement(
@@ -529,6 +557,7 @@ class GeminiDDP(nn.Module):
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
         self._used.clear()
+        self._handed.clear()
         for p in self._guarded:  # the next backward accumulates into None again
             p.grad = None
 
@@ -746,8 +775,9 @@ class GeminiDDP(nn.Module):
             guard = self._guards[index]
             if guard is None:
                 guard = self._guards[index] = ShardedGradient(p.shape, p.dtype, p.device, _API)
-            guard.local = None  # taken into the chunk above
+            guard.local, guard.cleared = None, False  # taken into the chunk above
             p.grad = guard
+            self._handed.add(p)
         if info.state is S.HOLD:
             chunk.trans_info_state(info, S.COMPUTE)
         chunk.trans_info_state(info, S.HOLD_AFTER_BWD)
@@ -960,6 +990,7 @@ class GeminiDDP(nn.Module):
                     for s in path_between(info.state, S.HOLD):
                         chunk.trans_info_state(info, s)
         self._used.clear()
+        self._handed.clear()
         self._accumulated = False
 
     @torch.no_grad()
@@ -992,6 +1023,7 @@ class GeminiDDP(nn.Module):
                 write_back(self.chunk_manager, chunk)
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
         self._used.clear()
+        self._handed.clear()
         self._accumulated = False
         self._transition(T.IDLE)
         for p in self._guarded:  # no gradient is left in the shards either

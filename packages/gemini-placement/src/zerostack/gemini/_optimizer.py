@@ -384,6 +384,7 @@ class GeminiOptimizer:
             # An update of the last step failed twice: the rest of this step
             # goes on, that chunk keeps its gradient.
             errors.append(error)
+        self.module.refuse_changed_grads(f"{_API}.step")
         if not self._ready_to_step():
             _raise_first(errors)
             return False
@@ -457,6 +458,7 @@ class GeminiOptimizer:
                 "clip, step)"
             )
         self._check_scaled("clip_grad_by_norm")
+        module.refuse_changed_grads(api)
         with phase("zerostack::reduce"):
             total, self._clip = record_clip(
                 api, self._norm_part(norm_type),

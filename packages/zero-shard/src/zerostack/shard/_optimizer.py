@@ -217,10 +217,17 @@ def _check_cpu_kernel(optimizer: torch.optim.Optimizer) -> None:
             f"{_API}: cpu_offload with {type(optimizer).__name__} steps through zerostack-fused-adam's "
             "CPU kernel: pip install zerostack-fused-adam (or pass a CPU optimizer of your own)"
         ) from None
-    for g in optimizer.param_groups:
+    _refuse_cpu_kernel_flags(optimizer.param_groups, _API)
+
+
+def _refuse_cpu_kernel_flags(groups: list[dict[str, Any]], api: str) -> None:
+    """fused-adam's CPU kernel has no amsgrad or maximize: refused at
+    construction, and at each step where a group set one since (it would
+    be dropped with the keys torch's Adam and CPUAdam do not share)."""
+    for g in groups:
         if g.get("amsgrad") or g.get("maximize"):
             raise NotImplementedError(
-                f"{_API}: cpu_offload does not support amsgrad or maximize (got amsgrad="
+                f"{api}: cpu_offload does not support amsgrad or maximize (got amsgrad="
                 f"{g.get('amsgrad')}, maximize={g.get('maximize')})"
             )
 
@@ -842,6 +849,9 @@ class ZeroOptimizer:
             self.collector.tick()
             return True
         self._check_scaled("step")
+        self._refuse_replaced_grads(f"{_API}.step")
+        if self._groups is not None and self._foreign & {"amsgrad", "maximize"}:
+            _refuse_cpu_kernel_flags(self._groups, f"{_API}.step")  # torch Adam over CPUAdam
         self._write_back_pending()  # the last step's, when no forward ran since
         for bucket in self.buckets:
             self._adopt_writes(bucket.shards)
@@ -913,6 +923,28 @@ class ZeroOptimizer:
                 s.grad, s.guard.cleared, changed = torch.zeros_like(s.grad), False, True
         return changed
 
+    def _refuse_replaced_grads(self, api: str) -> None:
+        """Raise, before any collective, where the user put a tensor of their
+        own in a parameter's ``.grad`` after the backward (``p.grad = g``, a
+        gradient surgery): the reduced gradient is this optimizer's and the
+        ``.grad`` only its placeholder, so the tensor was dropped and the
+        parameter did not move, silently. ``None`` (drop it) is what
+        ``_forget_dropped`` handles."""
+        if not self._ended:
+            return
+        replaced = [
+            s.name for s in self.shards if s.param.grad is not None and s.param.grad is not s.guard
+        ]
+        if replaced:
+            raise RuntimeError(
+                f"{api}: .grad of {replaced[:3]}{' ...' if len(replaced) > 3 else ''} was "
+                "replaced by another tensor after the backward; the reduced gradient lives in "
+                f"{_API}'s shards (.grad only stands for it), so that tensor cannot be stepped. "
+                "Set .grad = None to drop a parameter's gradient, or optimizer.zero_grad() to "
+                "drop the batch; change gradients before they are reduced with a tensor hook "
+                "(param.register_hook)"
+            )
+
     def drop_batch_for_load(self) -> None:
         """A load (of the model or of this optimizer) drops the batch whose
         backward ran since the last step, as ``zero_grad()`` does (see [Note:
@@ -961,6 +993,7 @@ class ZeroOptimizer:
         api = f"{_API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
         self._refuse_unfinished(api)
+        self._refuse_replaced_grads(api)
         if self._no_sync:
             raise RuntimeError(
                 f"{api}: called inside no_sync(), where gradients are not reduced yet; clip "
