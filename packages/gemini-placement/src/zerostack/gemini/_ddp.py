@@ -183,7 +183,7 @@ class GeminiDDP(nn.Module):
         self._pending: list[tuple[Chunk, Any]] = []  # reductions in flight, with their handle
         self._used: set[torch.Tensor] = set()  # params that got a gradient since the last step
         # params whose .grad is their guard since the last step (see refuse_changed_grads)
-        self._handed: set[torch.Tensor] = set()
+        self._handed: set[int] = set()  # indices into params: no Tensor.__hash__ in backward
         # The optimizer's link, see attach_step: its CPU-step pipeline, and
         # what to call at the end of a reducing backward and when a batch is dropped.
         self._updates: CpuStepPipeline | None = None
@@ -292,6 +292,7 @@ class GeminiDDP(nn.Module):
             self.chunk_manager.close_all_groups()
         self._pair_and_place_buffers(module)
         self._frozen = [p for p in self.params if p not in self.masters]  # see _refuse_unfrozen
+        self._note_versions()
 
     def _register_one(self, pin: bool, p: torch.Tensor) -> None:
         where = self.placement.decide(self._seen, p.numel(), self._total_numel)
@@ -505,12 +506,14 @@ class GeminiDDP(nn.Module):
         ``optimizer.zero_grad()``."""
         if self._state is not T.REDUCED:
             return
-        guards = {id(p): g for p, g in zip(self.params, self._guards, strict=True)}
-        changed = [p for p in self._handed if p.grad is not guards[id(p)] or guards[id(p)].cleared]
+        changed = []
+        for i in sorted(self._handed):
+            p, guard = self.params[i], self._guards[i]
+            if p.grad is not guard or guard is None or guard.cleared:
+                changed.append(p)
         if not changed:
             return
-        ids = {id(p) for p in changed}
-        names = [n for n, p in self.module.named_parameters() if id(p) in ids]
+        names = [self.param_names[p] for p in changed]
         raise RuntimeError(
             f"{api}: .grad of {names[:3]}{' ...' if len(names) > 3 else ''} was dropped, zeroed "
             "or replaced after the backward (model.zero_grad(), p.grad = None, p.grad = g); "
@@ -585,6 +588,67 @@ class GeminiDDP(nn.Module):
         """
         if self._updates is not None:
             self._updates.await_chunk(chunk)
+
+    def _note_versions(self) -> None:
+        """Each parameter's version counter now: what ``adopt_writes`` compares."""
+        self._versions = [p._version for p in self.params]
+
+    @torch.no_grad()
+    def adopt_writes(self) -> None:
+        """Parameters the user wrote between steps become their masters' values.
+
+        [Note: parameters written between steps] A user who writes a
+        parameter between steps (``p.mul_()`` or ``p.copy_()`` under
+        ``torch.no_grad()``, the wrapped module's own ``load_state_dict``)
+        expects the next step to start from it, as with torch's optimizers;
+        the step updated the fp32 master and wrote the old value plus the
+        update back, silently. Such a write lands in the parameter's slot of
+        its gathered chunk (a released chunk's parameters have no elements:
+        no write fits) and moves the parameter's version counter, which
+        none of this package's writes does (they go through the chunks'
+        buffers; ``load_state_dict`` notes the counters after it). So every
+        forward and every ``state_dict()`` first compares the counters, and
+        a parameter whose counter moved has its slot copied into its master
+        (this rank's share of it, or the whole slot of a gathered master)
+        and into the chunk's shard: no collective, whatever the ranks did.
+        A write to a parameter of a released chunk (no elements: ``p.mul_()``
+        does nothing there) raises, once. Offloaded updates still running
+        are waited for first, where a parameter moved; a write made before its own step's update was
+        written back is overwritten by it (call ``optimizer.wait_updates()``
+        before writing). ``p.data.copy_()`` and ``p.data = t`` move no
+        counter and are not seen (zero-shard's [Note: parameters written in
+        place] has the same limit).
+        """
+        moved = [
+            p
+            for p, version in zip(self.params, self._versions, strict=True)
+            if p._version != version
+        ]
+        if not moved or self._state is not T.IDLE:
+            return
+        released = [self.param_names[p] for p in moved if p.numel() == 0]
+        if released:
+            self._note_versions()  # said once
+            raise RuntimeError(
+                f"{_API}: {released[:3]}{' ...' if len(released) > 3 else ''} was written between "
+                "steps while its chunk was released (a parameter has no elements outside forward "
+                "and backward here, or until an offloaded update is written back: "
+                "optimizer.wait_updates()), so the write did nothing. Change parameters through "
+                "the boosted model: model.state_dict(), edit, model.load_state_dict() (or "
+                "booster.load_model)"
+            )
+        self.wait_updates()
+        for p in moved:
+            chunk = self.chunk_manager.get_chunk(p)
+            if not chunk.is_gathered:
+                continue
+            info = chunk.tensors_info[p]
+            slot = chunk.buffer[info.offset : info.end]
+            master = self.masters.get(p)
+            if master is not None:
+                _write_slot(self.chunk_manager.get_chunk(master), info.offset, slot)
+            chunk.commit_share()
+        self._note_versions()
 
     def wait_updates(self) -> None:
         """Finish every pending optimizer update (failed ones stay kept)."""
@@ -777,7 +841,7 @@ class GeminiDDP(nn.Module):
                 guard = self._guards[index] = ShardedGradient(p.shape, p.dtype, p.device, _API)
             guard.local, guard.cleared = None, False  # taken into the chunk above
             p.grad = guard
-            self._handed.add(p)
+            self._handed.add(index)
         if info.state is S.HOLD:
             chunk.trans_info_state(info, S.COMPUTE)
         chunk.trans_info_state(info, S.HOLD_AFTER_BWD)
@@ -903,6 +967,7 @@ class GeminiDDP(nn.Module):
                 "optimizer.zero_grad() to drop that batch, then forward again"
             )
         self._refuse_unfrozen()
+        self.adopt_writes()  # See [Note: parameters written between steps]
         args, kwargs = self._cast_inputs(args), self._cast_inputs(kwargs)
         training = torch.is_grad_enabled()
         if self._updates is not None:
@@ -1037,6 +1102,7 @@ class GeminiDDP(nn.Module):
         others still take part in the gathers and get an empty dict)."""
         self.retry_failed_updates()
         self.wait_updates()
+        self.adopt_writes()
         keep = not only_rank_0 or self.rank == 0
         by_chunk: dict[Chunk, list[nn.Parameter]] = {}
         for p in self.params:
@@ -1134,7 +1200,22 @@ class GeminiDDP(nn.Module):
                     chunk.commit_share()  # this rank's share into its shard before releasing
                     if not was and chunk.can_release:
                         self.chunk_manager.release_chunk(chunk)
+        self._note_versions()  # its own writes: see [Note: parameters written between steps]
         return None
+
+
+def _write_slot(master: Chunk, offset: int, values: torch.Tensor) -> None:
+    """``values`` over the elements from ``offset`` on of ``master``: the
+    whole slot where it is gathered, else the part in this rank's share."""
+    master.settle()
+    if master.is_gathered:
+        master.buffer[offset : offset + values.numel()].copy_(values)
+        master.commit_share()
+        return
+    lo = master.rank * master.shard_size
+    begin, end = max(offset, lo), min(offset + values.numel(), lo + master.shard_size)
+    if begin < end:
+        master.local_share()[begin - lo : end - lo].copy_(values[begin - offset : end - offset])
 
 
 _set_debug = debug_collectives  # the argument of GeminiDDP shadows the function

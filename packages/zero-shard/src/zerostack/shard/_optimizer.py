@@ -925,24 +925,28 @@ class ZeroOptimizer:
 
     def _refuse_replaced_grads(self, api: str) -> None:
         """Raise, before any collective, where the user put a tensor of their
-        own in a parameter's ``.grad`` after the backward (``p.grad = g``, a
-        gradient surgery): the reduced gradient is this optimizer's and the
-        ``.grad`` only its placeholder, so the tensor was dropped and the
-        parameter did not move, silently. ``None`` (drop it) is what
-        ``_forget_dropped`` handles."""
-        if not self._ended:
-            return
+        own in the ``.grad`` of a parameter whose gradient was reduced
+        already (``p.grad = g`` after the backward, a gradient surgery): the
+        reduced piece is this optimizer's and ``.grad`` only its placeholder,
+        so the tensor was dropped and the parameter did not move, silently.
+        (A bucket not reduced yet takes what ``.grad`` holds when it is.)
+        ``None`` (drop it) is what ``_forget_dropped`` handles."""
+        bucket_of = self.reduction.bucket_of
         replaced = [
-            s.name for s in self.shards if s.param.grad is not None and s.param.grad is not s.guard
+            s.name
+            for s in self.shards
+            if bucket_of[s.index].launched
+            and s.param.grad is not None
+            and s.param.grad is not s.guard
         ]
         if replaced:
             raise RuntimeError(
                 f"{api}: .grad of {replaced[:3]}{' ...' if len(replaced) > 3 else ''} was "
-                "replaced by another tensor after the backward; the reduced gradient lives in "
-                f"{_API}'s shards (.grad only stands for it), so that tensor cannot be stepped. "
-                "Set .grad = None to drop a parameter's gradient, or optimizer.zero_grad() to "
-                "drop the batch; change gradients before they are reduced with a tensor hook "
-                "(param.register_hook)"
+                "replaced by another tensor after the backward reduced it; the reduced gradient "
+                f"lives in {_API}'s shards (.grad only stands for it), so that tensor cannot be "
+                "stepped. Set .grad = None to drop a parameter's gradient, or "
+                "optimizer.zero_grad() to drop the batch; change gradients before they are "
+                "reduced with a tensor hook (param.register_hook)"
             )
 
     def drop_batch_for_load(self) -> None:

@@ -1,0 +1,88 @@
+"""Parameters the user writes between steps (GeminiDDP's [Note: parameters
+written between steps]): the next step starts from them, as with torch's
+optimizers, or the write raises where it did nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerostack.gemini import GeminiDDP, GeminiOptimizer
+from zerostack.testing import spawn
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _halve(module: nn.Module) -> None:
+    with torch.no_grad():
+        module[0].weight.mul_(0.5)
+
+
+def _load_new(module: nn.Module) -> None:
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    state["2.weight"] = torch.full_like(state["2.weight"], 0.05)
+    module.load_state_dict(state)
+
+
+WRITES = {"mul_": _halve, "load_state_dict": _load_new}
+
+
+def _train_and_write(rank, world, write, offload):
+    net = _net()
+    ref = copy.deepcopy(net)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    config = {world: {"chunk_size": 256, "keep_gathered": True}}
+    # offload_optim_frac: the masters' updates run on the CPU-step worker after step()
+    ddp = GeminiDDP(net, chunk_config_dict=config, compute_device="cpu",
+                    mixed_precision=torch.float32, offload_optim_frac=offload)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), ddp)
+    for step in range(3):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        ref(x).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(ddp(x.chunk(world)[rank]).square().mean())
+        opt.step()
+        if step == 0:
+            ddp.wait_updates()  # offloaded updates: the parameters hold the step's values
+            WRITES[write](ref)
+            WRITES[write](net)
+    got = ddp.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_parameter_written_between_steps_is_where_the_next_step_starts(write, offload, world):
+    """The step updated the fp32 master and wrote the old value plus the
+    update back: 0.53 off torch after one SGD step, silently."""
+    spawn(_train_and_write, world, args=(write, offload))
+
+
+def _write_released(rank, world):
+    net = _net()
+    ddp = GeminiDDP(net, chunk_config_dict={world: {"chunk_size": 256, "keep_gathered": False}},
+                    compute_device="cpu", mixed_precision=torch.float32)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    opt.backward(ddp(torch.ones(2, 8)).square().mean())
+    opt.step()
+    assert net[0].weight.numel() == 0  # released: p.mul_ does nothing
+    _halve(net)
+    with pytest.raises(RuntimeError, match=r"\['0.weight'\] was written between steps while its"):
+        ddp(torch.ones(2, 8))
+    ddp(torch.ones(2, 8))  # said once; training goes on
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_write_to_a_released_parameter_raises_once(world):
+    spawn(_write_released, world)
