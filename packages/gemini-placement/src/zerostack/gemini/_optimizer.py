@@ -36,6 +36,7 @@ from zerostack.shard import (
     plan_step,
     record_clip,
     resolve_gpu_update_fraction,
+    say_zero_grads_are_dropped,
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
@@ -304,8 +305,10 @@ class GeminiOptimizer:
         kept (the next forward or step runs it again).
 
         Args:
-            set_to_none: accepted for torch's interface.
+            set_to_none: False drops the gradients too (said once).
         """
+        if not set_to_none:
+            say_zero_grads_are_dropped(self, f"{_API}.zero_grad")
         self.module.zero_grad(set_to_none)
 
     def _drop_batch(self) -> None:

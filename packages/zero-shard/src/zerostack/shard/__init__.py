@@ -18,7 +18,7 @@ from zerostack.shard._cpu_pipeline import (
     write_failed,
 )
 from zerostack.shard._gc import CollectorSchedule
-from zerostack.shard._grad_guard import ShardedGradient, local_grad
+from zerostack.shard._grad_guard import ShardedGradient, local_grad, say_zero_grads_are_dropped
 from zerostack.shard._hyper import (
     hyperparameters,
     mark_stepped,
@@ -97,6 +97,7 @@ __all__ = [
     "plan_step",
     "record_clip",
     "resolve_gpu_update_fraction",
+    "say_zero_grads_are_dropped",
     "shard_bounds",
     "shard_numel",
     "step_floor",

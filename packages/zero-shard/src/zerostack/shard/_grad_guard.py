@@ -29,6 +29,8 @@ holds no reference to the parameter or the wrapper.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 _ZERO_OPS = frozenset({torch.ops.aten.zero_.default})
@@ -115,3 +117,28 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
 def is_sharded(grad: object) -> bool:
     """True for a :class:`ShardedGradient`."""
     return type(grad) is ShardedGradient
+
+
+def say_zero_grads_are_dropped(owner: object, api: str) -> None:
+    """Warn once per ``owner`` that ``zero_grad(set_to_none=False)`` drops the
+    gradients, as ``set_to_none=True`` does.
+
+    Gradients live in the wrapper's shards or chunks, which a step consumes:
+    there is no zero ``.grad`` to keep. torch's optimizers step a parameter
+    whose ``.grad`` is a kept zero tensor (its weight decay and momentum move
+    it), so a parameter that gets no gradient in a later step moves under
+    torch and not here; ColossalAI's and DeepSpeed's ZeRO optimizers do the
+    same as this.
+    """
+    if getattr(owner, "_said_zero_grads_dropped", False):
+        return
+    owner._said_zero_grads_dropped = True  # type: ignore[attr-defined]
+    warnings.warn(
+        f"{api}(set_to_none=False): the gradients are dropped, as with set_to_none=True: "
+        "they live in the shards, which each step consumes. A parameter that gets no "
+        "gradient in a later step is not stepped then, where torch's optimizers step its "
+        "kept zero .grad (weight decay and momentum move it), as ColossalAI's and "
+        "DeepSpeed's ZeRO optimizers do",
+        UserWarning,
+        stacklevel=3,
+    )

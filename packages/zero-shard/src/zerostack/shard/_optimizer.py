@@ -36,7 +36,7 @@ from zerostack.shard._config import CPU_UPDATE_NUMEL, ZeroConfig, check_cpu_upda
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, wait_event, write_failed
 from zerostack.shard._device_lane import DeviceLane, lane_writable
 from zerostack.shard._gc import CollectorSchedule
-from zerostack.shard._grad_guard import ShardedGradient
+from zerostack.shard._grad_guard import ShardedGradient, say_zero_grads_are_dropped
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
 from zerostack.shard._hyper import (
     foreign_keys,
@@ -1360,7 +1360,10 @@ class ZeroOptimizer:
         After an exception in forward or backward that the caller caught
         (on every rank), this drops the batch: the steps that follow are
         those of a run that never saw it. See [Note: dropping a batch].
+        ``set_to_none=False`` drops them too (said once).
         """
+        if not set_to_none:
+            say_zero_grads_are_dropped(self, f"{_API}.zero_grad")
         if self._state is T.UNFINISHED:
             dropped = [k for key in self._pipe.drop_failed() for k in self._members.pop(key, [key])]
             logger.warning(
