@@ -388,3 +388,38 @@ def test_masters_written_between_steps_reach_the_next_forward(kind):
     other.load_state_dict(om.state_dict())
     assert edited == lm_loss(other(**inputs), inputs["input_ids"]).item()
     assert edited != before
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """An older-style optimizer that writes through ``p.data`` (many
+    third-party ones do): its writes move no version counter."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.to(p.dtype), alpha=-group["lr"])
+
+
+def test_an_optimizer_that_writes_through_data_reaches_the_half_copies():
+    """The step's refresh of the half copies once followed the masters'
+    version counters only: an optimizer writing through ``p.data`` trained
+    nothing (the loss stayed at its first value)."""
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    om = memory_optimize(gpt2_2(), inputs, halfway_budget(gpt2_2, "asyn"), "asyn",
+                         precision="bf16", profile=fake_profile(), device="cpu")  # fmt: skip
+    opt = AMPOptimizer(_DataSGD(om.master_parameters(), lr=1e-1), om)
+    losses = []
+    for _ in range(3):
+        loss = lm_loss(om(**inputs), inputs["input_ids"])
+        losses.append(loss.item())
+        opt.backward(loss)
+        opt.step()
+    for master, _, half in opt._views:
+        assert torch.equal(half, master.detach().to(half.dtype))
+    assert losses[2] < losses[1] < losses[0], losses

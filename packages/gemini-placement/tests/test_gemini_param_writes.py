@@ -90,3 +90,27 @@ def _write_released(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_write_to_a_released_parameter_raises_once(world):
     spawn(_write_released, world)
+
+
+class _RenormedEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8, max_norm=0.5)  # renorms its rows in place in forward
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def test_a_write_inside_forward_is_not_taken_for_a_users_write():
+    """An embedding's max_norm writes its weight in forward: that moved the
+    version counter, and the next forward raised as for a user's write to a
+    released parameter."""
+    torch.manual_seed(0)
+    ddp = GeminiDDP(_RenormedEmbedding(), chunk_config_dict={1: {"chunk_size": 256,
+                    "keep_gathered": False}}, compute_device="cpu",
+                    mixed_precision=torch.float32)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    for _ in range(3):
+        opt.backward(ddp(torch.arange(4).view(2, 2)).square().mean())
+        assert opt.step()

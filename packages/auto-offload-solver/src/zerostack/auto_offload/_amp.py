@@ -202,10 +202,11 @@ class AMPOptimizer:
             master.grad = grad
         with torch.profiler.record_function("zerostack::cpu_update"):
             ret = step_with_div_scale(self.optim, plan.div_scale)
-        # fused-adam's kernels wrote the half copies (copy-out); what torch
-        # wrote (its optimizers, a step hook) is copied now. See
-        # BaseOffloadModule's [Note: half copies follow the masters].
-        self.module.sync_halves()
+        # fused-adam's kernels wrote the half copies (copy-out): only what a
+        # step hook wrote is copied now; any other optimizer's step, all of
+        # them (it may write through p.data, which moves no version counter).
+        # See BaseOffloadModule's [Note: half copies follow the masters].
+        self.module.sync_halves(every_region=not self._copy_out)
         for master, _, _ in self._views:
             master.grad = None
         self.zero_grad()

@@ -182,9 +182,10 @@ class BaseOffloadModule:
                 self._norm_sq += region.grad_norm_sq()
                 self.runtime.offload_grads(region)
 
-    def sync_halves(self) -> None:
+    def sync_halves(self, every_region: bool = False) -> None:
         """Copy into the half copy the next forward uploads every region's fp32
-        masters that were written since their half copy last matched them.
+        masters that were written since their half copy last matched them
+        (``every_region``: all of them, written or not).
 
         [Note: half copies follow the masters] A region's masters are views
         of one host buffer and share its version counter, which every write
@@ -196,9 +197,15 @@ class BaseOffloadModule:
         call this: a region whose counter moved is copied whole (after the
         runtime let go of what a forward left resident), and one that did
         not costs nothing. Before, a master written between steps stayed out
-        of the forwards until the next step overwrote it.
+        of the forwards until the next step overwrote it. An optimizer that
+        writes through ``p.data`` moves no counter: the step of any
+        optimizer but fused-adam's copies every region.
         """
-        stale = [r for r in self.regions if r.params and r.cpu_master._version != r.half_version]
+        stale = [
+            r
+            for r in self.regions
+            if r.params and (every_region or r.cpu_master._version != r.half_version)
+        ]
         if not stale:
             return
         self.runtime.finish()  # nothing resident or in flight keeps or reads the old copy

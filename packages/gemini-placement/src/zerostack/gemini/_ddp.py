@@ -611,6 +611,8 @@ class GeminiDDP(nn.Module):
         a parameter whose counter moved has its slot copied into its master
         (this rank's share of it, or the whole slot of a gathered master)
         and into the chunk's shard: no collective, whatever the ranks did.
+        The counters are noted again at the end of each forward: a write
+        inside it (an embedding's ``max_norm`` renorm) is the model's own.
         A write to a parameter of a released chunk (no elements: ``p.mul_()``
         does nothing there) raises, once. Offloaded updates still running
         are waited for first, where a parameter moved; a write made before its own step's update was
@@ -626,9 +628,20 @@ class GeminiDDP(nn.Module):
         ]
         if not moved or self._state is not T.IDLE:
             return
+        self.wait_updates()
+        for p in moved:
+            chunk = self.chunk_manager.get_chunk(p)
+            if p.numel() == 0 or not chunk.is_gathered:
+                continue
+            info = chunk.tensors_info[p]
+            slot = chunk.buffer[info.offset : info.end]
+            master = self.masters.get(p)
+            if master is not None:
+                _write_slot(self.chunk_manager.get_chunk(master), info.offset, slot)
+            chunk.commit_share()
+        self._note_versions()  # a write to a released parameter is said once
         released = [self.param_names[p] for p in moved if p.numel() == 0]
         if released:
-            self._note_versions()  # said once
             raise RuntimeError(
                 f"{_API}: {released[:3]}{' ...' if len(released) > 3 else ''} was written between "
                 "steps while its chunk was released (a parameter has no elements outside forward "
@@ -637,18 +650,6 @@ class GeminiDDP(nn.Module):
                 "the boosted model: model.state_dict(), edit, model.load_state_dict() (or "
                 "booster.load_model)"
             )
-        self.wait_updates()
-        for p in moved:
-            chunk = self.chunk_manager.get_chunk(p)
-            if not chunk.is_gathered:
-                continue
-            info = chunk.tensors_info[p]
-            slot = chunk.buffer[info.offset : info.end]
-            master = self.masters.get(p)
-            if master is not None:
-                _write_slot(self.chunk_manager.get_chunk(master), info.offset, slot)
-            chunk.commit_share()
-        self._note_versions()
 
     def wait_updates(self) -> None:
         """Finish every pending optimizer update (failed ones stay kept)."""
@@ -983,6 +984,9 @@ class GeminiDDP(nn.Module):
             raise
         if training:
             self._transition(T.AWAIT_BACKWARD)
+        # Writes inside forward (an embedding's max_norm renorm) are not the
+        # user's between steps: see [Note: parameters written between steps].
+        self._note_versions()
         # The end of forward: nothing is in use until backward gathers again.
         if training or self.config.scatter_after_inference:
             idle = [c for c in self.chunk_manager.accessed_chunks if c.can_release]

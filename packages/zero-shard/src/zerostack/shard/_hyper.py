@@ -78,7 +78,8 @@ def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
     (``torch.optim.optimizer.register_optimizer_step_pre_hook`` and
     ``..._post_hook``: tools that count steps or track memory, such as
     torch's profiler step counter and MemTracker) run once a step too, with
-    the user's optimizer, the post-hooks when ``step()`` returns; the inner
+    the user's optimizer, the post-hooks once the step's updates are done
+    (``step()`` waits for them where there is one, only then); the inner
     steps run without torch's hook wrapper (``step_with_div_scale(...,
     hooks=False)``). Where the user's optimizer steps the masters itself
     (ZeRO without ``cpu_offload``), torch runs all these hooks, once, and
@@ -108,8 +109,13 @@ def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
                     "the optimizer booster.boost returned steps without arguments"
                 )
         stepped = step(owner)
-        for hook in list(_global_optimizer_post_hooks.values()):
-            hook(user, (), {})
+        if _global_optimizer_post_hooks:
+            # After the updates, which run on a worker and read the
+            # optimizer's state: a hook that reads it sees the step done.
+            wait = getattr(owner, "wait_updates", None) or owner.module.wait_updates
+            wait()
+            for hook in list(_global_optimizer_post_hooks.values()):
+                hook(user, (), {})
         return stepped
 
     return run

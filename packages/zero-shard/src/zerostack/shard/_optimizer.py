@@ -228,7 +228,9 @@ def _refuse_cpu_kernel_flags(groups: list[dict[str, Any]], api: str) -> None:
         if g.get("amsgrad") or g.get("maximize"):
             raise NotImplementedError(
                 f"{api}: cpu_offload does not support amsgrad or maximize (got amsgrad="
-                f"{g.get('amsgrad')}, maximize={g.get('maximize')})"
+                f"{g.get('amsgrad')}, maximize={g.get('maximize')}): it steps torch's Adam and "
+                "AdamW through fused-adam's CPU kernel, which has neither; set them to False, or "
+                "train without cpu_offload"
             )
 
 
