@@ -93,6 +93,14 @@ def test_a_gradient_replaced_after_the_backward_is_refused_before_the_step(cpu_o
     assert torch.equal(m.lm_head.weight, before)
 
 
+def test_a_gradient_replaced_between_the_clip_and_the_step_is_refused():
+    m, zero = _trained_once()
+    zero.clip_grad_by_norm(1.0)
+    m.lm_head.weight.grad = torch.ones_like(m.lm_head.weight)
+    with pytest.raises(RuntimeError, match=r"\.grad of \[.lm_head.weight.\] was replaced"):
+        zero.step()
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("zerostack.fused_adam") is None, reason="needs zerostack-fused-adam"
 )

@@ -931,13 +931,14 @@ class ZeroOptimizer:
         already (``p.grad = g`` after the backward, a gradient surgery): the
         reduced piece is this optimizer's and ``.grad`` only its placeholder,
         so the tensor was dropped and the parameter did not move, silently.
-        (A bucket not reduced yet takes what ``.grad`` holds when it is.)
+        (A bucket not reduced yet takes what ``.grad`` holds when it is;
+        after ``clip_grad_by_norm`` every piece is reduced.)
         ``None`` (drop it) is what ``_forget_dropped`` handles."""
-        bucket_of = self.reduction.bucket_of
+        bucket_of, clipped = self.reduction.bucket_of, self._state is T.CLIPPED
         replaced = [
             s.name
             for s in self.shards
-            if bucket_of[s.index].launched
+            if (bucket_of[s.index].launched or (clipped and s.grad is not None))
             and s.param.grad is not None
             and s.param.grad is not s.guard
         ]
