@@ -378,6 +378,7 @@ class GeminiOptimizer:
         """
         self._check_open("step")
         mark_stepped(self._user)  # See zerostack.shard's [Note: the user's hyperparameters]
+        self.module.refuse_changed_grads(f"{_API}.step")  # before anything runs
         errors: list[CpuStepError] = []  # raised at the end: the rest of the step goes on
         try:
             self.pipeline.check()
@@ -387,7 +388,6 @@ class GeminiOptimizer:
             # An update of the last step failed twice: the rest of this step
             # goes on, that chunk keeps its gradient.
             errors.append(error)
-        self.module.refuse_changed_grads(f"{_API}.step")
         if not self._ready_to_step():
             _raise_first(errors)
             return False
