@@ -7,6 +7,7 @@ in torch; a post-hook runs once a step where that optimizer steps itself
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def test_a_post_hook_runs_once_a_step_or_raises_where_updates_run_on_a_worker(pl
 
 
 @pytest.mark.parametrize("plugin", list(PLUGINS))
-def test_torchs_global_step_hooks_run_once_a_step_with_the_users_optimizer(plugin):
+def test_torchs_global_step_hooks_run_once_a_step_with_the_users_optimizer(plugin, caplog):
     """torch's global hooks (register_optimizer_step_pre_hook, ..._post_hook:
     step counters, memory trackers) ran once per inner step, with an inner
     optimizer: twice a step under Gemini's auto placement."""
@@ -108,12 +109,16 @@ def test_torchs_global_step_hooks_run_once_a_step_with_the_users_optimizer(plugi
         register_optimizer_step_post_hook(lambda o, args, kwargs: calls.append(("post", o))),
     ]
     try:
-        for _ in range(3):
-            booster.backward(model(torch.randn(4, 8)).square().mean(), boosted)
-            boosted.step()
-            boosted.zero_grad()
+        with caplog.at_level(logging.INFO, logger="zerostack.shard._hyper"):
+            for _ in range(3):
+                booster.backward(model(torch.randn(4, 8)).square().mean(), boosted)
+                boosted.step()
+                boosted.zero_grad()
         boosted.wait_updates()
     finally:
         for handle in handles:
             handle.remove()
     assert calls == [("pre", opt), ("post", opt)] * 3, (plugin, calls)
+    # Where updates run on a worker, the post-hooks wait for them: said once.
+    said = [r for r in caplog.records if "post-hooks are registered" in r.getMessage()]
+    assert len(said) == (plugin != "zero2"), [r.getMessage() for r in said]

@@ -23,12 +23,15 @@ the user's groups.
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+logger = logging.getLogger(__name__)
 
 
 def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -112,6 +115,16 @@ def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
         if _global_optimizer_post_hooks:
             # After the updates, which run on a worker and read the
             # optimizer's state: a hook that reads it sees the step done.
+            if not getattr(owner, "_said_post_hooks_wait", False):
+                owner._said_post_hooks_wait = True
+                logger.info(
+                    "%s.step: torch's global optimizer post-hooks are registered (%d; torch's "
+                    "profiler registers one under KINETO_USE_DAEMON): each step waits for its "
+                    "updates before running them, so the CPU step no longer overlaps the next "
+                    "forward",
+                    type(owner).__name__,
+                    len(_global_optimizer_post_hooks),
+                )
             wait = getattr(owner, "wait_updates", None) or owner.module.wait_updates
             wait()
             for hook in list(_global_optimizer_post_hooks.values()):
