@@ -506,14 +506,13 @@ class GeminiDDP(nn.Module):
         ``optimizer.zero_grad()``."""
         if self._state is not T.REDUCED:
             return
-        changed = []
+        names = []
         for i in sorted(self._handed):
-            p, guard = self.params[i], self._guards[i]
-            if p.grad is not guard or guard is None or guard.cleared:
-                changed.append(p)
-        if not changed:
+            guard = self._guards[i]  # handed out: never None here
+            if guard is None or self.params[i].grad is not guard or guard.cleared:
+                names.append(self.param_names[self.params[i]])
+        if not names:
             return
-        names = [self.param_names[p] for p in changed]
         raise RuntimeError(
             f"{api}: .grad of {names[:3]}{' ...' if len(names) > 3 else ''} was dropped, zeroed "
             "or replaced after the backward (model.zero_grad(), p.grad = None, p.grad = g); "
@@ -523,12 +522,15 @@ class GeminiDDP(nn.Module):
             "(param.register_hook)"
         )
 
+    def _forget_used(self) -> None:
+        self._used.clear()
+        self._handed.clear()
+
     def take_used(self, params: Sequence[torch.Tensor]) -> list[float]:
         """1.0 for each of ``params`` that got a gradient since the last step,
         else 0.0; forgets them (the step consumes them)."""
         used = [float(p in self._used) for p in params]
-        self._used.clear()
-        self._handed.clear()
+        self._forget_used()
         return used
 
     def plan_placement(
@@ -559,8 +561,7 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
-        self._used.clear()
-        self._handed.clear()
+        self._forget_used()
         for p in self._guarded:  # the next backward accumulates into None again
             p.grad = None
 
@@ -615,9 +616,9 @@ class GeminiDDP(nn.Module):
         inside it (an embedding's ``max_norm`` renorm) is the model's own.
         A write to a parameter of a released chunk (no elements: ``p.mul_()``
         does nothing there) raises, once. Offloaded updates still running
-        are waited for first, where a parameter moved; a write made before its own step's update was
-        written back is overwritten by it (call ``optimizer.wait_updates()``
-        before writing). ``p.data.copy_()`` and ``p.data = t`` move no
+        are waited for first, where a parameter moved; a write made before
+        its own step's update was written back is overwritten by it (call
+        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` and ``p.data = t`` move no
         counter and are not seen (zero-shard's [Note: parameters written in
         place] has the same limit).
         """
@@ -1058,8 +1059,7 @@ class GeminiDDP(nn.Module):
                 if info.state is S.HOLD_AFTER_BWD:
                     for s in path_between(info.state, S.HOLD):
                         chunk.trans_info_state(info, s)
-        self._used.clear()
-        self._handed.clear()
+        self._forget_used()
         self._accumulated = False
 
     @torch.no_grad()
@@ -1091,8 +1091,7 @@ class GeminiDDP(nn.Module):
             if self._updates is None or chunk not in self._updates:
                 write_back(self.chunk_manager, chunk)
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
-        self._used.clear()
-        self._handed.clear()
+        self._forget_used()
         self._accumulated = False
         self._transition(T.IDLE)
         for p in self._guarded:  # no gradient is left in the shards either

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -49,13 +48,11 @@ def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     twin.__dict__.update(optimizer.__dict__)
     # An lr scheduler built on the user's optimizer wraps its step() in an
     # instance attribute that steps the user's object (their groups): the
-    # twin steps through its class.
+    # twin steps through its class, without torch's hook wrapper
+    # (``step_with_div_scale(..., hooks=False)``), so the user's step hooks,
+    # which it shares, run from the wrapper's step() only.
     twin.__dict__.pop("step", None)
     twin.param_groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
-    # The user's step hooks run once a step, on the user's optimizer, from
-    # the wrapper's step() (``with_user_step_hooks``), not once a twin step.
-    twin._optimizer_step_pre_hooks = OrderedDict()
-    twin._optimizer_step_post_hooks = OrderedDict()
     return twin
 
 
