@@ -423,3 +423,24 @@ def test_an_optimizer_that_writes_through_data_reaches_the_half_copies():
     for master, _, half in opt._views:
         assert torch.equal(half, master.detach().to(half.dtype))
     assert losses[2] < losses[1] < losses[0], losses
+
+
+def test_a_submodule_assigned_after_memory_optimize_raises():
+    """The traced graph holds the parameters it was traced with: a head put
+    in place of the model's after memory_optimize was never used, silently
+    (zero-shard's [Note: the structure is fixed once wrapped])."""
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = gpt2_2()
+    om = memory_optimize(model, inputs, halfway_budget(gpt2_2, "asyn"), "asyn", precision="bf16",
+                         profile=fake_profile(), device="cpu")  # fmt: skip
+    head = model.model.lm_head
+    with pytest.raises(RuntimeError, match=r"^memory_optimize: model.lm_head was assigned a submodule "
+                       r"after the model was wrapped \(got a new Linear\); the traced graph"):  # fmt: skip
+        model.model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+    assert model.model.lm_head is head
+    with pytest.raises(RuntimeError, match=r"was assigned a parameter"):
+        next(m for m in om.model.modules() if m._parameters).register_parameter(
+            "extra", torch.nn.Parameter(torch.zeros(1))
+        )
+    model.model.transformer.drop = torch.nn.Identity()  # no parameters in place of none

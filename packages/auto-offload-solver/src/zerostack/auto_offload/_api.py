@@ -18,10 +18,15 @@ from zerostack.auto_offload._runtime import (
 )
 from zerostack.auto_offload._solver import SolverFactory
 from zerostack.auto_offload._trace import propagate, retarget_devices, trace_model
+from zerostack.shard import fix_structure
 
 logger = logging.getLogger(__name__)
 
 _PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_FIXED = (  # why a submodule assigned after memory_optimize is refused
+    "the traced graph holds the parameters it was traced with: the forward, the steps and "
+    "state_dict() would go on with the old ones"
+)
 
 
 def _cast_input(dtype):
@@ -145,6 +150,8 @@ def memory_optimize(
     )
     gm = apply(gm, manager.region_list, device)
     module = BaseOffloadModule(gm, manager, solver_name == "syn", dtype=dtype, device=device)
+    for tree in (model, gm):  # See [Note: the structure is fixed once wrapped] in zero-shard
+        fix_structure(module, tree, "memory_optimize", _FIXED)
     names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
     flat = [inputs[n] for n in names] if isinstance(inputs, dict) else list(inputs)
     module.input_shapes = {

@@ -34,7 +34,7 @@ from zerostack.chunk import (
 from zerostack.gemini._config import AutoPlacementConfig, GeminiConfig
 from zerostack.gemini._cpu_step import CpuStepPipeline, write_back
 from zerostack.gemini._placement import AutoPlacement, Placement, StaticPlacement
-from zerostack.shard import ShardedGradient, local_grad, sync_from_rank0
+from zerostack.shard import ShardedGradient, fix_structure, local_grad, sync_from_rank0
 
 logger = logging.getLogger(__name__)
 _API = "GeminiDDP"
@@ -193,6 +193,7 @@ class GeminiDDP(nn.Module):
         self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
         self._register_hooks()
         _WRAPPED.add(module)
+        fix_structure(self, module, _API, _FIXED)  # See [Note: the structure is fixed once wrapped]
         self._log_layout()
 
     # -- construction ------------------------------------------------------------
@@ -1224,6 +1225,10 @@ def _write_slot(master: Chunk, offset: int, values: torch.Tensor) -> None:
 _set_debug = debug_collectives  # the argument of GeminiDDP shadows the function
 # Modules a GeminiDDP holds: their parameters are views into its chunks.
 _WRAPPED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_FIXED = (  # why a submodule assigned after wrapping is refused
+    "the wrapped model's parameters live in GeminiDDP's chunks: the forward would use the new "
+    "ones, no step would train them, and state_dict() and checkpoints would keep the old values"
+)
 
 
 def _check_module(module: object) -> None:

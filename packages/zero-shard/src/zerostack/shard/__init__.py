@@ -53,6 +53,7 @@ from zerostack.shard._partition import shard_bounds, shard_numel
 from zerostack.shard._rank0_sync import sync_from_rank0
 from zerostack.shard._state_dict import check_state_keys
 from zerostack.shard._step_model import FloorEstimate, MachineProfile, StepFloor, step_floor
+from zerostack.shard._structure import fix_structure
 
 __all__ = [
     "LANE_HYPER",
@@ -84,6 +85,7 @@ __all__ = [
     "check_state_keys",
     "clip_coefficient",
     "clip_grads_",
+    "fix_structure",
     "grad_stats",
     "hyperparameters",
     "lane_prefix",
