@@ -114,3 +114,44 @@ def test_a_write_inside_forward_is_not_taken_for_a_users_write():
     for _ in range(3):
         opt.backward(ddp(torch.arange(4).view(2, 2)).square().mean())
         assert opt.step()
+
+
+@pytest.mark.parametrize("gathered", [False, True])
+@pytest.mark.parametrize("offload", [0.0, 1.0])
+def test_bf16_training_without_a_users_write_adopts_nothing(monkeypatch, gathered, offload):
+    """A parameter adopted by ``adopt_writes`` has its bf16 slot copied into
+    its fp32 master, which rounds the master: a counter moved by anything
+    but a user's write (the package's own writes, the forward, clipping,
+    ``state_dict()``, an evaluation under ``no_grad``) would do that
+    silently, every step. Tied embeddings, clipping, offloaded updates."""
+    from zerostack.gemini import _ddp
+    from zerostack.testing import GPTConfig, TinyGPT, make_batch
+
+    adopted = []
+    write_slot = _ddp._write_slot
+    monkeypatch.setattr(
+        _ddp, "_write_slot", lambda m, o, v: (adopted.append(o), write_slot(m, o, v))[1]
+    )
+    config = GPTConfig(tie_embeddings=True)
+    torch.manual_seed(0)
+    net = TinyGPT(config)
+    ddp = GeminiDDP(net, chunk_config_dict={1: {"chunk_size": 20_000, "keep_gathered": gathered}},
+                    compute_device="cpu", mixed_precision=torch.bfloat16,
+                    offload_optim_frac=offload)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), ddp,
+                          max_norm=0.5)  # fmt: skip
+    for step in range(3):
+        x, y = make_batch(config, 2, 16, seed=step)
+        opt.backward(ddp(x, y))
+        opt.step()
+        opt.zero_grad()
+        ddp.state_dict()
+        with torch.no_grad():
+            ddp(x, y)
+    assert adopted == []
+    if gathered:  # the spy sees a user's write
+        ddp.wait_updates()
+        with torch.no_grad():
+            net.lm_head.weight.mul_(0.5)
+        ddp(x, y)
+        assert len(adopted) == 1
