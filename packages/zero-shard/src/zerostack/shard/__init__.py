@@ -18,7 +18,12 @@ from zerostack.shard._cpu_pipeline import (
     write_failed,
 )
 from zerostack.shard._gc import CollectorSchedule
-from zerostack.shard._grad_guard import ShardedGradient, local_grad, say_zero_grads_are_dropped
+from zerostack.shard._grad_guard import (
+    ShardedGradient,
+    grad_scaler_refusal,
+    local_grad,
+    say_zero_grads_are_dropped,
+)
 from zerostack.shard._hyper import (
     hyperparameters,
     mark_stepped,
@@ -86,6 +91,7 @@ __all__ = [
     "clip_coefficient",
     "clip_grads_",
     "fix_structure",
+    "grad_scaler_refusal",
     "grad_stats",
     "hyperparameters",
     "lane_prefix",

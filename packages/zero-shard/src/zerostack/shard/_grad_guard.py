@@ -90,6 +90,8 @@ class ShardedGradient(torch.Tensor):
             me.local = new.detach().clone() if me.local is None else me.local.add_(new)
             return me
         owner = next((a.owner for a in args if type(a) is cls), "the optimizer")
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            raise RuntimeError(grad_scaler_refusal(owner))  # GradScaler.unscale_ or .step
         raise RuntimeError(
             f"{owner}: this parameter's gradient is reduced and sharded over the ranks, so "
             f"param.grad holds no values (got {func} on it, e.g. from "
@@ -141,4 +143,17 @@ def say_zero_grads_are_dropped(owner: object, api: str) -> None:
         "DeepSpeed's ZeRO optimizers do",
         UserWarning,
         stacklevel=3,
+    )
+
+
+def grad_scaler_refusal(api: str) -> str:
+    """The error for torch.amp.GradScaler over a sharded optimizer (booster-api's
+    [Note: torch's GradScaler])."""
+    return (
+        f"{api}: torch.amp.GradScaler cannot scale this optimizer's steps (got "
+        "GradScaler.unscale_ or GradScaler.step on it): the gradients live in its shards, so "
+        "param.grad holds no values to unscale or check. Drop the GradScaler and call "
+        "booster.backward(loss, optimizer) and optimizer.step(): the plugin's precision='fp16' "
+        "scales the loss dynamically (as ColossalAI's plugins and DeepSpeed's fp16 config do), "
+        "and bf16 needs no scaling"
     )

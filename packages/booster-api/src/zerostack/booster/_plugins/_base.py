@@ -21,7 +21,14 @@ from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.chunk import rank_and_world
-from zerostack.shard import SCALER_KEYS, LossScalerConfig, as_kwargs, changed_fields, check_max_norm
+from zerostack.shard import (
+    SCALER_KEYS,
+    LossScalerConfig,
+    as_kwargs,
+    changed_fields,
+    check_max_norm,
+    grad_scaler_refusal,
+)
 
 logger = logging.getLogger(__name__)
 # The plugins' precision names.
@@ -246,10 +253,30 @@ class BoostedOptimizer(OptimizerWrapper):
     parameters apart)."""
 
     _API = "BoostedOptimizer"
+    # [Note: torch's GradScaler] torch.amp.GradScaler unscales and checks the
+    # param.grad of the optimizer's groups. Under the sharded plugins those
+    # hold no values (the gradients live in the plugin's shards), so it
+    # recorded nothing and failed with its own "No inf checks were recorded
+    # for this optimizer" (LowLevelZero), or the gradients' guard named
+    # clipping (Gemini, AutoOffload). With this mark, as on torch's fused
+    # optimizers, GradScaler.step hands the step its scale and inf flag
+    # (``grad_scale``, ``found_inf``) instead, and the step refuses, naming
+    # the plugin's own loss scaling. TorchDDPOptimizer clears the mark: there
+    # the gradients are torch's and GradScaler works.
+    _step_supports_amp_scaling = True
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_grad_scaler()
         self._opt_called = True  # torch's LRScheduler checks it at its first step
         return self._step(*args, **kwargs)
+
+    def _refuse_grad_scaler(self) -> None:
+        """See [Note: torch's GradScaler]; the marks go, so the next step runs."""
+        if "found_inf" not in self.__dict__ and "grad_scale" not in self.__dict__:
+            return
+        self.__dict__.pop("found_inf", None)
+        self.__dict__.pop("grad_scale", None)
+        raise RuntimeError(grad_scaler_refusal(f"{self._API}.step"))
 
     # torch's LRScheduler warns unless optimizer.step carries this mark (it
     # sets it when it wraps an optimizer's step; ours counts itself).

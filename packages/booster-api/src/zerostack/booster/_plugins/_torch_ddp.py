@@ -171,6 +171,7 @@ class TorchDDPOptimizer(BoostedOptimizer):
     scales backward and unscales in ``step``."""
 
     _API = "TorchDDPOptimizer"
+    _step_supports_amp_scaling = False  # torch's GradScaler works: see [Note: torch's GradScaler]
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: TorchDDPModel) -> None:
         super().__init__(optimizer)
