@@ -242,6 +242,72 @@ def test_a_parameter_back_after_steps_without_a_gradient_is_said_once(uses, said
         assert "['branch.weight', 'branch.bias']" in told[0]
 
 
+def _first_used_late(rank, world, kind, offload):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = _Branch()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ddp = GeminiDDP(model, mixed_precision=torch.float32, compute_device="cpu",
+                    chunk_config_dict={world: CHUNKS}, offload_optim_frac=offload)  # fmt: skip
+
+    def make(params):
+        if kind == "adam-l2":  # the moments only: the step count differs anyway (said above)
+            return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, foreach=False)
+        extra = {"nesterov": True} if kind == "sgd-nesterov" else {}
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01, **extra)
+
+    opt, ref_opt = GeminiOptimizer(make(list(model.parameters())), ddp), make(ref.parameters())
+    # Adam: two steps, the branch's first at the second; a third would see the
+    # branch's values, whose bias correction used the chunk's count (said above).
+    for step in range(2 if kind == "adam-l2" else 3):
+        x = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(step))
+        x = x.chunk(world)[rank]
+        opt.backward(ddp(x, step >= 1))
+        opt.step()
+        opt.zero_grad()
+        ref(x, step >= 1).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    got, states = ddp.state_dict(), opt.full_state_dict()["params"]
+    for name, p in ref.module.named_parameters():
+        if kind == "adam-l2":
+            for key in ("exp_avg", "exp_avg_sq"):
+                want = ref_opt.state[p][key].flatten()
+                torch.testing.assert_close(states[name][key], want, rtol=1e-5, atol=1e-12)
+            if name.startswith("branch"):
+                continue  # its bias correction used two steps, torch's one
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("offload", [0.0, 1.0], ids=["device-step", "cpu-step"])
+@pytest.mark.parametrize("kind", ["sgd-weight-decay", "sgd-nesterov", "adam-l2"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_parameter_first_used_after_its_chunks_first_step_starts_from_torchs_state(
+    world, kind, offload
+):
+    """Its chunk's first step created the state over it, which held
+    ``weight_decay * p`` where torch creates none before the parameter's
+    first gradient: SGD's momentum then took 0.9 of it (3.2e-4 off torch
+    after two steps), Adam-L2's moments (1.1e-2). Now its slices of a state
+    the step created are zeros."""
+    spawn(_first_used_late, world, args=(kind, offload), backend="gloo", timeout_s=120)
+
+
+def test_sgds_dampening_with_a_parameter_first_used_late_is_said_once():
+    torch.manual_seed(0)
+    model = _Branch()
+    ddp = GeminiDDP(model, mixed_precision=torch.float32, chunk_config_dict={1: CHUNKS},
+                    compute_device="cpu")  # fmt: skip
+    sgd = torch.optim.SGD(list(model.parameters()), lr=0.1, momentum=0.9, dampening=0.5)
+    opt = GeminiOptimizer(sgd, ddp)
+    with pytest.warns(UserWarning, match=r"with SGD's dampening its first momentum is"):
+        for step in range(3):
+            opt.backward(ddp(torch.randn(4, 8), step >= 1))
+            opt.step()
+            opt.zero_grad()
+
+
 class _AddBias(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

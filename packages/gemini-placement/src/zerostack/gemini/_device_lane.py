@@ -256,8 +256,7 @@ class GeminiLane:
             state["step"] += 1
             if saved:
                 self.staging.settle()  # the homes hold the step: put those slices back
-                for t, sl, value in saved:
-                    t[sl].copy_(value)
+                restore_unstepped(saved, self.optimizer.state)
                 if on_host:
                     _unstepped(target, master, saved)
             self.updates += 1
@@ -269,5 +268,22 @@ def _unstepped(
     """The saved values of parameters no rank gave a gradient over their
     slices of the new values ``target`` (see GeminiOptimizer._save_slices)."""
     for t, sl, value in saved or ():
-        if t is master:
+        if t is master and value is not None:
             target[sl].copy_(value, non_blocking=non_blocking)
+
+
+def restore_unstepped(saved: list | None, state: Any) -> None:
+    """Put back what ``GeminiOptimizer._save_slices`` saved of parameters no
+    rank gave a gradient: their slices of the master and of the optimizer's
+    state. An entry without a value is a slice of a master whose state this
+    step created: its slices of every state tensor become zeros, the state
+    torch's optimizers start a parameter from at its first gradient (a
+    momentum buffer of the chunk kept ``weight_decay * p`` there, and the
+    parameter's first update later took 0.9 of it)."""
+    for t, sl, value in saved or ():
+        if value is not None:
+            t[sl].copy_(value)
+            continue
+        for v in state.get(t, {}).values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                v[sl].zero_()

@@ -16,7 +16,12 @@ from zerostack.chunk import Chunk, CollectiveMismatchError, phase
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini._cpu_step import CpuStepError, CpuStepPipeline, write_back
 from zerostack.gemini._ddp import GeminiDDP, TrainingState, _WeakCall, shard_on_host
-from zerostack.gemini._device_lane import GeminiLane, lane_staging_bytes, staging_bytes
+from zerostack.gemini._device_lane import (
+    GeminiLane,
+    lane_staging_bytes,
+    restore_unstepped,
+    staging_bytes,
+)
 from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
 from zerostack.shard import (
@@ -151,6 +156,7 @@ class GeminiOptimizer:
         collector = CollectorSchedule(_API, gc_every_n_steps)
         self._closed = False
         self._skipped: set[int] | None = set()  # no gradient at a step: _say_step_counts
+        self._said_dampening = False  # _say_first_momentum_dampened
         self.module = module
         self.manager = module.chunk_manager
         self.pipeline = CpuStepPipeline(self.manager, module.compute_device, overlap_cpu_step)
@@ -601,7 +607,7 @@ class GeminiOptimizer:
             for i in self._device:
                 self.masters[i].grad = None
         for i in self._device:
-            _restore(saved.get(i))
+            restore_unstepped(saved.get(i), self.optimizer.state)
             write_back(self.manager, self.pairs[i][0])
         # CPU-held masters, chunk by chunk in compute order. With Adam states
         # on disk the reads run ahead across chunks, in the same order.
@@ -727,10 +733,10 @@ class GeminiOptimizer:
                 master.grad = None
                 if self._copy_out:
                     self.optimizer.set_copy_out(master, None)  # type: ignore[attr-defined]
-        _restore(saved)
+        restore_unstepped(saved, self.optimizer.state)
         if self._copy_out:  # the kernel wrote the unused slices' stepped values out too
             for t, sl, value in saved or ():
-                if t is master:
+                if t is master and value is not None:
                     values[sl].copy_(value)
         else:
             values.copy_(master)
@@ -774,14 +780,36 @@ class GeminiOptimizer:
             master = chunk.paired_chunk.shard
             sl = slice(start, end)
             state = self.optimizer.state.get(master, {})
+            slices = saved.setdefault(self._index[chunk], [])
             for t in (master, *(v for v in state.values() if torch.is_tensor(v) and v.dim() > 0)):
-                saved.setdefault(self._index[chunk], []).append((t, sl, t[sl].clone()))
+                slices.append((t, sl, t[sl].clone()))
+            if not state:  # this step creates it: see restore_unstepped
+                slices.append((master, sl, None))
+                self._say_first_momentum_dampened()
             if (
                 keep_on_disk is not None
             ):  # moments on disk are not in the state: the optimizer keeps them
                 with self._lock:
                     keep_on_disk(master, sl)
         return saved
+
+    def _say_first_momentum_dampened(self) -> None:
+        """SGD with dampening steps a parameter's first momentum undampened
+        (``buf = d_p``); one whose chunk's buffer exists before its first
+        gradient (zeros, see restore_unstepped) gets ``(1 - dampening) * d_p``.
+        Said once."""
+        defaults = self.optimizer.defaults
+        if self._said_dampening or not (defaults.get("momentum") and defaults.get("dampening")):
+            return
+        self._said_dampening = True
+        warnings.warn(
+            f"{_API}.step: a parameter without a gradient at its chunk's first step starts its "
+            "momentum buffer at zeros, so with SGD's dampening its first momentum is "
+            "(1 - dampening) * its gradient, where torch's SGD starts it undampened (momentum "
+            "buffers are per chunk here, as in ColossalAI's Gemini)",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (over the master chunks)."""
@@ -952,11 +980,6 @@ def _close(pipeline: CpuStepPipeline, collector: CollectorSchedule) -> None:
 def _close_on_collect(stop_worker: Callable[[], None], collector: CollectorSchedule) -> None:
     stop_worker()
     collector.close()
-
-
-def _restore(saved) -> None:
-    for t, sl, value in saved or ():
-        t[sl].copy_(value)
 
 
 def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
