@@ -127,6 +127,8 @@ class GeminiOptimizer:
             and fails again (see zerostack.shard's [Note: a failed CPU update]).
     """
 
+    _said_dampening = False  # _say_first_momentum_dampened, per instance once set
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -156,7 +158,6 @@ class GeminiOptimizer:
         collector = CollectorSchedule(_API, gc_every_n_steps)
         self._closed = False
         self._skipped: set[int] | None = set()  # no gradient at a step: _say_step_counts
-        self._said_dampening = False  # _say_first_momentum_dampened
         self.module = module
         self.manager = module.chunk_manager
         self.pipeline = CpuStepPipeline(self.manager, module.compute_device, overlap_cpu_step)
