@@ -488,12 +488,14 @@ class WarmupLR(torch.optim.lr_scheduler.LRScheduler):
 
 
 class WarmupDecayLR(WarmupLR):
-    """DeepSpeed's WarmupDecayLR: WarmupLR's warmup, then a linear decay to 0
-    at ``total_num_steps``.
+    """DeepSpeed's WarmupDecayLR: WarmupLR's warmup, then a linear decay to
+    ``warmup_min_lr`` at ``total_num_steps`` (DeepSpeed's formula: the lr is
+    ``warmup_min_lr + (warmup_max_lr - warmup_min_lr) * gamma`` with ``gamma``
+    falling from 1 to 0).
 
     Args:
         optimizer: the optimizer.
-        total_num_steps: the step at which the learning rate reaches 0.
+        total_num_steps: the step at which the learning rate reaches ``warmup_min_lr``.
         warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_epoch:
             as WarmupLR's.
     """
