@@ -28,6 +28,7 @@ from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
     check_clip_args,
+    check_flat_optimizer,
     check_fraction,
     check_lane_optimizer,
     check_max_norm,
@@ -1062,6 +1063,9 @@ def _check_wrap(optimizer: object, module: Any) -> None:
             "e.g. HybridAdam(model.parameters())"
         )
     _check_module(_API, module)
+    check_flat_optimizer(
+        _API, optimizer, chunks=True
+    )  # See zero-shard's [Note: optimizers over flat pieces]
     if optimizer in _WRAPPED:
         raise RuntimeError(
             f"{_API}: this optimizer is wrapped by a GeminiOptimizer already (its parameters are "

@@ -17,6 +17,7 @@ from zerostack.shard._cpu_pipeline import (
     wait_event,
     write_failed,
 )
+from zerostack.shard._flat import check_flat_optimizer
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import (
     ShardedGradient,
@@ -84,6 +85,7 @@ __all__ = [
     "best_gpu_update_fraction",
     "changed_fields",
     "check_clip_args",
+    "check_flat_optimizer",
     "check_fraction",
     "check_lane_optimizer",
     "check_max_norm",

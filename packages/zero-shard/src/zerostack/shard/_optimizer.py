@@ -35,6 +35,7 @@ from zerostack.shard._clip import check_clip_args, grad_stats, norm_part, record
 from zerostack.shard._config import CPU_UPDATE_NUMEL, ZeroConfig, check_cpu_update_numel
 from zerostack.shard._cpu_pipeline import CpuUpdatePipeline, wait_event, write_failed
 from zerostack.shard._device_lane import DeviceLane, lane_writable
+from zerostack.shard._flat import check_flat_optimizer
 from zerostack.shard._gc import CollectorSchedule
 from zerostack.shard._grad_guard import ShardedGradient, say_zero_grads_are_dropped
 from zerostack.shard._hooks import register_forward_hooks, register_grad_hooks
@@ -89,6 +90,7 @@ def _check_args(
             f"{_API}: optimizer must be a torch.optim.Optimizer built on the model's parameters "
             f"(got {type(optimizer).__name__})"
         )
+    check_flat_optimizer(_API, optimizer, chunks=False)  # See [Note: optimizers over flat pieces]
     if optimizer in _WRAPPED:
         raise RuntimeError(
             f"{_API}: this optimizer is wrapped by a ZeroOptimizer already (its groups hold that "
