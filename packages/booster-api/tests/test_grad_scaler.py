@@ -6,6 +6,8 @@ TorchDDPPlugin it works as in torch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -39,10 +41,11 @@ def test_torchs_grad_scaler_is_refused_naming_the_plugins_loss_scaling(plugin, u
     scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(4, 8)
     scaler.scale(model(x).square().mean()).backward()
-    with pytest.raises(RuntimeError, match=_REFUSED):
+    with pytest.raises(RuntimeError, match=_REFUSED) as refused:
         if unscale_first:  # before clipping, as torch's AMP recipe does
             scaler.unscale_(optimizer)
         scaler.step(optimizer)
+    assert re.match(r"(LowLevelZeroOptimizer|GeminiDDP)[.:]", str(refused.value)), refused.value
     optimizer.zero_grad()  # the scaled batch goes; training goes on without the scaler
     before = [v.clone() for v in model.state_dict().values()]
     booster.backward(model(x).square().mean(), optimizer)

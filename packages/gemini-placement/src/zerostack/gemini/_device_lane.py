@@ -284,6 +284,6 @@ def restore_unstepped(saved: list | None, state: Any) -> None:
         if value is not None:
             t[sl].copy_(value)
             continue
-        for v in state.get(t, {}).values():
-            if torch.is_tensor(v) and v.dim() > 0:
+        for v in state.get(t, {}).values():  # element-wise ones: their zeros are a start
+            if torch.is_tensor(v) and v.is_floating_point() and v.numel() == t.numel():
                 v[sl].zero_()

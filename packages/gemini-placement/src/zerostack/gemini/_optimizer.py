@@ -800,8 +800,8 @@ class GeminiOptimizer:
         (``buf = d_p``); one whose chunk's buffer exists before its first
         gradient (zeros, see restore_unstepped) gets ``(1 - dampening) * d_p``.
         Said once."""
-        defaults = self.optimizer.defaults
-        if self._said_dampening or not (defaults.get("momentum") and defaults.get("dampening")):
+        group = self.optimizer.param_groups[0]
+        if self._said_dampening or not (group.get("momentum") and group.get("dampening")):
             return
         self._said_dampening = True
         warnings.warn(

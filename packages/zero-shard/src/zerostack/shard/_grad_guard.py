@@ -89,9 +89,11 @@ class ShardedGradient(torch.Tensor):
             new = args[1]
             me.local = new.detach().clone() if me.local is None else me.local.add_(new)
             return me
-        owner = next((a.owner for a in args if type(a) is cls), "the optimizer")
         if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
-            raise RuntimeError(grad_scaler_refusal(owner))  # GradScaler.unscale_ or .step
+            # GradScaler.unscale_ or .step: the first argument is the list of gradients
+            owner = next((a.owner for a in args[0] if type(a) is cls), "the optimizer")
+            raise RuntimeError(grad_scaler_refusal(owner))
+        owner = next((a.owner for a in args if type(a) is cls), "the optimizer")
         raise RuntimeError(
             f"{owner}: this parameter's gradient is reduced and sharded over the ranks, so "
             f"param.grad holds no values (got {func} on it, e.g. from "

@@ -18,6 +18,10 @@ assignment, so one pair of hooks, installed with the first wrapper, raises
 there for modules that a live wrapper holds. Assigning the same object
 again, or a module without parameters in place of another without
 (``nn.Identity()`` for a ``Dropout``), changes nothing packed and passes.
+torch calls no hook for removals (``del model.head``, ``fc.bias = None``,
+``Sequential.insert``): those are not caught. An assignment that changes
+an attribute's kind (a parameter over a submodule's name) has removed the
+old one before the hook refuses it.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ def _on_parameter(parent: nn.Module, name: str, value: nn.Parameter) -> None:
 
 def _refuse(held: tuple[str, Any, str, str], name: str, what: str, value: object) -> None:
     path, _, api, why = held
-    got = "None" if value is None else f"a new {type(value).__name__}"
+    got = "None" if value is None else f"a new {type(value).__name__}"  # None: a submodule
     raise RuntimeError(
         f"{api}: {path + '.' if path else ''}{name} was assigned {what} after the model was "
         f"wrapped (got {got}); {why}. Build the model whole (heads, adapters, tied weights) "
