@@ -619,9 +619,9 @@ class GeminiDDP(nn.Module):
         does nothing there) raises, once. Offloaded updates still running
         are waited for first, where a parameter moved; a write made before
         its own step's update was written back is overwritten by it (call
-        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` and ``p.data = t`` move no
-        counter and are not seen (zero-shard's [Note: parameters written in
-        place] has the same limit).
+        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` and
+        ``p.data = t`` move no counter and are not seen (zero-shard's [Note:
+        parameters written in place] has the same limit).
         """
         moved = [
             p

@@ -1063,9 +1063,8 @@ def _check_wrap(optimizer: object, module: Any) -> None:
             "e.g. HybridAdam(model.parameters())"
         )
     _check_module(_API, module)
-    check_flat_optimizer(
-        _API, optimizer, chunks=True
-    )  # See zero-shard's [Note: optimizers over flat pieces]
+    # See zero-shard's [Note: optimizers over flat pieces].
+    check_flat_optimizer(_API, optimizer, chunks=True)
     if optimizer in _WRAPPED:
         raise RuntimeError(
             f"{_API}: this optimizer is wrapped by a GeminiOptimizer already (its parameters are "

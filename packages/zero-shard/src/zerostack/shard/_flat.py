@@ -5,7 +5,8 @@ fp32 piece of every parameter, and GeminiOptimizer each chunk's flat shard,
 which holds pieces of many parameters and keeps one optimizer state for all
 of them. Element-wise optimizers whose state starts at zeros step those
 pieces as torch steps the whole parameters: SGD, Adam, AdamW, NAdam, RAdam,
-Adamax, RMSprop, Adadelta, fused-adam's, Lion-like ones. Others gave other
+Adamax, RMSprop, Adadelta and fused-adam's (under Gemini the Adam-like ones
+count steps per chunk, as ColossalAI's Gemini does). Others gave other
 results, silently, and are refused where they are built:
 
 - an optimizer that reads a parameter's shape: Adafactor factors its second
