@@ -9,6 +9,7 @@ import datetime
 import functools
 import gc
 import os
+import re
 import statistics
 import sys
 import threading
@@ -298,6 +299,10 @@ def run(
     before: dict = {}  # the allocator's counters when the timed steps start
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     walls = []  # See [Note: a step lasts from the end of the one before]
+    # ZEROSTACK_BENCH_EMPTY_CACHE=before|after: the allocator gives its free
+    # cached blocks back every step, before or after step() (an experiment:
+    # whether that removes the retry a capped Gemini forward makes).
+    release = os.environ.get("ZEROSTACK_BENCH_EMPTY_CACHE", "")
     losses = []  # every step's, warm-up too, read after the loop (no sync inside it)
     torch.cuda.synchronize()
     end = time.perf_counter()
@@ -325,7 +330,11 @@ def run(
         rb, to = retried(), time.perf_counter()
         if offload is not None and i == warmup:
             at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
+        if release == "before":
+            torch.cuda.empty_cache()
         step_fn(loss, backward_only=False)
+        if release == "after":
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         t2, ro = time.perf_counter(), retried()
         if i >= warmup:
@@ -413,6 +422,7 @@ class _KernelClock:
     def __init__(self) -> None:
         self.seconds, self.calls, self.elements, self.event_s = 0.0, 0, 0, 0.0
         self._module: Any = None
+        self.traced = False  # each call in a ``cpu_adam::kernel`` range (a traced profile)
 
     def install(self) -> None:
         try:
@@ -441,6 +451,9 @@ class _KernelClock:
     def adam_step(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
+            if self.traced:
+                with torch.profiler.record_function("cpu_adam::kernel"):
+                    return self._module.adam_step(*args, **kwargs)
             return self._module.adam_step(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
@@ -467,25 +480,50 @@ def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            with record_function("bench::forward"):
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-                    loss = model(idx, tgt)
-                torch.cuda.synchronize()
-            with record_function("bench::backward"):
-                step_fn(loss, backward_only=True)
-                torch.cuda.synchronize()
-            with record_function("bench::step"):
-                step_fn(loss, backward_only=False)
-                torch.cuda.synchronize()
+    trace = os.environ.get("ZEROSTACK_BENCH_TRACE")  # PREFIX: PREFIX.NAME.json.gz per row
+    config = None
+    if trace:  # the CPU-step worker's phases and CPU Adam's kernel calls too
+        from torch._C._profiler import _ExperimentalConfig
+
+        config = _ExperimentalConfig(profile_all_threads=True)
+        KERNEL_CLOCK.traced = True
+    # zerostack.chunk.phase asks whether a profiler runs on its own thread,
+    # which says no on the worker: with a trace, yes everywhere while this runs.
+    enabled = torch._C._autograd._profiler_enabled
+    if trace:
+        torch._C._autograd._profiler_enabled = lambda: True
+    try:
+        with profile(activities=acts, experimental_config=config) as prof:
+            _profiled_steps(model, step_fn, idx, tgt, autocast, steps, record_function)
+    finally:
+        torch._C._autograd._profiler_enabled = enabled
+        KERNEL_CLOCK.traced = False
     print(f"\n[profile] {name}: {steps} steps", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22), flush=True)
     events = prof.events()
     print(f"[profile] {name}: {device_time(events)}", flush=True)
     for line in phase_times(events) + copy_streams(events):
         print(f"[profile] {name}: {line}", flush=True)
+    if trace:  # a Chrome trace of the profiled steps (chrome://tracing, ui.perfetto.dev)
+        path = f"{trace}.{re.sub(r'[^A-Za-z0-9]+', '_', name)[:40]}.json.gz"
+        prof.export_chrome_trace(path)
+        print(f"[profile] {name}: trace in {path}", flush=True)
+
+
+def _profiled_steps(model, step_fn, idx, tgt, autocast, steps: int, record_function) -> None:
+    """``steps`` training steps, each phase in a ``bench::`` range and synchronised."""
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        with record_function("bench::forward"):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(idx, tgt)
+            torch.cuda.synchronize()
+        with record_function("bench::backward"):
+            step_fn(loss, backward_only=True)
+            torch.cuda.synchronize()
+        with record_function("bench::step"):
+            step_fn(loss, backward_only=False)
+            torch.cuda.synchronize()
 
 
 def _host_profile(name, model, step_fn, idx, tgt, autocast, steps: int) -> None:

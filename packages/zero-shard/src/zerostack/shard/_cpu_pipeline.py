@@ -145,6 +145,8 @@ from typing import Any
 
 import torch
 
+from zerostack.chunk import phase
+
 logger = logging.getLogger(__name__)
 _THREAD_PREFIX = "zerostack-cpu-step"
 
@@ -381,7 +383,8 @@ class CpuUpdatePipeline:
         future = self._futures.pop(key, None)
         if future is not None:
             t0 = time.perf_counter()
-            error = future.exception()
+            with phase("zerostack::await_update"):
+                error = future.exception()
             self.wait_s += time.perf_counter() - t0
             if error is not None:
                 self._failed_once(key, error)
