@@ -84,13 +84,13 @@ def _compile_cpu(out_dir: Path, obj_dir: Path) -> Path:
         jobs.append((obj, [*base, f"-DZS_LEVEL={level}", *flags, "-c", str(src), "-o", str(obj)]))
     binding = obj_dir / "adam_cpu.o"
     jobs.append(
-        (binding, [*base, "-fopenmp", "-c", str(CSRC / "adam_cpu.cpp"), "-o", str(binding)])
+        (binding, [*base, "-pthread", "-c", str(CSRC / "adam_cpu.cpp"), "-o", str(binding)])
     )
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         list(pool.map(_run, [cmd for _, cmd in jobs]))
     target = out_dir / f"_adam_cpu{sysconfig.get_config_var('EXT_SUFFIX')}"
-    _run([cxx, "-shared", "-fopenmp", *[str(o) for o, _ in jobs], "-o", str(target)])
+    _run([cxx, "-shared", "-pthread", *[str(o) for o, _ in jobs], "-o", str(target)])
     _log(f"CPU kernel built in {time.perf_counter() - start:.1f}s -> {target.name}")
     return target
 

@@ -1,11 +1,11 @@
 // pybind11 binding of the CPU Adam kernel: no torch headers. Python
 // validates the tensors and passes raw pointers, element counts and dtype
 // codes; this file picks the SIMD level at run time, splits the work into
-// blocks and runs them on an OpenMP team with the GIL released.
+// blocks and runs them on a team of threads of its own with the GIL released.
 //
 // [Note: CPU Adam's blocks go to whichever thread is free] The team takes
-// the blocks one at a time (schedule(dynamic, 1)), not a fixed 1/width of
-// them each (schedule(static)). In training the team shares the cores with
+// the blocks one at a time (the dynamic schedule), not a fixed 1/width of
+// them each (the static one). In training the team shares the cores with
 // threads that keep one busy: the thread driving the GPU (a CUDA
 // synchronize spins), the device lane's, the copies'. With a fixed share,
 // a team thread that shares a core finishes last and the whole step waits
@@ -15,15 +15,42 @@
 // does not depend on the thread that computes it: both schedules give the
 // same bits. `set_schedule("static")` (ZEROSTACK_CPU_ADAM_SCHEDULE) keeps
 // the old one, for measuring the difference (docs/benchmarks.md).
+//
+// [Note: CPU Adam's threads sleep between calls] The team is this module's
+// own (class Team below), not an OpenMP one. An OpenMP team of libgomp (the
+// one torch loads, which every extension in the process shares) spins after
+// each parallel region, by default for about 300,000 pause instructions, and
+// OMP_WAIT_POLICY, which turns that off, is read once, when torch is
+// imported. An offloaded step calls CPU Adam every few milliseconds (a chunk
+// or a bucket at a time) on a worker thread while the main thread runs the
+// next forward's Python and launches: 15 spinning team threads on a 16-core
+// host took the cores that thread and the worker's own Python needed between
+// the calls. On an H200 host (16 cores), the same process setting
+// OMP_WAIT_POLICY=PASSIVE before importing torch: LLaMA 1.1B under a 12 GiB
+// cap 0.311 and 0.314 s a step against 0.358 and 0.324 s, the CPU step 0.147
+// against 0.161-0.179 s; the 4.24B GPT under 24 GiB 1.187 s against 1.238 and
+// 1.241 s (docs/benchmarks.md, "2026-12-05 twentieth session"). Here the
+// helpers wait asleep on a condition variable, whatever the environment
+// says; waking them costs tens of microseconds a call. One call runs at a
+// time (a second caller waits for the first: the kernel is bound by memory
+// bandwidth, which two teams at once would share). The team is never
+// destroyed (its threads are detached and sleep until the process ends), and
+// a child made by fork() starts a new one: the parent's threads do not exist
+// there.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
-#include <omp.h>
+#include <pthread.h>
 
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "adam_cpu_kernel.h"
@@ -60,6 +87,83 @@ void set_schedule(const std::string& name) {
   }
   g_dynamic = name == "dynamic";
 }
+
+// See [Note: CPU Adam's threads sleep between calls].
+class Team {
+ public:
+  using Body = std::function<void(int64_t)>;
+
+  // body(i) for every i in [0, n), on `width` threads, the calling thread one
+  // of them: items taken one at a time (dynamic) or `width` contiguous ranges.
+  void run(int width, int64_t n, bool dynamic, const Body& body) {
+    std::lock_guard<std::mutex> one_call(call_mu_);
+    if (width <= 1 || n <= 1) {
+      for (int64_t i = 0; i < n; ++i) body(i);
+      return;
+    }
+    while (helpers_ < width - 1) {
+      std::thread(&Team::serve, this, ++helpers_).detach();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      body_ = &body;
+      n_ = n;
+      width_ = width;
+      dynamic_ = dynamic;
+      next_.store(0, std::memory_order_relaxed);
+      running_ = width - 1;
+      ++generation_;
+    }
+    start_.notify_all();
+    work(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return running_ == 0; });
+    body_ = nullptr;
+  }
+
+ private:
+  void work(int member) {
+    if (dynamic_) {
+      for (int64_t i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*body_)(i);
+    } else {
+      const int64_t lo = n_ * member / width_, hi = n_ * (member + 1) / width_;
+      for (int64_t i = lo; i < hi; ++i) (*body_)(i);
+    }
+  }
+
+  // Helper `member` (1, 2, ...): asleep until a call wants it, then its share.
+  // A call's helpers are all back here before the next call starts.
+  void serve(int member) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      start_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (member >= width_) continue;  // not in this call's team
+      lock.unlock();
+      work(member);
+      lock.lock();
+      if (--running_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex call_mu_;  // one call at a time
+  std::mutex mu_;       // what the helpers read, and `running_`
+  std::condition_variable start_, done_;
+  int helpers_ = 0;
+  uint64_t generation_ = 0;
+  const Body* body_ = nullptr;
+  int64_t n_ = 0;
+  int width_ = 1;
+  bool dynamic_ = true;
+  std::atomic<int64_t> next_{0};
+  int running_ = 0;
+};
+
+// Never destroyed: detached helpers may still sleep in it at exit. After
+// fork() the child gets a new one (the old one's helpers are not there).
+Team* g_team = new Team();
+const int kAtFork = pthread_atfork(nullptr, nullptr, [] { g_team = new Team(); });
 
 using RangeFn = void (*)(const AdamArgs&, int64_t, int64_t);
 
@@ -149,13 +253,9 @@ void adam_step(const std::vector<uintptr_t>& params, const std::vector<uintptr_t
   const int width = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tasks)));
   const bool dynamic = g_dynamic;
   py::gil_scoped_release nogil;
-  if (dynamic) {
-#pragma omp parallel for num_threads(width) schedule(dynamic, 1)
-    for (int64_t i = 0; i < num_tasks; ++i) fn(args[tasks[i].tensor], tasks[i].begin, tasks[i].end);
-  } else {
-#pragma omp parallel for num_threads(width) schedule(static)
-    for (int64_t i = 0; i < num_tasks; ++i) fn(args[tasks[i].tensor], tasks[i].begin, tasks[i].end);
-  }
+  g_team->run(width, num_tasks, dynamic, [&](int64_t i) {
+    fn(args[tasks[i].tensor], tasks[i].begin, tasks[i].end);
+  });
 }
 
 }  // namespace
@@ -173,5 +273,4 @@ PYBIND11_MODULE(_adam_cpu, m) {
   m.def("set_simd_level", &set_simd_level, py::arg("name"));
   m.def("set_schedule", &set_schedule, py::arg("name"));
   m.def("schedule", []() { return std::string(g_dynamic ? "dynamic" : "static"); });
-  m.def("max_threads", []() { return omp_get_max_threads(); });
 }
