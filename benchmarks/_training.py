@@ -299,10 +299,6 @@ def run(
     before: dict = {}  # the allocator's counters when the timed steps start
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     walls = []  # See [Note: a step lasts from the end of the one before]
-    # ZEROSTACK_BENCH_EMPTY_CACHE=before|after: the allocator gives its free
-    # cached blocks back every step, before or after step() (an experiment:
-    # whether that removes the retry a capped Gemini forward makes).
-    release = os.environ.get("ZEROSTACK_BENCH_EMPTY_CACHE", "")
     losses = []  # every step's, warm-up too, read after the loop (no sync inside it)
     torch.cuda.synchronize()
     end = time.perf_counter()
@@ -330,11 +326,7 @@ def run(
         rb, to = retried(), time.perf_counter()
         if offload is not None and i == warmup:
             at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
-        if release == "before":
-            torch.cuda.empty_cache()
         step_fn(loss, backward_only=False)
-        if release == "after":
-            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         t2, ro = time.perf_counter(), retried()
         if i >= warmup:

@@ -10,8 +10,11 @@ for it, and the timed steps must account for the loop's wall time."""
 from __future__ import annotations
 
 import gc
+import gzip
+import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,7 +36,11 @@ def training(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 0)
-    for name in ("ZEROSTACK_BENCH_PROFILE", "ZEROSTACK_BENCH_HOST_PROFILE"):
+    for name in (
+        "ZEROSTACK_BENCH_PROFILE",
+        "ZEROSTACK_BENCH_HOST_PROFILE",
+        "ZEROSTACK_BENCH_TRACE",
+    ):
         monkeypatch.delenv(name, raising=False)
     collecting = gc.isenabled()
     gc.disable()  # a collection in the set-up or the summary would be no step's time
@@ -74,3 +81,41 @@ def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
     )  # fmt: skip
     assert out["losses"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert out["loss"] == 4.0
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_trace_records_the_cpu_step_worker(training, tmp_path, monkeypatch) -> None:
+    # ZEROSTACK_BENCH_TRACE: the CPU-step worker's zerostack:: phases and the
+    # main thread's phases in one Chrome trace; zerostack.chunk.phase, which
+    # asks whether a profiler runs on its own thread, is told yes only while
+    # the profiled steps run.
+    from zerostack.chunk import phase
+
+    monkeypatch.setenv("ZEROSTACK_BENCH_TRACE", str(tmp_path / "trace"))
+    worker = ThreadPoolExecutor(1, thread_name_prefix="zerostack-cpu-step")
+    layer = torch.nn.Linear(4, 4)
+
+    def update() -> None:
+        with phase("zerostack::cpu_update"):
+            torch.ones(8).sum()
+
+    def step_fn(loss, backward_only) -> None:
+        if backward_only:
+            loss.backward()
+        else:
+            worker.submit(update).result()
+
+    enabled = torch._C._autograd._profiler_enabled
+    try:
+        training._profile(
+            "row (a)", lambda idx, tgt: layer(idx).sum(), step_fn, torch.ones(2, 4), None, False, 2
+        )
+    finally:
+        worker.shutdown()
+    assert torch._C._autograd._profiler_enabled is enabled
+    with gzip.open(tmp_path / "trace.row_a_.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    names = [e.get("name") for e in events]
+    assert names.count("bench::forward") == 2 and names.count("zerostack::cpu_update") == 2
+    main = {e["tid"] for e in events if e.get("name") == "bench::forward"}
+    assert {e["tid"] for e in events if e.get("name") == "zerostack::cpu_update"}.isdisjoint(main)
