@@ -46,6 +46,7 @@
 #include <pybind11/stl.h>
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -54,6 +55,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -99,14 +101,22 @@ class Team {
 
   // body(i) for every i in [0, n), on `width` threads, the calling thread one
   // of them: items taken one at a time (dynamic) or `width` contiguous ranges.
+  // `body` must not throw (the helpers still run it while an exception would
+  // unwind the caller); the kernel's range functions do not.
   void run(int width, int64_t n, bool dynamic, const Body& body) {
     std::lock_guard<std::mutex> one_call(call_mu_);
+    while (helpers_ < width - 1 && n > 1) {
+      try {  // counted only once it exists: a call never waits for a missing helper
+        std::thread(&Team::serve, this, helpers_ + 1).detach();
+      } catch (const std::system_error&) {
+        break;  // no more threads to be had (a process limit): the ones there are
+      }
+      ++helpers_;
+    }
+    width = std::min(width, helpers_ + 1);
     if (width <= 1 || n <= 1) {
       for (int64_t i = 0; i < n; ++i) body(i);
       return;
-    }
-    while (helpers_ < width - 1) {
-      std::thread(&Team::serve, this, ++helpers_).detach();
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -118,7 +128,7 @@ class Team {
       running_ = width - 1;
       ++generation_;
     }
-    start_.notify_all();
+    start_.notify_all();  // helpers left out of a narrower call wake and sleep again
     work(0);
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [this] { return running_ == 0; });
@@ -160,7 +170,7 @@ class Team {
   int64_t n_ = 0;
   int width_ = 1;
   bool dynamic_ = true;
-  std::atomic<int64_t> next_{0};
+  alignas(64) std::atomic<int64_t> next_{0};  // a cache line of its own: taken per block
   int running_ = 0;
 };
 

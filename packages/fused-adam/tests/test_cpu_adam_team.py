@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -113,3 +115,61 @@ def test_the_team_uses_no_cpu_between_calls(threads_and_schedule):
         time.sleep(0.1)
         idle += time.process_time() - c0
     assert idle < 0.005, f"{idle * 1e3:.1f} ms of CPU while idle"
+
+
+_STRESS = r"""
+import random, sys, threading, time
+import torch
+from zerostack.fused_adam import _kernels
+
+cpu = _kernels._require_cpu()
+BLOCK = 2**16
+
+
+def call(seed, width):
+    g = torch.Generator().manual_seed(seed)
+    n = (seed % 19 + 3) * BLOCK + seed % 7
+    p, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    m, v = torch.zeros(n), torch.zeros(n)
+    cpu.adam_step(
+        params=[p.data_ptr()], grads=[grad.data_ptr()], exp_avgs=[m.data_ptr()],
+        exp_avg_sqs=[v.data_ptr()], outs=[], numels=[n], param_dtype=0, grad_dtype=0,
+        out_dtype=-1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+        bias_correction1=0.1, bias_correction2=0.001, adamw_mode=True, grad_scale=1.0,
+        num_threads=width,
+    )
+    return p
+
+
+def caller(k, deadline, bad):
+    rng = random.Random(k)
+    while time.perf_counter() < deadline:
+        seed = rng.randrange(10**6)
+        if not torch.equal(call(seed, rng.randint(1, 24)), call(seed, 1)):
+            bad.append(seed)
+
+
+cpu.set_schedule(sys.argv[1])
+bad, deadline = [], time.perf_counter() + float(sys.argv[2])
+workers = [threading.Thread(target=caller, args=(k, deadline, bad)) for k in range(2)]
+for w in workers:
+    w.start()
+for w in workers:
+    w.join()
+print("bad", bad)
+"""
+
+
+@pytest.mark.parametrize("schedule", ["dynamic", "static"])
+def test_two_callers_with_random_widths_never_hang_and_match_one_thread(tmp_path, schedule):
+    # Widths that grow and shrink from call to call, two callers at once: a
+    # call that overlapped another, or a helper left out of a narrow call that
+    # worked in it anyway, hung or raced within seconds of this (the review's
+    # stress test of the first version of the team).
+    script = tmp_path / "stress.py"
+    script.write_text(_STRESS)
+    out = subprocess.run(
+        [sys.executable, str(script), schedule, "4"], capture_output=True, text=True, timeout=90
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "bad []"
