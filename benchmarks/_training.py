@@ -474,15 +474,14 @@ def _profile(name, model, step_fn, idx, tgt, autocast, steps: int = 3) -> None:
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     trace = os.environ.get("ZEROSTACK_BENCH_TRACE")  # PREFIX: PREFIX.NAME.json.gz per row
     config = None
+    enabled = torch._C._autograd._profiler_enabled
     if trace:  # the CPU-step worker's phases and CPU Adam's kernel calls too
         from torch._C._profiler import _ExperimentalConfig
 
         config = _ExperimentalConfig(profile_all_threads=True)
         KERNEL_CLOCK.traced = True
-    # zerostack.chunk.phase asks whether a profiler runs on its own thread,
-    # which says no on the worker: with a trace, yes everywhere while this runs.
-    enabled = torch._C._autograd._profiler_enabled
-    if trace:
+        # zerostack.chunk.phase asks whether a profiler runs on its own thread,
+        # which says no on the worker: yes everywhere while this runs.
         torch._C._autograd._profiler_enabled = lambda: True
     try:
         with profile(activities=acts, experimental_config=config) as prof:

@@ -27,9 +27,9 @@
 // host took the cores that thread and the worker's own Python needed between
 // the calls. On an H200 host (16 cores), the OpenMP kernel in processes that
 // set OMP_WAIT_POLICY=PASSIVE before importing torch (idle threads asleep, as
-// this team's are whatever the environment): LLaMA 1.1B under a 12 GiB cap 0.311 and 0.314 s
-// a step against 0.324 and 0.358 s without it, the CPU step 0.147-0.149 s
-// against 0.161-0.179 s; the 4.24B GPT under 24 GiB 1.187 s against 1.238
+// this team's are whatever the environment): LLaMA 1.1B under a 12 GiB cap
+// 0.311 and 0.314 s a step against 0.324 and 0.358 s without it, the CPU step
+// 0.147-0.149 s against 0.161-0.179 s; the 4.24B GPT under 24 GiB 1.187 s against 1.238
 // and 1.241 s (docs/benchmarks.md, "2026-12-05 twentieth session"; this team
 // has not run there yet). On the 2-core development machine, a worker
 // stepping CPU Adam chunk by chunk beside a main thread running torch ops:
