@@ -11,11 +11,13 @@ Configurations:
   torch.cuda.set_per_process_memory_fraction; run last, the cap stays for the
   process): Gemini auto, and Gemini static with ``offload_optim_frac`` from
   ``--static-fracs``;
-* every Gemini row steps its CPU-held chunks in CPU Adam (GeminiOptimizer's
-  default ``gpu_update_fraction=0``, see zerostack.gemini's [Note: Gemini's
-  split is opt-in]), but ``gemini_auto_split``, asked for by name in
-  ``--only``: the capped auto row with ``--gpu-update-fraction`` (default
-  auto).
+* the capped auto row takes GeminiOptimizer's default ``gpu_update_fraction``
+  ("auto": the plan with the split weighed against CPU Adam alone, see
+  zerostack.gemini's [Note: Gemini's split where the model finds it faster]);
+  asked for by name in ``--only``, ``gemini_auto_cpu`` steps every CPU-held
+  chunk in CPU Adam (0.0) and ``gemini_auto_split`` takes the share
+  ``--gpu-update-fraction`` gives (default auto: the machine's best share,
+  not weighed); the static rows step theirs in CPU Adam (their default).
 
 Besides time, each Gemini row gives the exposed CPU-update wait (time the
 forward spent waiting for a chunk's CPU step) and the worker's CPU step time
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import GeminiDDP, GeminiOptimizer
+from zerostack.shard import resolve_gpu_update_fraction
 from zerostack.testing import TinyGPT
 
 
@@ -68,9 +71,9 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if split is not None:  # gemini_auto_split: labelled even at 0
-        auto = " (auto)" if split == "auto" else ""
-        label += f", gpu_update_fraction={opt.gpu_update_fraction:.3g}{auto}"
+    if model.auto is not None:  # labelled even at 0
+        how = " (default: auto, weighed)" if split is None else ""
+        label += f", gpu_update_fraction={opt.gpu_update_fraction:.3g}{how}"
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
     result = T.run(label, model, step, batch, steps, warmup, False, counters)
     model.wait_updates()  # profiled steps' updates (ZEROSTACK_BENCH_PROFILE) end here
@@ -87,7 +90,7 @@ def gemini(
         result["name"] += (
             f" ({len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
             f"optimizer chunks on the GPU, {a.evictions} evictions"
-            + (f", {len(opt.device_lane_chunks)} in the GPU's Adam" if split is not None else "")
+            + (f", {len(lane)} in the GPU's Adam" if (lane := opt.device_lane_chunks) else "")
             + ")"
         )
     else:
@@ -104,7 +107,7 @@ def _configurations(a, args, wanted):
     yield "plain", lambda: T.plain(*args)
     yield "fsdp2_offload", lambda: T.fsdp2_offload(*args)
     yield "gemini_gpu", lambda: gemini(*args, "Gemini static, all on the GPU")
-    if not {"gemini_auto", "gemini_auto_split", "gemini_static"} & set(wanted):
+    if not {"gemini_auto", "gemini_auto_cpu", "gemini_auto_split", "gemini_static"} & set(wanted):
         return
     cap = int(a.cap_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
@@ -115,7 +118,13 @@ def _configurations(a, args, wanted):
         said += f", steady_cuda_cap_ratio {ratio:g}"
     for norm in [float(n) for n in a.max_norms.split(",") if n]:
         label = f"Gemini auto, GPU capped at {a.cap_gib:g} GiB{said}"
-        for name, split in (("gemini_auto", None), ("gemini_auto_split", a.gpu_update_fraction)):
+        share = a.gpu_update_fraction
+        if share == "auto" and "gemini_auto_split" in wanted:  # the machine's share, not weighed
+            share = resolve_gpu_update_fraction(
+                "benchmarks/gemini.py", "auto", torch.device("cuda", 0), None
+            )  # fmt: skip
+        for name, split in (("gemini_auto", None), ("gemini_auto_cpu", 0.0),
+                            ("gemini_auto_split", share)):  # fmt: skip
             yield (
                 name,
                 lambda label=label, norm=norm, split=split: gemini(
@@ -177,7 +186,8 @@ def main() -> int:
             "--gpu-update-fraction", type=T.fraction_arg, default="auto",
             help="gemini_auto_split (asked for by --only, not in the default set): "
             "GeminiOptimizer(gpu_update_fraction=F), the share of the CPU-held optimizer chunks "
-            "stepped by the GPU's Adam, a number in [0, 1] or auto (default %(default)s)",
+            "stepped by the GPU's Adam, a number in [0, 1] or auto: the machine's best share, "
+            "not weighed against CPU Adam alone (default %(default)s)",
         )  # fmt: skip
         ap.add_argument(
             "--steady-cuda-cap-ratio", type=float, default=None,

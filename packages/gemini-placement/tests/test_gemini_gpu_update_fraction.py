@@ -377,10 +377,17 @@ def test_auto_chooses_no_share_where_none_can_run_and_logs_why(placement, why, c
     assert f"GeminiOptimizer: gpu_update_fraction='auto' chose 0.0: {why}" in caplog.text
 
 
-@pytest.mark.parametrize("placement", ["auto-small", "static-1.0"])
-def test_the_default_is_zero_under_both_placements_and_measures_nothing(placement, caplog):
-    # See zerostack.gemini's [Note: Gemini's split is opt-in]: every
-    # CPU-held chunk in CPU Adam, nothing measured, nothing said.
+@pytest.mark.parametrize(("placement", "said"), [("auto-small", True), ("static-1.0", False)])
+def test_on_a_cpu_device_the_default_steps_in_cpu_adam_and_measures_nothing(
+    placement, said, monkeypatch, caplog
+):
+    # See zerostack.gemini's [Note: Gemini's split where the model finds it
+    # faster]: under auto placement the default is "auto", which on a CPU
+    # compute device chooses 0.0 and says why; under static placement 0.0,
+    # nothing said. Nothing measures the machine.
+    import zerostack.shard._machine as machine
+
+    monkeypatch.setattr(machine, "measure_machine", _must_not_measure)
     torch.manual_seed(0)
     model = TinyGPT(CONFIG)
     ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
@@ -390,12 +397,18 @@ def test_the_default_is_zero_under_both_placements_and_measures_nothing(placemen
         _train(model, ddp, opt, steps=2)
     assert opt.gpu_update_fraction == 0.0 and opt._lane is None
     assert opt.device_lane_updates == 0
-    assert "gpu_update_fraction" not in caplog.text
+    chose = "gpu_update_fraction='auto' chose 0.0: the compute device is cpu"
+    assert (chose in caplog.text) == said and caplog.text.count("gpu_update_fraction") == said
+
+
+def _must_not_measure(*args, **kwargs):
+    raise AssertionError("the machine was measured")
 
 
 def test_only_an_explicit_auto_requires_the_machines_profile(monkeypatch):
-    # The default (0.0) is resolved with required=False; an explicit "auto"
-    # with required=True: a profile that cannot be taken raises.
+    # The default ("auto" under auto placement, 0.0 under static) is resolved
+    # with required=False; an explicit "auto" with required=True: a profile
+    # that cannot be taken raises.
     import inspect
 
     import zerostack.gemini._optimizer as gemini_module
@@ -409,12 +422,82 @@ def test_only_an_explicit_auto_requires_the_machines_profile(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gemini_module, "resolve_gpu_update_fraction", record)
-    for fraction in (None, "auto"):
+    for placement, fraction in (("auto-small", None), ("auto-small", "auto"), ("static-1.0", None)):
         model = TinyGPT(CONFIG)
         ddp = GeminiDDP(model, chunk_config_dict={1: {"chunk_size": CHUNK}}, compute_device="cpu",
-                        **PLACEMENTS["auto-small"])  # fmt: skip
+                        **PLACEMENTS[placement])  # fmt: skip
         GeminiOptimizer(HybridAdam(list(model.parameters())), ddp, gpu_update_fraction=fraction)
-    assert seen == [(0.0, False), ("auto", True)]
+    assert seen == [("auto", False), ("auto", True), (0.0, False)]
+
+
+def _weighing(tmp_path, monkeypatch, cpu_adam_bytes_s):
+    """Auto placement under 3 MB on the CPU, with "auto" made to give 0.5 (a
+    CPU device splits nothing by itself) and a profile file whose CPU Adam
+    runs at ``cpu_adam_bytes_s`` alone and beside the copies."""
+    import zerostack.gemini._optimizer as gemini_module
+    from zerostack.shard import PROFILE_ENV, MachineProfile
+
+    real = gemini_module.resolve_gpu_update_fraction
+
+    def half(api, fraction, *args, **kwargs):
+        return 0.5 if fraction == "auto" else real(api, fraction, *args, **kwargs)
+
+    monkeypatch.setattr(gemini_module, "resolve_gpu_update_fraction", half)
+    MachineProfile(
+        cpu_adam_bytes_s=cpu_adam_bytes_s, h2d_bytes_s=50e9, d2h_bytes_s=50e9,
+        cpu_adam_with_copies_bytes_s=cpu_adam_bytes_s, h2d_with_adam_bytes_s=50e9,
+        d2h_with_adam_bytes_s=50e9, gpu_adam_params_s=100e9,
+    ).save(tmp_path / "machine.json")  # fmt: skip
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "machine.json"))
+    monkeypatch.setitem(PLACEMENTS, "auto-3mb", dict(placement_policy="auto",
+                                                     gpu_capacity_bytes=3 * 10**6))  # fmt: skip
+
+
+@pytest.mark.parametrize(("cpu_adam_bytes_s", "split"), [(1e9, True), (1e12, False)])
+def test_auto_placement_weighs_the_split_against_cpu_adam_alone(
+    cpu_adam_bytes_s, split, tmp_path, monkeypatch, caplog
+):
+    # zerostack.shard's [Note: a placement weighed with its split]: the plan
+    # with the lane's staging keeps two more optimizer chunks on the host
+    # (test_auto_placement_plans_with_the_staging_kept_free). CPU Adam at
+    # 1 GB/s: the split is faster and kept, as 0.5 would be. At 1 TB/s: CPU
+    # Adam alone, with the plan of 0.0. Either way the same bits as 0.0.
+    _weighing(tmp_path, monkeypatch, cpu_adam_bytes_s)
+    runs = {}
+    for fraction in (0.0, 0.5, None):
+        with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+            model, ddp, opt = _build(fraction, "auto-3mb", dtype=torch.float32)
+            runs[fraction] = (model, ddp, opt), _train(model, ddp, opt, steps=2)
+    opt = runs[None][0][2]
+    like = 0.5 if split else 0.0
+    assert opt.gpu_update_fraction == like and bool(opt.device_lane_chunks) == split
+    offloaded = [len(run[1].offloaded_masters) for run, _ in runs.values()]
+    assert offloaded[0] < offloaded[1] and offloaded[2] == offloaded[1 if split else 0]
+    assert caplog.text.count("weighed the placement with the split") == 1
+    assert caplog.text.rstrip().endswith("the split" if split else "CPU Adam alone")
+    _equal_to(runs[None], runs[0.0])
+
+
+def test_a_previewed_plan_is_the_plan(monkeypatch):
+    # AutoPlacement.preview decides as plan does and moves nothing.
+    monkeypatch.setitem(PLACEMENTS, "auto-3mb", dict(placement_policy="auto",
+                                                     gpu_capacity_bytes=3 * 10**6))  # fmt: skip
+    for fraction in (0.0, 0.5):
+        model, ddp, opt = _build(fraction, "auto-3mb")
+        auto = ddp.auto
+        seen = {}
+
+        def plan(masters, state, staging, auto=auto, seen=seen, real=auto.plan):
+            before = set(auto.on_device)
+            seen["preview"] = auto.preview(masters, state, staging)
+            assert set(auto.on_device) == before  # nothing moved
+            return real(masters, state, staging)
+
+        auto.plan = plan
+        _train(model, ddp, opt, steps=1)
+        masters, shards = seen["preview"]
+        assert masters == ddp.offloaded_masters and masters
+        assert shards == frozenset(c for c in auto.param_chunks if c not in auto.on_device)
 
 
 # -- CUDA: the device lane in FusedAdam's kernel ---------------------------------------------
@@ -599,11 +682,9 @@ def test_auto_on_cuda_takes_the_models_share_from_the_profile_file(tmp_path, mon
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_placement_on_cuda_defaults_to_cpu_adam_and_its_split_gives_cpu_adams_bits(
-    tmp_path, monkeypatch
-):
-    # See zerostack.gemini's [Note: Gemini's split is opt-in]: nothing in the
-    # GPU's Adam unless asked; asked, the bits of the run without it (fp32
+def test_auto_placement_on_cuda_with_a_share_gives_cpu_adams_bits(tmp_path, monkeypatch):
+    # With a share, and with the default "auto" that weighs one, the bits of
+    # the run without one (fp32
     # parameters; its device-held chunks step in the GPU's FusedAdam, which
     # does CPU Adam's operations, and the plan keeps more of them there
     # without the lane's staging). A model this small does not provoke the
@@ -621,12 +702,12 @@ def test_auto_placement_on_cuda_defaults_to_cpu_adam_and_its_split_gives_cpu_ada
     monkeypatch.setitem(PLACEMENTS, "auto-cuda", dict(placement_policy="auto",
                                                       gpu_capacity_bytes=1 << 28))  # fmt: skip
     monkeypatch.setattr(AutoPlacement, "room_bytes", room)  # the plan, whatever the warm-up saw
-    ref = _cuda_run(None, torch.float32, placement="auto-cuda")
+    ref = _cuda_run(0.0, torch.float32, placement="auto-cuda")
     assert ref[0][2].gpu_update_fraction == 0.0 and ref[0][2].device_lane_chunks == []
-    for fraction in (0.5, 1.0):
+    for fraction in (0.5, 1.0, None):  # None: "auto", weighed (either way, the same bits)
         run = _cuda_run(fraction, torch.float32, placement="auto-cuda")
         opt = run[0][2]
-        assert opt.device_lane_chunks and opt.device_lane_updates > 0
+        assert fraction is None or (opt.device_lane_chunks and opt.device_lane_updates > 0)
         _equal_to(run, ref)
         opt.close()
     ref[0][2].close()

@@ -21,6 +21,7 @@ from zerostack.shard import (
     best_gpu_update_fraction,
     measure_machine,
     resolve_gpu_update_fraction,
+    split_beats_cpu_only,
     step_floor,
 )
 from zerostack.testing import GPTConfig, TinyGPT
@@ -121,6 +122,75 @@ def test_ranks_agree_on_one_share_and_fail_together(tmp_path):
     from zerostack.testing import spawn
 
     spawn(_ranks_agree, 3, args=(str(tmp_path),), backend="gloo")
+
+
+# [Note: a placement weighed with its split]: auto placement's two plans, as
+# step_floor's amounts (bf16 parameters on the GPU, the rest GPU-held).
+ALONE = dict(host_numel=3_663_000_000, gpu_numel=577_000_000)
+SPLIT = dict(host_numel=3_776_000_000, gpu_numel=464_000_000)
+
+
+def _floors(profile, alone, split):
+    a = step_floor(profile, forward_s=0, backward_s=0, **alone).cpu_only.step_s
+    b = step_floor(profile, forward_s=0, backward_s=0, **split).split
+    return a, b.step_s
+
+
+def test_the_split_is_kept_only_where_its_floor_is_clearly_shorter(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "machine.json"
+    monkeypatch.setenv(PROFILE_ENV, str(path))
+    monkeypatch.setattr(_machine, "measure_machine", _must_not_measure)
+    PROFILE.save(path)
+    a, b = _floors(PROFILE, ALONE, SPLIT)
+    assert b < 0.95 * a  # the H200 profile: 3% more host-held updates, 10% shorter
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        assert split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+    assert f": {b:.3f} s a step" in caplog.text and f"(3,663,000,000: {a:.3f} s)" in caplog.text
+    assert caplog.text.rstrip().endswith(": the split")
+    # The split's plan keeps 50% more updates on the host: its floor is longer.
+    more = dict(host_numel=int(1.5 * ALONE["host_numel"]), gpu_numel=0)
+    assert _floors(PROFILE, ALONE, more)[1] > a
+    assert not split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, more)
+    # Shorter, but by less than the margin: CPU Adam alone.
+    near = next(
+        dict(host_numel=int(n), gpu_numel=0)
+        for n in range(ALONE["host_numel"], 2 * ALONE["host_numel"], 10**7)
+        if 0.95 * a <= _floors(PROFILE, ALONE, dict(host_numel=int(n), gpu_numel=0))[1] < a
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        assert not split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, near)
+    assert caplog.text.rstrip().endswith(": CPU Adam alone")
+
+
+def test_a_profile_gone_since_auto_read_it_keeps_cpu_adam_alone(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.json"))
+    with caplog.at_level(logging.WARNING, logger="zerostack.shard._machine"):
+        assert not split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+    assert "the split was not weighed" in caplog.text and "missing.json" in caplog.text
+
+
+def _ranks_weigh_alike(rank, world, folder):
+    # Rank 1's CPU Adam is so fast that alone it would keep CPU Adam alone;
+    # every rank takes rank 0's answer (the split).
+    import os
+
+    fast = dataclasses.replace(
+        PROFILE, cpu_adam_bytes_s=1e13, cpu_adam_with_copies_bytes_s=1e13
+    )  # fmt: skip
+    profile = fast if rank == 1 else PROFILE
+    path = os.path.join(folder, f"machine{rank}.json")
+    profile.save(path)
+    os.environ[PROFILE_ENV] = path
+    a, b = _floors(profile, ALONE, SPLIT)
+    assert (b < 0.95 * a) == (rank != 1)
+    assert split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+
+
+def test_ranks_take_the_first_ranks_weighing(tmp_path):
+    from zerostack.testing import spawn
+
+    spawn(_ranks_weigh_alike, 2, args=(str(tmp_path),), backend="gloo")
 
 
 def test_host_held_values_weigh_the_share(tmp_path, monkeypatch):

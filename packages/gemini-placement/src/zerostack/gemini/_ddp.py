@@ -6,7 +6,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -367,10 +367,16 @@ class GeminiDDP(nn.Module):
         """The fp32 master chunks stepped on the CPU (the placement decides them)."""
         return frozenset(self.placement.offloaded_masters)
 
-    def step_amounts(self) -> dict[str, float]:
-        """What one training step moves under this rank's placement now, as
-        ``zerostack.shard.step_floor``'s keywords (see its [Note: step-time
-        floor]).
+    def step_amounts(
+        self,
+        offloaded: Container[Chunk] | None = None,
+        host_shards: Container[Chunk] | None = None,
+    ) -> dict[str, float]:
+        """What one training step moves under this rank's placement now (or
+        under the one ``offloaded`` and ``host_shards`` describe: the master
+        chunks stepped on the host, the param chunks whose shards live
+        there), as ``zerostack.shard.step_floor``'s keywords (see its [Note:
+        step-time floor]).
 
         Returns:
             ``host_numel`` and ``gpu_numel``: fp32 master elements on the
@@ -384,16 +390,18 @@ class GeminiDDP(nn.Module):
             backward; ``host_value_fraction``: the share of ``host_numel``
             whose parameter shards live on the host.
         """
+        if offloaded is None:
+            offloaded = self.placement.offloaded_masters
         host = h2d = d2h = streamed = values = 0
         for c in self.param_chunks:
             item = c.dtype.itemsize
             # A shard on the host of a GPU (on a CPU compute device nothing moves).
             gpu = c.compute_device.type != "cpu"
-            on_host = gpu and shard_on_host(c)
+            on_host = gpu and (shard_on_host(c) if host_shards is None else c in host_shards)
             if on_host:
                 streamed += c.shard_size * item
             master = c.paired_chunk
-            if master is not None and master in self.placement.offloaded_masters:
+            if master is not None and master in offloaded:
                 host += master.shard_size
                 d2h += master.shard_size * item
                 h2d += 0 if on_host else master.shard_size * item

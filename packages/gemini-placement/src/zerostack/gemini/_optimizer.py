@@ -43,6 +43,7 @@ from zerostack.shard import (
     record_clip,
     resolve_gpu_update_fraction,
     say_zero_grads_are_dropped,
+    split_beats_cpu_only,
     step_with_div_scale,
     stepping_twin,
     takes_div_scale,
@@ -104,10 +105,15 @@ class GeminiOptimizer:
             fastest on this machine (measured once per process, a second
             or more, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
             names), 0.0 where no split can run; the log says what it chose
-            and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]).
-            Default None: 0.0 (every CPU-held chunk in CPU Adam, no GPU
-            memory beyond the placement's), under both placements: see
-            [Note: Gemini's split is opt-in].
+            and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]);
+            under auto placement it also weighs, at the first step, the plan
+            that keeps the share's staging free on the device against the
+            plan without it, and keeps CPU Adam alone where the split would
+            not step faster (zerostack.shard's [Note: a placement weighed
+            with its split]). Default None: ``"auto"`` under auto placement
+            (without a CUDA device, a fused-adam Adam or CPU-held chunks,
+            0.0, said in the log), 0.0 under static placement: see
+            [Note: Gemini's split where the model finds it faster].
         gc_every_n_steps: Python's cycle collector runs only every this many
             steps, from the first step on (see zerostack.shard's [Note:
             collector schedule]); 0 leaves the collector alone. Default 50.
@@ -145,11 +151,11 @@ class GeminiOptimizer:
         _check_wrap(optimizer, module)
         _check_covers(optimizer, module)
         check_max_norm(_API, max_norm)
-        if not isinstance(overlap_cpu_step, bool):
-            raise TypeError(f"{_API}: overlap_cpu_step must be a bool (got {overlap_cpu_step!r})")
+        _check_bool("overlap_cpu_step", overlap_cpu_step)
         asked = gpu_update_fraction is not None
-        if not asked:  # See [Note: Gemini's split is opt-in]
-            gpu_update_fraction = 0.0
+        if not asked:  # See [Note: Gemini's split where the model finds it faster]
+            gpu_update_fraction = "auto" if module.config.auto else 0.0
+        self._weigh_split = module.config.auto and gpu_update_fraction == "auto"  # at the plan
         why_not = _check_fraction(optimizer, module, gpu_update_fraction)
         # A closed optimizer's failed CPU updates run before anything is
         # bound (attach_step would run them too, after this one's setup).
@@ -541,6 +547,9 @@ class GeminiOptimizer:
         (with any state loaded before it) where it put them."""
         before = list(self.masters)
         dtype = self.pairs[0][0].dtype if self.pairs else torch.float32
+        if self.gpu_update_fraction > 0 and self._weigh_split:
+            self._weigh_split = False  # once: the plan is made once
+            self._weigh_the_split(dtype)
         staging = None
         if self.gpu_update_fraction > 0:  # See [Note: Gemini's device lane]
             staging = functools.partial(lane_staging_bytes, self.gpu_update_fraction, dtype)
@@ -562,6 +571,23 @@ class GeminiOptimizer:
         for i in self._device:  # staged in the warm-up, stepped on the device now
             self.pipeline.drop_staged(self.pairs[i][0])
         self._stage_grads(again=True)  # the plan moved shards: from where the gradients are now
+
+    def _weigh_the_split(self, dtype: torch.dtype) -> None:
+        """``gpu_update_fraction`` 0.0 where auto placement's plan with the
+        split's staging would step slower than its plan without (see
+        zerostack.shard's [Note: a placement weighed with its split]); a
+        collective over the model's group."""
+        auto, module = self.module.auto, self.module
+        assert auto is not None  # _weigh_split holds only under auto placement
+        masters, state = dict(self.pairs), _state_bytes_per_element(self.optimizer)
+        staging = functools.partial(lane_staging_bytes, self.gpu_update_fraction, dtype)
+        alone, split = (
+            module.step_amounts(*auto.preview(masters, state, s)) for s in (None, staging)
+        )
+        if not split_beats_cpu_only(
+            _API, module.compute_device, alone, split, module.process_group
+        ):
+            self.gpu_update_fraction = 0.0
 
     def _step(self) -> bool:
         module = self.module
@@ -903,6 +929,11 @@ def _host_hint(module: GeminiDDP) -> str:
     )
 
 
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{_API}: {name} must be a bool (got {value!r})")
+
+
 def _check_fraction(
     optimizer: torch.optim.Optimizer, module: GeminiDDP, fraction: object
 ) -> str | None:
@@ -995,28 +1026,30 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 0 if isinstance(optimizer, torch.optim.SGD) else 8
 
 
-# [Note: Gemini's split is opt-in] GeminiOptimizer's default
-# gpu_update_fraction is 0.0 under both placements: every CPU-held chunk
-# steps in CPU Adam. From the third session of 2026-12-03 to 2026-12-04 the
-# default under auto placement was "auto" (the step-time model's share in the
-# GPU's Adam), and on 2026-12-04 auto placement on CUDA refused any share:
-# a 4.24B GPT under a 24 GiB cap had trained wrong in 3 of 3 benchmark runs
-# whose lane took 38 or 39 of 100 chunks (losses 9.72, 10.26 and 11.46 at the
-# seventh step where CPU Adam alone gives 8.045). The cause, found the same
-# day, was the device lane's staging, allocated at the first update in the
-# compute stream's pool on the CPU-step worker: a race with the next forward
-# (zerostack.shard's [Note: staging allocated on its own stream]). With the
+# [Note: Gemini's split where the model finds it faster] GeminiOptimizer's
+# default gpu_update_fraction is "auto" under auto placement and 0.0 under
+# static placement. Under auto placement "auto" weighs the plan with the
+# split against the plan without it and keeps CPU Adam alone unless the
+# step-time model finds the split clearly faster (zerostack.shard's [Note: a
+# placement weighed with its split]): the split's gain depends on the model,
+# because its staging takes GPU room from optimizer chunks. Pairs on one H100
+# host (docs/benchmarks.md, "Offloaded steps, 2026-12-05 twenty-first
+# session"): the 4.24B GPT under 24 GiB took 1.176 s split against 1.209-1.227
+# s alone, LLaMA 1.1B under 12 GiB 0.337-0.360 s split against 0.306-0.331 s
+# alone; the weighing picks the faster of each. Under static placement the
+# plan is the user's (offload_optim_frac), so nothing is weighed; the split
+# there stays opt-in: the 8.06B row of benchmarks/scale.py (every shard
+# streamed) took 3.14 s and 3.40 s split against 3.14 s and 3.04 s alone.
+# History: from the third session of 2026-12-03 to 2026-12-04 the default
+# under auto placement was "auto" without the weighing; a 4.24B GPT under a
+# 24 GiB cap then trained wrong in 3 of 3 runs whose lane took 38 or 39 of
+# 100 chunks, from the device lane's staging allocated in the compute
+# stream's pool on the CPU-step worker, a race with the next forward
+# (zerostack.shard's [Note: staging allocated on its own stream]); with the
 # staging on its own stream 5 of 5 runs of a 39-chunk lane matched CPU Adam
-# alone, where the old code had gone wrong in 4 of 8 runs of 38 or 39 chunks;
-# so the refusal is gone. The default stays 0.0 because the split's gain
-# depends on the model (docs/benchmarks.md, "Offloaded steps, 2026-12-04"
-# and its later sections; pairs in one process, after the fix): the 4.24B GPT
-# under 24 GiB took 0.907x, 0.914x and 0.847x the time of CPU Adam alone;
-# LLaMA 1.1B under 12 GiB 0.962-1.085x (3 of 6 faster); the 8.06B row of
-# benchmarks/scale.py (static placement, every shard streamed) 3.14 s and
-# 3.40 s against 3.14 s and 3.04 s, alternating on one machine. ZeroOptimizer
-# keeps "auto" as its default with ``cpu_offload``: 0.87-0.95x the time of
-# CPU Adam alone in 6 of 6 pairs on two machines, with matching losses.
+# alone, and the default stayed 0.0 until the weighing. ZeroOptimizer keeps
+# "auto" as its default with ``cpu_offload``, which puts every master on the
+# host: the split changes no placement there, so there is nothing to weigh.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:

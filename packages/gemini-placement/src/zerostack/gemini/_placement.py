@@ -283,6 +283,22 @@ class MemStats:
         return uses[k] if k < len(uses) else uses[0] + len(self.order)
 
 
+@dataclass
+class _Plan:
+    """Auto placement's decision at its plan: the param chunks in compute
+    order and whether each shard goes to the compute device, the master
+    chunks in that order, the bytes of the first ``optim_on`` of them (with
+    their states) that go there, and the bytes kept free for the optimizer's
+    staging."""
+
+    ordered: list[Chunk]
+    params_fit: list[bool]
+    candidates: list[Chunk]
+    needs: list[int]
+    optim_on: int
+    reserved_bytes: int
+
+
 class AutoPlacement(Placement):
     """``placement_policy="auto"`` of GeminiDDP.
 
@@ -642,6 +658,52 @@ class AutoPlacement(Placement):
             return False
         self.end_warmup()
         self.planned = True
+        plan = self._decide(masters, optim_bytes_per_element, staging)
+        for c, fits in zip(plan.ordered, plan.params_fit, strict=True):
+            self.move(c, fits)
+        for master, need in zip(plan.candidates[: plan.optim_on], plan.needs, strict=True):
+            self.move(master, True)
+            self.optim_bytes_on_device += need
+        self.reserved_bytes = plan.reserved_bytes
+        params_on, optim_on = sum(plan.params_fit), plan.optim_on
+        n_masters = len(masters)
+        self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
+        limits = [self.steady_limit(m) for m in range(len(self.non_model_bytes_at))]
+        logger.info(
+            "Gemini auto placement: capacity %.2f GB; model data may take %.2f-%.2f GB (ratio "
+            "%.2f less each gather's non-model peak, %.2f GB at most); room %.2f GB for what "
+            "stays (%.2f GB of it the optimizer's staging); %d/%d param chunks and %d/%d "
+            "optimizer chunks on %s, the rest on the CPU",
+            self.capacity / 1e9, self.steady_limit() / 1e9, max(limits, default=self.steady_limit()) / 1e9,
+            self.steady_ratio, self.non_model_reserve / 1e9, self.room_bytes() / 1e9,
+            self.reserved_bytes / 1e9, params_on, len(plan.ordered), optim_on, n_masters, self.device,
+        )  # fmt: skip
+        return True
+
+    def preview(
+        self,
+        masters: dict[Chunk, Chunk],
+        optim_bytes_per_element: int,
+        staging: Callable[[list[Chunk]], int] | None = None,
+    ) -> tuple[frozenset[Chunk], frozenset[Chunk]]:
+        """What ``plan`` with these arguments would decide, moving nothing
+        (the warm-up ends here if it has not): the master chunks it would
+        leave on the host, and the param chunks whose shards it would."""
+        self.end_warmup()
+        plan = self._decide(masters, optim_bytes_per_element, staging)
+        on = set(plan.candidates[: plan.optim_on])
+        return (
+            frozenset(m for m in masters.values() if m not in on),
+            frozenset(c for c, fits in zip(plan.ordered, plan.params_fit, strict=True) if not fits),
+        )
+
+    def _decide(
+        self,
+        masters: dict[Chunk, Chunk],
+        optim_bytes_per_element: int,
+        staging: Callable[[list[Chunk]], int] | None,
+    ) -> _Plan:
+        """``plan``'s decision from the warm-up's record; moves nothing."""
         order = {i: k for k, i in enumerate(self.stats.chunk_order())}
         ordered = sorted(self.param_chunks, key=lambda c: order.get(c.index, len(order) + c.index))
         candidates = [masters[c] for c in ordered if c in masters]
@@ -660,30 +722,16 @@ class AutoPlacement(Placement):
         keep = min(costs)
         if sum(map(self.shard_bytes, ordered)) > room - keep:
             keep = costs[0]
-        params_on = 0
+        params_fit = []
         for c in ordered:
             fits = self.shard_bytes(c) <= room - keep
             if fits:
                 room -= self.shard_bytes(c)
-                params_on += 1
-            self.move(c, fits)
+            params_fit.append(fits)
         optim_on = 0
-        if params_on == len(ordered):
+        if all(params_fit):
             optim_on = max(k for k, need in enumerate(costs) if need <= room)
-            for master, need in zip(candidates[:optim_on], needs[:optim_on], strict=True):
-                self.move(master, True)
-                self.optim_bytes_on_device += need
-        self.reserved_bytes = costs[optim_on] - sum(needs[:optim_on])
-        n_masters = len(masters)
-        self.offloaded_masters = {m for m in masters.values() if m not in self.on_device}
-        limits = [self.steady_limit(m) for m in range(len(self.non_model_bytes_at))]
-        logger.info(
-            "Gemini auto placement: capacity %.2f GB; model data may take %.2f-%.2f GB (ratio "
-            "%.2f less each gather's non-model peak, %.2f GB at most); room %.2f GB for what "
-            "stays (%.2f GB of it the optimizer's staging); %d/%d param chunks and %d/%d "
-            "optimizer chunks on %s, the rest on the CPU",
-            self.capacity / 1e9, self.steady_limit() / 1e9, max(limits, default=self.steady_limit()) / 1e9,
-            self.steady_ratio, self.non_model_reserve / 1e9, self.room_bytes() / 1e9,
-            self.reserved_bytes / 1e9, params_on, len(ordered), optim_on, n_masters, self.device,
+        return _Plan(
+            ordered, params_fit, candidates, needs[:optim_on], optim_on,
+            costs[optim_on] - sum(needs[:optim_on]),
         )  # fmt: skip
-        return True

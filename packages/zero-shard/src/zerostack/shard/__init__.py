@@ -46,6 +46,7 @@ from zerostack.shard._machine import (
     machine_profile,
     measure_machine,
     resolve_gpu_update_fraction,
+    split_beats_cpu_only,
 )
 from zerostack.shard._mixed_precision import (
     StepPlan,
@@ -110,6 +111,7 @@ __all__ = [
     "say_zero_grads_are_dropped",
     "shard_bounds",
     "shard_numel",
+    "split_beats_cpu_only",
     "step_floor",
     "step_with_div_scale",
     "stepping_twin",

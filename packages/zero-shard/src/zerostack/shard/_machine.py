@@ -23,6 +23,28 @@ share every run (docs/benchmarks.md, "Offloaded steps, 2026-12-02 fourth
 session"). It chooses 0.0, and says why in the log,
 where no split can run: no CUDA compute device, no host-held update, an
 optimizer or an Adam-state placement the device lane does not step.
+
+[Note: a placement weighed with its split] Under GeminiDDP's auto placement
+the split costs GPU memory: the plan keeps the device lane's staging free,
+so fewer optimizer chunks stay on the GPU and more updates are host-held.
+There "auto" (GeminiOptimizer's default under auto placement) weighs two
+plans at the first step, each with the ``step_floor`` of a step with a
+forward and backward of 0 s (both plans run the same passes, and a step
+grows with what its updates add, hidden or not): CPU Adam alone with the
+optimizer chunks that fit without the staging, and the split with those
+that fit beside it. It keeps the split only where its floor is under
+``SPLIT_MARGIN`` (0.95) of CPU Adam alone's: the model leaves out what the
+split adds beside the update phase (its staging's copies on the worker, the
+host memory bandwidth the lane's copies take from CPU Adam beyond the
+profile's figures). Measured on one H100 host on 2026-12-05 (docs/benchmarks.md,
+"Offloaded steps, 2026-12-05 twenty-first session"), profile of that host:
+a 4.24B GPT under 24 GiB, floors 0.906 s alone (3.663B host-held) against
+0.785 s split (3.776B), took 1.209-1.227 s alone and 1.176 s split;
+LLaMA 1.1B under 12 GiB, floors 0.169 s and 0.169 s (0.682B against
+0.814B), took 0.306-0.331 s alone and 0.337-0.360 s split. On the H200 of
+the twentieth session the floors were 0.847 against 0.773 s and 0.158
+against 0.167 s, and the steps 1.238-1.241 against 1.130-1.140 s and
+0.324-0.358 against 0.335-0.344 s. A rank takes the first rank's answer.
 """
 
 from __future__ import annotations
@@ -406,6 +428,52 @@ def resolve_gpu_update_fraction(
         figures,
     )  # fmt: skip
     return best
+
+
+SPLIT_MARGIN = 0.95
+"""The split's placement is taken where its floor is under this share of
+CPU Adam alone's (see [Note: a placement weighed with its split])."""
+
+
+def split_beats_cpu_only(
+    api: str, device: torch.device, cpu_only: dict[str, float], split: dict[str, float],
+    group: Any = None,
+) -> bool:  # fmt: skip
+    """Whether a placement whose host-held updates share the GPU's Adam
+    steps faster than one that keeps them all in CPU Adam, by the step-time
+    model on the profile "auto" took (see [Note: a placement weighed with
+    its split]).
+
+    Args:
+        api: the caller's name, for messages.
+        device: the compute device (whose profile "auto" took).
+        cpu_only: ``step_floor``'s amounts (``host_numel`` and the rest)
+            under the placement without the split.
+        split: its amounts under the placement with the split's staging.
+        group: the data-parallel group. A collective (every rank calls it):
+            every rank takes the first rank's answer. Default: the default group.
+    """
+    mine = 0.0
+    try:
+        profile, _ = machine_profile(device)
+        alone = step_floor(profile, forward_s=0.0, backward_s=0.0, **cpu_only).cpu_only
+        shared = step_floor(profile, forward_s=0.0, backward_s=0.0, **split).split
+        mine = 1.0 if shared is not None and shared.step_s < SPLIT_MARGIN * alone.step_s else 0.0
+    except Exception as error:  # the profile went away since "auto" read it
+        logger.warning("%s: the split was not weighed (%s): CPU Adam alone", api, error)
+        shared = None
+    chosen = _gather_shares(mine, device, group)[0] == 1.0
+    if shared is not None:
+        logger.info(
+            "%s: gpu_update_fraction='auto' weighed the placement with the split (%.3f of "
+            "%s host-held updates in the GPU's Adam: %.3f s a step with nothing to hide "
+            "behind) against CPU Adam alone (%s: %.3f s); the split must take under %.2f of "
+            "it: %s",
+            api, shared.gpu_fraction, f"{int(split['host_numel']):,}", shared.step_s,
+            f"{int(cpu_only['host_numel']):,}", alone.step_s, SPLIT_MARGIN,
+            "the split" if chosen else "CPU Adam alone",
+        )  # fmt: skip
+    return chosen
 
 
 _CANNOT = -1.0  # a rank's share where it cannot split

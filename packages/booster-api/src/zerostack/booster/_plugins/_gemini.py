@@ -448,8 +448,9 @@ class GeminiPlugin(Plugin):
             masters and states streamed from the host and back; HybridAdam
             only. In [0, 1], or "auto": the share the step-time model finds
             fastest on this machine (0.0 where none can run; the log says
-            why). Default None: 0.0, under both placements (see
-            GeminiOptimizer).
+            why), under auto placement weighed against CPU Adam alone at the
+            first step. Default None: "auto" under auto placement, 0.0 under
+            static (see GeminiOptimizer).
         force_outputs_fp32: ColossalAI's, not implemented, as are memstats,
             gpu_margin_mem_ratio, tp_size, extra_dp_size,
             enable_all_optimization, enable_fused_normalization,
