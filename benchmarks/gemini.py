@@ -71,9 +71,9 @@ def gemini(
         label += f", max_norm={max_norm:g}"
     if nvme > 0:
         label += f", nvme_offload_fraction={nvme:g}"
-    if model.auto is not None:  # labelled even at 0
-        how = " (default: auto, weighed)" if split is None else ""
-        label += f", gpu_update_fraction={opt.gpu_update_fraction:.3g}{how}"
+    if model.auto is not None:  # the default's share is weighed at the first step
+        share = "auto (default)" if split is None else f"{opt.gpu_update_fraction:.3g}"
+        label += f", gpu_update_fraction={share}"
     counters = T.Offload(opt.pipeline.updates, model.wait_updates, lambda: opt.nvme_wait_s)
     result = T.run(label, model, step, batch, steps, warmup, False, counters)
     model.wait_updates()  # profiled steps' updates (ZEROSTACK_BENCH_PROFILE) end here
@@ -88,7 +88,8 @@ def gemini(
     if model.auto is not None:
         a = model.auto
         result["name"] += (
-            f" ({len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
+            f" ({f'{opt.gpu_update_fraction:.3g} weighed, ' if split is None else ''}"
+            f"{len(model.grad_chunks) - len(model.offloaded_masters)}/{len(model.grad_chunks)} "
             f"optimizer chunks on the GPU, {a.evictions} evictions"
             + (f", {len(lane)} in the GPU's Adam" if (lane := opt.device_lane_chunks) else "")
             + ")"

@@ -1029,14 +1029,12 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # [Note: Gemini's split where the model finds it faster] GeminiOptimizer's
 # default gpu_update_fraction is "auto" under auto placement and 0.0 under
 # static placement. Under auto placement "auto" weighs the plan with the
-# split against the plan without it and keeps CPU Adam alone unless the
-# step-time model finds the split clearly faster (zerostack.shard's [Note: a
-# placement weighed with its split]): the split's gain depends on the model,
-# because its staging takes GPU room from optimizer chunks. Pairs on one H100
-# host (docs/benchmarks.md, "Offloaded steps, 2026-12-05 twenty-first
-# session"): the 4.24B GPT under 24 GiB took 1.176 s split against 1.209-1.227
-# s alone, LLaMA 1.1B under 12 GiB 0.337-0.360 s split against 0.306-0.331 s
-# alone; the weighing picks the faster of each. Under static placement the
+# split against the plan without it and keeps the one whose step-time floor
+# is the shorter (zerostack.shard's [Note: a placement weighed with its
+# split], with the measured cases): the split's gain depends on the model,
+# because its staging takes GPU room from optimizer chunks (on one H100 host
+# the 4.24B GPT under 24 GiB took 1.176 s split against 1.209-1.227 s alone,
+# LLaMA 1.1B under 12 GiB 0.337-0.360 s against 0.306-0.331 s). Under static placement the
 # plan is the user's (offload_optim_frac), so nothing is weighed; the split
 # there stays opt-in: the 8.06B row of benchmarks/scale.py (every shard
 # streamed) took 3.14 s and 3.40 s split against 3.14 s and 3.04 s alone.
