@@ -432,7 +432,7 @@ def resolve_gpu_update_fraction(
 
 
 def split_beats_cpu_only(
-    api: str, device: torch.device, cpu_only: dict[str, float], split: dict[str, float],
+    api: str, device: torch.device, cpu_only: dict[str, Any], split: dict[str, Any],
     group: Any = None,
 ) -> bool:  # fmt: skip
     """Whether a placement whose host-held updates share the GPU's Adam
