@@ -478,6 +478,40 @@ def test_auto_placement_weighs_the_split_against_cpu_adam_alone(
     _equal_to(runs[None], runs[0.0])
 
 
+def _weighed_alike(rank, world, folder):
+    # Rank 0's CPU Adam at 1 GB/s (the split wins), rank 1's at 1 TB/s (CPU
+    # Adam alone would): every rank takes rank 0's answer, with rank 0's
+    # plan, and trains as 0.0 does.
+    import os
+
+    import zerostack.gemini._optimizer as gemini_module
+    from zerostack.shard import PROFILE_ENV, MachineProfile
+
+    real = gemini_module.resolve_gpu_update_fraction
+    gemini_module.resolve_gpu_update_fraction = lambda api, fraction, *args, **kwargs: (
+        0.5 if fraction == "auto" else real(api, fraction, *args, **kwargs)
+    )
+    rate = 1e9 if rank == 0 else 1e12
+    path = os.path.join(folder, f"machine{rank}.json")
+    MachineProfile(
+        cpu_adam_bytes_s=rate, h2d_bytes_s=50e9, d2h_bytes_s=50e9,
+        cpu_adam_with_copies_bytes_s=rate, h2d_with_adam_bytes_s=50e9,
+        d2h_with_adam_bytes_s=50e9, gpu_adam_params_s=100e9,
+    ).save(path)  # fmt: skip
+    os.environ[PROFILE_ENV] = path
+    PLACEMENTS["auto-3mb"] = dict(placement_policy="auto", gpu_capacity_bytes=3 * 10**6 // world)
+    ref = _build(0.0, "auto-3mb", dtype=torch.float32, world=world)
+    ref_losses = _train(*ref, rank)
+    run = _build(None, "auto-3mb", dtype=torch.float32, world=world)
+    assert _train(*run, rank) == ref_losses
+    assert run[2].gpu_update_fraction == 0.5 and run[2].device_lane_chunks, rank
+    _same_run(ref, run, f"rank {rank}")
+
+
+def test_ranks_take_the_first_ranks_weighing(tmp_path):
+    spawn(_weighed_alike, 2, args=(str(tmp_path),), backend="gloo", timeout_s=300)
+
+
 def test_a_previewed_plan_is_the_plan(monkeypatch):
     # AutoPlacement.preview decides as plan does and moves nothing.
     monkeypatch.setitem(PLACEMENTS, "auto-3mb", dict(placement_policy="auto",
