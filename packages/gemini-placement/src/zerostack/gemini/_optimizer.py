@@ -1034,10 +1034,11 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # split], with the measured cases): the split's gain depends on the model,
 # because its staging takes GPU room from optimizer chunks (on one H100 host
 # the 4.24B GPT under 24 GiB took 1.176 s split against 1.209-1.227 s alone,
-# LLaMA 1.1B under 12 GiB 0.337-0.360 s against 0.306-0.331 s). Under static placement the
-# plan is the user's (offload_optim_frac), so nothing is weighed; the split
-# there stays opt-in: the 8.06B row of benchmarks/scale.py (every shard
-# streamed) took 3.14 s and 3.40 s split against 3.14 s and 3.04 s alone.
+# LLaMA 1.1B under 12 GiB 0.337-0.360 s against 0.306-0.331 s). Under
+# static placement the plan is the user's (offload_optim_frac), so nothing
+# is weighed; the split there stays opt-in: the 8.06B row of
+# benchmarks/scale.py (every shard streamed) took 3.14 s and 3.40 s split
+# against 3.14 s and 3.04 s alone.
 # History: from the third session of 2026-12-03 to 2026-12-04 the default
 # under auto placement was "auto" without the weighing; a 4.24B GPT under a
 # 24 GiB cap then trained wrong in 3 of 3 runs whose lane took 38 or 39 of
