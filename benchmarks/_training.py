@@ -259,6 +259,11 @@ def _offload_counters(
     return p.update_s, p.wait_s, offload.disk_wait_s(), KERNEL_CLOCK.read()
 
 
+def sync_compute() -> None:
+    """Wait for the current CUDA stream (the compute stream) only."""
+    torch.cuda.current_stream().synchronize()
+
+
 def run(
     name, model, step_fn, batch, steps, warmup, autocast, offload: Offload | None = None
 ) -> dict:
@@ -275,7 +280,16 @@ def run(
     of the step, so rows with a device lane were timed short (below their
     floor in some runs: 0.79x on one H200). There is no synchronize before
     the forward now, and nothing between two steps is left out: the
-    allocator's counters read between the phases count too.
+    allocator's counters read between the phases count too. The synchronize
+    after ``step()`` waits for the compute stream only: the device lane's
+    work, queued on the lane's own streams by its worker while ``step()``
+    returns, lands in the next forward, which waits for it (its events) and
+    synchronizes the device at its end, so each step holds one step's lane
+    work. A device-wide synchronize there took a share of that work that
+    depended on how far the worker had got (ZeRO-2 ``cpu_offload`` on an
+    H200: ``step()`` 0.006-0.076 s, and the next forward shorter by as
+    much), which moved time between two steps and made the spread 1.2-1.34
+    around a steady median.
 
     With ``offload``, also the timed steps' means of its CPU step
     (``cpu_step_s``), of the owner's waits for it (``wait_s``: the
@@ -327,7 +341,7 @@ def run(
         if offload is not None and i == warmup:
             at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
         step_fn(loss, backward_only=False)
-        torch.cuda.synchronize()
+        sync_compute()  # not the CPU-step workers' streams: see the Note above
         t2, ro = time.perf_counter(), retried()
         if i >= warmup:
             fwd.append(tf - t0)

@@ -31,6 +31,7 @@ def training(monkeypatch: pytest.MonkeyPatch):
 
     stats = {"num_alloc_retries": 0, "num_device_alloc": 0, "num_device_free": 0}
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: time.sleep(SYNC_S))
+    monkeypatch.setattr(_training, "sync_compute", lambda: time.sleep(SYNC_S))
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda *a: dict(stats))
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda *a: dict(stats))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
@@ -67,6 +68,24 @@ def test_the_timed_steps_hold_the_loop_s_wall_time(training) -> None:
     assert sum(walls) >= wall - SYNC_S - 0.1, (walls, wall)
     assert all(w >= 3 * SYNC_S - 1e-3 for w in walls), walls  # the three phases' synchronizes
     assert min(walls) - 1e-3 <= out["step_s"] <= max(walls) + 1e-3  # the median of the walls
+
+
+def test_only_the_compute_stream_is_waited_for_after_step(training, monkeypatch) -> None:
+    # [Note: a step lasts from the end of the one before]: the device
+    # after the forward and the backward, the compute stream after step()
+    # (the device lane's streams are waited for by the next forward).
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("device"))
+    monkeypatch.setattr(training, "sync_compute", lambda: seen.append("compute"))
+    steps = []
+
+    def step_fn(loss, backward_only):
+        steps.append(backward_only)
+        seen.append("backward" if backward_only else "step")
+
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    training.run("stand-in", lambda idx, tgt: torch.zeros(()), step_fn, batch, 2, 1, False)
+    assert seen == ["device"] + ["device", "backward", "device", "step", "compute"] * 3, seen
 
 
 def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
