@@ -61,7 +61,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _training import fraction_arg
+from _training import fraction_arg, sync_compute
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
@@ -380,6 +380,7 @@ def compute_pass(a, config, device) -> dict:
 def train(a, config, ddp, opt, device) -> dict:
     idx, tgt = batch_of(a, config, device)
     sync = sync_of(device)
+    boundary = sync_compute if device.type == "cuda" else sync
 
     times, losses = [], []
     cpu_step0 = wait0 = nvme0 = 0.0
@@ -413,10 +414,11 @@ def train(a, config, ddp, opt, device) -> dict:
         # A step lasts from the end of the one before, with no synchronize
         # between them: one would wait, outside the step, for the device
         # lane's copies and kernels that the CPU-step worker queues after
-        # step() returns ([Note: a step lasts from the end of the one before]
-        # in benchmarks/_training.py).
+        # step() returns; and it ends at its compute stream's end, so that
+        # lane work lands whole in the next step ([Note: a step lasts from
+        # the end of the one before] in benchmarks/_training.py).
         losses.append(step())
-        sync()
+        boundary()
         dt = time.perf_counter() - end
         end += dt
         log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}")
