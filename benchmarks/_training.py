@@ -341,7 +341,7 @@ def run(
         if offload is not None and i == warmup:
             at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
         step_fn(loss, backward_only=False)
-        sync_compute()  # not the CPU-step workers' streams: see the Note above
+        sync_compute()  # See [Note: a step lasts from the end of the one before]
         t2, ro = time.perf_counter(), retried()
         if i >= warmup:
             fwd.append(tf - t0)

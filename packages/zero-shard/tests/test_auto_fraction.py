@@ -130,10 +130,25 @@ ALONE = dict(host_numel=3_663_000_000, gpu_numel=577_000_000)
 SPLIT = dict(host_numel=3_776_000_000, gpu_numel=464_000_000)
 
 
-def _floors(profile, alone, split):
+F = best_gpu_update_fraction(PROFILE)  # the share "auto" takes on PROFILE's machine
+
+
+def _floors(profile, alone, split, f=F):
     a = step_floor(profile, forward_s=0, backward_s=0, **alone).cpu_only.step_s
-    b = step_floor(profile, forward_s=0, backward_s=0, **split).split
+    b = step_floor(profile, forward_s=0, backward_s=0, gpu_fraction=f, **split).split
     return a, b.step_s
+
+
+def test_a_floor_at_a_given_share():
+    best = step_floor(PROFILE, forward_s=0, backward_s=0, **SPLIT).split
+    at = step_floor(PROFILE, forward_s=0, backward_s=0, gpu_fraction=F, **SPLIT).split
+    assert at.gpu_fraction == F and at.step_s == pytest.approx(best.step_s)
+    for f in (0.0, 0.2, 0.8, 1.0):
+        other = step_floor(PROFILE, forward_s=0, backward_s=0, gpu_fraction=f, **SPLIT).split
+        assert other.gpu_fraction == f and other.step_s > best.step_s * (1 + 1e-9), f
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"gpu_fraction must be in \[0, 1\] or None"):
+            step_floor(PROFILE, forward_s=0, backward_s=0, gpu_fraction=bad, **SPLIT)
 
 
 def test_the_split_is_kept_where_its_floor_is_the_shorter(tmp_path, monkeypatch, caplog):
@@ -144,7 +159,7 @@ def test_the_split_is_kept_where_its_floor_is_the_shorter(tmp_path, monkeypatch,
     a, b = _floors(PROFILE, ALONE, SPLIT)
     assert b < a  # the H200 profile: 3% more host-held updates, a shorter floor
     with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
-        assert split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+        assert split_beats_cpu_only("GeminiOptimizer", CUDA, F, ALONE, SPLIT)
     assert f": {b:.3f} s a step" in caplog.text and f"(3,663,000,000: {a:.3f} s)" in caplog.text
     assert caplog.text.rstrip().endswith(": the split")
     # The split's plan keeps n more updates on the host: the first n (in
@@ -158,15 +173,26 @@ def test_the_split_is_kept_where_its_floor_is_the_shorter(tmp_path, monkeypatch,
     for host, split in ((n - 10**6, True), (n, False)):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
-            got = split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, dict(host_numel=host))
+            got = split_beats_cpu_only("GeminiOptimizer", CUDA, F, ALONE, dict(host_numel=host))
         assert got == split
         assert caplog.text.rstrip().endswith(": the split" if split else ": CPU Adam alone")
+    # The share the split runs at is the one weighed: all of it in the GPU's
+    # Adam is H2D-bound, longer than CPU Adam alone.
+    assert _floors(PROFILE, ALONE, SPLIT, 1.0)[1] > a
+    assert not split_beats_cpu_only("GeminiOptimizer", CUDA, 1.0, ALONE, SPLIT)
+    # No host-held update under either plan: nothing to split, said.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="zerostack.shard._machine"):
+        assert not split_beats_cpu_only(
+            "GeminiOptimizer", CUDA, F, dict(host_numel=0), dict(host_numel=0)
+        )
+    assert "no host-held update to split: CPU Adam alone" in caplog.text
 
 
 def test_a_profile_gone_since_auto_read_it_keeps_cpu_adam_alone(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.json"))
     with caplog.at_level(logging.WARNING, logger="zerostack.shard._machine"):
-        assert not split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+        assert not split_beats_cpu_only("GeminiOptimizer", CUDA, F, ALONE, SPLIT)
     assert "the split was not weighed" in caplog.text and "missing.json" in caplog.text
 
 
@@ -184,7 +210,7 @@ def _ranks_weigh_alike(rank, world, folder):
     os.environ[PROFILE_ENV] = path
     a, b = _floors(profile, ALONE, SPLIT)
     assert (b < a) == (rank != 1)
-    assert split_beats_cpu_only("GeminiOptimizer", CUDA, ALONE, SPLIT)
+    assert split_beats_cpu_only("GeminiOptimizer", CUDA, F, ALONE, SPLIT)
 
 
 def test_ranks_take_the_first_ranks_weighing(tmp_path):

@@ -24,6 +24,7 @@ from zerostack.gemini._device_lane import (
 )
 from zerostack.gemini._full_state import full_optim_state, load_full_optim_state
 from zerostack.gemini._local_state import load_local_optim_state, local_optim_state
+from zerostack.gemini._placement import AutoPlacement
 from zerostack.shard import (
     CollectorSchedule,
     DynamicLossScaler,
@@ -547,9 +548,11 @@ class GeminiOptimizer:
         (with any state loaded before it) where it put them."""
         before = list(self.masters)
         dtype = self.pairs[0][0].dtype if self.pairs else torch.float32
-        if self.gpu_update_fraction > 0 and self._weigh_split:
+        auto = self.module.auto
+        if self._weigh_split and auto is not None and not auto.planned:
             self._weigh_split = False  # once: the plan is made once
-            self._weigh_the_split(dtype)
+            if self.gpu_update_fraction > 0:
+                self._weigh_the_split(auto, dtype)
         staging = None
         if self.gpu_update_fraction > 0:  # See [Note: Gemini's device lane]
             staging = functools.partial(lane_staging_bytes, self.gpu_update_fraction, dtype)
@@ -572,20 +575,21 @@ class GeminiOptimizer:
             self.pipeline.drop_staged(self.pairs[i][0])
         self._stage_grads(again=True)  # the plan moved shards: from where the gradients are now
 
-    def _weigh_the_split(self, dtype: torch.dtype) -> None:
+    def _weigh_the_split(self, auto: AutoPlacement, dtype: torch.dtype) -> None:
         """``gpu_update_fraction`` 0.0 where auto placement's plan with the
         split's staging would step slower than its plan without (see
         zerostack.shard's [Note: a placement weighed with its split]); a
         collective over the model's group."""
-        auto, module = self.module.auto, self.module
-        assert auto is not None  # _weigh_split holds only under auto placement
+        module, f = self.module, self.gpu_update_fraction
         masters, state = dict(self.pairs), _state_bytes_per_element(self.optimizer)
-        staging = functools.partial(lane_staging_bytes, self.gpu_update_fraction, dtype)
+        staging = functools.partial(lane_staging_bytes, f, dtype)
         alone, split = (
             module.step_amounts(*auto.preview(masters, state, s)) for s in (None, staging)
         )
+        # Auto placement's lane takes no chunk whose shard lives on the host.
+        split["host_value_fraction"] = 0.0
         if not split_beats_cpu_only(
-            _API, module.compute_device, alone, split, module.process_group
+            _API, module.compute_device, f, alone, split, module.process_group
         ):
             self.gpu_update_fraction = 0.0
 

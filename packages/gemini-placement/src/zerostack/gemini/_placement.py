@@ -283,7 +283,7 @@ class MemStats:
         return uses[k] if k < len(uses) else uses[0] + len(self.order)
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class _Plan:
     """Auto placement's decision at its plan: the param chunks in compute
     order and whether each shard goes to the compute device, the master

@@ -32,20 +32,22 @@ plans at the first step, each by the ``step_floor`` of a step with a
 forward and backward of 0 s (both plans run the same passes, and a step
 grows with what its updates add, hidden or not): CPU Adam alone with the
 optimizer chunks that fit without the staging, and the split with those
-that fit beside it. It keeps the split where its floor is the shorter. The
-comparison leans towards CPU Adam alone: in training the split's CPU share
-ran faster than the profile's "beside the copies" rate and CPU Adam alone
-slower than its "alone" rate (on one H100 host, 100 against 90 GB/s and 120
-against 142 GB/s). Six cases measured on three hosts (docs/benchmarks.md,
-"Offloaded steps, 2026-12-05 twenty-first session"), split floor over
-CPU-only floor, and the steps: a 4.24B GPT under 24 GiB, 0.912 on an H200
-(1.130-1.140 s split against 1.238-1.241 s alone), 0.867 and 0.996 on two
-H100s (1.176 against 1.209-1.227 s; 1.149 against 1.305 s); LLaMA 1.1B
-under 12 GiB, 1.056 on the H200 (0.335-0.344 against 0.324-0.358 s), 1.004
-on the first H100 (0.337-0.360 against 0.306-0.331 s) and 1.153 on the
-second (not run split there). Where one was clearly faster the weighing
-took it, twice by under 0.5% of the floor; LLaMA on the H200 was within
-the spread either way. A rank takes the first rank's answer.
+that fit beside it, at the share the split will run. It keeps the split
+where its floor is the shorter. The comparison leans towards CPU Adam
+alone: in training the split's CPU share ran faster than the profile's
+"beside the copies" rate and CPU Adam alone slower than its "alone" rate
+(on one H100 host, 100 against 90 GB/s and 120 against 142 GB/s). Six
+cases on three hosts (docs/benchmarks.md, "Offloaded steps, 2026-12-05
+twenty-first session"), the floors split / alone, then the steps: a 4.24B
+GPT under 24 GiB, 0.773 / 0.847 s on an H200 (1.130-1.140 s split against
+1.238-1.241 s alone), 0.785 / 0.906 s and 0.855 / 0.859 s on two H100s
+(1.176 against 1.209-1.227 s; 1.149 against 1.282-1.305 s); LLaMA 1.1B
+under 12 GiB, 0.167 / 0.158 s on the H200 (0.335-0.344 against
+0.324-0.358 s), 0.169 / 0.169 s (the split's 0.4% longer) on the first H100
+(0.337-0.360 against 0.306-0.331 s) and 0.184 / 0.160 s on the second (not
+run split there). Where one was clearly faster, the shorter floor named it,
+twice by under 0.5%; LLaMA on the H200 was within the spread either way.
+A rank takes the first rank's answer.
 """
 
 from __future__ import annotations
@@ -432,41 +434,47 @@ def resolve_gpu_update_fraction(
 
 
 def split_beats_cpu_only(
-    api: str, device: torch.device, cpu_only: dict[str, Any], split: dict[str, Any],
-    group: Any = None,
+    api: str, device: torch.device, fraction: float, cpu_only: dict[str, Any],
+    split: dict[str, Any], group: Any = None,
 ) -> bool:  # fmt: skip
-    """Whether a placement whose host-held updates share the GPU's Adam
-    steps faster than one that keeps them all in CPU Adam, by the step-time
-    model on the profile "auto" took (see [Note: a placement weighed with
-    its split]).
+    """Whether a placement whose host-held updates share the GPU's Adam at
+    ``fraction`` steps faster than one that keeps them all in CPU Adam, by
+    the step-time model on the profile "auto" took (see [Note: a placement
+    weighed with its split]).
 
     Args:
         api: the caller's name, for messages.
         device: the compute device (whose profile "auto" took).
+        fraction: the split's share of the host-held updates.
         cpu_only: ``step_floor``'s amounts (``host_numel`` and the rest)
             under the placement without the split.
         split: its amounts under the placement with the split's staging.
         group: the data-parallel group. A collective (every rank calls it):
             every rank takes the first rank's answer. Default: the default group.
     """
-    mine = 0.0
+    mine, shared, weighed = 0.0, None, False
     try:
         profile, _ = machine_profile(device)
         alone = step_floor(profile, forward_s=0.0, backward_s=0.0, **cpu_only).cpu_only
-        shared = step_floor(profile, forward_s=0.0, backward_s=0.0, **split).split
+        shared = step_floor(
+            profile, forward_s=0.0, backward_s=0.0, gpu_fraction=fraction, **split
+        ).split
         mine = 1.0 if shared is not None and shared.step_s < alone.step_s else 0.0
-    except Exception as error:  # the profile went away since "auto" read it
-        logger.warning("%s: the split was not weighed (%s): CPU Adam alone", api, error)
-        shared = None
+        weighed = True
+    except (OSError, ValueError) as error:  # the profile file went away since "auto" read it
+        logger.warning("%s: the split was not weighed (%s)", api, error)
     chosen = _gather_shares(mine, device, group)[0] == 1.0
-    if shared is not None:
+    choice = "the split" if chosen else "CPU Adam alone"
+    if shared is None:
+        why = "no host-held update to split" if weighed else "not weighed here"
+        logger.info("%s: gpu_update_fraction='auto': %s: %s", api, why, choice)
+    else:
         logger.info(
             "%s: gpu_update_fraction='auto' weighed the placement with the split (%.3f of "
             "%s host-held updates in the GPU's Adam: %.3f s a step with nothing to hide "
             "behind) against CPU Adam alone (%s: %.3f s): %s",
             api, shared.gpu_fraction, f"{int(split['host_numel']):,}", shared.step_s,
-            f"{int(cpu_only['host_numel']):,}", alone.step_s,
-            "the split" if chosen else "CPU Adam alone",
+            f"{int(cpu_only['host_numel']):,}", alone.step_s, choice,
         )  # fmt: skip
     return chosen
 

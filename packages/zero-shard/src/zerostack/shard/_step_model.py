@@ -413,7 +413,11 @@ def _candidates(pieces: list[tuple[str, _Line]]) -> list[float]:
     return sorted(found)
 
 
-def _check_inputs(profile: MachineProfile, amounts: dict[str, Any], clip: Any) -> None:
+def _check_inputs(
+    profile: MachineProfile, amounts: dict[str, Any], clip: Any, share: float | None = None
+) -> None:
+    if share is not None and not 0 <= share <= 1:
+        raise ValueError(f"step_floor: gpu_fraction must be in [0, 1] or None (got {share!r})")
     if not isinstance(profile, MachineProfile):
         raise TypeError(f"step_floor: profile must be a MachineProfile (got {profile!r}); {_HOW}")
     for name, value in amounts.items():
@@ -474,6 +478,7 @@ def step_floor(
     host_value_fraction: float = 0.0,
     clip_before_update: bool = True,
     forward_hide_fraction: float = 1.0,
+    gpu_fraction: float | None = None,
 ) -> FloorEstimate:
     """The floor of an offloaded step (see [Note: step-time floor]).
 
@@ -501,6 +506,9 @@ def step_floor(
             does, with or without clipping).
         forward_hide_fraction: the share of the next forward that can run
             beside the updates, in [0, 1]. Default 1.0.
+        gpu_fraction: the split's share of the host-held updates in the
+            GPU's Adam, in [0, 1], for the floor of a split that runs at
+            that share. Default None: the best share.
 
     Returns:
         A :class:`FloorEstimate`: the CPU-only floor, the split one (None
@@ -519,7 +527,7 @@ def step_floor(
         streamed_bytes=streamed_bytes, host_value_fraction=host_value_fraction,
         forward_hide_fraction=forward_hide_fraction,
     )  # fmt: skip
-    _check_inputs(profile, amounts, clip_before_update)
+    _check_inputs(profile, amounts, clip_before_update, gpu_fraction)
     stream = _secs(streamed_bytes, profile.h2d_bytes_s)
     forward_s = max(forward_s, stream)
     backward_s = max(backward_s + _secs(gpu_numel, profile.gpu_adam_params_s), stream)
@@ -530,15 +538,17 @@ def step_floor(
     moved = _Moved(h2d_bytes_per_param, d2h_bytes_per_param, host_value_fraction)
     alone = _Rates(profile.cpu_adam_bytes_s, profile.h2d_bytes_s, profile.d2h_bytes_s, None)
     cpu_only = _floor(host_numel, 0.0, alone, times, moved, None, clip_before_update)
-    split = _split(profile, host_numel, times, moved, clip_before_update)
+    split = _split(profile, host_numel, times, moved, clip_before_update, gpu_fraction)
     return FloorEstimate(cpu_only=cpu_only, split=split)
 
 
 def _split(
-    profile: MachineProfile, numel: float, times: _Times, moved: _Moved, clip: bool
-) -> StepFloor | None:
+    profile: MachineProfile, numel: float, times: _Times, moved: _Moved, clip: bool,
+    fraction: float | None = None,
+) -> StepFloor | None:  # fmt: skip
     """The floor under the best CPU/GPU split (the smallest ``f`` of the
-    shortest steps, to rounding); None without the figures."""
+    shortest steps, to rounding), or at the share ``fraction``; None
+    without the figures."""
     cpu_rate, up, down = (
         profile.cpu_adam_with_copies_bytes_s, profile.h2d_with_adam_bytes_s,
         profile.d2h_with_adam_bytes_s,
@@ -548,6 +558,7 @@ def _split(
         return None
     rates = _Rates(cpu_rate, up, profile.d2h_bytes_s, down)
     pieces = _pieces(_lines(numel, rates, times, moved, gpu_rate), times, clip)
-    floors = [_floor(numel, f, rates, times, moved, gpu_rate, clip) for f in _candidates(pieces)]
+    shares = _candidates(pieces) if fraction is None else [fraction]
+    floors = [_floor(numel, f, rates, times, moved, gpu_rate, clip) for f in shares]
     shortest = min(floor.step_s for floor in floors)
     return next(floor for floor in floors if floor.step_s <= shortest * (1 + 1e-12))
