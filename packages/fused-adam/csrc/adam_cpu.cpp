@@ -29,11 +29,13 @@
 // set OMP_WAIT_POLICY=PASSIVE before importing torch (idle threads asleep, as
 // this team's are whatever the environment): LLaMA 1.1B under a 12 GiB cap
 // 0.311 and 0.314 s a step against 0.324 and 0.358 s without it, the CPU step
-// 0.147-0.149 s against 0.161-0.179 s; the 4.24B GPT under 24 GiB 1.187 s against 1.238
-// and 1.241 s (docs/benchmarks.md, "2026-12-05 twentieth session"; this team
-// has not run there yet). On the 2-core development machine, a worker
-// stepping CPU Adam chunk by chunk beside a main thread running torch ops:
-// 0.1213-0.1232 s against the OpenMP kernel's 0.1237-0.1247 s. Here the
+// 0.147-0.149 s against 0.161-0.179 s; the 4.24B GPT under 24 GiB 1.187 s
+// against 1.238 and 1.241 s (docs/benchmarks.md, "2026-12-05 twentieth session"). This
+// team against the OpenMP kernel on an H100 host, alternating processes:
+// LLaMA 0.306-0.331 s against 0.333-0.376 s, the CPU step 0.129-0.144 s
+// against 0.156-0.185 s; the 4.24B a tie ("twenty-first session"). On the
+// 2-core development machine, a worker stepping CPU Adam chunk by chunk
+// beside a main thread running torch ops: 0.1213-0.1232 s against the OpenMP kernel's 0.1237-0.1247 s. Here the
 // helpers wait asleep on a condition variable, whatever the environment
 // says; waking them costs tens of microseconds a call. One call runs at a
 // time (a second caller waits for the first: the kernel is bound by memory
