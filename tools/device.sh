@@ -20,7 +20,7 @@
 #                              (ZeRO's and Gemini's; SKIP_TESTS=1: none), the machine's profile ($PROFILE,
 #                              as floor measures it), then once per fraction in FRACTIONS (default
 #                              "0.25 0.5"), clipped (max_norm 1) and with the floor: benchmarks/zero_shard.py
-#                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane, opt-in: see
+#                              plain, zero2_offload_cpu, zero2_offload_split (Gemini's lane: see
 #                              benchmarks/gemini.py --only gemini_auto_split, benchmarks/scale.py
 #                              --gpu-update-fraction)
 #   tools/device.sh scale [SIZE [FRACTIONS]]  benchmarks/scale.py: a SIZE (default 8B) GPT under Gemini
@@ -63,8 +63,9 @@
 #       main     the main job on the GPU with --machine (its summary's floor line)
 #                FLOOR_ARGS: more options for the benchmarks' parts (e.g. "--switch-interval 0.0005"),
 #                LOG_TAG: a suffix for their logs' names (two settings in one call)
-#                gemini_auto steps every CPU-held chunk in CPU Adam (GeminiOptimizer's default: its
-#                split is opt-in); zero2_offload takes ZeroOptimizer's
+#                gemini_auto takes GeminiOptimizer's default under auto placement (gpu_update_fraction
+#                "auto": the split where the step-time model finds it faster than CPU Adam alone;
+#                gemini_auto_cpu 0.0, gemini_auto_split the machine's share); zero2_offload takes ZeroOptimizer's
 #                default ("auto" with cpu_offload: the step-time model's share from $PROFILE, through
 #                ZEROSTACK_MACHINE_PROFILE); zero2_offload_cpu every update in CPU Adam
 #   tools/device.sh help       this text
