@@ -138,3 +138,55 @@ def test_a_trace_records_the_cpu_step_worker(training, tmp_path, monkeypatch) ->
     assert names.count("bench::forward") == 2 and names.count("zerostack::cpu_update") == 2
     main = {e["tid"] for e in events if e.get("name") == "bench::forward"}
     assert {e["tid"] for e in events if e.get("name") == "zerostack::cpu_update"}.isdisjoint(main)
+
+
+def test_scale_waits_for_the_compute_stream_only_after_step(monkeypatch) -> None:
+    # benchmarks/scale.py's timed loop keeps the same boundary as _training.run
+    # ([Note: a step lasts from the end of the one before]): after a timed
+    # step() only the compute stream is waited for, so the device lane's
+    # work lands in the next step, not between the two.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import scale
+
+    seen: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("device"))
+    monkeypatch.setattr(scale, "sync_compute", lambda: seen.append("compute"))
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    monkeypatch.setattr(scale, "batch_of", lambda a, config, device: batch)
+
+    class Ddp:
+        update_wait_s = 0.0
+
+        def __call__(self, idx, tgt):
+            seen.append("forward")
+            return torch.zeros(())
+
+        def wait_updates(self) -> None:
+            seen.append("wait_updates")
+
+    class Opt:
+        cpu_step_s = nvme_wait_s = 0.0
+
+        def backward(self, loss) -> None:
+            seen.append("backward")
+
+        def step(self) -> None:
+            seen.append("step")
+
+        def host_bytes(self):
+            return type("Table", (), {"table": lambda self: ""})()
+
+    class Args:
+        warmup, steps, profile, batch_size, seq_len = 1, 3, False, 1, 8
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    out = scale.train(Args(), None, Ddp(), Opt(), torch.device("cuda"))
+    assert out["spread"] >= 1.0 and out["step_s"] > 0
+    one = ["forward", "backward", "step"]
+    assert seen == (
+        ["device", *one, "compute"]  # the warm-up
+        + ["wait_updates", "device", *one, "device"]  # the untimed step, waited for whole
+        + [*one, "compute"] * 3  # the timed steps
+        + ["wait_updates"]
+    ), seen
+    sys.modules.pop("scale", None)
