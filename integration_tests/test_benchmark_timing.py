@@ -140,14 +140,20 @@ def test_a_trace_records_the_cpu_step_worker(training, tmp_path, monkeypatch) ->
     assert {e["tid"] for e in events if e.get("name") == "zerostack::cpu_update"}.isdisjoint(main)
 
 
-def test_scale_waits_for_the_compute_stream_only_after_step(monkeypatch) -> None:
+@pytest.fixture
+def scale(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import scale
+
+    yield scale
+    sys.modules.pop("scale", None)
+
+
+def test_scale_waits_for_the_compute_stream_only_after_step(scale, monkeypatch) -> None:
     # benchmarks/scale.py's timed loop keeps the same boundary as _training.run
     # ([Note: a step lasts from the end of the one before]): after a timed
     # step() only the compute stream is waited for, so the device lane's
     # work lands in the next step, not between the two.
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import scale
-
     seen: list[str] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("device"))
     monkeypatch.setattr(scale, "sync_compute", lambda: seen.append("compute"))
@@ -189,4 +195,3 @@ def test_scale_waits_for_the_compute_stream_only_after_step(monkeypatch) -> None
         + [*one, "compute"] * 3  # the timed steps
         + ["wait_updates"]
     ), seen
-    sys.modules.pop("scale", None)
