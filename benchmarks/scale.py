@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -637,9 +638,11 @@ def main() -> int:
     ddp, adam, opt, build_s = build(a, config, device, directory)
     gc.collect()
     rss_built = rss_bytes()
+    # A parameter larger than the chunk size (the embedding) has a chunk of its own size.
+    sizes = Counter(c.chunk_size for c in ddp.grad_chunks).most_common()
     log(f"built in {build_s:.1f} s; RSS {rss_built / 1e9:.1f} GB "
-        f"({rss_built / n:.2f} B/param); {len(ddp.grad_chunks)} chunks of "
-        f"{ddp.grad_chunks[0].chunk_size / 1e6:.1f}M elements, "
+        f"({rss_built / n:.2f} B/param); {len(ddp.grad_chunks)} chunks "
+        f"({', '.join(f'{k} of {size / 1e6:.1f}M elements' for size, k in sizes)}), "
         f"{len(ddp.offloaded_masters)} masters on the CPU")  # fmt: skip
     r = train(a, config, ddp, opt, device)
     if opt.device_lane_chunks:

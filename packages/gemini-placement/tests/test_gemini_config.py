@@ -47,6 +47,22 @@ def test_keep_gathered_of_the_configuration_is_honoured(caplog):
     assert not half.param_chunks[0].keep_gathered and half.param_chunks[-1].keep_gathered
 
 
+def test_the_layout_line_names_every_chunk_size(caplog):
+    # A parameter larger than the chunk size gets a chunk of its own size: the
+    # line says how many chunks have each size, not the first chunk's alone
+    # (a 4.24B GPT's read "110 chunks of 154389504 elements", its embedding's).
+    with caplog.at_level(logging.INFO, logger="zerostack.gemini"):
+        ddp = GeminiDDP(
+            _model(), chunk_config_dict={1: {"chunk_size": 10_000}}, compute_device="cpu"
+        )
+    sizes = [c.chunk_size for c in ddp.param_chunks]
+    big = [n for n in set(sizes) if n > 10_000]
+    assert big, sizes  # the 16,384-element matrices
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GeminiDDP ("))
+    for size in set(sizes):
+        assert f"{sizes.count(size)} of {size:,} elements" in line, line
+
+
 def test_the_search_decides_keep_gathered_by_default():
     # A model far smaller than the smallest chunk: the search keeps it whole.
     ddp = GeminiDDP(_model(), compute_device="cpu", min_chunk_size_m=1)

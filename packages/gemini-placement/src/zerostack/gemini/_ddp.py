@@ -6,6 +6,7 @@ import contextlib
 import logging
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from enum import Enum
 from typing import Any
@@ -344,11 +345,14 @@ class GeminiDDP(nn.Module):
     def _log_layout(self) -> None:
         chunks = self.param_chunks
         policy = "auto" if self.config.auto else "static"
+        # A parameter larger than the chunk size has a chunk of its own size.
+        sizes = Counter(c.chunk_size for c in chunks).most_common()
         logger.info(
-            "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks of %d elements, %d sharded, "
+            "GeminiDDP (%s): %d params (%.1fM elements) in %d %s chunks (%s), %d sharded, "
             "%d kept gathered, %d shards on the CPU; %d fp32 master chunks, %d on the CPU; rank %d/%d",
             policy, len(self.params), self._total_numel / 1e6, len(chunks), self.mixed_precision,
-            chunks[0].chunk_size if chunks else 0, sum(not c.keep_gathered for c in chunks),
+            ", ".join(f"{n} of {size:,} elements" for size, n in sizes) or "none",
+            sum(not c.keep_gathered for c in chunks),
             sum(c.keep_gathered for c in chunks),
             sum(c.shard is not None and c.shard.device.type == "cpu" for c in chunks),
             len(self.chunk_manager.chunks("fp32")), len(self.offloaded_masters),
