@@ -315,7 +315,7 @@ def run(
     walls = []  # See [Note: a step lasts from the end of the one before]
     losses = []  # every step's, warm-up too, read after the loop (no sync inside it)
     torch.cuda.synchronize()
-    end = time.perf_counter()
+    end, cpu_at_end = time.perf_counter(), host_cpu()
     for i in range(warmup + steps):
         if i == warmup:
             before = torch.cuda.memory_stats()
@@ -342,7 +342,7 @@ def run(
             at_step = _offload_counters(offload)  # See [Note: timed CPU steps]
         step_fn(loss, backward_only=False)
         sync_compute()  # See [Note: a step lasts from the end of the one before]
-        t2, ro = time.perf_counter(), retried()
+        t2, ro, cpu = time.perf_counter(), retried(), host_cpu()
         if i >= warmup:
             fwd.append(tf - t0)
             fb.append(tf - t0 + t1 - tb)
@@ -353,8 +353,9 @@ def run(
             marks.append(
                 (f"[retry {retries}]" if retries else "")
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
+                + host_marks(cpu_at_end, cpu, t2 - end)
             )
-        end = t2
+        end, cpu_at_end = t2, cpu
     timed = {}
     if offload is not None:  # before any profiled step below adds to the counters
         wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
@@ -394,6 +395,38 @@ def run(
         loss=loss.item(),
         losses=[float(x) for x in losses],
         **timed,
+    )
+
+
+def host_cpu() -> tuple[float, float, float] | None:
+    """Seconds of CPU time so far: the host's stolen by the hypervisor (the
+    "steal" of /proc/stat), the host's busy, and this process's (all its
+    threads); None where /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    tick = os.sysconf("SC_CLK_TCK")
+    ours = os.times()
+    return steal / tick, (user + nice + system + irq + softirq) / tick, ours.user + ours.system
+
+
+def host_marks(before, after, wall: float) -> str:
+    """``[steal N%]`` where the hypervisor took 1% or more of the host's
+    cores over a step of ``wall`` seconds, and ``[others N%]`` where CPU time
+    outside this process (other processes, the kernel's interrupts) took 2%
+    or more: a step slowed by a host that was slow for reasons of its own.
+    Either only when it is 5 clock ticks or more (the counters' resolution)."""
+    if before is None or after is None or wall <= 0:
+        return ""
+    least = 5 / os.sysconf("SC_CLK_TCK")
+    room = (os.cpu_count() or 1) * wall
+    steal = after[0] - before[0]
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return (f"[steal {steal / room:.0%}]" if steal >= max(least, 0.01 * room) else "") + (
+        f"[others {others / room:.0%}]" if others >= max(least, 0.02 * room) else ""
     )
 
 
@@ -859,7 +892,9 @@ def print_table(
         "\nper-step (forward, backward, optimizer = the step's wall time, which also holds what "
         "runs between the phases) seconds, with the phases in which the CUDA "
         "allocator retried ([retry f|b|o]: forward, backward, optimizer) and the time Python's "
-        "garbage collector paused it ([gc N ms], when 1 ms or more), every step's loss "
+        "garbage collector paused it ([gc N ms], when 1 ms or more), the share of the host's "
+        "cores that the hypervisor took ([steal N%], 1% or more) and that CPU time outside this "
+        "process took ([others N%], 2% or more), every step's loss "
         "(the warm-up's too), "
         "the peak of the allocator's reserved memory and its device allocations and frees:"
     )

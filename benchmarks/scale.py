@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from _training import fraction_arg, sync_compute
+from _training import fraction_arg, host_cpu, host_marks, sync_compute
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
@@ -412,6 +412,7 @@ def train(a, config, ddp, opt, device) -> dict:
         if end is None:
             sync()
             end = time.perf_counter()
+        cpu_at_end = host_cpu()
         # A step lasts from the end of the one before, with no synchronize
         # between them: one would wait, outside the step, for the device
         # lane's copies and kernels that the CPU-step worker queues after
@@ -422,7 +423,8 @@ def train(a, config, ddp, opt, device) -> dict:
         boundary()
         dt = time.perf_counter() - end
         end += dt
-        log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}")
+        marks = host_marks(cpu_at_end, host_cpu(), dt)  # See host_marks in _training.py
+        log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}{marks}")
         if i >= a.warmup:
             times.append(dt)
     ddp.wait_updates()

@@ -88,6 +88,33 @@ def test_only_the_compute_stream_is_waited_for_after_step(training, monkeypatch)
     assert seen == ["device"] + ["device", "backward", "device", "step", "compute"] * 3, seen
 
 
+def test_a_step_on_a_host_busy_elsewhere_is_marked(training, monkeypatch) -> None:
+    # A slow step whose host lost CPU time to the hypervisor or to other
+    # processes says so in its per-step line (docs/benchmarks.md, "twenty-second
+    # session": LLaMA's slow stretches, on rows with and without the split).
+    cores = training.os.cpu_count() or 1
+    readings = iter([
+        (0.0, 0.0, 0.0),  # before the first step
+        (0.0, 0.0, 0.0),  # step 1: nothing elsewhere
+        (10.0 * cores, 0.0, 0.0),  # step 2: the hypervisor took the cores
+        (10.0 * cores, 10.0 * cores, 0.0),  # step 3: another process did
+        (10.0 * cores, 10.0 * cores + 5.0, 5.0),  # step 4: only this process worked
+    ])  # fmt: skip
+    monkeypatch.setattr(training, "host_cpu", lambda: next(readings))
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
+        batch, 4, 0, False,
+    )  # fmt: skip
+    marks = [m for *_, m in out["steps_s"]]
+    assert marks[0] == "" and marks[3] == "", marks
+    assert "[steal " in marks[1] and "[others" not in marks[1], marks
+    assert "[others " in marks[2] and "[steal" not in marks[2], marks
+    # One clock tick on a short step is the counters' resolution, not a busy host.
+    tick = 1 / training.os.sysconf("SC_CLK_TCK")
+    assert training.host_marks((0.0, 0.0, 0.0), (tick, tick, 0.0), 0.01) == ""
+
+
 def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
     # The per-step lines print every step's loss, so a row that trains wrong
     # shows beside the rows of the same run (docs/benchmarks.md, "Offloaded
