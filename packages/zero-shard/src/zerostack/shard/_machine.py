@@ -47,7 +47,12 @@ under 12 GiB, 0.167 / 0.158 s on the H200 (0.335-0.344 against
 (0.337-0.360 against 0.306-0.331 s) and 0.184 / 0.160 s on the second (not
 run split there). Where one was clearly faster, the shorter floor named it,
 twice by under 0.5%; LLaMA on the H200 was within the spread either way.
-A rank takes the first rank's answer.
+The rule as it stands, run on an H100 host ("twenty-second session"): the
+4.24B's floors 0.779 / 0.925 s, the split kept, 1.175-1.196 s against
+1.305-1.355 s for CPU Adam alone in the same processes; LLaMA's 0.168 /
+0.172 s, the split kept, 0.336-0.366 s against 0.330-0.358 s (a tie within
+the spread); on a host with slower copies up, LLaMA's 0.203 / 0.178 s, CPU
+Adam alone kept. A rank takes the first rank's answer.
 """
 
 from __future__ import annotations
