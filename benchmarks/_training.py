@@ -310,6 +310,10 @@ def run(
     def retried() -> int:  # allocator retries so far (a cudaFree and a sync each)
         return torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0)
 
+    def device_calls() -> tuple[int, int]:  # the allocator's cudaMalloc and cudaFree calls so far
+        stats = torch.cuda.memory_stats_as_nested_dict()
+        return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
     before: dict = {}  # the allocator's counters when the timed steps start
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     walls = []  # See [Note: a step lasts from the end of the one before]
@@ -322,6 +326,7 @@ def run(
             if offload is not None:
                 at_forward = _offload_counters(offload)
             end = time.perf_counter()  # the reads above are no part of the first timed step
+        d0 = device_calls()
         r0, t0, c0 = retried(), time.perf_counter(), collecting.seconds
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
@@ -343,6 +348,7 @@ def run(
         step_fn(loss, backward_only=False)
         sync_compute()  # See [Note: a step lasts from the end of the one before]
         t2, ro, cpu = time.perf_counter(), retried(), host_cpu()
+        d1 = device_calls()
         if i >= warmup:
             fwd.append(tf - t0)
             fb.append(tf - t0 + t1 - tb)
@@ -353,6 +359,7 @@ def run(
             marks.append(
                 (f"[retry {retries}]" if retries else "")
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
+                + device_marks(d0, d1)
                 + host_marks(cpu_at_end, cpu, t2 - end)
             )
         end, cpu_at_end = t2, cpu
@@ -428,6 +435,18 @@ def host_marks(before, after, wall: float) -> str:
     return (f"[steal {steal / room:.0%}]" if steal >= max(least, 0.01 * room) else "") + (
         f"[others {others / room:.0%}]" if others >= max(least, 0.02 * room) else ""
     )
+
+
+def device_marks(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """``[cudaMalloc N]`` and ``[cudaFree N]``: the caching allocator's calls
+    into the driver over a step, each only where there were some. A
+    ``cudaFree`` synchronizes the device, and both take the host
+    milliseconds: a step that makes them is a candidate for a slow backward
+    with no CPU time lost elsewhere (docs/benchmarks.md, "twenty-second
+    session": LLaMA's slow stretches, whose hosts also free blocks in every
+    capped step)."""
+    allocs, frees = after[0] - before[0], after[1] - before[1]
+    return (f"[cudaMalloc {allocs}]" if allocs else "") + (f"[cudaFree {frees}]" if frees else "")
 
 
 class _GcClock:
@@ -892,7 +911,8 @@ def print_table(
         "\nper-step (forward, backward, optimizer = the step's wall time, which also holds what "
         "runs between the phases) seconds, with the phases in which the CUDA "
         "allocator retried ([retry f|b|o]: forward, backward, optimizer) and the time Python's "
-        "garbage collector paused it ([gc N ms], when 1 ms or more), the share of the host's "
+        "garbage collector paused it ([gc N ms], when 1 ms or more), the allocator's calls "
+        "into the driver ([cudaMalloc N], [cudaFree N], where there were some), the share of the host's "
         "cores that the hypervisor took ([steal N%], 1% or more) and that CPU time outside this "
         "process took ([others N%], 2% or more), every step's loss "
         "(the warm-up's too), "

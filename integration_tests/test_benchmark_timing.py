@@ -115,6 +115,29 @@ def test_a_step_on_a_host_busy_elsewhere_is_marked(training, monkeypatch) -> Non
     assert training.host_marks((0.0, 0.0, 0.0), (tick, tick, 0.0), 0.01) == ""
 
 
+def test_a_step_whose_allocator_calls_the_driver_is_marked(training, monkeypatch) -> None:
+    # A step in which the caching allocator called cudaMalloc or cudaFree (a
+    # cudaFree synchronizes the device) says how many in its per-step line, so
+    # a slow backward can be set beside the allocator's calls of the same step.
+    stats = {"num_alloc_retries": 0, "num_device_alloc": 0, "num_device_free": 0}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda *a: dict(stats))
+
+    def forward(idx, tgt):
+        if forward.calls == 1:  # the second step frees three blocks and maps one
+            stats["num_device_free"] += 3
+            stats["num_device_alloc"] += 1
+        forward.calls += 1
+        return torch.zeros(())
+
+    forward.calls = 0
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run("stand-in", forward, lambda loss, backward_only: None, batch, 3, 0, False)
+    marks = [m for *_, m in out["steps_s"]]
+    assert "[cudaMalloc" not in marks[0] and "[cudaFree" not in marks[0], marks
+    assert "[cudaMalloc 1][cudaFree 3]" in marks[1], marks
+    assert "[cudaMalloc" not in marks[2] and "[cudaFree" not in marks[2], marks
+
+
 def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
     # The per-step lines print every step's loss, so a row that trains wrong
     # shows beside the rows of the same run (docs/benchmarks.md, "Offloaded
