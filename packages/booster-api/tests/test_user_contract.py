@@ -309,6 +309,35 @@ def _group_trains(env: Env, before: dict[str, torch.Tensor]) -> None:
     assert (after["tok_emb.weight"] - before["tok_emb.weight"]).abs().max() > 0
 
 
+def _boost_a_resumed_optimizer(env: Env) -> Env:
+    """A resumed script's order: the optimizer loads its checkpoint (here of
+    two steps of ``env``), then the model and it are boosted."""
+    env.step(0)
+    env.step(1)
+    saved = env.opt.state_dict() if env.kind == "torch" else None
+    if saved is None:  # the sharded plugins' own state dicts are per rank: a plain AdamW's
+        torch.manual_seed(0)
+        plain = TinyGPT(CONFIG)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        for seed in (0, 1):
+            plain(*make_batch(CONFIG, 2, 8, seed=seed)).backward()
+            plain_opt.step()
+        saved = plain_opt.state_dict()
+    torch.manual_seed(0)
+    net = TinyGPT(CONFIG)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    opt.load_state_dict(saved)
+    made = PLUGINS[env.kind]()
+    booster = Booster(device="cpu") if made is None else Booster(plugin=made)
+    _, boosted, *_ = booster.boost(net, opt)
+    return boosted
+
+
+def _keeps_the_loaded_state(env: Env, boosted: Any) -> None:
+    steps = {float(s["step"]) for s in boosted.state_dict()["state"].values()}
+    assert steps == {2.0}, steps
+
+
 # -- model ----------------------------------------------------------------------------------
 
 
@@ -595,6 +624,8 @@ ROWS = [
     Row("step-the-optimizer-handed-to-boost", ZERO, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.step: this optimizer was handed to ZeroOptimizer .*Step the optimizer booster\.boost returned"),
     Row("add-group-to-the-optimizer-handed-to-boost", ZERO, _add_group_to_the_optimizer_handed_to_boost, error=NotImplementedError, match=r"HybridAdam\.add_param_group: this optimizer was handed to ZeroOptimizer .*a group added now would never be stepped"),
     Row("step-the-optimizer-handed-to-boost-gemini", GEMINI, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam: .*gradient holds no values \(got ShardedGradient\).*step the optimizer booster\.boost \(or the wrapper\) returned"),
+    Row("optimizer-with-state-before-boost", TORCH, _boost_a_resumed_optimizer, _keeps_the_loaded_state),
+    Row("optimizer-with-state-before-boost-refused", SHARDED, _boost_a_resumed_optimizer, error=ValueError, match=r"(Gemini|Zero)Optimizer: .*already has state.*got state for 10 tensors, from a step or optimizer\.load_state_dict before the wrap.*wrap a fresh optimizer \(booster\.boost\), then load the optimizer checkpoint into the wrapper \(booster\.load_optimizer"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

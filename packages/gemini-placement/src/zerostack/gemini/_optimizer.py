@@ -128,7 +128,9 @@ class GeminiOptimizer:
         NotImplementedError: several parameter groups; gpu_update_fraction > 0
             (or "auto") with an optimizer other than fused-adam's Adam, or
             with Adam states on disk.
-        ValueError: the optimizer is not built on the module's parameters;
+        ValueError: the optimizer is not built on the module's parameters,
+            or already has state (a step or ``load_state_dict`` before the
+            wrap: load optimizer checkpoints into the wrapper);
             gpu_update_fraction outside [0, 1].
         TypeError: an unknown keyword, or loss_scaler with scaler keywords.
         CpuStepError: a CPU update of the model's closed optimizer failed
@@ -1105,6 +1107,16 @@ def _check_wrap(optimizer: object, module: Any) -> None:
         raise RuntimeError(
             f"{_API}: this optimizer is wrapped by a GeminiOptimizer already (its parameters are "
             "that wrapper's master shards); build a new one"
+        )
+    if optimizer.state:
+        # Its states are keyed by the model's parameters, which the master
+        # chunks replace: they were dropped, silently (Adam's moments and
+        # step count started afresh after a resume).
+        raise ValueError(
+            f"{_API}: the optimizer already has state (got state for {len(optimizer.state)} "
+            "tensors, from a step or optimizer.load_state_dict before the wrap), which the master "
+            "chunks would drop; wrap a fresh optimizer (booster.boost), then load the optimizer "
+            "checkpoint into the wrapper (booster.load_optimizer, as ColossalAI's Booster)"
         )
     ref = _OPTIMIZERS.get(module)
     if ref is not None and ref() is not None:

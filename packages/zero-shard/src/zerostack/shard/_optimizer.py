@@ -104,7 +104,12 @@ def _check_args(
             f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"
         )
     if optimizer.state:
-        raise ValueError(f"{_API}: wrap the optimizer before its first step (it already has state)")
+        raise ValueError(
+            f"{_API}: wrap the optimizer before its first step (it already has state: got state "
+            f"for {len(optimizer.state)} tensors, from a step or optimizer.load_state_dict before "
+            "the wrap); wrap a fresh optimizer (booster.boost), then load the optimizer checkpoint "
+            "into the wrapper (booster.load_optimizer, as ColossalAI's Booster)"
+        )
 
 
 def _params_and_device(
