@@ -177,6 +177,7 @@ class GeminiOptimizer:
         # gets each step's hyperparameters from the user's. See
         # zerostack.shard's [Note: the user's hyperparameters].
         self.optimizer = stepping_twin(optimizer)
+        _refuse_new_groups(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
         self._chunk_of = {c.index: c for c, _ in self.pairs}
@@ -217,8 +218,7 @@ class GeminiOptimizer:
             _WeakCall(self, "_stage_reduced"),
         )  # fmt: skip
         _OPTIMIZERS[module] = weakref.ref(self)
-        _WRAPPED.add(optimizer)
-        _WRAPPED.add(self.optimizer)
+        _WRAPPED.update((optimizer, self.optimizer))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -1124,6 +1124,28 @@ def _check_wrap(optimizer: object, module: Any) -> None:
             f"{_API}: the model has a GeminiOptimizer already; one optimizer per GeminiDDP (call "
             "close() on the old one first)"
         )
+
+
+def _refuse_new_groups(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer the user built, once wrapped: the step reads its one
+    group's hyperparameters and steps the twin's masters, so a group added
+    to it later (the object passed to ``booster.boost`` rather than the one
+    returned, whose ``add_param_group`` refuses) was never stepped, its lr
+    never read, silently. Its ``add_param_group`` raises instead, as under
+    ZeroOptimizer. The closure holds no reference to the optimizer."""
+    name = type(optimizer).__name__
+
+    def add_param_group(param_group: Any) -> None:
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        count = 1 if isinstance(params, torch.Tensor) else len(list(params or ()))
+        raise NotImplementedError(
+            f"{name}.add_param_group: this optimizer was handed to {_API} (through "
+            f"booster.boost or directly), whose master chunks its one group steps; a group added "
+            f"now would never be stepped (got a group of {count} tensors). Build the optimizer "
+            "with every parameter before booster.boost (or GeminiOptimizer)"
+        )
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
 
 
 def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:
