@@ -338,6 +338,22 @@ def _keeps_the_loaded_state(env: Env, boosted: Any) -> None:
     assert steps == {2.0}, steps
 
 
+def _save_the_optimizer_handed_to_boost(env: Env) -> dict[str, Any]:
+    env.step(0)
+    return env.user_opt.state_dict()
+
+
+def _holds_the_states(env: Env, state: dict[str, Any]) -> None:
+    """Every trained tensor's Adam moments and step (ZeRO's: of the masters)."""
+    assert len(state["state"]) == len(list(env.plain.parameters()))
+    for entry in state["state"].values():
+        assert float(entry["step"]) == 1.0 and entry["exp_avg"].abs().max() > 0
+
+
+def _load_into_the_optimizer_handed_to_boost(env: Env) -> None:
+    env.user_opt.load_state_dict({"state": {}, "param_groups": env.user_opt.param_groups})
+
+
 # -- model ----------------------------------------------------------------------------------
 
 
@@ -627,6 +643,9 @@ ROWS = [
     Row("step-the-optimizer-handed-to-boost-gemini", GEMINI, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam: .*gradient holds no values \(got ShardedGradient\).*step the optimizer booster\.boost \(or the wrapper\) returned"),
     Row("optimizer-with-state-before-boost", TORCH, _boost_a_resumed_optimizer, _keeps_the_loaded_state),
     Row("optimizer-with-state-before-boost-refused", SHARDED, _boost_a_resumed_optimizer, error=ValueError, match=r"(Gemini|Zero)Optimizer: .*already has state.*got state for 10 tensors, from a step or optimizer\.load_state_dict before the wrap.*wrap a fresh optimizer \(booster\.boost\), then load the optimizer checkpoint into the wrapper \(booster\.load_optimizer"),
+    Row("state-dict-of-the-optimizer-handed-to-boost", TORCH + ("zero1", "zero2"), _save_the_optimizer_handed_to_boost, _holds_the_states),
+    Row("state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _save_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.state_dict: this optimizer was handed to (Zero|Gemini)Optimizer \(through booster\.boost or directly\), which steps its states in another object, so this one's would hold none of them .*booster\.save_optimizer\(optimizer, path\)"),
+    Row("load-state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _load_into_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.load_state_dict: this optimizer was handed to (Zero|Gemini)Optimizer .*a state loaded here would never be read .*booster\.load_optimizer\(optimizer, path\)"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

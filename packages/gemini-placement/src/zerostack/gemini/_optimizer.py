@@ -42,6 +42,7 @@ from zerostack.shard import (
     norm_part,
     plan_step,
     record_clip,
+    refuse_user_state_dict,
     resolve_gpu_update_fraction,
     say_zero_grads_are_dropped,
     split_beats_cpu_only,
@@ -177,7 +178,7 @@ class GeminiOptimizer:
         # gets each step's hyperparameters from the user's. See
         # zerostack.shard's [Note: the user's hyperparameters].
         self.optimizer = stepping_twin(optimizer)
-        _refuse_new_groups(optimizer)
+        _refuse_user_calls(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
         self._chunk_of = {c.index: c for c, _ in self.pairs}
@@ -1126,13 +1127,16 @@ def _check_wrap(optimizer: object, module: Any) -> None:
         )
 
 
-def _refuse_new_groups(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_user_calls(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer the user built, once wrapped: the step reads its one
     group's hyperparameters and steps the twin's masters, so a group added
     to it later (the object passed to ``booster.boost`` rather than the one
     returned, whose ``add_param_group`` refuses) was never stepped, its lr
     never read, silently. Its ``add_param_group`` raises instead, as under
-    ZeroOptimizer. The closure holds no reference to the optimizer."""
+    ZeroOptimizer, and so do its ``state_dict`` and ``load_state_dict`` (see
+    zerostack.shard's [Note: the user's optimizer's state_dict]). The
+    closures hold no reference to the optimizer."""
+    refuse_user_state_dict(optimizer, _API)
     name = type(optimizer).__name__
 
     def add_param_group(param_group: Any) -> None:

@@ -43,6 +43,7 @@ from zerostack.shard._hyper import (
     foreign_keys,
     hyperparameters,
     mark_stepped,
+    refuse_user_state_dict,
     stepping_twin,
     with_user_step_hooks,
 )
@@ -564,6 +565,7 @@ class ZeroOptimizer:
             self._groups = optimizer.param_groups
             self._foreign = foreign_keys(optimizer, self.optimizer)
             _WRAPPED.add(self.optimizer)
+            refuse_user_state_dict(optimizer, _API)  # See [Note: the user's optimizer's state_dict]
         self._user = optimizer
         if hasattr(self.optimizer, "nvme_host_params"):
             # Only host-held states go to disk, on a CPU compute device as on a GPU.
