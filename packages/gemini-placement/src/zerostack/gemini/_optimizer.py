@@ -1154,9 +1154,12 @@ def _refuse_user_calls(optimizer: torch.optim.Optimizer) -> None:
 
 def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:
     if len(optimizer.param_groups) != 1:
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
         raise NotImplementedError(
-            f"{_API}: {len(optimizer.param_groups)} parameter groups; one group is supported for now "
-            "(a chunk holds parameters of any group)"
+            f"{_API}: {len(sizes)} parameter groups; one group is supported for now, a chunk "
+            f"holds parameters of any group (got groups of {sizes} tensors); put every parameter "
+            "in one group (e.g. HybridAdam(model.parameters(), weight_decay=...)), or use "
+            "LowLevelZeroPlugin, whose groups keep their own lr and weight_decay"
         )
     ids = {id(p) for p in optimizer.param_groups[0]["params"]}
     trainable = [p for p in module.params if p.requires_grad]
