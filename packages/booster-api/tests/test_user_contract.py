@@ -309,6 +309,51 @@ def _group_trains(env: Env, before: dict[str, torch.Tensor]) -> None:
     assert (after["tok_emb.weight"] - before["tok_emb.weight"]).abs().max() > 0
 
 
+def _boost_a_resumed_optimizer(env: Env) -> Env:
+    """A resumed script's order: the optimizer loads its checkpoint (here of
+    two steps of ``env``), then the model and it are boosted."""
+    env.step(0)
+    env.step(1)
+    saved = env.opt.state_dict() if env.kind == "torch" else None
+    if saved is None:  # the sharded plugins' own state dicts are per rank: a plain AdamW's
+        torch.manual_seed(0)
+        plain = TinyGPT(CONFIG)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+        for seed in (0, 1):
+            plain(*make_batch(CONFIG, 2, 8, seed=seed)).backward()
+            plain_opt.step()
+        saved = plain_opt.state_dict()
+    torch.manual_seed(0)
+    net = TinyGPT(CONFIG)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    opt.load_state_dict(saved)
+    made = PLUGINS[env.kind]()
+    booster = Booster(device="cpu") if made is None else Booster(plugin=made)
+    _, boosted, *_ = booster.boost(net, opt)
+    return boosted
+
+
+def _keeps_the_loaded_state(env: Env, boosted: Any) -> None:
+    steps = {float(s["step"]) for s in boosted.state_dict()["state"].values()}
+    assert steps == {2.0}, steps
+
+
+def _save_the_optimizer_handed_to_boost(env: Env) -> dict[str, Any]:
+    env.step(0)
+    return env.user_opt.state_dict()
+
+
+def _holds_the_states(env: Env, state: dict[str, Any]) -> None:
+    """Every trained tensor's Adam moments and step (ZeRO's: of the masters)."""
+    assert len(state["state"]) == len(list(env.plain.parameters()))
+    for entry in state["state"].values():
+        assert float(entry["step"]) == 1.0 and entry["exp_avg"].abs().max() > 0
+
+
+def _load_into_the_optimizer_handed_to_boost(env: Env) -> None:
+    env.user_opt.load_state_dict({"state": {}, "param_groups": env.user_opt.param_groups})
+
+
 # -- model ----------------------------------------------------------------------------------
 
 
@@ -594,7 +639,13 @@ ROWS = [
     Row("evaluate-between-backward-and-step-gemini", GEMINI, _evaluate_before_the_step, error=RuntimeError, match=r"an evaluation \(no gradients\) between a backward and its optimizer\.step\(\).*evaluate after optimizer\.step\(\)"),
     Row("step-the-optimizer-handed-to-boost", ZERO, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.step: this optimizer was handed to ZeroOptimizer .*Step the optimizer booster\.boost returned"),
     Row("add-group-to-the-optimizer-handed-to-boost", ZERO, _add_group_to_the_optimizer_handed_to_boost, error=NotImplementedError, match=r"HybridAdam\.add_param_group: this optimizer was handed to ZeroOptimizer .*a group added now would never be stepped"),
+    Row("add-group-to-the-optimizer-handed-to-boost-gemini", GEMINI, _add_group_to_the_optimizer_handed_to_boost, error=NotImplementedError, match=r"HybridAdam\.add_param_group: this optimizer was handed to GeminiOptimizer .*a group added now would never be stepped \(got a group of 1 tensors\)"),
     Row("step-the-optimizer-handed-to-boost-gemini", GEMINI, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam: .*gradient holds no values \(got ShardedGradient\).*step the optimizer booster\.boost \(or the wrapper\) returned"),
+    Row("optimizer-with-state-before-boost", TORCH, _boost_a_resumed_optimizer, _keeps_the_loaded_state),
+    Row("optimizer-with-state-before-boost-refused", SHARDED, _boost_a_resumed_optimizer, error=ValueError, match=r"(Gemini|Zero)Optimizer: .*already has state.*got state for 10 tensors, from a step or optimizer\.load_state_dict before the wrap.*wrap a fresh optimizer \(booster\.boost\), then load the optimizer checkpoint into the wrapper \(booster\.load_optimizer"),
+    Row("state-dict-of-the-optimizer-handed-to-boost", TORCH + ("zero1", "zero2"), _save_the_optimizer_handed_to_boost, _holds_the_states),
+    Row("state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _save_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.state_dict: this optimizer was handed to (Zero|Gemini)Optimizer \(through booster\.boost or directly\), which steps its states in another object, so this one's would hold none of them .*booster\.save_optimizer\(optimizer, path\)"),
+    Row("load-state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _load_into_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.load_state_dict: this optimizer was handed to (Zero|Gemini)Optimizer .*a state loaded here would never be read .*booster\.load_optimizer\(optimizer, path\)"),
     Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),

@@ -105,6 +105,19 @@ def _opt(inner=None, module=None, **kwargs):
     return call
 
 
+def _stepped(env):
+    """An optimizer that loaded a checkpoint (of a plain model's steps)
+    before the wrap, as a resumed script does."""
+    saved = torch.optim.SGD(env["plain"].parameters(), lr=0.0, momentum=0.9)
+    for p in env["plain"].parameters():
+        p.grad = torch.zeros_like(p)
+    saved.step()  # lr 0: the parameters stay, the optimizer has state
+    env["plain"].zero_grad()
+    opt = torch.optim.SGD(_params(env["ddp"]), lr=0.0, momentum=0.9)
+    opt.load_state_dict(saved.state_dict())
+    return opt
+
+
 def _close(env):
     env["opt"].close()
 
@@ -234,7 +247,9 @@ CASES = [
     BadInput("opt-module-plain", _opt(module=lambda env: env["plain"]), TypeError, r"GeminiOptimizer: module must be the GeminiDDP model \(got TinyGPT\)", True),
     BadInput("opt-second-on-model", _opt(), RuntimeError, r"GeminiOptimizer: the model has a GeminiOptimizer already; one optimizer per GeminiDDP", True),
     BadInput("opt-missing-params", _opt(inner=lambda env: HybridAdam(_params(env["ddp"])[:2])), ValueError, r"the optimizer lacks parameters of the module \(got none for \[", options={"prepare": _close, "after": _reopen}),
-    BadInput("opt-two-groups", _opt(inner=lambda env: HybridAdam([{"params": _params(env["ddp"])[:2]}, {"params": _params(env["ddp"])[2:]}])), NotImplementedError, r"GeminiOptimizer: 2 parameter groups", options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-stepped", _opt(inner=lambda env: _stepped(env)), ValueError, r"GeminiOptimizer: the optimizer already has state \(got state for \d+ tensors, from a step or optimizer\.load_state_dict before the wrap\), which the master chunks would drop; wrap a fresh optimizer .*booster\.load_optimizer", True, options={"prepare": _close, "after": _reopen}),
+    BadInput("opt-user-add-group", lambda env: env["opt"]._user.add_param_group({"params": [nn.Parameter(torch.zeros(3))]}), NotImplementedError, r"HybridAdam\.add_param_group: this optimizer was handed to GeminiOptimizer \(through booster\.boost or directly\), whose master chunks its one group steps; a group added now would never be stepped \(got a group of 1 tensors\)", True),
+    BadInput("opt-two-groups", _opt(inner=lambda env: HybridAdam([{"params": _params(env["ddp"])[:2]}, {"params": _params(env["ddp"])[2:]}])), NotImplementedError, r"GeminiOptimizer: 2 parameter groups; .*\(got groups of \[2, \d+\] tensors\); put every parameter in one group .*or use LowLevelZeroPlugin", options={"prepare": _close, "after": _reopen}),
     BadInput("opt-max-norm-negative", _opt(max_norm=-1.0), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got -1\.0\)", options={"prepare": _close, "after": _reopen}),
     BadInput("opt-max-norm-str", _opt(max_norm="1"), TypeError, r"GeminiOptimizer: max_norm must be a number \(got '1'\)", True, options={"prepare": _close, "after": _reopen}),
     BadInput("opt-max-norm-nan", _opt(max_norm=math.nan), ValueError, r"GeminiOptimizer: max_norm must be >= 0 \(got nan\)", True, options={"prepare": _close, "after": _reopen}),

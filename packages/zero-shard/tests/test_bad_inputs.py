@@ -125,7 +125,7 @@ CASES = [
     BadInput("optimizer-params", _wrap(_params), TypeError, r"ZeroOptimizer: optimizer must be a torch\.optim\.Optimizer .* \(got list\)", True),
     BadInput("wrap-a-wrapper", _wrap(lambda env: env["z"]), TypeError, r"ZeroOptimizer: the optimizer is a ZeroOptimizer already", True),
     BadInput("wrap-inner-twice", _wrap(lambda env: env["z"].optimizer), RuntimeError, r"ZeroOptimizer: this optimizer is wrapped by a ZeroOptimizer already", True),
-    BadInput("optimizer-stepped", _wrap(lambda env: _stepped(env)), ValueError, r"wrap the optimizer before its first step \(it already has state\)"),
+    BadInput("optimizer-stepped", _wrap(lambda env: _stepped(env)), ValueError, r"wrap the optimizer before its first step \(it already has state: got state for \d+ tensors, from a step or optimizer\.load_state_dict before the wrap\); wrap a fresh optimizer .*booster\.load_optimizer"),
     BadInput("module-param-missing", lambda env: ZeroOptimizer(torch.optim.AdamW(_params(env)[1:]), module=env["model"]), ValueError, r"parameter 'tok_emb\.weight' of the module is missing from the wrapped optimizer"),
     BadInput("module-str", _wrap(module="model"), TypeError, r"ZeroOptimizer: module must be an nn\.Module or None \(got str\)", True),
     BadInput("param-meta", _wrap(lambda env: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, device="meta"))])), ValueError, r"ZeroOptimizer: param 0 \(shape \(3,\)\) is on the meta device", True),

@@ -42,6 +42,7 @@ from zerostack.shard import (
     norm_part,
     plan_step,
     record_clip,
+    refuse_user_state_dict,
     resolve_gpu_update_fraction,
     say_zero_grads_are_dropped,
     split_beats_cpu_only,
@@ -128,7 +129,9 @@ class GeminiOptimizer:
         NotImplementedError: several parameter groups; gpu_update_fraction > 0
             (or "auto") with an optimizer other than fused-adam's Adam, or
             with Adam states on disk.
-        ValueError: the optimizer is not built on the module's parameters;
+        ValueError: the optimizer is not built on the module's parameters,
+            or already has state (a step or ``load_state_dict`` before the
+            wrap: load optimizer checkpoints into the wrapper);
             gpu_update_fraction outside [0, 1].
         TypeError: an unknown keyword, or loss_scaler with scaler keywords.
         CpuStepError: a CPU update of the model's closed optimizer failed
@@ -175,6 +178,7 @@ class GeminiOptimizer:
         # gets each step's hyperparameters from the user's. See
         # zerostack.shard's [Note: the user's hyperparameters].
         self.optimizer = stepping_twin(optimizer)
+        _refuse_user_calls(optimizer)
         self.pairs = [(c, c.paired_chunk) for c in module.grad_chunks]
         self._index = {c: i for i, (c, _) in enumerate(self.pairs)}
         self._chunk_of = {c.index: c for c, _ in self.pairs}
@@ -215,8 +219,7 @@ class GeminiOptimizer:
             _WeakCall(self, "_stage_reduced"),
         )  # fmt: skip
         _OPTIMIZERS[module] = weakref.ref(self)
-        _WRAPPED.add(optimizer)
-        _WRAPPED.add(self.optimizer)
+        _WRAPPED.update((optimizer, self.optimizer))
 
     @property
     def param_groups(self) -> list[dict]:
@@ -1106,6 +1109,16 @@ def _check_wrap(optimizer: object, module: Any) -> None:
             f"{_API}: this optimizer is wrapped by a GeminiOptimizer already (its parameters are "
             "that wrapper's master shards); build a new one"
         )
+    if optimizer.state:
+        # Its states are keyed by the model's parameters, which the master
+        # chunks replace: they were dropped, silently (Adam's moments and
+        # step count started afresh after a resume).
+        raise ValueError(
+            f"{_API}: the optimizer already has state (got state for {len(optimizer.state)} "
+            "tensors, from a step or optimizer.load_state_dict before the wrap), which the master "
+            "chunks would drop; wrap a fresh optimizer (booster.boost), then load the optimizer "
+            "checkpoint into the wrapper (booster.load_optimizer, as ColossalAI's Booster)"
+        )
     ref = _OPTIMIZERS.get(module)
     if ref is not None and ref() is not None:
         raise RuntimeError(
@@ -1114,11 +1127,39 @@ def _check_wrap(optimizer: object, module: Any) -> None:
         )
 
 
+def _refuse_user_calls(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer the user built, once wrapped: the step reads its one
+    group's hyperparameters and steps the twin's masters, so a group added
+    to it later (the object passed to ``booster.boost`` rather than the one
+    returned, whose ``add_param_group`` refuses) was never stepped, its lr
+    never read, silently. Its ``add_param_group`` raises instead, as under
+    ZeroOptimizer, and so do its ``state_dict`` and ``load_state_dict`` (see
+    zerostack.shard's [Note: the user's optimizer's state_dict]). The
+    closures hold no reference to the optimizer."""
+    refuse_user_state_dict(optimizer, _API)
+    name = type(optimizer).__name__
+
+    def add_param_group(param_group: Any) -> None:
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        count = 1 if isinstance(params, torch.Tensor) else len(list(params or ()))
+        raise NotImplementedError(
+            f"{name}.add_param_group: this optimizer was handed to {_API} (through "
+            f"booster.boost or directly), whose master chunks its one group steps; a group added "
+            f"now would never be stepped (got a group of {count} tensors). Build the optimizer "
+            "with every parameter before booster.boost (or GeminiOptimizer)"
+        )
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+
 def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:
     if len(optimizer.param_groups) != 1:
+        sizes = [len(g["params"]) for g in optimizer.param_groups]
         raise NotImplementedError(
-            f"{_API}: {len(optimizer.param_groups)} parameter groups; one group is supported for now "
-            "(a chunk holds parameters of any group)"
+            f"{_API}: {len(sizes)} parameter groups; one group is supported for now, a chunk "
+            f"holds parameters of any group (got groups of {sizes} tensors); put every parameter "
+            "in one group (e.g. HybridAdam(model.parameters(), weight_decay=...)), or use "
+            "LowLevelZeroPlugin, whose groups keep their own lr and weight_decay"
         )
     ids = {id(p) for p in optimizer.param_groups[0]["params"]}
     trainable = [p for p in module.params if p.requires_grad]

@@ -56,6 +56,50 @@ def stepping_twin(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return twin
 
 
+def refuse_user_state_dict(optimizer: torch.optim.Optimizer, api: str) -> None:
+    """Make ``optimizer``'s ``state_dict`` and ``load_state_dict`` raise:
+    the optimizer the user built, once a wrapper steps another object in its
+    place (a twin or CPUAdam; see [Note: the user's hyperparameters]).
+
+    [Note: the user's optimizer's state_dict] The states live in what the
+    wrapper steps, keyed by its masters. The user's ``state_dict()`` gave
+    an empty state (ZeroOptimizer's cpu_offload of Adam, stepped by
+    CPUAdam), silently, so ``torch.save(optimizer.state_dict())`` with the
+    object passed to ``booster.boost`` saved no Adam moment; or raised a
+    bare ``KeyError`` (GeminiOptimizer, whose twin's masters are not in the
+    user's groups). Its ``load_state_dict`` rebinds its own ``state``, which
+    nothing steps: the loaded moments were never read, silently. Both raise
+    now, naming the boosted optimizer's calls. The closures hold no
+    reference to the optimizer (see [Note: hooks hold the optimizer weakly]).
+
+    Args:
+        optimizer: the user's optimizer, after the wrapper made what it steps.
+        api: the wrapper's name, for the errors.
+    """
+    name = type(optimizer).__name__
+    how = (
+        f"this optimizer was handed to {api} (through booster.boost or directly), which steps "
+        "its states in another object"
+    )
+
+    def state_dict() -> dict[str, Any]:
+        raise RuntimeError(
+            f"{name}.state_dict: {how}, so this one's would hold none of them (got the optimizer "
+            "passed to booster.boost); save the optimizer booster.boost returned: "
+            "booster.save_optimizer(optimizer, path), or its state_dict()"
+        )
+
+    def load_state_dict(state_dict: dict[str, Any]) -> None:
+        raise RuntimeError(
+            f"{name}.load_state_dict: {how}, so a state loaded here would never be read (got the "
+            "optimizer passed to booster.boost); load into the optimizer booster.boost returned: "
+            "booster.load_optimizer(optimizer, path), or its load_state_dict()"
+        )
+
+    optimizer.state_dict = state_dict  # type: ignore[method-assign]
+    optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
+
+
 def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """A wrapper's ``step()`` that runs the step pre-hooks registered on the
     user's optimizer (``register_step_pre_hook``, ``owner._user``) once a

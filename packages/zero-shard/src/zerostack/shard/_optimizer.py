@@ -43,6 +43,7 @@ from zerostack.shard._hyper import (
     foreign_keys,
     hyperparameters,
     mark_stepped,
+    refuse_user_state_dict,
     stepping_twin,
     with_user_step_hooks,
 )
@@ -104,7 +105,12 @@ def _check_args(
             f"{_API}: module must be an nn.Module or None (got {type(module).__name__})"
         )
     if optimizer.state:
-        raise ValueError(f"{_API}: wrap the optimizer before its first step (it already has state)")
+        raise ValueError(
+            f"{_API}: wrap the optimizer before its first step (it already has state: got state "
+            f"for {len(optimizer.state)} tensors, from a step or optimizer.load_state_dict before "
+            "the wrap); wrap a fresh optimizer (booster.boost), then load the optimizer checkpoint "
+            "into the wrapper (booster.load_optimizer, as ColossalAI's Booster)"
+        )
 
 
 def _params_and_device(
@@ -559,6 +565,7 @@ class ZeroOptimizer:
             self._groups = optimizer.param_groups
             self._foreign = foreign_keys(optimizer, self.optimizer)
             _WRAPPED.add(self.optimizer)
+            refuse_user_state_dict(optimizer, _API)  # See [Note: the user's optimizer's state_dict]
         self._user = optimizer
         if hasattr(self.optimizer, "nvme_host_params"):
             # Only host-held states go to disk, on a CPU compute device as on a GPU.
