@@ -173,3 +173,36 @@ def test_colossalai_gemini_accumulation_loop_names_no_sync_and_the_port_matches(
     full = model.full_state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full[key].float(), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "scale"),
+    [
+        (lambda m: m.FP16TorchMixedPrecision(init_scale=2.0**10, growth_factor=4.0,
+                                             backoff_factor=0.25, growth_interval=1),
+         torch.float16, [2.0**10, 2.0**12]),
+        (lambda m: m.FP16TorchMixedPrecision(), torch.float16, [2.0**16, 2.0**16]),
+        (lambda m: m.BF16MixedPrecision(), torch.bfloat16, None),
+    ],
+)  # fmt: skip
+def test_colossalai_mixed_precision_objects_take_effect(make, dtype, scale):
+    """ColossalAI's mixed precision guide: Booster(mixed_precision=
+    FP16TorchMixedPrecision(init_scale=..., growth_factor=..., backoff_factor=...,
+    growth_interval=...)), as Booster(mixed_precision="fp16") (TorchDDPPlugin
+    or no plugin)."""
+    import zerostack.booster as booster_api
+
+    booster = Booster(device="cpu", mixed_precision=make(booster_api))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scales = []
+    for _ in range(2):
+        out = model(torch.randn(4, 8))
+        assert out.dtype == dtype
+        booster.backward(out.float().pow(2).mean(), opt)
+        if scale is not None:
+            scales.append(opt.scaler.get_scale())
+        opt.step()
+        opt.zero_grad()
+    assert scales == (scale or [])
