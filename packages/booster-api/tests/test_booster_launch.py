@@ -1,7 +1,9 @@
 """launch_from_torch: under torchrun (2 processes, gloo) it joins the group,
 seeds every RNG and is idempotent; without torchrun's variables it says
 which are missing. launch: ColossalAI's `colossalai.launch` in processes the
-script starts itself (torch.multiprocessing.spawn)."""
+script starts itself (torch.multiprocessing.spawn). Both take ColossalAI's
+`config={}` and `verbose` as its programs pass them, and refuse a config
+with settings."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from zerostack.booster import launch, launch_from_torch
 
     torch.set_num_threads(1)
-    launch_from_torch(seed=7, timeout=60)
+    launch_from_torch(config={}, seed=7, timeout=60, verbose=False)  # as ColossalAI's docs
     rank = int(os.environ["RANK"])
     assert dist.is_initialized() and dist.get_world_size() == 2 and dist.get_rank() == rank
     assert dist.get_backend() == "gloo"  # no CUDA here
@@ -42,6 +44,10 @@ SCRIPT = textwrap.dedent(
     drawn = torch.rand(2)
     torch.manual_seed(8)
     assert dist.group.WORLD is group and torch.equal(drawn, torch.rand(2))
+    launch_from_torch({})  # ColossalAI's older positional config: seed 1024
+    drawn = torch.rand(2)
+    torch.manual_seed(1024)
+    assert torch.equal(drawn, torch.rand(2))
     del group  # no reference may outlive destroy_process_group
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -62,7 +68,7 @@ SPAWN_SCRIPT = textwrap.dedent(
 
     def run(rank, world_size, port):
         torch.set_num_threads(1)
-        launch(rank=rank, world_size=world_size, host="localhost", port=port, seed=5)
+        launch(config={}, rank=rank, world_size=world_size, host="localhost", port=port, seed=5)
         assert dist.get_world_size() == world_size and dist.get_rank() == rank
         assert dist.get_backend() == "gloo"  # no CUDA here
         drawn = torch.rand(3)
@@ -174,4 +180,32 @@ def test_launch_checks_its_arguments_before_joining(no_group):
     for change, error, match in cases:
         with pytest.raises(error, match=match):
             launch(**{**ok, **change})
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: launch_from_torch(config={"fp16": {"mode": 1}}), NotImplementedError,
+         r"launch_from_torch: ColossalAI's config is not read \(got \['fp16'\]\); .*"
+         r"call launch_from_torch without config, or with config=\{\}"),
+        (lambda: launch_from_torch({"parallel": {}}), NotImplementedError,
+         r"config is not read \(got \['parallel'\]\)"),
+        (lambda: launch_from_torch(config="config.py"), NotImplementedError,
+         r"config is not read \(got 'config.py'\)"),
+        (lambda: launch_from_torch("nccl"), TypeError,
+         r"launch_from_torch: seed must be an int \(got 'nccl'\); ColossalAI's later versions "
+         r"take backend first: pass the arguments by keyword"),
+        (lambda: launch(config={"zero": {}}, rank=0, world_size=1, host="localhost", port=1),
+         NotImplementedError, r"launch: ColossalAI's config is not read \(got \['zero'\]\)"),
+        (lambda: launch(0, 1, "localhost", 1, seed=1.5), TypeError,
+         r"launch: seed must be an int \(got 1.5\)"),
+    ],
+)  # fmt: skip
+def test_colossalai_config_with_settings_is_refused(monkeypatch, no_group, call, error, match):
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="1").items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    with pytest.raises(error, match=match):
+        call()
     assert not dist.is_initialized()

@@ -136,3 +136,73 @@ def test_a_hybrid_adam_built_on_a_twin_steps_a_lazily_built_model(name):
     full = model.full_state_dict() if name == "gemini" else model.unwrap().state_dict()
     moved = [k for k in before if not torch.equal(before[k], full[k])]
     assert moved, "no parameter moved"
+
+
+def test_colossalai_gemini_accumulation_loop_names_no_sync_and_the_port_matches():
+    """ColossalAI's gradient accumulation guide, GeminiPlugin part: backward on
+    every batch, step (which zeroes the gradients) every few. As printed it
+    raises at the second forward, naming no_sync; with all but the last
+    backward of a window inside booster.no_sync it trains as plain torch."""
+    import contextlib
+
+    accumulation = 3
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    reference = TinyGPT(CONFIG)
+    reference.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    plugin = GeminiPlugin(precision="fp32", chunk_config_dict=CHUNKS,
+                          enable_gradient_accumulation=True)  # fmt: skip
+    booster = Booster(plugin=plugin)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    booster.backward(model(*make_batch(CONFIG, 2, 16, seed=0)) / accumulation, opt)
+    with pytest.raises(RuntimeError, match=r"GeminiDDP.forward: the reduced gradients .* inside "
+                       r"no_sync\(\) \(booster.no_sync\(model\)\)"):  # fmt: skip
+        model(*make_batch(CONFIG, 2, 16, seed=1))
+    opt.zero_grad()
+    for idx in range(2 * accumulation):
+        last = idx % accumulation == accumulation - 1
+        batch = make_batch(CONFIG, 2, 16, seed=idx)
+        with contextlib.nullcontext() if last else booster.no_sync(model, opt):
+            booster.backward(model(*batch) / accumulation, opt)
+        (reference(*batch) / accumulation).backward()
+        if last:
+            opt.step()  # no zero_grad: the step zeroes the gradients, as ColossalAI's
+            ref_opt.step()
+            ref_opt.zero_grad()
+    full = model.full_state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(full[key].float(), value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "scale"),
+    [
+        (lambda m: m.FP16TorchMixedPrecision(init_scale=2.0**10, growth_factor=4.0,
+                                             backoff_factor=0.25, growth_interval=1),
+         torch.float16, [2.0**10, 2.0**12]),
+        (lambda m: m.FP16TorchMixedPrecision(), torch.float16, [2.0**16, 2.0**16]),
+        (lambda m: m.BF16MixedPrecision(), torch.bfloat16, None),
+    ],
+)  # fmt: skip
+def test_colossalai_mixed_precision_objects_take_effect(make, dtype, scale):
+    """ColossalAI's mixed precision guide: Booster(mixed_precision=
+    FP16TorchMixedPrecision(init_scale=..., growth_factor=..., backoff_factor=...,
+    growth_interval=...)), as Booster(mixed_precision="fp16") (TorchDDPPlugin
+    or no plugin)."""
+    import zerostack.booster as booster_api
+
+    booster = Booster(device="cpu", mixed_precision=make(booster_api))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scales = []
+    for _ in range(2):
+        out = model(torch.randn(4, 8))
+        assert out.dtype == dtype
+        booster.backward(out.float().pow(2).mean(), opt)
+        if scale is not None:
+            scales.append(opt.scaler.get_scale())
+        opt.step()
+        opt.zero_grad()
+    assert scales == (scale or [])

@@ -115,6 +115,54 @@ def test_allgather_bucket_size_bounds_the_buckets():
         assert len(bucket.shards) == 1 or sum(s.param.numel() for s in bucket.shards) <= 2000
 
 
+# DeepSpeed's tutorials' configs as printed, and what each becomes.
+TUTORIAL_CONFIGS = [
+    ("getting-started.md",  # the older "zero_optimization": true is stage 1, as DeepSpeed reads it
+     {"train_batch_size": 8, "gradient_accumulation_steps": 1,
+      "optimizer": {"type": "Adam", "params": {"lr": 0.00015}}, "fp16": {"enabled": True},
+      "zero_optimization": True},
+     dict(stage=1, precision="fp16", reduce_bucket_size=12 * 2**20, cpu_offload=False)),
+    ("zero.md stage 1", {"zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8}},
+     dict(stage=1, precision="fp32", reduce_bucket_size=500_000_000, cpu_offload=False)),
+    ("zero.md stage 2",
+     {"zero_optimization": {"stage": 2, "contiguous_gradients": True, "overlap_comm": True,
+                            "reduce_scatter": True, "reduce_bucket_size": 5e8,
+                            "allgather_bucket_size": 5e8}},
+     dict(stage=2, precision="fp32", reduce_bucket_size=500_000_000, cpu_offload=False)),
+    ("zero-offload.md",
+     {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+                            "contiguous_gradients": True, "overlap_comm": True}},
+     dict(stage=2, precision="fp32", reduce_bucket_size=12 * 2**20, cpu_offload=True)),
+    ("older format, allgather_size", {"zero_optimization": True, "allgather_size": 2000},
+     dict(stage=1, precision="fp32", reduce_bucket_size=2000, cpu_offload=False)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"), [c[1:] for c in TUTORIAL_CONFIGS], ids=[c[0] for c in TUTORIAL_CONFIGS]
+)
+def test_deepspeed_tutorial_configs_are_read_as_deepspeed_reads_them(config, expected):
+    plugin = _quiet(config)
+    got = dict(stage=plugin.stage, precision=plugin.precision)
+    got.update({k: plugin.zero_kwargs[k] for k in ("reduce_bucket_size", "cpu_offload")})
+    assert got == expected
+    if expected["reduce_bucket_size"] < 10_000:  # the buckets really are that small
+        model = TinyGPT(CONFIG)
+        opt = Booster(plugin=plugin).boost(model, torch.optim.SGD(model.parameters(), lr=0.1))[1]
+        assert len(opt.optim.buckets) > 1
+        for bucket in opt.optim.buckets:
+            assert len(bucket.shards) == 1 or sum(s.param.numel() for s in bucket.shards) <= 2000
+
+
+def test_allgather_size_without_the_older_format_has_no_effect():
+    with pytest.warns(UserWarning, match=r'allgather_size \(got 2000\): DeepSpeed reads it only '
+                      r'with "zero_optimization": true; put zero_optimization.allgather_bucket_size'):  # fmt: skip
+        plugin = LowLevelZeroPlugin.from_deepspeed_config(
+            {"zero_optimization": {"stage": 2}, "allgather_size": 2000}
+        )
+    assert plugin.zero_kwargs["reduce_bucket_size"] == 12 * 2**20
+
+
 def test_switched_off_sections_and_bookkeeping_keys_are_accepted():
     config = {
         "zero_optimization": {"stage": 2, "elastic_checkpoint": True},
@@ -193,6 +241,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path):
         ({"zero_optimization": {"stage": 2}, "communication_data_type": "fp8"},
          r"communication_data_type must be .*got 'fp8'"),
         ({"zero_optimization": [2]}, r"zero_optimization must be a dict \(got \[2\]\)"),
+        ({"zero_optimization": False}, r"stage 0 \(DeepSpeed's default when absent\) .*use TorchDDPPlugin"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
          r"optimizer.params.lr is 'auto'"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}},

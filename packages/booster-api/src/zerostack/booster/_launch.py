@@ -6,8 +6,10 @@ every RNG, as ColossalAI's ``colossalai.launch_from_torch`` and
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import random
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +28,9 @@ def launch_from_torch(
     seed: int = 1024,
     backend: str | None = None,
     timeout: float | timedelta | None = None,
+    *,
+    config: Mapping[str, Any] | None = None,
+    verbose: bool = True,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment.
 
@@ -40,18 +45,30 @@ def launch_from_torch(
     read, and only the device and the random number generators are set.
 
     Args:
-        seed: the seed of every RNG. Default 1024.
+        seed: the seed of every RNG. Default 1024. A dict in its place is
+            ColossalAI's older first argument, ``config``
+            (``launch_from_torch({})``), and is read as ``config``.
         backend: the process-group backend. Default None: "nccl" when CUDA is
             available, else "gloo".
         timeout: the process group's timeout, in seconds or as a timedelta.
             Default None: torch's default.
+        config: ColossalAI's older ``config`` (``launch_from_torch(config={})``):
+            None or empty only, as the Booster API's programs pass it.
+            Default None.
+        verbose: log the group at INFO (else DEBUG), as ColossalAI's.
+            Default True.
 
     Raises:
         RuntimeError: one of torchrun's variables is missing (start the
             script with ``torchrun``).
+        TypeError: ``seed`` is not an int (ColossalAI's ``backend``, first
+            since it dropped ``config``, passed positionally).
+        NotImplementedError: ``config`` has settings (they belong to the
+            Booster's plugin here).
         ValueError: a variable is not an integer, LOCAL_RANK names no CUDA
             device, or ``timeout`` is not positive.
     """
+    seed = _colossalai_config(_API, seed, config)
     if dist.is_available() and dist.is_initialized():
         _exit.register()
         local_rank = _int_env("LOCAL_RANK") if "LOCAL_RANK" in os.environ else None
@@ -79,7 +96,8 @@ def launch_from_torch(
     )
     _exit.register()  # See [Note: exit code under gloo]
     _seed_all(seed)
-    logger.info(
+    logger.log(
+        logging.INFO if verbose else logging.DEBUG,
         "%s: rank %d of %d (local rank %d), backend %s, seed %d",
         _API, rank, world_size, local_rank, backend, seed,
     )  # fmt: skip
@@ -95,6 +113,8 @@ def launch(
     seed: int = 1024,
     verbose: bool = True,
     timeout: float | timedelta | None = None,
+    *,
+    config: Mapping[str, Any] | None = None,
 ) -> None:
     """Initialise torch.distributed for a process that knows its rank, as
     ColossalAI's ``colossalai.launch`` (the processes started by the script
@@ -119,29 +139,22 @@ def launch(
         verbose: log the group at INFO (else DEBUG). Default True.
         timeout: the process group's timeout, in seconds or as a timedelta.
             Default None: torch's default.
+        config: ColossalAI's older ``config`` (``launch(config={}, ...)``):
+            None or empty only. Default None.
 
     Raises:
-        TypeError: ``rank``, ``world_size``, ``port`` or ``local_rank`` is
-            not an int, or ``host`` not a str.
+        TypeError: ``rank``, ``world_size``, ``port``, ``seed`` or
+            ``local_rank`` is not an int, or ``host`` not a str.
+        NotImplementedError: ``config`` has settings (they belong to the
+            Booster's plugin here).
         ValueError: ``rank`` outside ``[0, world_size)``, a port outside
             1..65535, ``local_rank`` names no CUDA device, or ``timeout`` is
             not positive.
         RuntimeError: a process group exists already.
     """
     api = "launch"
-    for name, value in (("rank", rank), ("world_size", world_size), ("port", port)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{api}: {name} must be an int (got {value!r})")
-    if local_rank is not None and (isinstance(local_rank, bool) or not isinstance(local_rank, int)):
-        raise TypeError(f"{api}: local_rank must be an int or None (got {local_rank!r})")
-    if not isinstance(host, str) or not host:
-        raise TypeError(f"{api}: host must be a non-empty str (got {host!r}); e.g. 'localhost'")
-    if not 0 <= rank < world_size:
-        raise ValueError(
-            f"{api}: rank must be in [0, world_size) (got rank={rank}, world_size={world_size})"
-        )
-    if not 0 < port < 65536:
-        raise ValueError(f"{api}: port must be in 1..65535 (got {port})")
+    seed = _colossalai_config(api, seed, config)
+    _check_launch_args(api, rank, world_size, host, port, local_rank)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             f"{api}: a process group exists already (got world size {dist.get_world_size()}); "
@@ -165,6 +178,48 @@ def launch(
         "%s: rank %d of %d (%s:%d), backend %s, seed %d",
         api, rank, world_size, host, port, backend, seed,
     )  # fmt: skip
+
+
+def _check_launch_args(
+    api: str, rank: Any, world_size: Any, host: Any, port: Any, local_rank: Any
+) -> None:
+    for name, value in (("rank", rank), ("world_size", world_size), ("port", port)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{api}: {name} must be an int (got {value!r})")
+    if local_rank is not None and (isinstance(local_rank, bool) or not isinstance(local_rank, int)):
+        raise TypeError(f"{api}: local_rank must be an int or None (got {local_rank!r})")
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"{api}: host must be a non-empty str (got {host!r}); e.g. 'localhost'")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"{api}: rank must be in [0, world_size) (got rank={rank}, world_size={world_size})"
+        )
+    if not 0 < port < 65536:
+        raise ValueError(f"{api}: port must be in 1..65535 (got {port})")
+
+
+def _colossalai_config(api: str, seed: Any, config: Any) -> int:
+    """``seed``, after checking ColossalAI's ``config``: an empty one (what
+    its Booster programs pass) asks for nothing; settings in it would be
+    dropped silently, so they are refused. A dict passed as ``seed`` is
+    ``config`` passed positionally, ColossalAI's first argument before it
+    dropped ``config``."""
+    if isinstance(seed, Mapping) and config is None:
+        seed, config = 1024, seed
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(
+            f"{api}: seed must be an int (got {seed!r}); ColossalAI's later versions take "
+            "backend first: pass the arguments by keyword, e.g. "
+            f"{api}(backend='gloo', seed=1024)"
+        )
+    if config is None or (isinstance(config, Mapping) and not config):
+        return int(seed)
+    got = sorted(map(str, config)) if isinstance(config, Mapping) else repr(config)
+    raise NotImplementedError(
+        f"{api}: ColossalAI's config is not read (got {got}); its settings belong to the "
+        "Booster's plugin here (e.g. GeminiPlugin(precision='fp16', max_norm=1.0), "
+        f"LowLevelZeroPlugin(stage=2)): call {api} without config, or with config={{}}"
+    )
 
 
 def _int_env(name: str) -> int:

@@ -1,6 +1,10 @@
 """The plugins: one private module each (see zerostack.booster for the public names)."""
 
-from zerostack.booster._plugins._amp import MixedPrecision
+from zerostack.booster._plugins._amp import (
+    BF16MixedPrecision,
+    FP16TorchMixedPrecision,
+    MixedPrecision,
+)
 from zerostack.booster._plugins._auto_offload import (
     AutoOffloadModel,
     AutoOffloadOptimizer,
@@ -25,8 +29,10 @@ __all__ = [
     "AutoOffloadModel",
     "AutoOffloadOptimizer",
     "AutoOffloadPlugin",
+    "BF16MixedPrecision",
     "DeepSpeedConfigError",
     "DefaultPlugin",
+    "FP16TorchMixedPrecision",
     "GeminiModel",
     "GeminiOptimizerWrapper",
     "GeminiPlugin",

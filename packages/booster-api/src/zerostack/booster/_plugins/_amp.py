@@ -58,6 +58,39 @@ class MixedPrecision:
         return f"MixedPrecision({self.precision!r})"
 
 
+class FP16TorchMixedPrecision(MixedPrecision):
+    """ColossalAI's ``FP16TorchMixedPrecision`` (``colossalai.booster.mixed_precision``):
+    ``MixedPrecision("fp16")`` with the GradScaler's settings, for
+    ``Booster(mixed_precision=FP16TorchMixedPrecision(...))``.
+
+    Args:
+        init_scale: the first loss scale. Default 2**16.
+        growth_factor: the scale's growth after ``growth_interval`` finite
+            steps. Default 2.0.
+        backoff_factor: the scale's factor after an inf/nan step. Default 0.5.
+        growth_interval: finite steps between growths. Default 2000.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        super().__init__(
+            "fp16", init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval,
+        )  # fmt: skip
+
+
+class BF16MixedPrecision(MixedPrecision):
+    """ColossalAI's ``BF16MixedPrecision``: ``MixedPrecision("bf16")``."""
+
+    def __init__(self) -> None:
+        super().__init__("bf16")
+
+
 class AutocastCriterion:
     """``criterion`` called under ``torch.autocast``."""
 

@@ -79,6 +79,9 @@ RULES: dict[str, dict[str, Any]] = {
         "optimizer": _Mapped("built at boost when boost gets no optimizer"),
         "scheduler": _Mapped("built at boost when boost gets no lr scheduler"),
         "zero_optimization": _Mapped("stage, buckets, overlap, offload"),
+        "allgather_size": _Mapped(
+            'with "zero_optimization": true, the all-gather bucket size (DeepSpeed\'s older format)'
+        ),
         "fp16": _Mapped("precision fp16 and the loss scaler"),
         "bf16": _Mapped("precision bf16"),
         "activation_checkpointing": _Mapped("cpu_checkpointing"),
@@ -344,6 +347,7 @@ class _Reader:
 
     def read(self, top: dict[str, Any]) -> tuple[dict[str, Any], DeepSpeedSettings]:
         kwargs: dict[str, Any] = {}
+        self.boolean_zero(top)
         raw = {
             name: self.section(top.pop(name, None), name)
             for name in ("zero_optimization", "fp16", "bf16", "activation_checkpointing")
@@ -451,6 +455,24 @@ class _Reader:
         return True
 
     # -- zero_optimization -------------------------------------------------------------
+
+    def boolean_zero(self, top: dict[str, Any]) -> None:
+        """DeepSpeed's older ``"zero_optimization": true`` (its getting-started
+        config) is read as DeepSpeed reads it: stage 1 with the top-level
+        ``allgather_size`` (default 5e8) as ``allgather_bucket_size``;
+        ``false`` is stage 0. DeepSpeed reads ``allgather_size`` nowhere else."""
+        value = top.get("zero_optimization")
+        size = top.pop("allgather_size", None)
+        if not isinstance(value, bool):
+            if size is not None:
+                self.no_effect.append(
+                    f"allgather_size (got {size!r}): DeepSpeed reads it only with "
+                    '"zero_optimization": true; put zero_optimization.allgather_bucket_size'
+                )
+            return
+        top["zero_optimization"] = {"stage": int(value)}
+        if value:
+            top["zero_optimization"]["allgather_bucket_size"] = 5e8 if size is None else size
 
     def zero(self, zero: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
