@@ -242,6 +242,7 @@ def test_every_problem_is_reported_in_one_error(tmp_path):
          r"communication_data_type must be .*got 'fp8'"),
         ({"zero_optimization": [2]}, r"zero_optimization must be a dict \(got \[2\]\)"),
         ({"zero_optimization": False}, r"stage 0 \(DeepSpeed's default when absent\) .*use TorchDDPPlugin"),
+        ({"zero_optimization": True, "allgather_size": 0}, r"allgather_size must be a number >= 1 \(got 0\)"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}},
          r"optimizer.params.lr is 'auto'"),
         ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"momentum": 0.9}}},

@@ -471,7 +471,8 @@ class _Reader:
                 )
             return
         top["zero_optimization"] = {"stage": int(value)}
-        if value:
+        # A bad size is named as the user wrote it, not as the key it maps to.
+        if value and (size is None or self.number("allgather_size", size, minimum=1.0)):
             top["zero_optimization"]["allgather_bucket_size"] = 5e8 if size is None else size
 
     def zero(self, zero: dict[str, Any], offload: dict[str, Any]) -> dict[str, Any]:
