@@ -138,11 +138,13 @@ def test_a_hybrid_adam_built_on_a_twin_steps_a_lazily_built_model(name):
     assert moved, "no parameter moved"
 
 
-def test_colossalai_gemini_accumulation_loop_names_no_sync_and_the_port_matches():
-    """ColossalAI's gradient accumulation guide, GeminiPlugin part: backward on
-    every batch, step (which zeroes the gradients) every few. As printed it
-    raises at the second forward, naming no_sync; with all but the last
-    backward of a window inside booster.no_sync it trains as plain torch."""
+@pytest.mark.parametrize("port", ["as printed", "no_sync"])
+def test_colossalai_gemini_accumulation_loop_matches_torch(port):
+    """ColossalAI's gradient accumulation guide, GeminiPlugin part
+    (enable_gradient_accumulation=True): backward on every batch, step
+    (which zeroes the gradients) every few. As printed, and with all but
+    the last backward of a window inside booster.no_sync, it trains as plain
+    torch accumulating over the window."""
     import contextlib
 
     accumulation = 3
@@ -155,15 +157,12 @@ def test_colossalai_gemini_accumulation_loop_names_no_sync_and_the_port_matches(
                           enable_gradient_accumulation=True)  # fmt: skip
     booster = Booster(plugin=plugin)
     model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    booster.backward(model(*make_batch(CONFIG, 2, 16, seed=0)) / accumulation, opt)
-    with pytest.raises(RuntimeError, match=r"GeminiDDP.forward: the reduced gradients .* inside "
-                       r"no_sync\(\) \(booster.no_sync\(model\)\)"):  # fmt: skip
-        model(*make_batch(CONFIG, 2, 16, seed=1))
-    opt.zero_grad()
+    before = model.full_state_dict()
     for idx in range(2 * accumulation):
         last = idx % accumulation == accumulation - 1
         batch = make_batch(CONFIG, 2, 16, seed=idx)
-        with contextlib.nullcontext() if last else booster.no_sync(model, opt):
+        quiet = last or port == "as printed"
+        with contextlib.nullcontext() if quiet else booster.no_sync(model, opt):
             booster.backward(model(*batch) / accumulation, opt)
         (reference(*batch) / accumulation).backward()
         if last:
@@ -171,6 +170,7 @@ def test_colossalai_gemini_accumulation_loop_names_no_sync_and_the_port_matches(
             ref_opt.step()
             ref_opt.zero_grad()
     full = model.full_state_dict()
+    assert any(not torch.equal(before[k], full[k]) for k in before), "no parameter moved"
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(full[key].float(), value, rtol=1e-5, atol=1e-6)
 

@@ -282,6 +282,20 @@ def _as_the_second_backward_alone(env: Env, got: dict[str, torch.Tensor]) -> Non
     assert _max_change(before, got) > 1e-3
 
 
+def _zero_grad_between_forward_and_backward(env: Env) -> dict[str, torch.Tensor]:
+    """After a first step: a backward, then ``optimizer.zero_grad()`` between
+    the next forward and its backward (the loop that zeroes before each
+    backward), then the step: the first backward's gradients are gone."""
+    env.step(5)
+    env.booster.backward(env.loss(0), env.opt)
+    loss = env.loss(1)
+    env.opt.zero_grad()
+    env.booster.backward(loss, env.opt)
+    env.opt.step()
+    env.settle()
+    return env.weights()
+
+
 def _evaluate_before_the_step(env: Env) -> None:
     env.booster.backward(env.loss(0), env.opt)
     with torch.no_grad():
@@ -646,7 +660,10 @@ ROWS = [
     Row("state-dict-of-the-optimizer-handed-to-boost", TORCH + ("zero1", "zero2"), _save_the_optimizer_handed_to_boost, _holds_the_states),
     Row("state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _save_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.state_dict: this optimizer was handed to (Zero|Gemini)Optimizer \(through booster\.boost or directly\), which steps its states in another object, so this one's would hold none of them .*booster\.save_optimizer\(optimizer, path\)"),
     Row("load-state-dict-of-the-optimizer-handed-to-boost-refused", ("zero2-offload", "zero2-offload-clip") + GEMINI, _load_into_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.load_state_dict: this optimizer was handed to (Zero|Gemini)Optimizer .*a state loaded here would never be read .*booster\.load_optimizer\(optimizer, path\)"),
-    Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients .*no_sync\(\).*enable_gradient_accumulation=True\)"),
+    Row("accumulate-without-no-sync-gemini", GEMINI, functools.partial(_two_backwards, retain=False), error=RuntimeError, match=r"call optimizer\.step\(\) before the next forward \(to accumulate gradients over several batches, build with enable_gradient_accumulation=True, as ColossalAI's GeminiPlugin, .*no_sync\(\)"),
+    Row("accumulate-without-no-sync-gemini-accumulation", GEMINI, functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd", plugin_kwargs=dict(enable_gradient_accumulation=True))),
+    Row("zero-grad-between-forward-and-backward", TORCH + ZERO, _zero_grad_between_forward_and_backward, _as_the_second_backward_alone, options=dict(optimizer="sgd")),
+    Row("zero-grad-between-forward-and-backward-gemini-accumulation", GEMINI, _zero_grad_between_forward_and_backward, _as_the_second_backward_alone, options=dict(optimizer="sgd", plugin_kwargs=dict(enable_gradient_accumulation=True))),
     # -- the boosted model -----------------------------------------------------------------
     Row("state-dict", ALL, _state_dict, _whole_and_named),
     Row("load-state-dict", ALL, _load_zeros, _all_zero),

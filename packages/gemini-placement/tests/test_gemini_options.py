@@ -169,9 +169,9 @@ def _sync_reduce(rank, world):
     def spy_on(manager):
         real = manager.reduce_chunk
 
-        def reduce_chunk(chunk, async_op=False):
+        def reduce_chunk(chunk, async_op=False, **kwargs):
             calls.append(async_op)
-            return real(chunk, async_op=async_op)
+            return real(chunk, async_op=async_op, **kwargs)
 
         manager.reduce_chunk = reduce_chunk
 

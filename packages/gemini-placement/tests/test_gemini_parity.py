@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -49,6 +50,11 @@ CASES = [
     # Static gathers ahead (max_prefetch), host shards (on a GPU: the copy stream).
     ("fp32-offload-prefetch", torch.float32, "adam", 0.05, False, 1, PREFETCH_OFFLOAD),
     ("fp32-accum4-prefetch", torch.float32, "adamw", 0.0, False, 4, dict(PREFETCH, max_prefetch=1)),
+    # ColossalAI's accumulation: a reducing backward on every batch, one step
+    # (see [Note: backward on several batches before one step]); SGD shows the
+    # sum's scale, clipping its norm; host shards gathered ahead.
+    ("fp32-sgd-each-reduced", torch.float32, "sgd", 0.05, False, 3, dict(offload_optim_frac=0.5)),
+    ("fp32-each-reduced-prefetch", torch.float32, "adamw", 0.05, False, 3, PREFETCH_OFFLOAD),
 ]
 TIED = GPTConfig(add_unused_param=True, bias=False, tie_embeddings=True)
 # Chunks reduce in a fixed order, so the unused parameter's chunk (the last
@@ -116,7 +122,7 @@ def _run_case(rank, world, case, device="cpu"):
             )
             with ref.no_sync():
                 (ref(idx, tgt) / micro).backward()
-            with ddp.no_sync():
+            with contextlib.nullcontext() if "each-reduced" in name else ddp.no_sync():
                 opt.backward(ddp(idx, tgt).float() / micro)
         idx, tgt = (t.to(device) for t in make_batch(config, 4, 32, seed=100 * step + rank))
         ref_loss = ref(idx, tgt)
@@ -193,6 +199,7 @@ def _all(rank, world, cases):
 AT_FOUR = {
     "fp32-sgd-clip-offload", "fp32-half-sharded", "fp32-frozen-embedding", "bf16-clip-offload",
     "fp32-zero2-accum4", "fp32-auto-evicting", "fp32-offload-prefetch",
+    "fp32-sgd-each-reduced",
 }  # fmt: skip
 
 

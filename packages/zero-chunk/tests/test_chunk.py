@@ -81,6 +81,44 @@ def _check_reduce(rank, world, async_op, use_grad_chunk):
         assert all(t.numel() == 0 for t in tensors)
 
 
+def _check_reduce_accumulate(rank, world, async_op):
+    # Two reductions into the grad chunk, the second with accumulate: its
+    # share is the sum's mean, its kept norm the sum's (Gemini's backward on
+    # several batches before one step). The parameter chunk's own share (no
+    # grad chunk) is never added to.
+    chunk, tensors, _ = _filled()
+    reduced = []
+    for k in (1.0, 10.0):
+        chunk.access()
+        grad = chunk.init_grad_chunk()
+        for i, t in enumerate(tensors):
+            chunk.grad_view(t).fill_(k * (rank + 1) * (i + 1))
+        _to_ready(chunk, tensors)
+        handle = chunk.reduce(async_op=async_op, accumulate=k > 1.0)
+        if async_op:
+            handle.wait()
+        reduced.append(grad.shard.clone())
+    mean_scale = sum(r + 1 for r in range(world)) / world
+    expected = torch.cat(
+        [torch.full((n,), 11.0 * mean_scale * (i + 1)) for i, n in enumerate(SIZES)]
+    )
+    expected = torch.cat([expected, torch.zeros(chunk.chunk_size - expected.numel())])
+    mine = expected[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
+    torch.testing.assert_close(reduced[1], mine)
+    torch.testing.assert_close(grad.reduced_norm(), mine.norm())
+    alone, own, _ = _filled()
+    alone.access()
+    for i, t in enumerate(own):
+        t.copy_(torch.full_like(t, float(i + 1)))
+    _to_ready(alone, own)
+    alone.reduce(accumulate=True)  # no grad chunk: the parameter shard is not a gradient
+    plain = torch.cat([torch.full((n,), float(i + 1)) for i, n in enumerate(SIZES)])
+    plain = torch.cat([plain, torch.zeros(alone.chunk_size - plain.numel())])
+    torch.testing.assert_close(
+        alone.shard, plain[rank * alone.shard_size : (rank + 1) * alone.shard_size]
+    )
+
+
 def test_a_dropped_share_is_freed_with_its_norm_kept_weakly():
     # The reduced share's norm keeps no share alive: consume_grad drops a
     # grad chunk's share to free it. See [Note: the reduced share's norm].
@@ -186,6 +224,7 @@ def _all_cases(rank, world):
     for async_op in (False, True):
         for use_grad_chunk in (False, True):
             _check_reduce(rank, world, async_op, use_grad_chunk)
+        _check_reduce_accumulate(rank, world, async_op)
     _check_keep_gathered(rank, world)
     _check_norms(rank, world)
     _check_pairing(rank, world)

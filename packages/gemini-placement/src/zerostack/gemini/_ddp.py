@@ -73,18 +73,33 @@ class TrainingState(Enum):
 
 T = TrainingState
 # [Note: training state table] Inference forwards (no grad) do not move the
-# state. REDUCED -> IDLE is the optimizer's step (or a step skipped). A
-# forward that raises goes back to the state it started from (FORWARD ->
-# IDLE, ACCUMULATED or AWAIT_BACKWARD); zero_grad() drops the batch from
-# ACCUMULATED, BACKWARD (a backward that raised) and REDUCED (-> IDLE). See
-# zerostack.shard's [Note: dropping a batch].
+# state. REDUCED -> IDLE is the optimizer's step (or a step skipped);
+# REDUCED -> FORWARD a forward before the step with
+# enable_gradient_accumulation (see [Note: backward on several batches
+# before one step]). A forward that raises goes back to the state it
+# started from (FORWARD -> IDLE, ACCUMULATED, AWAIT_BACKWARD or REDUCED);
+# zero_grad() drops the batch from ACCUMULATED, BACKWARD (a backward that
+# raised) and REDUCED (-> IDLE). See zerostack.shard's [Note: dropping a
+# batch].
+#
+# [Note: backward on several batches before one step] ColossalAI's Gemini
+# accumulates, with enable_gradient_accumulation, over backward passes
+# without no_sync: forward and backward on each batch, optimizer.step()
+# every few (its gradient accumulation guide). The reduced gradients live in
+# grad chunks then, apart from the parameters, so a forward after a
+# reducing backward computes with the parameters: it carries the reduced
+# gradients (``_carry``), and each reduction of the next backward adds its
+# reduced share to the carried one (Chunk.reduce's ``accumulate``), whose
+# norm is then the sum's. The step, or zero_grad() (which drops them, as a
+# batch), ends the carry. Without enable_gradient_accumulation a reduced
+# gradient sits in place of the parameter shard, so such a forward raises.
 _MOVES: dict[TrainingState, frozenset[TrainingState]] = {
     T.IDLE: frozenset({T.FORWARD}),
-    T.FORWARD: frozenset({T.AWAIT_BACKWARD, T.IDLE, T.ACCUMULATED}),
+    T.FORWARD: frozenset({T.AWAIT_BACKWARD, T.IDLE, T.ACCUMULATED, T.REDUCED}),
     T.AWAIT_BACKWARD: frozenset({T.FORWARD, T.BACKWARD}),
     T.BACKWARD: frozenset({T.ACCUMULATED, T.REDUCED, T.IDLE}),
     T.ACCUMULATED: frozenset({T.FORWARD, T.BACKWARD, T.IDLE}),
-    T.REDUCED: frozenset({T.IDLE}),
+    T.REDUCED: frozenset({T.IDLE, T.FORWARD}),
 }
 
 
@@ -192,6 +207,9 @@ class GeminiDDP(nn.Module):
         self._on_drop: Callable[[], None] | None = None
         self._on_chunk_reduced: Callable[[Chunk], None] | None = None
         self._accumulated = False  # gradients of no_sync backwards wait in the grad chunks
+        # Reduced gradients of an earlier backward wait for the step: see
+        # [Note: backward on several batches before one step].
+        self._carry = False
         self._register_hooks()
         _WRAPPED.add(module)
         fix_structure(self, module, _API, _FIXED)  # See [Note: the structure is fixed once wrapped]
@@ -574,6 +592,7 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
+        self._carry = False
         self._forget_used()
         for p in self._guarded:  # the next backward accumulates into None again
             p.grad = None
@@ -881,7 +900,7 @@ class GeminiDDP(nn.Module):
             set_collective_label(f"gradient reduction of chunk {chunk.index}")
             with phase("zerostack::reduce"):
                 handle = self.chunk_manager.reduce_chunk(
-                    chunk, async_op=self.config.enable_async_reduce
+                    chunk, async_op=self.config.enable_async_reduce, accumulate=self._carry
                 )
             self._pending.append((chunk, handle))
             self._next_reduce += 1
@@ -968,12 +987,13 @@ class GeminiDDP(nn.Module):
                 "optimizer.step(): the reduced gradients sit where the parameters belong; "
                 "evaluate after optimizer.step() (or drop the gradients with optimizer.zero_grad())"
             )
-        if self._state is T.REDUCED:
+        if self._state is T.REDUCED and not self.accumulate:
             raise RuntimeError(
                 f"{_API}.forward: the reduced gradients of the last backward sit where the "
                 "parameters belong; call optimizer.step() before the next forward (to accumulate "
-                "gradients over several batches, run all but the last backward inside no_sync() "
-                "(booster.no_sync(model)) with enable_gradient_accumulation=True), or "
+                "gradients over several batches, build with enable_gradient_accumulation=True, "
+                "as ColossalAI's GeminiPlugin, then backward on each batch and step every few, or "
+                "run all but the last backward inside no_sync() (booster.no_sync(model))), or "
                 "optimizer.zero_grad() to drop them (the boosted model's zero_grad() does too)"
             )
         if self._state is T.BACKWARD:
@@ -989,6 +1009,8 @@ class GeminiDDP(nn.Module):
             self._updates.await_kept_gathered()  # See [Note: write-back order]
         before = self._state
         if training:
+            # See [Note: backward on several batches before one step].
+            self._carry = self._carry or before is T.REDUCED
             self._transition(T.FORWARD)
             self.placement.start_iteration()
         try:
@@ -1048,6 +1070,8 @@ class GeminiDDP(nn.Module):
         if state is T.IDLE:
             return
         if state is T.FORWARD or state is T.AWAIT_BACKWARD:
+            if self._carry:
+                self._drop_carried()
             if self._accumulated:
                 self._drop_accumulated()
             return
@@ -1060,7 +1084,22 @@ class GeminiDDP(nn.Module):
         if self._state is T.BACKWARD or self._state is T.ACCUMULATED or self._state is T.REDUCED:
             self._drop_batch()
         else:
+            if self._carry:
+                self._drop_carried()
             self.placement.drain()  # gathers ahead read the host shards a load writes
+
+    def _drop_carried(self) -> None:
+        """Drop the reduced gradients carried into this forward (see [Note:
+        backward on several batches before one step]): the next reduction
+        writes over them, a kept-gathered grad chunk starts from zeros."""
+        if self._on_drop is not None:
+            self._on_drop()  # the optimizer's staged copies of them
+        for chunk in self.grad_chunks:
+            self.chunk_manager.consume_grad(chunk)
+        self._carry = False
+        self._forget_used()
+        for p in self._guarded:
+            p.grad = None
 
     def _drop_accumulated(self) -> None:
         """Zero the gradients that no_sync backwards left in the grad chunks."""
@@ -1106,6 +1145,7 @@ class GeminiDDP(nn.Module):
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
         self._forget_used()
         self._accumulated = False
+        self._carry = False
         self._transition(T.IDLE)
         for p in self._guarded:  # no gradient is left in the shards either
             p.grad = None

@@ -509,7 +509,7 @@ class Chunk:
     def can_reduce(self) -> bool:
         return self.state_count[TensorState.READY_FOR_REDUCE] == self.num_tensors
 
-    def reduce(self, async_op: bool = False) -> Handle | None:
+    def reduce(self, async_op: bool = False, *, accumulate: bool = False) -> Handle | None:
         """Average the gradients over the group.
 
         The gradients are the grad chunk's buffer, or, when there is no grad
@@ -520,6 +520,13 @@ class Chunk:
         all-reduce in place. Every tensor goes back to HOLD. A reduce-scattered
         share's norm is taken on the compute device and kept
         (:meth:`reduced_norm`).
+
+        With ``accumulate``, a sharded chunk's reduced share is added to the
+        one the last reduction left (a gradient not consumed yet: backward
+        on several batches before one step, as ColossalAI's Gemini
+        accumulates with ``enable_gradient_accumulation``); its norm is the
+        sum's. A kept-gathered grad chunk needs nothing of it: its buffer
+        keeps the last mean, to which the next backward adds.
 
         Raises:
             RuntimeError: not every tensor is READY_FOR_REDUCE (the chunk is
@@ -555,37 +562,46 @@ class Chunk:
             work = _comm.reduce_scatter_sum(out, full, self.process_group, async_op)
 
             def finish() -> None:
-                # See [Note: the reduced share's norm]. foreach, as zero-shard's
-                # norm_part takes the shares' norms: the same kernel, the same rounding.
-                norm = torch._foreach_norm([out], 2.0, dtype=torch.float32)[0]
-                old = target.shard
-                if self.shard_device == self.compute_device:
-                    target.shard = out
-                elif (
-                    old is not None
-                    and old.device == self.shard_device
-                    and old.numel() == out.numel()
-                    and old.dtype == out.dtype
-                ):
-                    # Into the host shard it replaces (stale parameters, or a
-                    # consumed gradient): no fresh pages every step, and a
-                    # pinned shard stays pinned instead of going to the
-                    # pinned allocator's cache.
-                    target._land(old, out)
-                else:
-                    target.shard = out.to(self.shard_device)
-                share = target._shard  # not the property: it would wait for the landing copy
-                target._reduced_norm = (norm, weakref.ref(share), share._version)
-                if target is self:
-                    self._drop_buffer()
-                else:
-                    target.buffer = None
+                self._take_reduced(target, out, accumulate)
 
             handle = Handle(work, finish)
         if not async_op:
             handle.wait()
             return None
         return handle
+
+    def _take_reduced(self, target: Chunk, out: torch.Tensor, accumulate: bool) -> None:
+        """``out``, this rank's reduced share, becomes ``target``'s shard (this
+        chunk's or its grad chunk's, see ``reduce``), with ``accumulate``
+        added to the grad chunk's last one first, its norm kept."""
+        kept = target.shard if accumulate and target is not self else None
+        if kept is not None:
+            out.add_(kept.to(out.device, non_blocking=True))
+        # See [Note: the reduced share's norm]. foreach, as zero-shard's
+        # norm_part takes the shares' norms: the same kernel, the same rounding.
+        norm = torch._foreach_norm([out], 2.0, dtype=torch.float32)[0]
+        old = target.shard
+        if self.shard_device == self.compute_device:
+            target.shard = out
+        elif (
+            old is not None
+            and old.device == self.shard_device
+            and old.numel() == out.numel()
+            and old.dtype == out.dtype
+        ):
+            # Into the host shard it replaces (stale parameters, or a
+            # consumed gradient): no fresh pages every step, and a
+            # pinned shard stays pinned instead of going to the
+            # pinned allocator's cache.
+            target._land(old, out)
+        else:
+            target.shard = out.to(self.shard_device)
+        share = target._shard  # not the property: it would wait for the landing copy
+        target._reduced_norm = (norm, weakref.ref(share), share._version)
+        if target is self:
+            self._drop_buffer()
+        else:
+            target.buffer = None
 
     # -- placement ---------------------------------------------------------
 

@@ -241,9 +241,12 @@ class ChunkManager:
         """Move ``chunk``'s shard to ``device``."""
         self._apply(chunk, chunk.shard_move, device, non_blocking)
 
-    def reduce_chunk(self, chunk: Chunk, async_op: bool = False) -> Handle | None:
-        """Average ``chunk``'s gradients over its group (see Chunk.reduce)."""
-        handle = self._apply(chunk, chunk.reduce, async_op)
+    def reduce_chunk(
+        self, chunk: Chunk, async_op: bool = False, *, accumulate: bool = False
+    ) -> Handle | None:
+        """Average ``chunk``'s gradients over its group, with ``accumulate``
+        adding the reduced share to the last one (see Chunk.reduce)."""
+        handle = self._apply(chunk, chunk.reduce, async_op, accumulate=accumulate)
 
         def finish() -> None:
             if handle is not None:
