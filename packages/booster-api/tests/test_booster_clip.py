@@ -415,3 +415,46 @@ def test_ddp_fp16_unscales_once_then_clips():
         ref_opt.step()
         for a, b in zip(model.unwrap().parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
+def test_clip_by_value_clamps_as_torch_and_sharded_plugins_refuse():
+    # ColossalAI's OptimizerWrapper.clip_grad_by_value: torch's clip_grad_value_
+    # on the gradients of the coming step (fp16: unscaled first); the plugins
+    # whose gradients are sharded refuse, as ColossalAI's Gemini does.
+    with _one_thread():
+        for precision in ("fp32", "fp16"):
+            torch.manual_seed(0)
+            ref = TinyGPT(CONFIG)
+            model = copy.deepcopy(ref)
+            booster = Booster(
+                device="cpu", mixed_precision=None if precision == "fp32" else precision
+            )
+            model, opt, *_ = booster.boost(model, torch.optim.SGD(model.parameters(), lr=0.5))
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+            idx, tgt = make_batch(CONFIG, 2, 16, seed=0)
+            booster.backward(lm_loss(model(idx), tgt), opt)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=precision == "fp16"):
+                ref_loss = lm_loss(ref(idx), tgt)
+            ref_loss.backward()
+            assert max(p.grad.abs().max().item() for p in ref.parameters()) > 2e-3
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+            opt.clip_grad_by_value(1e-3)
+            grads = [p.grad for p in model.unwrap().parameters() if p.grad is not None]
+            assert max(g.abs().max().item() for g in grads) <= 1e-3 * (1 + torch.finfo().eps)
+            opt.step()
+            ref_opt.step()
+            for a, b in zip(model.unwrap().parameters(), ref.parameters(), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        with pytest.raises(
+            ValueError, match=r"clip_grad_by_value: clip_value must be > 0 \(got 0\)"
+        ):
+            opt.clip_grad_by_value(0)
+        for plugin in (
+            LowLevelZeroPlugin(stage=2, precision="fp32"),
+            GeminiPlugin(precision="fp32", chunk_config_dict={1: CHUNKS}),
+        ):
+            booster, model, opt = _boosted(plugin)
+            _backward(booster, model, opt)
+            with pytest.raises(NotImplementedError, match=r"clip_grad_by_value: clipping by value is "
+                               r"not supported by this plugin.*\(got clip_value=1\.0\); clip by norm"):  # fmt: skip
+                opt.clip_grad_by_value(1.0)

@@ -339,6 +339,32 @@ class BoostedOptimizer(OptimizerWrapper):
             f"max_norm={max_norm!r}); pass max_norm= to the plugin, which clips at every step"
         )
 
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        """Clamp every gradient element of the coming step into
+        ``[-clip_value, clip_value]``, as torch's ``clip_grad_value_``
+        (ColossalAI's ``OptimizerWrapper.clip_grad_by_value``). Call it after
+        the backward, before ``step()``.
+
+        Args:
+            clip_value: the largest magnitude an element keeps, > 0.
+            *args, **kwargs: passed to ``torch.nn.utils.clip_grad_value_``
+                (``foreach``).
+
+        Raises:
+            TypeError, ValueError: ``clip_value`` is not a number > 0.
+            NotImplementedError: the plugin shards the gradients
+                (GeminiPlugin, LowLevelZeroPlugin, AutoOffloadPlugin), as
+                ColossalAI's Gemini and LowLevelZero optimizers do not clip
+                by value either.
+        """
+        check_clip_value(f"{type(self).__name__}.clip_grad_by_value", clip_value)
+        raise NotImplementedError(
+            f"{type(self).__name__}.clip_grad_by_value: clipping by value is not supported by "
+            f"this plugin, whose gradients are sharded over the ranks (got clip_value="
+            f"{clip_value!r}); clip by norm: the plugin's max_norm=, or "
+            "optimizer.clip_grad_by_norm(max_norm) after the backward"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The plugin optimizer's own state dict: this rank's shard under
         ZeRO and Gemini, loadable only at the same rank and world size; use
@@ -351,6 +377,23 @@ class BoostedOptimizer(OptimizerWrapper):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.optim).__name__})"
+
+
+def check_clip_value(api: str, clip_value: object) -> float:
+    """``clip_value`` of ``clip_grad_by_value`` as a float.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: not > 0 (torch's clip would zero, or flip, every gradient).
+    """
+    if isinstance(clip_value, bool) or not isinstance(clip_value, int | float):
+        raise TypeError(f"{api}: clip_value must be a number (got {clip_value!r}); e.g. 1.0")
+    if not clip_value > 0:
+        raise ValueError(
+            f"{api}: clip_value must be > 0 (got {clip_value}); torch's clip_grad_value_ would "
+            "zero every gradient at 0 and flip them below it"
+        )
+    return float(clip_value)
 
 
 def attach_scheduler(lr_scheduler: Any, optimizer: BoostedOptimizer, user: Any) -> None:

@@ -19,6 +19,7 @@ from zerostack.booster._plugins._base import (
     BoostedOptimizer,
     Plugin,
     attach_scheduler,
+    check_clip_value,
     nothing,
 )
 from zerostack.booster._plugins._lazy import is_lazy
@@ -238,6 +239,20 @@ class TorchDDPOptimizer(BoostedOptimizer):
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else next(iter(params), torch.empty(0)).device
         return clip_grads_(api, grads, max_norm, norm_type, device, error_if_nonfinite)
+
+    @torch.no_grad()
+    def clip_grad_by_value(self, clip_value: float, *args: Any, **kwargs: Any) -> None:
+        """torch's ``clip_grad_value_`` on the model's parameters (DDP's
+        all-reduced gradients); with the fp16 GradScaler the gradients are
+        unscaled first, as in ``clip_grad_by_norm``. See
+        BoostedOptimizer.clip_grad_by_value."""
+        clip_value = check_clip_value(f"{self._API}.clip_grad_by_value", clip_value)
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
+        torch.nn.utils.clip_grad_value_(
+            self._model.unwrap().parameters(), clip_value, *args, **kwargs
+        )
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optim.param_groups for p in g["params"]]
