@@ -302,6 +302,29 @@ def _evaluate_before_the_step(env: Env) -> None:
         env.loss(1)
 
 
+def _evaluate_between_backward_and_step(env: Env) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """After a first step: a backward, an evaluation, the step."""
+    env.step(5)
+    env.booster.backward(env.loss(0), env.opt)
+    with torch.no_grad():
+        evaluated = env.loss(1)
+    env.opt.step()
+    env.settle()
+    return evaluated, env.weights()
+
+
+def _as_evaluated_before_the_backward(env: Env, got: tuple[torch.Tensor, dict]) -> None:
+    ref = Env(env.kind, optimizer="sgd")
+    ref.step(5)
+    with torch.no_grad():
+        evaluated = ref.loss(1)
+    ref.booster.backward(ref.loss(0), ref.opt)
+    ref.opt.step()
+    ref.settle()
+    torch.testing.assert_close(got[0], evaluated, rtol=1e-6, atol=0)
+    assert _max_change(ref.weights(), got[1]) < 1e-6
+
+
 def _step_the_optimizer_handed_to_boost(env: Env) -> None:
     env.booster.backward(env.loss(0), env.opt)
     env.user_opt.step()
@@ -650,6 +673,7 @@ ROWS = [
     Row("accumulate-without-no-sync", TORCH + ("zero1", "zero2", "zero2-offload", "zero2-offload-clip"), functools.partial(_two_backwards, retain=False), _as_one_backward(False), options=dict(optimizer="sgd")),
     Row("model-zero-grad-drops-a-backward", TORCH + ZERO + GEMINI, _dropped_by_the_model("boosted"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
     Row("module-zero-grad-drops-a-backward", TORCH + ZERO, _dropped_by_the_model("unwrap"), _as_the_second_backward_alone, options=dict(optimizer="sgd")),
+    Row("evaluate-between-backward-and-step-gemini-accumulation", GEMINI, _evaluate_between_backward_and_step, _as_evaluated_before_the_backward, options=dict(optimizer="sgd", plugin_kwargs=dict(enable_gradient_accumulation=True))),
     Row("evaluate-between-backward-and-step-gemini", GEMINI, _evaluate_before_the_step, error=RuntimeError, match=r"an evaluation \(no gradients\) between a backward and its optimizer\.step\(\).*evaluate after optimizer\.step\(\)"),
     Row("step-the-optimizer-handed-to-boost", ZERO, _step_the_optimizer_handed_to_boost, error=RuntimeError, match=r"HybridAdam\.step: this optimizer was handed to ZeroOptimizer .*Step the optimizer booster\.boost returned"),
     Row("add-group-to-the-optimizer-handed-to-boost", ZERO, _add_group_to_the_optimizer_handed_to_boost, error=NotImplementedError, match=r"HybridAdam\.add_param_group: this optimizer was handed to ZeroOptimizer .*a group added now would never be stepped"),

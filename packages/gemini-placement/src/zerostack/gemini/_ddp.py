@@ -91,8 +91,9 @@ T = TrainingState
 # gradients (``_carry``), and each reduction of the next backward adds its
 # reduced share to the carried one (Chunk.reduce's ``accumulate``), whose
 # norm is then the sum's. The step, or zero_grad() (which drops them, as a
-# batch), ends the carry. Without enable_gradient_accumulation a reduced
-# gradient sits in place of the parameter shard, so such a forward raises.
+# batch), ends the carry. An evaluation (no gradients) may run between them
+# too. Without enable_gradient_accumulation a reduced gradient sits in place
+# of the parameter shard, so such a forward raises.
 _MOVES: dict[TrainingState, frozenset[TrainingState]] = {
     T.IDLE: frozenset({T.FORWARD}),
     T.FORWARD: frozenset({T.AWAIT_BACKWARD, T.IDLE, T.ACCUMULATED, T.REDUCED}),
@@ -803,7 +804,10 @@ class GeminiDDP(nn.Module):
                 self.chunk_manager.release_chunk(chunk)
 
     def _pre_forward(self, slots: list[_Slot], chunks: list[Chunk], label: str) -> None:
-        if self._state is T.REDUCED:  # not through forward(), which says so first: unwrap()
+        # Not through forward(), which says so first: unwrap(). With grad
+        # chunks the parameters hold their values: an evaluation may run.
+        evaluating = self.accumulate and not torch.is_grad_enabled()
+        if self._state is T.REDUCED and not evaluating:
             raise RuntimeError(
                 f"{_API}: the {label} between a backward and its optimizer.step() (through "
                 "model.unwrap() or a submodule): the reduced gradients sit where the "
@@ -981,7 +985,7 @@ class GeminiDDP(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.retry_failed_updates()  # a failed CPU update: the model cannot go on
-        if self._state is T.REDUCED and not torch.is_grad_enabled():
+        if self._state is T.REDUCED and not torch.is_grad_enabled() and not self.accumulate:
             raise RuntimeError(
                 f"{_API}.forward: an evaluation (no gradients) between a backward and its "
                 "optimizer.step(): the reduced gradients sit where the parameters belong; "
