@@ -32,6 +32,8 @@ GPU_CASES = [
     "bf16-auto-evicting",
     "fp32-offload-prefetch",
     "fp32-accum4-prefetch",
+    "fp32-sgd-each-reduced",
+    "fp32-each-reduced-prefetch",
 ]
 
 
