@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import logging
 import warnings
 from collections.abc import Callable
@@ -853,6 +854,10 @@ def test_gemini_refuses_a_copy_of_its_module():
         torch.optim.swa_utils.AveragedModel(model.unwrap())
     with pytest.raises(RuntimeError, match=r"update the copy from the boosted model's state_dict"):
         copy.deepcopy(model.unwrap().blocks[0])
+    # torch.save(model) of a whole module: torch's "cannot pickle 'weakref.ReferenceType'".
+    for module in (model.unwrap(), model, model.unwrap().blocks[0]):
+        with pytest.raises(NotImplementedError, match=r"GeminiModel: pickling a module wrapped by GeminiDDP is not supported \(got torch\.save or pickle of GeminiPlugin's model\.unwrap\(\).*booster\.save_model\(model, path\)"):  # fmt: skip
+            torch.save(module, io.BytesIO())
 
 
 @pytest.mark.parametrize("placement", ["static", "auto"])

@@ -1394,6 +1394,18 @@ class _ModuleHooks:
             "during training'"
         )
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(model.unwrap()) pickles the module with its hooks: it
+        # failed with "cannot pickle 'weakref.ReferenceType' object".
+        raise NotImplementedError(
+            f"{_API}: pickling a module wrapped by GeminiDDP is not supported (got "
+            "torch.save or pickle of GeminiPlugin's model.unwrap(), the boosted model, or one "
+            "of its submodules): its parameters are views into chunks, empty between steps at "
+            "several ranks. Save the weights with booster.save_model(model, path), or "
+            "torch.save(model.state_dict()) (call state_dict() on every rank), and rebuild the "
+            "module from its class"
+        )
+
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         ddp = self._ddp()
         if ddp is not None:
