@@ -10,6 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import logging
 import warnings
 from collections.abc import Callable
@@ -541,6 +542,24 @@ def _write_before_the_write_back(env: Env) -> None:
     env.loss(1)  # forward: the write-back
 
 
+def _replace_tensors(env: Env) -> dict[str, torch.Tensor]:
+    """torch.nn.utils.vector_to_parameters between steps: ``p.data = t``
+    (no version counter moves), as a flat-vector EMA, an evolution strategy
+    or a model-soup script does."""
+    env.step(0)
+    params = list(env.model.unwrap().parameters())
+    numel = sum(p.numel() for p in TinyGPT(CONFIG).parameters())  # Gemini's may be empty
+    vec = 0.1 * torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    torch.nn.utils.vector_to_parameters(vec, params)
+    env.step(1)
+    return env.weights()
+
+
+def _as_torch_replaces(env: Env, got: dict[str, torch.Tensor]) -> None:
+    ref = Env("torch", optimizer="sgd")
+    assert _max_change(_replace_tensors(ref), got) < 1e-6
+
+
 def _parameters(env: Env) -> list[torch.Tensor]:
     return list(env.model.parameters())
 
@@ -706,6 +725,8 @@ ROWS = [
     Row("forward-hook-refused", AUTO, _submodule_hook, error=NotImplementedError, match=r"forward hooks on the traced module's submodules do not run under AutoOffloadPlugin \(got a hook on '\w+'\)"),
     Row("parameters", ALL, _parameters, _every_parameter),
     Row("write-parameters-in-place", TORCH + ZERO, _write_in_place, _as_torch_does, options=dict(optimizer="sgd")),
+    Row("vector-to-parameters", TORCH + ZERO, _replace_tensors, _as_torch_replaces, options=dict(optimizer="sgd")),
+    Row("vector-to-parameters-refused", GEMINI, _replace_tensors, error=RuntimeError, match=r"GeminiDDP: parameters given another tensor between steps \(p\.data = t, e\.g\. by torch\.nn\.utils\.vector_to_parameters\), which their chunks never see \(got \['tok_emb\.weight'.*Write in place under torch\.no_grad\(\) \(p\.copy_\(t\)\)", options=dict(optimizer="sgd")),
     Row("write-parameters-before-the-write-back", ("zero2-offload",), _write_before_the_write_back, warning=UserWarning, match=r"ZeroOptimizer: parameters written in place after their update of this step had started \(got \['"),
     # -- the user's optimizer and the plugin's arguments ------------------------------------
     Row("torch-adam-decoupled-weight-decay", ("zero2-offload",), lambda env: None, lambda env, _: _as_adamw(env), options=dict(optimizer="adam-decoupled")),
@@ -833,6 +854,10 @@ def test_gemini_refuses_a_copy_of_its_module():
         torch.optim.swa_utils.AveragedModel(model.unwrap())
     with pytest.raises(RuntimeError, match=r"update the copy from the boosted model's state_dict"):
         copy.deepcopy(model.unwrap().blocks[0])
+    # torch.save(model) of a whole module: torch's "cannot pickle 'weakref.ReferenceType'".
+    for module in (model.unwrap(), model, model.unwrap().blocks[0]):
+        with pytest.raises(NotImplementedError, match=r"GeminiModel: pickling a module wrapped by GeminiDDP is not supported \(got torch\.save or pickle of GeminiPlugin's model\.unwrap\(\).*booster\.save_model\(model, path\)"):  # fmt: skip
+            torch.save(module, io.BytesIO())
 
 
 @pytest.mark.parametrize("placement", ["static", "auto"])

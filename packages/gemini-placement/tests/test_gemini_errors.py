@@ -174,3 +174,15 @@ def test_optimizers_that_cannot_step_chunk_shards_are_refused(make):
     model = GeminiDDP(_model(), chunk_config_dict=CFG, compute_device="cpu")
     with pytest.raises(NotImplementedError, match=r"cannot step the chunk shards holding many"):
         GeminiOptimizer(make(list(model.parameters())), model)
+
+
+def test_pickling_the_wrapped_module_says_how_to_save():
+    """torch.save(module) of a GeminiDDP-wrapped module failed with torch's
+    "cannot pickle 'weakref.ReferenceType' object"."""
+    import io
+
+    model = GeminiDDP(
+        _model(), mixed_precision=torch.float32, chunk_config_dict=CFG, compute_device="cpu"
+    )
+    with pytest.raises(NotImplementedError, match=r"GeminiDDP: pickling a module wrapped by GeminiDDP is not supported .*booster\.save_model\(model, path\)"):  # fmt: skip
+        torch.save(model.module, io.BytesIO())

@@ -314,6 +314,11 @@ class GeminiDDP(nn.Module):
         self._pair_and_place_buffers(module)
         self._frozen = [p for p in self.params if p not in self.masters]  # see _refuse_unfrozen
         self._note_versions()
+        # Each parameter's chunk and byte offset: see _refuse_replaced.
+        self._homes = [
+            (c := self.chunk_manager.get_chunk(p), c.tensors_info[p].offset * c.dtype.itemsize)
+            for p in self.params
+        ]
 
     def _register_one(self, pin: bool, p: torch.Tensor) -> None:
         where = self.placement.decide(self._seen, p.numel(), self._total_numel)
@@ -651,10 +656,13 @@ class GeminiDDP(nn.Module):
         does nothing there) raises, once. Offloaded updates still running
         are waited for first, where a parameter moved; a write made before
         its own step's update was written back is overwritten by it (call
-        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` and
-        ``p.data = t`` move no counter and are not seen (zero-shard's [Note:
-        parameters written in place] has the same limit).
+        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` moves
+        no counter and is not seen (zero-shard's [Note: parameters written
+        in place] has the same limit); ``p.data = t`` (torch's
+        ``vector_to_parameters``) raises (see ``_refuse_replaced``).
         """
+        if self._state is T.IDLE:
+            self._refuse_replaced()
         moved = [
             p
             for p, version in zip(self.params, self._versions, strict=True)
@@ -683,6 +691,37 @@ class GeminiDDP(nn.Module):
                 "optimizer.wait_updates()), so the write did nothing. Change parameters through "
                 "the boosted model: model.state_dict(), edit, model.load_state_dict() (or "
                 "booster.load_model)"
+            )
+
+    def _refuse_replaced(self) -> None:
+        """Raise for parameters given another tensor (``p.data = t``, torch's
+        ``vector_to_parameters``), after pointing them back at their chunks.
+
+        Such a parameter no longer views its chunk: the next forward used
+        ``t`` while the step updated the master, whose values the chunk's
+        next gather wrote back over it (0.59 off torch after three SGD
+        steps), silently. Between steps a parameter views its slot of a
+        gathered chunk or is empty (data_ptr 0); any other storage is the
+        user's."""
+        replaced = []
+        for p, (chunk, offset) in zip(self.params, self._homes, strict=True):
+            ptr = p.data_ptr()
+            if ptr == 0 or (chunk.is_gathered and ptr == chunk.buffer.data_ptr() + offset):
+                continue
+            info = chunk.tensors_info[p]
+            if chunk.is_gathered:
+                p.data = chunk.buffer[info.offset : info.end].view(info.shape)
+            else:
+                p.data = torch.empty(0, dtype=chunk.dtype, device=chunk.compute_device)
+            replaced.append(self.param_names[p])
+        if replaced:
+            raise RuntimeError(
+                f"{_API}: parameters given another tensor between steps (p.data = t, e.g. by "
+                f"torch.nn.utils.vector_to_parameters), which their chunks never see (got "
+                f"{replaced[:3]}{' ...' if len(replaced) > 3 else ''}); they are pointed back at "
+                "their chunks' values. Write in place under torch.no_grad() (p.copy_(t)) while "
+                "the parameters hold their values, or through the boosted model: "
+                "model.state_dict(), edit, model.load_state_dict() (or booster.load_model)"
             )
 
     def wait_updates(self) -> None:
@@ -1353,6 +1392,18 @@ class _ModuleHooks:
             "copy the model before booster.boost and update the copy from the boosted model's "
             "state_dict() (on every rank); see the booster guide, 'Reading the weights "
             "during training'"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save(model.unwrap()) pickles the module with its hooks: it
+        # failed with "cannot pickle 'weakref.ReferenceType' object".
+        raise NotImplementedError(
+            f"{_API}: pickling a module wrapped by GeminiDDP is not supported (got "
+            "torch.save or pickle of GeminiPlugin's model.unwrap(), the boosted model, or one "
+            "of its submodules): its parameters are views into chunks, empty between steps at "
+            "several ranks. Save the weights with booster.save_model(model, path), or "
+            "torch.save(model.state_dict()) (call state_dict() on every rank), and rebuild the "
+            "module from its class"
         )
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:

@@ -598,6 +598,8 @@ class ZeroOptimizer:
         # Each parameter's version counter when this optimizer last wrote it;
         # see [Note: parameters written in place].
         self._versions = [s.param._version for s in self.shards]
+        # Each parameter's storage: ``p.data = t`` moves no version counter.
+        self._storages = [s.param.data_ptr() for s in self.shards]
         self._warned_dropped = False
         # Write-back order: the order forward uses the buckets (buckets are
         # in backward order). See [Note: offloaded step pipeline].
@@ -1215,6 +1217,7 @@ class ZeroOptimizer:
                     bucket.copied.synchronize()
                 self._refresh_host(bucket)
         self._versions = [s.param._version for s in self.shards]
+        self._storages = [s.param.data_ptr() for s in self.shards]
 
     @torch.no_grad()
     def _adopt_writes(self, shards: list[_Shard], dropping_update: bool = False) -> None:
@@ -1229,13 +1232,20 @@ class ZeroOptimizer:
         kept after this optimizer's own writes (the write-back,
         ``masters_written``) and a parameter whose counter moved has this
         rank's piece copied into its master (and its pinned copy) before its
-        next update, at ``step()``. A write that comes after the update of
+        next update, at ``step()``. ``p.data = t`` (torch's
+        ``vector_to_parameters``) moves no counter but gives the parameter
+        another storage, so each parameter's ``data_ptr()`` is kept too and
+        a new one counts as a write (the next forward used ``t`` and the
+        step wrote the old master plus its update back, 0.59 off torch).
+        A write that comes after the update of
         that step started (between ``step()`` and the write-back of a
         deferred CPU update) replaces the update's result for that
-        parameter, with a warning."""
+        parameter, with a warning. Writes through ``p.data`` in place
+        (``p.data.clamp_()``) are still not seen."""
         dropped = []
         for s in shards:
-            if s.param._version == self._versions[s.index]:
+            ptr = s.param.data_ptr()
+            if s.param._version == self._versions[s.index] and ptr == self._storages[s.index]:
                 continue
             start, end = part.shard_bounds(s.param.numel(), self.world, self.rank)
             bucket = self.reduction.bucket_of[s.index]
@@ -1247,7 +1257,7 @@ class ZeroOptimizer:
                     bucket.copied.synchronize()  # the last H2D copy out of host_params
                 off = self.reduction.offset_of[s.index]
                 bucket.host_params[off : off + s.piece].copy_(s.master)
-            self._versions[s.index] = s.param._version
+            self._versions[s.index], self._storages[s.index] = s.param._version, ptr
             dropped.append(s.name)
         if dropped and dropping_update and not self._warned_dropped:
             self._warned_dropped = True

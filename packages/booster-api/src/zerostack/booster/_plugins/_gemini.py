@@ -104,7 +104,7 @@ class GeminiModel(ModelWrapper):
     def __init__(self, module: GeminiDDP, facts: ModelFacts) -> None:
         super().__init__(module)
         self._facts = facts
-        refuse = functools.partial(_refuse_sharded_state_dict, weakref.ref(module))
+        refuse = _StateDictRefusal(_refuse_sharded_state_dict, weakref.ref(module))
         for m in module.module.modules():  # a submodule's state_dict() too (a backbone)
             m.register_state_dict_pre_hook(refuse)
 
@@ -344,6 +344,26 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
                 "param_group": hyper,
                 "scaler": scaler_state(own, state_dict.get("loss_scaler")),
             }
+        )
+
+
+class _StateDictRefusal(functools.partial):
+    """The state_dict pre-hook below, bound to its GeminiDDP; the first
+    object ``torch.save(model.unwrap())`` pickles, where torch raised
+    "cannot pickle 'weakref.ReferenceType' object". A deep copy goes on
+    to GeminiDDP's hooks, which refuse it with their own message."""
+
+    def __deepcopy__(self, memo: dict) -> _StateDictRefusal:
+        return _StateDictRefusal(self.func, *self.args)  # the weak reference is shared
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise NotImplementedError(
+            "GeminiModel: pickling a module wrapped by GeminiDDP is not supported (got "
+            "torch.save or pickle of GeminiPlugin's model.unwrap(), the boosted model, or one "
+            "of its submodules): its parameters are views into chunks, empty between steps at "
+            "several ranks. Save the weights with booster.save_model(model, path), or "
+            "torch.save(model.state_dict()) (call state_dict() on every rank), and rebuild the "
+            "module from its class"
         )
 
 
