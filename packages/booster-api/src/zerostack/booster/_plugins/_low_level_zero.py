@@ -18,6 +18,7 @@ from zerostack.booster._plugins._base import (
     Plugin,
     attach_scheduler,
     check_zero_options,
+    refuse_backward_inputs,
     scaler_config,
     scaler_kwargs,
     warn_rank_local_running_stats,
@@ -92,7 +93,7 @@ class LowLevelZeroModel(ModelWrapper):
             args, kwargs = _cast(args, self.dtype), _cast(kwargs, self.dtype)
         return self.module(*args, **kwargs)
 
-    def unwrap(self) -> nn.Module:
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         return self.module
 
     # Under a DeepSpeed config, the optimizer whose accumulation window
@@ -243,9 +244,24 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward(retain_graph=...)``, scaled for fp16."""
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled for fp16.
+
+        Raises:
+            NotImplementedError: ``inputs`` is not None.
+        """
+        refuse_backward_inputs(f"{self._API}.backward", inputs)
         self.optim.backward(loss, retain_graph=retain_graph)
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """The gradients' total 2-norm (unscaled, before clipping) that the
+        last ``step()`` computed, as ColossalAI's LowLevelZero optimizer
+        gives it; None before the first step.
+
+        Raises:
+            NotImplementedError: ``norm_type`` other than 2.
+        """
+        return self._last_step_norm(norm_type)
 
     def wait_updates(self) -> None:
         """With ``cpu_offload``: finish the last step's CPU updates and write
@@ -262,7 +278,11 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         self.optim.zero_grad(set_to_none)
 
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """ZeroOptimizer.clip_grad_by_norm: the norm over every rank's reduced
         pieces; the step applies the clip (see BoostedOptimizer.clip_grad_by_norm)."""
