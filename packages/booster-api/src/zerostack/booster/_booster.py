@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+from zerostack.booster._plugins._base import lora_refusal
 from zerostack.chunk import rank_and_world
 from zerostack.shard import check_clip_args
 
@@ -320,6 +321,35 @@ class Booster:
         raise NotImplementedError(
             f"{_API}.execute_pipeline: pipeline parallelism is not implemented; run forward, "
             "booster.backward(loss, optimizer) and optimizer.step() yourself"
+        )
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """ColossalAI's LoRA (through peft): not implemented.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{_API}.enable_lora", f"lora_config={lora_config!r}")
+        )
+
+    def save_lora_as_pretrained(
+        self, model: ModelWrapper, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """ColossalAI's LoRA adapter save: not implemented (see :meth:`enable_lora`).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{_API}.save_lora_as_pretrained", f"checkpoint={checkpoint!r}")
         )
 
     # -- checkpoints ------------------------------------------------------------------

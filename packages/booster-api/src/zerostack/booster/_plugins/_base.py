@@ -141,6 +141,26 @@ class Plugin(ABC):
         """Always True: checkpoints go through :meth:`get_checkpoint_io`."""
         return True
 
+    def support_lora(self) -> bool:
+        """False: no plugin implements :meth:`enable_lora`."""
+        return False
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+    ) -> nn.Module:
+        """ColossalAI's ``Plugin.enable_lora``: not implemented.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{type(self).__name__}.enable_lora", f"lora_config={lora_config!r}")
+        )
+
     @abstractmethod
     def configure(
         self,
@@ -494,6 +514,15 @@ class BoostedOptimizer(OptimizerWrapper):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({type(self.optim).__name__})"
+
+
+def lora_refusal(api: str, got: str) -> str:
+    """The message of every LoRA entry point (ColossalAI's peft-based LoRA)."""
+    return (
+        f"{api}: LoRA is not implemented (got {got}); add the LoRA modules to the model "
+        "before booster.boost and freeze its base weights with requires_grad_(False) (every "
+        "plugin trains a model with frozen parameters), then save it with booster.save_model"
+    )
 
 
 def refuse_backward_inputs(api: str, inputs: Any) -> None:
