@@ -516,6 +516,21 @@ class BoostedOptimizer(OptimizerWrapper):
         return f"{type(self).__name__}({type(self.optim).__name__})"
 
 
+def refuse_not_built(api: str, **given: tuple[Any, Any]) -> None:
+    """Refuse ColossalAI's options that are not built here (``name=(value,
+    off)``), unless off: fp8 and the extra parallel dimensions.
+
+    Raises:
+        NotImplementedError: an option is not off.
+    """
+    for name, (value, off) in given.items():
+        if value is not off and value != off:
+            raise NotImplementedError(
+                f"{api}: {name} is not implemented (got {value!r}); leave {name}={off!r} "
+                "(data parallelism in fp32, bf16 or fp16 is what is built)"
+            )
+
+
 def lora_refusal(api: str, got: str) -> str:
     """The message of every LoRA entry point (ColossalAI's peft-based LoRA)."""
     return (

@@ -21,6 +21,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     check_clip_value,
     nothing,
+    refuse_not_built,
 )
 from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
@@ -348,8 +349,11 @@ class TorchDDPPlugin(Plugin):
         broadcast_buffers: DistributedDataParallel's, as are bucket_cap_mb,
             find_unused_parameters, check_reduction, gradient_as_bucket_view
             and static_graph (its defaults: True, 25, False, False, False, False).
+        fp8_communication: ColossalAI's fp8 gradient all-reduce; False only.
+            Default False.
 
     Raises:
+        NotImplementedError: ``fp8_communication=True``.
         RuntimeError (at configure): torch.distributed is not initialised.
     """
 
@@ -361,7 +365,9 @@ class TorchDDPPlugin(Plugin):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
+        refuse_not_built(type(self).__name__, fp8_communication=(fp8_communication, False))
         given = dict(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
