@@ -36,7 +36,8 @@ NO_CONFIG = {
     "GeminiPlugin": {"chunk_init_device", "device", "placement_policy", "master_weights",
                      "strict_ddp_mode", "verbose", "norm_type"},
     "LowLevelZeroPlugin": {"precision", "norm_type", "overlap_allgather", "verbose",
-                           "cast_inputs", "reduce_bucket_size_in_m"},
+                           "cast_inputs", "reduce_bucket_size_in_m", "fp8_communication",
+                           "use_fp8", "extra_dp_size"},
     "AutoOffloadPlugin": {"memory_budget", "solver_name", "precision", "example_inputs",
                           "max_norm", "profile", "device"},
 }  # fmt: skip

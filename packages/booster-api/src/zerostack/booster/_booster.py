@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from zerostack.booster import _exit
 from zerostack.booster._interface import ModelWrapper, OptimizerWrapper
 from zerostack.booster._plugins import DefaultPlugin, MixedPrecision, Plugin
+from zerostack.booster._plugins._base import lora_refusal
 from zerostack.chunk import rank_and_world
 from zerostack.shard import check_clip_args
 
@@ -322,6 +323,35 @@ class Booster:
             "booster.backward(loss, optimizer) and optimizer.step() yourself"
         )
 
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+        quantize: bool = False,
+    ) -> nn.Module:
+        """ColossalAI's LoRA (through peft): not implemented.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{_API}.enable_lora", f"lora_config={lora_config!r}")
+        )
+
+    def save_lora_as_pretrained(
+        self, model: ModelWrapper, checkpoint: str, use_safetensors: bool = False
+    ) -> None:
+        """ColossalAI's LoRA adapter save: not implemented (see :meth:`enable_lora`).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{_API}.save_lora_as_pretrained", f"checkpoint={checkpoint!r}")
+        )
+
     # -- checkpoints ------------------------------------------------------------------
 
     @property
@@ -344,6 +374,7 @@ class Booster:
         prefix: str | None = None,
         size_per_shard: int = 1024,
         use_safetensors: bool = False,
+        use_async: bool = False,
     ) -> None:
         """Save the model (every rank calls it).
 
@@ -355,6 +386,9 @@ class Booster:
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
             use_safetensors: write safetensors. Default False.
+            use_async: ColossalAI's background write. The save here is
+                complete when this returns (every rank writes its part in
+                parallel), so True warns once and saves the same. Default False.
 
         Raises:
             CheckpointSaveError: the write failed (on every rank, the root
@@ -362,6 +396,7 @@ class Booster:
                 or another save to ``checkpoint`` is running; the previous
                 checkpoint there is unchanged.
         """
+        _no_effect(f"{_API}.save_model", use_async=(use_async, False))
         self.checkpoint_io.save_model(
             model,
             checkpoint=checkpoint,
@@ -373,7 +408,14 @@ class Booster:
         )
 
     def load_model(
-        self, model: ModelWrapper, checkpoint: str, strict: bool = True, *, verify: bool = True
+        self,
+        model: ModelWrapper,
+        checkpoint: str,
+        strict: bool = True,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+        *,
+        verify: bool = True,
     ) -> Any:
         """Load a model checkpoint (every rank calls it).
 
@@ -383,6 +425,12 @@ class Booster:
             strict: every key must match. With False, keys the checkpoint
                 lacks keep their values and keys the model lacks are
                 skipped; both are returned and logged. Default True.
+            low_cpu_mem_mode: ColossalAI's (False: cache the files in RAM to
+                load faster); the load here reads each file once either way,
+                so False warns once and loads the same. Default True.
+            num_threads: ColossalAI's reading threads with
+                ``low_cpu_mem_mode=False``; another value warns once and
+                loads the same. Default 1.
             verify: the checkpoint must be whole and of one save: a
                 directory needs its record (``zerostack-checkpoint.json``,
                 written last by the save), and every file's size and SHA-256
@@ -399,6 +447,11 @@ class Booster:
                 damaged, or files of different saves are mixed.
             ValueError: with ``strict``, keys differ.
         """
+        _no_effect(
+            f"{_API}.load_model",
+            low_cpu_mem_mode=(low_cpu_mem_mode, True),
+            num_threads=(num_threads, 1),
+        )
         return self.checkpoint_io.load_model(model, checkpoint, strict=strict, verify=verify)
 
     def save_optimizer(
@@ -409,6 +462,7 @@ class Booster:
         gather_dtensor: bool = True,
         prefix: str | None = None,
         size_per_shard: int = 1024,
+        use_async: bool = False,
     ) -> None:
         """Save the optimizer state (every rank calls it).
 
@@ -419,10 +473,12 @@ class Booster:
             gather_dtensor: ColossalAI's; passed on. Default True.
             prefix: a prefix of the file names. Default None.
             size_per_shard: the largest shard, in MB. Default 1024.
+            use_async: as :meth:`save_model`'s. Default False.
 
         Raises:
             CheckpointSaveError: as :meth:`save_model`.
         """
+        _no_effect(f"{_API}.save_optimizer", use_async=(use_async, False))
         self.checkpoint_io.save_optimizer(
             optimizer,
             checkpoint=checkpoint,
@@ -433,13 +489,21 @@ class Booster:
         )
 
     def load_optimizer(
-        self, optimizer: OptimizerWrapper, checkpoint: str, *, verify: bool = True
+        self,
+        optimizer: OptimizerWrapper,
+        checkpoint: str,
+        low_cpu_mem_mode: bool = True,
+        num_threads: int = 1,
+        *,
+        verify: bool = True,
     ) -> None:
         """Load an optimizer checkpoint (every rank calls it).
 
         Args:
             optimizer: a boosted optimizer.
             checkpoint: the file or directory ``save_optimizer`` wrote.
+            low_cpu_mem_mode: as :meth:`load_model`'s. Default True.
+            num_threads: as :meth:`load_model`'s. Default 1.
             verify: as :meth:`load_model`'s. Default True.
 
         Raises:
@@ -449,6 +513,11 @@ class Booster:
                 parameters than the optimizer's (saved from another model,
                 which torch's ``load_state_dict`` refuses too); nothing is loaded.
         """
+        _no_effect(
+            f"{_API}.load_optimizer",
+            low_cpu_mem_mode=(low_cpu_mem_mode, True),
+            num_threads=(num_threads, 1),
+        )
         self.checkpoint_io.load_optimizer(optimizer, checkpoint, verify=verify)
 
     def save_lr_scheduler(self, lr_scheduler: Any, checkpoint: str) -> None:
@@ -557,6 +626,26 @@ class Booster:
         from zerostack.booster._checkpoint_state import load_state
 
         load_state(self, checkpoint, model, optimizer, lr_scheduler, dataloader, verify)
+
+
+_WARNED: set[str] = set()
+
+
+def _no_effect(api: str, **given: tuple[Any, Any]) -> None:
+    """Warn once per argument of ColossalAI's checkpoint methods that only
+    changes how it reads or writes (``name=(value, default)``), given another
+    value: the result is the same here."""
+    for name, (value, default) in given.items():
+        if value == default or f"{api}:{name}" in _WARNED:
+            continue
+        _WARNED.add(f"{api}:{name}")
+        warnings.warn(
+            f"{api}: {name}={value!r} has no effect (got {value!r}); zerostack writes a "
+            "checkpoint before the call returns, every rank its own part, and reads each file "
+            f"once: drop {name}=",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_device(device: Any) -> torch.device:

@@ -35,8 +35,14 @@ class ModelWrapper(nn.Module, ABC):
         return self.module(*args, **kwargs)
 
     @abstractmethod
-    def unwrap(self) -> nn.Module:
-        """The user's module (its parameters may be empty views while sharded)."""
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
+        """The user's module (its parameters may be empty views while sharded).
+
+        Args:
+            unwrap_peft: ColossalAI's (it wraps a model its ``enable_lora``
+                built for checkpointing); zerostack has no LoRA wrapping, so
+                the user's module is returned either way. Default True.
+        """
 
     @abstractmethod
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:

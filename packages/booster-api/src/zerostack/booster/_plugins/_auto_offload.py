@@ -11,7 +11,12 @@ import torch
 from torch import nn
 
 from zerostack.booster._interface import ModelWrapper
-from zerostack.booster._plugins._base import BoostedOptimizer, Plugin, attach_scheduler
+from zerostack.booster._plugins._base import (
+    BoostedOptimizer,
+    Plugin,
+    attach_scheduler,
+    refuse_backward_inputs,
+)
 from zerostack.booster._plugins._contract import (
     incompatible,
     refuse_moves,
@@ -45,7 +50,7 @@ class AutoOffloadModel(ModelWrapper):
         super().__init__(offload)
         self._facts = facts
 
-    def unwrap(self) -> nn.Module:
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         """The traced module (its parameters are the device copies)."""
         return self.module.model
 
@@ -133,12 +138,13 @@ class AutoOffloadOptimizer(BoostedOptimizer):
         """The fp16 loss scaler (None in bf16)."""
         return self.optim.grad_scaler
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
         """Backward through the planned graph, the loss scaled in fp16.
 
         Raises:
-            NotImplementedError: ``retain_graph=True``.
+            NotImplementedError: ``retain_graph=True``, or ``inputs``.
         """
+        refuse_backward_inputs(f"{self._API}.backward", inputs)
         if retain_graph:
             raise NotImplementedError(
                 f"{self._API}.backward: retain_graph=True is not supported (got True): the "
@@ -151,7 +157,11 @@ class AutoOffloadOptimizer(BoostedOptimizer):
         return self._step_closure(closure)
 
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """AMPOptimizer.clip_grad_norm: the coming step's gradients clipped to
         ``max_norm`` (with the plugin's max_norm, the smaller bound), the norm

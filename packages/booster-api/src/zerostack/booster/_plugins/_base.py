@@ -141,6 +141,26 @@ class Plugin(ABC):
         """Always True: checkpoints go through :meth:`get_checkpoint_io`."""
         return True
 
+    def support_lora(self) -> bool:
+        """False: no plugin implements :meth:`enable_lora`."""
+        return False
+
+    def enable_lora(
+        self,
+        model: nn.Module,
+        pretrained_dir: str | None = None,
+        lora_config: Any = None,
+        bnb_quantization_config: Any = None,
+    ) -> nn.Module:
+        """ColossalAI's ``Plugin.enable_lora``: not implemented.
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            lora_refusal(f"{type(self).__name__}.enable_lora", f"lora_config={lora_config!r}")
+        )
+
     @abstractmethod
     def configure(
         self,
@@ -268,7 +288,9 @@ class BoostedOptimizer(OptimizerWrapper):
     def step(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_grad_scaler()
         self._opt_called = True  # torch's LRScheduler checks it at its first step
-        return self._step(*args, **kwargs)
+        out = self._step(*args, **kwargs)
+        self._stepped = True  # get_grad_norm has a step's norm to give
+        return out
 
     def _refuse_grad_scaler(self) -> None:
         """See [Note: torch's GradScaler]; the marks go, so the next step runs."""
@@ -296,6 +318,114 @@ class BoostedOptimizer(OptimizerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
+    # -- ColossalAI's OptimizerWrapper (colossalai/interface/optimizer.py) --------------
+
+    @property
+    def parameters(self) -> list[torch.Tensor]:
+        """Every tensor of ``param_groups``, group by group (ColossalAI's
+        ``OptimizerWrapper.parameters``, a property there too). Under the
+        sharding plugins these are what the groups step: the fp32 masters,
+        or the model's parameters where they are the masters."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The ``defaults`` of the optimizer passed to ``boost``."""
+        return self.unwrap().defaults
+
+    def unwrap(self) -> Any:
+        """The torch optimizer passed to ``boost`` (ColossalAI's
+        ``OptimizerWrapper.unwrap``). Under LowLevelZeroPlugin's
+        ``cpu_offload`` and GeminiPlugin its own ``state_dict`` refuses: save
+        with ``booster.save_optimizer``."""
+        return self._user_optimizer if self._user_optimizer is not None else self.optim
+
+    _user_optimizer: Any = None  # set by attach_scheduler at boost
+    _stepped = False  # a step() returned
+
+    def backward_by_grad(
+        self,
+        tensor: torch.Tensor,
+        grad: torch.Tensor,
+        inputs: Any = None,
+        retain_graph: bool = False,
+    ) -> None:
+        """``torch.autograd.backward(tensor, grad)`` as :meth:`backward` runs
+        a loss's (ColossalAI's ``OptimizerWrapper.backward_by_grad``): the
+        plugin's loss scaling and gradient reduction apply. It is the
+        backward of ``sum(tensor * grad)`` with ``grad`` held constant, whose
+        gradient at ``tensor`` is ``grad`` exactly.
+
+        Args:
+            tensor: a non-leaf output of the boosted model.
+            grad: the gradient of the objective at ``tensor`` (its shape).
+            inputs: as :meth:`backward`'s. Default None.
+            retain_graph: as :meth:`backward`'s. Default False.
+
+        Raises:
+            ValueError: ``grad`` is not shaped like ``tensor``.
+        """
+        if not isinstance(grad, torch.Tensor) or grad.shape != tensor.shape:
+            shape = tuple(grad.shape) if isinstance(grad, torch.Tensor) else type(grad).__name__
+            raise ValueError(
+                f"{self._API}.backward_by_grad: grad must be a tensor shaped like tensor "
+                f"{tuple(tensor.shape)} (got {shape}); pass dy of the same shape as y"
+            )
+        objective = torch.sum(tensor.float() * grad.detach().float())
+        self.backward(objective, inputs=inputs, retain_graph=retain_graph)  # type: ignore[call-arg]
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """ColossalAI's ``OptimizerWrapper.scale_loss``: only where the loss
+        is scaled by torch's GradScaler (TorchDDPPlugin or no plugin, with
+        fp16 mixed precision).
+
+        Raises:
+            NotImplementedError: here.
+        """
+        raise NotImplementedError(
+            f"{self._API}.scale_loss: the loss is scaled inside booster.backward(loss, "
+            f"optimizer) by the plugin's loss scaler (got a {type(loss).__name__}); call that, "
+            "and the step unscales"
+        )
+
+    def unscale_grad(self) -> None:
+        """ColossalAI's ``OptimizerWrapper.unscale_grad``: as :meth:`scale_loss`.
+
+        Raises:
+            NotImplementedError: here.
+        """
+        raise NotImplementedError(
+            f"{self._API}.unscale_grad: the gradients are unscaled by the plugin at "
+            "clip_grad_by_norm() and step() (got no GradScaler to unscale); read the norm "
+            "with optimizer.clip_grad_by_norm(float('inf'))"
+        )
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """ColossalAI's ``get_grad_norm``: the gradients' total norm that the
+        last ``step()`` computed (its LowLevelZero and Gemini optimizers).
+
+        Raises:
+            NotImplementedError: a plugin whose step computes no norm.
+        """
+        raise NotImplementedError(
+            f"{self._API}.get_grad_norm: this plugin's step computes no gradient norm (got "
+            f"norm_type={norm_type!r}); call optimizer.clip_grad_by_norm(float('inf'), "
+            "norm_type) before step(), which returns it"
+        )
+
+    def _last_step_norm(self, norm_type: float) -> float | None:
+        """``last_grad_norm`` of the plugin optimizer after a step, else None."""
+        if norm_type != 2.0:
+            raise NotImplementedError(
+                f"{self._API}.get_grad_norm: the step computes the 2-norm (got "
+                f"norm_type={norm_type!r}); call optimizer.clip_grad_by_norm(float('inf'), "
+                "norm_type) before step() for another"
+            )
+        if not self._stepped:
+            return None
+        norm = getattr(self.optim, "last_grad_norm", None)
+        return None if norm is None else float(norm)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``: not after boost (the plugin has taken
         the optimizer's parameters apart); every group goes in before.
@@ -313,7 +443,11 @@ class BoostedOptimizer(OptimizerWrapper):
         )
 
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """Clip the gradients of the coming step as torch's ``clip_grad_norm_``
         clips the model's whole gradients (ColossalAI's
@@ -326,6 +460,9 @@ class BoostedOptimizer(OptimizerWrapper):
             max_norm: the largest total norm; ``float('inf')`` only reads it.
             norm_type: the p of the p-norm, or ``inf``. Default 2.0.
             error_if_nonfinite: raise when the norm is inf or nan. Default False.
+            foreach: torch's choice of kernel (ColossalAI passes it on to
+                torch's ``clip_grad_norm_``); the result is the same either
+                way, so it is accepted and has no effect. Default None.
 
         Returns:
             The total norm before clipping, a 0-dim fp32 tensor.
@@ -379,6 +516,44 @@ class BoostedOptimizer(OptimizerWrapper):
         return f"{type(self).__name__}({type(self.optim).__name__})"
 
 
+def refuse_not_built(api: str, **given: tuple[Any, Any]) -> None:
+    """Refuse ColossalAI's options that are not built here (``name=(value,
+    off)``), unless off: fp8 and the extra parallel dimensions.
+
+    Raises:
+        NotImplementedError: an option is not off.
+    """
+    for name, (value, off) in given.items():
+        if value is not off and value != off:
+            raise NotImplementedError(
+                f"{api}: {name} is not implemented (got {value!r}); leave {name}={off!r} "
+                "(data parallelism in fp32, bf16 or fp16 is what is built)"
+            )
+
+
+def lora_refusal(api: str, got: str) -> str:
+    """The message of every LoRA entry point (ColossalAI's peft-based LoRA)."""
+    return (
+        f"{api}: LoRA is not implemented (got {got}); add the LoRA modules to the model "
+        "before booster.boost and freeze its base weights with requires_grad_(False) (every "
+        "plugin trains a model with frozen parameters), then save it with booster.save_model"
+    )
+
+
+def refuse_backward_inputs(api: str, inputs: Any) -> None:
+    """``backward(loss, inputs=...)`` where the plugin reduces every gradient.
+
+    Raises:
+        NotImplementedError: ``inputs`` is not None.
+    """
+    if inputs is not None:
+        raise NotImplementedError(
+            f"{api}: inputs= is not supported by this plugin, which reduces the gradient of "
+            f"every trainable parameter at each backward (got {type(inputs).__name__}); freeze "
+            "what should get no gradient with requires_grad_(False) before booster.boost"
+        )
+
+
 def check_clip_value(api: str, clip_value: object) -> float:
     """``clip_value`` of ``clip_grad_by_value`` as a float.
 
@@ -397,10 +572,12 @@ def check_clip_value(api: str, clip_value: object) -> float:
 
 
 def attach_scheduler(lr_scheduler: Any, optimizer: BoostedOptimizer, user: Any) -> None:
-    """Point an lr scheduler built on the user's optimizer at the boosted one
-    (whose ``param_groups`` are the user's optimizer's own, see zerostack.shard's
+    """Record the user's optimizer (what ``optimizer.unwrap()`` returns), and
+    point an lr scheduler built on it at the boosted one (whose
+    ``param_groups`` are the user's optimizer's own, see zerostack.shard's
     [Note: the user's hyperparameters]), so that its step counts the
     boosted optimizer's steps."""
+    optimizer._user_optimizer = user
     if lr_scheduler is None or getattr(lr_scheduler, "optimizer", None) is not user:
         return
     lr_scheduler.optimizer = optimizer

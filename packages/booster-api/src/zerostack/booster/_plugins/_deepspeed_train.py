@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerostack.booster._plugins._base import refuse_backward_inputs
 from zerostack.booster._plugins._contract import run_closure
 from zerostack.booster._plugins._deepspeed import (
     BATCH_KEYS,
@@ -274,9 +275,14 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         """True when the next ``step()`` steps (DeepSpeed's engine method)."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
         """``loss / gradient_accumulation_steps`` backward; no communication
-        before the window's last micro-step."""
+        before the window's last micro-step.
+
+        Raises:
+            NotImplementedError: ``inputs`` is not None.
+        """
+        refuse_backward_inputs(f"{self._API}.backward", inputs)
         gas = self.gradient_accumulation_steps
         if self._backward_since_step and gas > 1:
             self._warn_once(

@@ -22,6 +22,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     check_zero_options,
     precision_name,
+    refuse_backward_inputs,
     scaler_config,
     scaler_kwargs,
     warn_rank_local_running_stats,
@@ -111,7 +112,7 @@ class GeminiModel(ModelWrapper):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def unwrap(self) -> nn.Module:
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         return self.module.module
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -204,12 +205,13 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
         Every rank calls it at the same point: a write-back may all-gather."""
         self._model.module.wait_updates()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
         """``loss.backward()``, scaled for fp16.
 
         Raises:
-            NotImplementedError: ``retain_graph=True``.
+            NotImplementedError: ``retain_graph=True``, or ``inputs``.
         """
+        refuse_backward_inputs(f"{self._API}.backward", inputs)
         if retain_graph:
             raise NotImplementedError(
                 f"{self._API}.backward: retain_graph=True is not supported (got True): GeminiDDP "
@@ -222,8 +224,22 @@ class GeminiOptimizerWrapper(BoostedOptimizer):
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         return self._step_closure(closure)
 
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """The gradients' total 2-norm (unscaled, before clipping) that the
+        last ``step()`` computed, as ColossalAI's GeminiOptimizer gives it;
+        None before the first step.
+
+        Raises:
+            NotImplementedError: ``norm_type`` other than 2.
+        """
+        return self._last_step_norm(norm_type)
+
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """GeminiOptimizer.clip_grad_by_norm: the norm over every rank's chunk
         shards wherever they live; the step applies the clip (see

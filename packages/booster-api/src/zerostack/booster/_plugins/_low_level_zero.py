@@ -18,6 +18,8 @@ from zerostack.booster._plugins._base import (
     Plugin,
     attach_scheduler,
     check_zero_options,
+    refuse_backward_inputs,
+    refuse_not_built,
     scaler_config,
     scaler_kwargs,
     warn_rank_local_running_stats,
@@ -92,7 +94,7 @@ class LowLevelZeroModel(ModelWrapper):
             args, kwargs = _cast(args, self.dtype), _cast(kwargs, self.dtype)
         return self.module(*args, **kwargs)
 
-    def unwrap(self) -> nn.Module:
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         return self.module
 
     # Under a DeepSpeed config, the optimizer whose accumulation window
@@ -243,9 +245,24 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         super().__init__(optimizer)
         self._model = model
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward(retain_graph=...)``, scaled for fp16."""
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
+        """``loss.backward(retain_graph=...)``, scaled for fp16.
+
+        Raises:
+            NotImplementedError: ``inputs`` is not None.
+        """
+        refuse_backward_inputs(f"{self._API}.backward", inputs)
         self.optim.backward(loss, retain_graph=retain_graph)
+
+    def get_grad_norm(self, norm_type: float = 2.0, **kwargs: Any) -> float | None:
+        """The gradients' total 2-norm (unscaled, before clipping) that the
+        last ``step()`` computed, as ColossalAI's LowLevelZero optimizer
+        gives it; None before the first step.
+
+        Raises:
+            NotImplementedError: ``norm_type`` other than 2.
+        """
+        return self._last_step_norm(norm_type)
 
     def wait_updates(self) -> None:
         """With ``cpu_offload``: finish the last step's CPU updates and write
@@ -262,7 +279,11 @@ class LowLevelZeroOptimizer(BoostedOptimizer):
         self.optim.zero_grad(set_to_none)
 
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """ZeroOptimizer.clip_grad_by_norm: the norm over every rank's reduced
         pieces; the step applies the clip (see BoostedOptimizer.clip_grad_by_norm)."""
@@ -421,7 +442,7 @@ class LowLevelZeroPlugin(Plugin):
         overlap_allgather: False only. Default False.
         cpu_offload: masters and optimizer states on the CPU (Adam through
             zerostack's CPU kernel). Default False.
-        gpu_update_fraction: with cpu_offload, about this share of the
+        gpu_update_fraction: keyword-only; with cpu_offload, about this share of the
             offloaded parameters (the first buckets the forward uses) is
             updated by the GPU's fused Adam, their masters and states
             streamed from the host and back (ZeroOptimizer's argument; not a
@@ -432,6 +453,8 @@ class LowLevelZeroPlugin(Plugin):
         master_weights: keep fp32 masters. Default True.
         verbose: log the configuration at WARNING (else DEBUG). Default False.
         cast_inputs: cast floating forward inputs to ``precision``. Default True.
+        fp8_communication, use_fp8: ColossalAI's fp8 options; False only.
+        extra_dp_size: ColossalAI's second data-parallel dimension; 1 only.
         cpu_update_numel: keyword-only; with cpu_offload, a CPU Adam call
             steps consecutive buckets until it holds this many elements of
             this rank's pieces (ZeroOptimizer's argument; not a ColossalAI
@@ -443,7 +466,8 @@ class LowLevelZeroPlugin(Plugin):
             LossScalerConfig's checks).
         TypeError: a setting of the wrong type (e.g. cpu_offload not a bool).
         NotImplementedError: stage 3 (GeminiPlugin), norm_type other than 2,
-            overlap_allgather=True.
+            overlap_allgather=True, fp8_communication or use_fp8 True,
+            extra_dp_size other than 1.
     """
 
     def __init__(
@@ -464,13 +488,22 @@ class LowLevelZeroPlugin(Plugin):
         overlap_communication: bool = _ZERO.overlap_communication,
         overlap_allgather: bool = False,
         cpu_offload: bool = _ZERO.cpu_offload,
-        gpu_update_fraction: float | str | None = _ZERO.gpu_update_fraction,
         master_weights: bool = _ZERO.master_weights,
         verbose: bool = False,
         cast_inputs: bool = True,
+        fp8_communication: bool = False,
+        use_fp8: bool = False,
+        extra_dp_size: int = 1,
         *,
+        gpu_update_fraction: float | str | None = _ZERO.gpu_update_fraction,
         cpu_update_numel: int = _ZERO.cpu_update_numel,
     ) -> None:
+        refuse_not_built(
+            _API,
+            fp8_communication=(fp8_communication, False),
+            use_fp8=(use_fp8, False),
+            extra_dp_size=(extra_dp_size, 1),
+        )
         if stage == 3:
             raise NotImplementedError(
                 f"{_API}: stage 3 (parameters sharded too) is GeminiPlugin's (got stage=3); "

@@ -21,6 +21,7 @@ from zerostack.booster._plugins._base import (
     attach_scheduler,
     check_clip_value,
     nothing,
+    refuse_not_built,
 )
 from zerostack.booster._plugins._lazy import is_lazy
 from zerostack.booster._plugins._sharded import (
@@ -111,7 +112,7 @@ class TorchDDPModel(ModelWrapper):
         # no gradient for is DDP's own error and is left to it.
         self.module.reducer._reset_state()  # type: ignore[union-attr,operator]  # DDP's Reducer
 
-    def unwrap(self) -> nn.Module:
+    def unwrap(self, unwrap_peft: bool = True) -> nn.Module:
         return self.module.module if isinstance(self.module, DDP) else self.module
 
     def full_state_dict(self, only_rank_0: bool = True) -> dict[str, torch.Tensor]:
@@ -184,11 +185,44 @@ class TorchDDPOptimizer(BoostedOptimizer):
         for p in self._params():
             param_name(self._API, names, p)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``loss.backward(retain_graph=...)``, scaled when a GradScaler is on."""
+    def backward(self, loss: torch.Tensor, inputs: Any = None, retain_graph: bool = False) -> None:
+        """``loss.backward(inputs=..., retain_graph=...)``, scaled when a
+        GradScaler is on."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward(
-            retain_graph=retain_graph
+            inputs=inputs, retain_graph=retain_graph
         )
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the GradScaler's scale (ColossalAI's fp16 torch
+        mixed precision optimizer's); backward it, then :meth:`unscale_grad`
+        or ``step()`` unscales.
+
+        Raises:
+            NotImplementedError: no fp16 GradScaler (fp32 or bf16).
+        """
+        if self.scaler is None:
+            raise NotImplementedError(
+                f"{self._API}.scale_loss: the loss is not scaled (got no fp16 GradScaler); "
+                "only Booster(mixed_precision='fp16') scales it: call loss.backward() as is"
+            )
+        return self.scaler.scale(loss)
+
+    def unscale_grad(self) -> None:
+        """Divide the gradients by the GradScaler's scale now (its
+        ``unscale_``); ``step()`` and ``clip_grad_by_norm`` do not unscale
+        them again.
+
+        Raises:
+            NotImplementedError: no fp16 GradScaler (fp32 or bf16).
+        """
+        if self.scaler is None:
+            raise NotImplementedError(
+                f"{self._API}.unscale_grad: the gradients are not scaled (got no fp16 "
+                "GradScaler); only Booster(mixed_precision='fp16') scales them"
+            )
+        if not self._unscaled:
+            self.scaler.unscale_(self.optim)
+            self._unscaled = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group`` on the user's optimizer; the parameters
@@ -223,7 +257,11 @@ class TorchDDPOptimizer(BoostedOptimizer):
 
     @torch.no_grad()
     def clip_grad_by_norm(
-        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
     ) -> torch.Tensor:
         """torch's ``clip_grad_norm_`` on the model's parameters (DDP's
         all-reduced gradients), the norm accumulated in fp32; with the fp16
@@ -311,8 +349,11 @@ class TorchDDPPlugin(Plugin):
         broadcast_buffers: DistributedDataParallel's, as are bucket_cap_mb,
             find_unused_parameters, check_reduction, gradient_as_bucket_view
             and static_graph (its defaults: True, 25, False, False, False, False).
+        fp8_communication: ColossalAI's fp8 gradient all-reduce; False only.
+            Default False.
 
     Raises:
+        NotImplementedError: ``fp8_communication=True``.
         RuntimeError (at configure): torch.distributed is not initialised.
     """
 
@@ -324,7 +365,9 @@ class TorchDDPPlugin(Plugin):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        fp8_communication: bool = False,
     ) -> None:
+        refuse_not_built(type(self).__name__, fp8_communication=(fp8_communication, False))
         given = dict(
             broadcast_buffers=broadcast_buffers,
             bucket_cap_mb=bucket_cap_mb,
