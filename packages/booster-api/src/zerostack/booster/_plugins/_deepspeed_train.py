@@ -253,7 +253,7 @@ class DeepSpeedTraining:
         if lr_scheduler is None or not isinstance(optimizer, DeepSpeedZeroOptimizer):
             return lr_scheduler
         optimizer.lr_scheduler = lr_scheduler
-        return EngineSteppedScheduler(lr_scheduler)
+        return EngineSteppedScheduler(lr_scheduler, optimizer)
 
 
 class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
@@ -334,6 +334,10 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         scheduler.step()
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
 
+    def forget_scheduler_epoch(self) -> None:
+        """The lr scheduler's state was loaded: its epoch is not a stray step."""
+        self._scheduler_epoch = None
+
     def full_state_dict(self) -> dict[str, Any]:
         """LowLevelZeroOptimizer's, with a warning when taken inside a window."""
         self._warn_inside_window()
@@ -388,8 +392,9 @@ class EngineSteppedScheduler:
     engine.step() does), so ``step()`` here does nothing (one warning).
     Everything else is the scheduler's (``get_last_lr``, ``state_dict``, ...)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, optimizer: DeepSpeedZeroOptimizer) -> None:
         self.scheduler = scheduler
+        self._optimizer = weakref.ref(optimizer)
         self._warned = False
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -407,7 +412,13 @@ class EngineSteppedScheduler:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The scheduler's; the optimizer forgets the epoch it last stepped
+        it to, so that the next step() does not take the loaded epoch for a
+        ``step()`` called outside it (booster.load_state rolling back a run)."""
         self.scheduler.load_state_dict(state_dict)
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer.forget_scheduler_epoch()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["scheduler"], name)
