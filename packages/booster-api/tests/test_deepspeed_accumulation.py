@@ -258,3 +258,42 @@ def test_rolling_back_with_load_state_is_not_taken_for_a_scheduler_stepped_by_ha
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*stepped outside optimizer.step()")
         assert windows(2) == first == [LR["sgd"] / 4, LR["sgd"] / 5]
+
+
+def test_a_rollback_inside_a_window_trains_as_a_fresh_resume(tmp_path):
+    """booster.load_state in the middle of a gradient accumulation window
+    (after a micro-step's step(), or after a backward with no step())
+    drops that window: training goes on bitwise as a fresh process resuming
+    the same state. Before, the loaded run kept the micro-step count and the
+    gradients of before the load, and closed its first window early with
+    them in it."""
+
+    def boosted(seed):
+        torch.manual_seed(seed)
+        model = TinyGPT(CONFIG)
+        booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+        model, opt, *_ = booster.boost(model, _optimizer("sgd", model.parameters()))
+        return booster, model, opt
+
+    def micro_steps(booster, model, opt, seeds, step=True):
+        for seed in seeds:
+            idx, tgt = make_batch(CONFIG, 4, 16, seed=seed)
+            booster.backward(_loss(model(idx), tgt), opt)
+            if step:
+                opt.step()
+
+    state = str(tmp_path / "state")
+    booster, model, opt = boosted(0)
+    micro_steps(booster, model, opt, range(4))
+    booster.save_state(state, model, opt)
+    fresh = boosted(1)
+    fresh[0].load_state(state, *fresh[1:])
+    micro_steps(*fresh, range(4, 8))
+    for opened in ({"step": True}, {"step": False}):
+        micro_steps(booster, model, opt, [99], **opened)  # a window opened, then rolled back
+        booster.load_state(state, model, opt)
+        assert opt.micro_steps % 2 == 0, opened  # at a boundary
+        micro_steps(booster, model, opt, range(4, 8))
+        for a, b in zip(model.unwrap().parameters(), fresh[1].unwrap().parameters(), strict=True):
+            assert torch.equal(a, b), opened
+        booster.load_state(state, model, opt)

@@ -29,7 +29,9 @@ N (gas), the boosted optimizer follows DeepSpeed's ``engine.backward`` /
     it; ``lr_scheduler.step()`` on the scheduler ``boost`` returns does
     nothing, with one warning.
 The micro-step count is not checkpointed: save at a boundary (after the N-th
-``step()``), as DeepSpeed programs do.
+``step()``), as DeepSpeed programs do. A load (of the model or of the
+optimizer) starts a window, dropping one open before it, as a fresh process
+resuming the checkpoint does.
 """
 
 from __future__ import annotations
@@ -333,6 +335,33 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
             )
         scheduler.step()
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """LowLevelZeroOptimizer's; then the window open before it is dropped."""
+        super().load_full_state_dict(state_dict)
+        self.drop_window_for_load()
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """LowLevelZeroOptimizer's; then the window open before it is dropped."""
+        super().load_sharded_state_dict(state_dict)
+        self.drop_window_for_load()
+
+    def drop_window_for_load(self) -> None:
+        """A load (of the model or of this optimizer) starts a window, as a
+        fresh process resuming the checkpoint does (it holds no window, see
+        ``_warn_inside_window``). Before, a run rolled back inside a window
+        kept its micro-step count and its gradients, and finished that window
+        early, with the micro-batches of before the load in it."""
+        inside = self.micro_steps % self.gradient_accumulation_steps
+        if not inside and not self._backward_since_step:
+            return
+        logger.info(
+            "%s: a load drops the %d micro-step(s) of the open gradient accumulation window",
+            self._API, inside + self._backward_since_step,
+        )  # fmt: skip
+        self.micro_steps -= inside
+        self._backward_since_step = False
+        self.optim.zero_grad(True)
 
     def forget_scheduler_epoch(self) -> None:
         """The lr scheduler's state was loaded: its epoch is not a stray step."""
