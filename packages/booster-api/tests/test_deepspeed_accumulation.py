@@ -297,3 +297,7 @@ def test_a_rollback_inside_a_window_trains_as_a_fresh_resume(tmp_path):
         for a, b in zip(model.unwrap().parameters(), fresh[1].unwrap().parameters(), strict=True):
             assert torch.equal(a, b), opened
         booster.load_state(state, model, opt)
+    # The model alone, rolled back: it starts a window too.
+    micro_steps(booster, model, opt, [99])
+    booster.load_model(model, f"{state}/model")
+    assert opt.micro_steps % 2 == 0 and all(p.grad is None for p in model.unwrap().parameters())
