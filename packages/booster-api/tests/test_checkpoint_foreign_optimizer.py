@@ -119,3 +119,47 @@ def test_frozen_parameters_may_be_listed_on_one_side_only(tmp_path):
     model.parameters(), not in one built on the trainable ones, nor in
     GeminiOptimizer's group: states still load across these."""
     spawn(_frozen_cases, 1, args=(str(tmp_path),), backend="gloo", timeout_s=240)
+
+
+def _linear_boosted(plugin: str, out_features: int):
+    torch.manual_seed(out_features)
+    net = nn.Linear(8, out_features, bias=False)
+    made = PLUGINS[plugin][0]()
+    booster = Booster(device="cpu") if made is None else Booster(plugin=made)
+    model, opt, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    booster.backward(model(torch.randn(4, 8)).pow(2).mean(), opt)
+    opt.step()
+    opt.zero_grad()
+    return booster, opt
+
+
+def _save_other_size(rank, world, root):
+    del rank, world
+    booster, opt = _linear_boosted("none", out_features=8)  # weight: 64 elements
+    booster.save_optimizer(opt, f"{root}/optim", shard=True)
+
+
+def _load_other_size(rank, world, root):
+    del world
+    torch.set_num_threads(1)
+    booster, opt = _linear_boosted("zero2", out_features=16)  # 128 elements, 64 a rank
+    assert opt.local_ranges()["weight"] == (64 * rank, 64 * (rank + 1), 128)
+    before = opt.full_state_dict()
+    with pytest.raises(
+        ValueError,
+        match=r"CheckpointIO\.load_optimizer: .*/optim holds optimizer states of other sizes "
+        r"than this optimizer's parameters \(got \[\('weight', 'exp_avg', 64, 128\), "
+        r"\('weight', 'exp_avg_sq', 64, 128\)\] .*load the state of the same model",
+    ):
+        booster.load_optimizer(opt, f"{root}/optim")
+    same(before, opt.full_state_dict(), f"rank {rank}: a refused load changed the optimizer")
+
+
+def test_a_per_rank_state_of_other_sizes_is_refused_where_it_fits_a_rank_s_range(tmp_path):
+    """A per-rank (``shard=True``) optimizer state of a parameter of 64
+    elements, loaded at ZeRO-2 over 2 ranks into one of 128 (64 a rank).
+    Before, each rank read the saved tensor whole and, its size being the
+    rank's range, took it as its piece: both halves of exp_avg held the
+    same 64 values, without an error."""
+    spawn(_save_other_size, 1, args=(str(tmp_path),), backend="gloo", timeout_s=120)
+    spawn(_load_other_size, 2, args=(str(tmp_path),), backend="gloo", timeout_s=120)

@@ -225,3 +225,79 @@ def test_a_checkpoint_inside_a_window_says_it_does_not_resume_exactly(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         booster.save_optimizer(opt, str(tmp_path / "boundary"))
+
+
+def test_rolling_back_with_load_state_is_not_taken_for_a_scheduler_stepped_by_hand(tmp_path):
+    """booster.load_state into the objects that trained on (a rollback)
+    sets the scheduler's epoch back: the steps after it follow the lrs of
+    the first pass with no warning. Before, the first step() took the
+    loaded epoch for a scheduler.step() called outside it and warned to
+    remove a call the loop does not make."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+    user_opt = _optimizer("sgd", model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user_opt, lambda s: 1.0 / (1 + s))
+    model, opt, _, _, scheduler = booster.boost(model, user_opt, lr_scheduler=scheduler)
+    idx, tgt = make_batch(CONFIG, 4, 16, seed=0)
+
+    def windows(n):
+        lrs = []
+        for _ in range(n):
+            for _ in range(2):
+                booster.backward(_loss(model(idx), tgt), opt)
+                opt.step()
+            lrs.append(opt.param_groups[0]["lr"])
+        return lrs
+
+    windows(2)
+    booster.save_state(str(tmp_path / "state"), model, opt, scheduler)
+    first = windows(2)
+    booster.load_state(str(tmp_path / "state"), model, opt, scheduler)
+    assert scheduler.last_epoch == 2
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*stepped outside optimizer.step()")
+        assert windows(2) == first == [LR["sgd"] / 4, LR["sgd"] / 5]
+
+
+def test_a_rollback_inside_a_window_trains_as_a_fresh_resume(tmp_path):
+    """booster.load_state in the middle of a gradient accumulation window
+    (after a micro-step's step(), or after a backward with no step())
+    drops that window: training goes on bitwise as a fresh process resuming
+    the same state. Before, the loaded run kept the micro-step count and the
+    gradients of before the load, and closed its first window early with
+    them in it."""
+
+    def boosted(seed):
+        torch.manual_seed(seed)
+        model = TinyGPT(CONFIG)
+        booster = Booster(plugin=_plugin(Case(name="", stage=2, kind="sgd", gas=2)))
+        model, opt, *_ = booster.boost(model, _optimizer("sgd", model.parameters()))
+        return booster, model, opt
+
+    def micro_steps(booster, model, opt, seeds, step=True):
+        for seed in seeds:
+            idx, tgt = make_batch(CONFIG, 4, 16, seed=seed)
+            booster.backward(_loss(model(idx), tgt), opt)
+            if step:
+                opt.step()
+
+    state = str(tmp_path / "state")
+    booster, model, opt = boosted(0)
+    micro_steps(booster, model, opt, range(4))
+    booster.save_state(state, model, opt)
+    fresh = boosted(1)
+    fresh[0].load_state(state, *fresh[1:])
+    micro_steps(*fresh, range(4, 8))
+    for opened in ({"step": True}, {"step": False}):
+        micro_steps(booster, model, opt, [99], **opened)  # a window opened, then rolled back
+        booster.load_state(state, model, opt)
+        assert opt.micro_steps % 2 == 0, opened  # at a boundary
+        micro_steps(booster, model, opt, range(4, 8))
+        for a, b in zip(model.unwrap().parameters(), fresh[1].unwrap().parameters(), strict=True):
+            assert torch.equal(a, b), opened
+        booster.load_state(state, model, opt)
+    # The model alone, rolled back: it starts a window too.
+    micro_steps(booster, model, opt, [99])
+    booster.load_model(model, f"{state}/model")
+    assert opt.micro_steps % 2 == 0 and all(p.grad is None for p in model.unwrap().parameters())

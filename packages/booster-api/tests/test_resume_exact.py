@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin
+from zerostack.booster import Booster, GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 from zerostack.booster._plugins._data import ResumableDataLoader, StatefulDistributedSampler
 from zerostack.booster._rng import rng_state, set_rng_state
 from zerostack.fused_adam import HybridAdam
-from zerostack.testing import GPTConfig, TinyGPT, spawn
+from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
 CONFIG = GPTConfig(bias=False, vocab_size=64, dim=32, num_layers=2, max_seq_len=16, dropout=0.2)
 SAMPLES, BATCH, STEPS, SAVE_AT = 40, 4, 8, 3  # 5 batches a rank and epoch at world 2
@@ -160,3 +160,67 @@ def test_load_state_refuses_what_was_not_saved(tmp_path):
     sched = object()
     with pytest.raises(ValueError, match=r"holds no lr_scheduler"):
         booster.load_state(tmp_path / "s", model, lr_scheduler=sched)
+
+
+NO_DROPOUT = GPTConfig(bias=False, vocab_size=64, dim=32, num_layers=2, max_seq_len=16)
+AFTER_LOAD = {
+    "ddp": lambda: TorchDDPPlugin(),
+    "zero2-offload": lambda: LowLevelZeroPlugin(stage=2, precision="fp32", cpu_offload=True),
+    "gemini": lambda: GeminiPlugin(precision="fp32", chunk_config_dict={1: {"chunk_size": 5_000}}),
+}
+
+
+def _halving(epoch: int) -> float:
+    return 0.5**epoch
+
+
+def _lrs_and_losses(booster, model, opt, sched, start, steps):
+    out = []
+    for step in range(start, start + steps):
+        idx, tgt = make_batch(NO_DROPOUT, 4, 15, seed=step)
+        loss = model(idx, tgt)
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        out += [opt.param_groups[0]["lr"], loss.item()]
+    return out
+
+
+def _scheduler_after_load(rank, world, root, plugin):
+    del rank, world
+    torch.set_num_threads(1)
+    for shard in (True, False):
+        path = f"{root}/{plugin}-{shard}"
+        torch.manual_seed(0)
+        net = TinyGPT(NO_DROPOUT)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, _halving)
+        booster = Booster(plugin=AFTER_LOAD[plugin]())
+        model, opt, _, _, sched = booster.boost(net, opt, lr_scheduler=sched)
+        _lrs_and_losses(booster, model, opt, sched, 0, 3)
+        booster.save_model(model, f"{path}-model", shard=shard)
+        booster.save_optimizer(opt, f"{path}-optim", shard=shard)
+        expected = _lrs_and_losses(booster, model, opt, sched, 3, 3)
+
+        torch.manual_seed(1)
+        net = TinyGPT(NO_DROPOUT)
+        booster = Booster(plugin=AFTER_LOAD[plugin]())
+        model, opt, *_ = booster.boost(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        booster.load_model(model, f"{path}-model")
+        booster.load_optimizer(opt, f"{path}-optim")
+        assert opt.param_groups[0]["initial_lr"] == 1e-2, (plugin, shard)
+        # torch's resume recipe: the scheduler built after the load, at its epoch.
+        sched = torch.optim.lr_scheduler.LambdaLR(opt.unwrap(), _halving, last_epoch=2)
+        got = _lrs_and_losses(booster, model, opt, sched, 3, 3)
+        assert got == pytest.approx(expected, rel=1e-6), (plugin, shard)
+
+
+@pytest.mark.parametrize("plugin", list(AFTER_LOAD))
+def test_a_scheduler_built_after_load_optimizer_resumes_as_in_torch(tmp_path, plugin):
+    """torch's ``optimizer.load_state_dict`` restores the groups' ``initial_lr``
+    that an lr scheduler put there, and ``LambdaLR(opt, f, last_epoch=k)``
+    built after the load starts from it. Before, ``load_optimizer`` dropped
+    it (the fresh optimizer had none), and the scheduler raised torch's
+    KeyError "param 'initial_lr' is not specified in param_groups[0]"."""
+    spawn(_scheduler_after_load, 1, args=(str(tmp_path), plugin), backend="gloo", timeout_s=180)

@@ -205,14 +205,16 @@ def load_optimizer(api: str, optimizer: Any, path: str) -> None:
 
     Raises:
         KeyError: the checkpoint holds states of parameters the optimizer lacks.
-        ValueError: its parameter groups list other parameters than the
-            optimizer's (the plugin's ``load_sharded_state_dict`` checks
-            before it loads anything).
+        ValueError: a state's size differs from its parameter's (a state of
+            another model), before anything is read; its parameter groups
+            list other parameters than the optimizer's (the plugin's
+            ``load_sharded_state_dict`` checks before it loads anything).
     """
     read_meta(api, path, "optimizer")
     keys = engine.saved_keys(path)
     ranges = optimizer.local_ranges()
     dest: dict[str, Any] = {"param_groups": None, "loss_scaler": None}
+    wrong = []
     for key, md in keys.items():
         if not key.startswith(_STATE):
             continue
@@ -222,13 +224,25 @@ def load_optimizer(api: str, optimizer: Any, path: str) -> None:
                 f"{api}: the optimizer state has parameters this optimizer does not (got "
                 f"{name!r}); load a state saved from the same model"
             )
+        # Every 1-d state but the step count is element-wise, a piece of the
+        # parameter's numel (see [Note: sharded state format]). One of
+        # another numel used to be read whole and, where its size happened
+        # to equal this rank's range, loaded as every rank's piece.
         is_piece = isinstance(md, engine.TensorStorageMetadata) and len(md.size) == 1
-        if is_piece and md.size[0] == ranges[name][2] and k != "step":
+        if is_piece and k != "step" and md.size[0] != ranges[name][2]:
+            wrong.append((name, k, md.size[0], ranges[name][2]))
+        elif is_piece and k != "step":
             dest[key] = _dest(api, key, md, ranges[name])
         elif isinstance(md, engine.TensorStorageMetadata):
             dest[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         else:
             dest[key] = None
+    if wrong:
+        raise ValueError(
+            f"{api}: {path} holds optimizer states of other sizes than this optimizer's "
+            f"parameters (got {sorted(wrong)[:4]} as (name, state, saved elements, parameter's "
+            "elements)); load the state of the same model"
+        )
     out = engine.load(path, dest)
     state: dict[str, dict[str, Any]] = {}
     for key, v in out.items():

@@ -29,7 +29,9 @@ N (gas), the boosted optimizer follows DeepSpeed's ``engine.backward`` /
     it; ``lr_scheduler.step()`` on the scheduler ``boost`` returns does
     nothing, with one warning.
 The micro-step count is not checkpointed: save at a boundary (after the N-th
-``step()``), as DeepSpeed programs do.
+``step()``), as DeepSpeed programs do. A load (of the model or of the
+optimizer) starts a window, dropping one open before it, as a fresh process
+resuming the checkpoint does.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ class DeepSpeedTraining:
         if lr_scheduler is None or not isinstance(optimizer, DeepSpeedZeroOptimizer):
             return lr_scheduler
         optimizer.lr_scheduler = lr_scheduler
-        return EngineSteppedScheduler(lr_scheduler)
+        return EngineSteppedScheduler(lr_scheduler, optimizer)
 
 
 class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
@@ -334,6 +336,37 @@ class DeepSpeedZeroOptimizer(LowLevelZeroOptimizer):
         scheduler.step()
         self._scheduler_epoch = getattr(scheduler, "last_epoch", None)
 
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """LowLevelZeroOptimizer's; then the window open before it is dropped."""
+        super().load_full_state_dict(state_dict)
+        self.drop_window_for_load()
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """LowLevelZeroOptimizer's; then the window open before it is dropped."""
+        super().load_sharded_state_dict(state_dict)
+        self.drop_window_for_load()
+
+    def drop_window_for_load(self) -> None:
+        """A load (of the model or of this optimizer) starts a window, as a
+        fresh process resuming the checkpoint does (it holds no window, see
+        ``_warn_inside_window``). Before, a run rolled back inside a window
+        kept its micro-step count and its gradients, and finished that window
+        early, with the micro-batches of before the load in it."""
+        inside = self.micro_steps % self.gradient_accumulation_steps
+        if not inside and not self._backward_since_step:
+            return
+        logger.info(
+            "%s: a load drops the %d micro-step(s) of the open gradient accumulation window",
+            self._API, inside + self._backward_since_step,
+        )  # fmt: skip
+        self.micro_steps -= inside
+        self._backward_since_step = False
+        self.optim.zero_grad(True)
+
+    def forget_scheduler_epoch(self) -> None:
+        """The lr scheduler's state was loaded: its epoch is not a stray step."""
+        self._scheduler_epoch = None
+
     def full_state_dict(self) -> dict[str, Any]:
         """LowLevelZeroOptimizer's, with a warning when taken inside a window."""
         self._warn_inside_window()
@@ -388,8 +421,9 @@ class EngineSteppedScheduler:
     engine.step() does), so ``step()`` here does nothing (one warning).
     Everything else is the scheduler's (``get_last_lr``, ``state_dict``, ...)."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, optimizer: DeepSpeedZeroOptimizer) -> None:
         self.scheduler = scheduler
+        self._optimizer = weakref.ref(optimizer)
         self._warned = False
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -407,7 +441,13 @@ class EngineSteppedScheduler:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The scheduler's; the optimizer forgets the epoch it last stepped
+        it to, so that the next step() does not take the loaded epoch for a
+        ``step()`` called outside it (booster.load_state rolling back a run)."""
         self.scheduler.load_state_dict(state_dict)
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer.forget_scheduler_epoch()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["scheduler"], name)

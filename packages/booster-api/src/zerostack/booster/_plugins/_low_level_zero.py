@@ -167,6 +167,7 @@ class LowLevelZeroModel(ModelWrapper):
             s.master.zero_()  # the padding stays zero (see zerostack.shard's [Note: per-parameter pieces])
             s.master[: end - start].copy_(value.detach().reshape(-1)[start:end])
         zero.masters_written()
+        self._drop_window_for_load()
 
     def _first_names(self) -> dict[int, str]:
         return {id(p): n for n, p in self.module.named_parameters()}
@@ -216,6 +217,14 @@ class LowLevelZeroModel(ModelWrapper):
             ]
             zero.load_local_state_dict({"params": entries, "param_groups": None, "scaler": None})
         load_buffers(self.module, values)
+        self._drop_window_for_load()
+
+    def _drop_window_for_load(self) -> None:
+        """Under a DeepSpeed config, a loaded model starts a gradient
+        accumulation window (see DeepSpeedZeroOptimizer.drop_window_for_load)."""
+        owner = self.window_owner() if self.window_owner is not None else None
+        if owner is not None:
+            owner.drop_window_for_load()
 
 
 def _gather_master(zero: ZeroOptimizer, s: Any) -> torch.Tensor:

@@ -192,14 +192,27 @@ def check_same_groups(api: str, saved: list[dict[str, Any]], current: list[list[
                     )
 
 
+# Put into the groups by torch's LRScheduler, whatever the optimizer's class.
+_SCHEDULER_KEYS = ("initial_lr",)
+
+
 def merge_hyper(current: dict[str, Any], saved: dict[str, Any] | None) -> dict[str, Any]:
     """``current``'s hyperparameters, with the saved values of the keys both
-    optimizers know (lr, betas, eps, weight_decay, initial_lr, ...). Keys of
+    optimizers know (lr, betas, eps, weight_decay, ...) and of ``initial_lr``,
+    which torch's ``load_state_dict`` carries too: an lr scheduler built
+    after the load with ``last_epoch=k`` reads it (torch's KeyError without
+    it), one built with the default takes it as its base lr. Keys of
     another optimizer class (amsgrad, adamw_mode, ...) are not carried over:
     the optimizer being loaded keeps its own."""
     out = hyper(current)
     if saved is not None:
-        out.update({k: copy.deepcopy(v) for k, v in saved.items() if k != "params" and k in out})
+        out.update(
+            {
+                k: copy.deepcopy(v)
+                for k, v in saved.items()
+                if k != "params" and (k in out or k in _SCHEDULER_KEYS)
+            }
+        )
     return out
 
 
