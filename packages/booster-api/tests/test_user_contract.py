@@ -721,6 +721,8 @@ ROWS = [
     Row("freeze-after-boost", TORCH + SHARDED, _freeze_later, _frozen_stays),
     Row("unfreeze-after-boost", TORCH + ZERO, _unfreeze_later, _unfrozen_trains, options=dict(frozen=("pos_emb.weight",))),
     Row("unfreeze-after-boost-refused", GEMINI, _unfreeze_later, error=NotImplementedError, match=r"GeminiDDP: parameters frozen when the model was wrapped cannot be unfrozen \(got requires_grad=True on \['pos_emb\.weight'\]\).*before GeminiDDP \(or booster\.boost with GeminiPlugin\)", options=dict(frozen=("pos_emb.weight",))),
+    Row("freeze-after-boost-refused", AUTO, _freeze_later, error=NotImplementedError, match=r"BaseOffloadModule\.forward: requires_grad changed after memory_optimize \(or booster\.boost with AutoOffloadPlugin\) planned which parameters train \(got tok_emb\.weight requires_grad=False\); set requires_grad before memory_optimize"),
+    Row("unfreeze-after-boost-refused-auto", AUTO, _unfreeze_later, error=NotImplementedError, match=r"requires_grad changed after memory_optimize .*\(got pos_emb\.weight requires_grad=True\)", options=dict(frozen=("pos_emb.weight",))),
     Row("forward-hook", TORCH + SHARDED, _hooked_output, _hook_ran),
     Row("forward-hook-refused", AUTO, _submodule_hook, error=NotImplementedError, match=r"forward hooks on the traced module's submodules do not run under AutoOffloadPlugin \(got a hook on '\w+'\)"),
     Row("parameters", ALL, _parameters, _every_parameter),
