@@ -730,6 +730,7 @@ ROWS = [
     Row("vector-to-parameters", TORCH + ZERO, _replace_tensors, _as_torch_replaces, options=dict(optimizer="sgd")),
     Row("vector-to-parameters-refused", GEMINI, _replace_tensors, error=RuntimeError, match=r"GeminiDDP: parameters given another tensor between steps \(p\.data = t, e\.g\. by torch\.nn\.utils\.vector_to_parameters\), which their chunks never see \(got \['tok_emb\.weight'.*Write in place under torch\.no_grad\(\) \(p\.copy_\(t\)\)", options=dict(optimizer="sgd")),
     Row("write-parameters-before-the-write-back", ("zero2-offload",), _write_before_the_write_back, warning=UserWarning, match=r"ZeroOptimizer: parameters written in place after their update of this step had started \(got \['"),
+    Row("write-parameters-before-the-write-back-refused", ("gemini-offload",), _write_before_the_write_back, error=RuntimeError, match=r"GeminiDDP: \['tok_emb\.weight', .*\] \.\.\. was written between steps while its chunk was released .*optimizer\.wait_updates\(\)\), so the write did nothing"),
     # -- the user's optimizer and the plugin's arguments ------------------------------------
     Row("torch-adam-decoupled-weight-decay", ("zero2-offload",), lambda env: None, lambda env, _: _as_adamw(env), options=dict(optimizer="adam-decoupled")),
     Row("gemini-search-with-chunk-config-dict", ("torch",), _plugin(chunk_config_dict={1: {"chunk_size": 1024}}, hidden_dim=64), warning=UserWarning, match=r"GeminiDDP: hidden_dim=64 has no effect with chunk_config_dict \(the chunk size is given, there is no search\)"),

@@ -92,6 +92,27 @@ def test_a_write_to_a_released_parameter_raises_once(world):
     spawn(_write_released, world)
 
 
+def test_a_write_before_the_offloaded_update_is_written_back_raises():
+    """One rank, kept-gathered chunks, the update on the CPU-step worker:
+    right after step() the parameters have no elements until the write-back.
+    A write then did nothing, and the next forward's write-back moved the
+    parameters to the step's values, which it took for the write: the
+    write was lost, silently (0.50 off torch after one more SGD step)."""
+    torch.manual_seed(0)
+    net = _net()
+    ddp = GeminiDDP(net, chunk_config_dict={1: {"chunk_size": 256, "keep_gathered": True}},
+                    compute_device="cpu", mixed_precision=torch.float32,
+                    offload_optim_frac=1.0)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    opt.backward(ddp(torch.ones(2, 8)).square().mean())
+    opt.step()
+    assert net[0].weight.numel() == 0  # the update is not written back yet
+    _halve(net)
+    with pytest.raises(RuntimeError, match=r"\['0.weight'\] was written between steps while its"):
+        ddp(torch.ones(2, 8))
+    ddp(torch.ones(2, 8))  # said once; training goes on
+
+
 class _RenormedEmbedding(nn.Module):
     def __init__(self):
         super().__init__()

@@ -656,7 +656,9 @@ class GeminiDDP(nn.Module):
         does nothing there) raises, once. Offloaded updates still running
         are waited for first, where a parameter moved; a write made before
         its own step's update was written back is overwritten by it (call
-        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` moves
+        ``optimizer.wait_updates()`` before writing), or raises where the
+        parameter had no elements until that write-back (which is why the
+        empty ones are noted before waiting). ``p.data.copy_()`` moves
         no counter and is not seen (zero-shard's [Note: parameters written
         in place] has the same limit); ``p.data = t`` (torch's
         ``vector_to_parameters``) raises (see ``_refuse_replaced``).
@@ -670,10 +672,14 @@ class GeminiDDP(nn.Module):
         ]
         if not moved or self._state is not T.IDLE:
             return
+        # Before wait_updates: its write-back gives an offloaded chunk's
+        # parameters their elements again, and a write that did nothing
+        # looked like one to adopt (the step's values were kept, silently).
+        empty = {p for p in moved if p.numel() == 0}
         self.wait_updates()
         for p in moved:
             chunk = self.chunk_manager.get_chunk(p)
-            if p.numel() == 0 or not chunk.is_gathered:
+            if p in empty or not chunk.is_gathered:
                 continue
             info = chunk.tensors_info[p]
             slot = chunk.buffer[info.offset : info.end]
@@ -682,7 +688,7 @@ class GeminiDDP(nn.Module):
                 _write_slot(self.chunk_manager.get_chunk(master), info.offset, slot)
             chunk.commit_share()
         self._note_versions()  # a write to a released parameter is said once
-        released = [self.param_names[p] for p in moved if p.numel() == 0]
+        released = [self.param_names[p] for p in moved if p in empty]
         if released:
             raise RuntimeError(
                 f"{_API}: {released[:3]}{' ...' if len(released) > 3 else ''} was written between "
