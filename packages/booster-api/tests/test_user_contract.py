@@ -326,6 +326,43 @@ def _as_evaluated_before_the_backward(env: Env, got: tuple[torch.Tensor, dict]) 
     assert _max_change(ref.weights(), got[1]) < 1e-6
 
 
+def _torchs_grad_norm() -> float:
+    """The gradient's 2-norm of the second batch after one SGD step, by torch."""
+    ref = Env("torch", optimizer="sgd")
+    ref.step(0)
+    ref.loss(1).backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in ref.plain.parameters()]).item()
+
+
+def _grad_norm_by_hand(env: Env) -> float:
+    """After a first step, a backward, then the norm logged from ``p.grad``."""
+    env.step(0)
+    env.booster.backward(env.loss(1), env.opt)
+    norms = [p.grad.norm() for p in env.model.unwrap().parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+
+def _grad_norm_by_clip_inf(env: Env) -> tuple[float, dict[str, torch.Tensor]]:
+    """What the refusal above says to do; the step is the unclipped one."""
+    env.step(0)
+    env.booster.backward(env.loss(1), env.opt)
+    norm = float(env.opt.clip_grad_by_norm(float("inf")))
+    env.opt.step()
+    env.settle()
+    return norm, env.weights()
+
+
+def _is_torchs_grad_norm(env: Env, got: Any) -> None:
+    norm = got[0] if isinstance(got, tuple) else got
+    bf16 = env.kind == "auto-offload"  # bf16 gradients
+    torch.testing.assert_close(norm, _torchs_grad_norm(), rtol=1e-3 if bf16 else 1e-6, atol=0)
+    if isinstance(got, tuple) and not bf16:
+        ref = Env("torch", optimizer="sgd")
+        ref.step(0)
+        ref.step(1)
+        assert _max_change(ref.weights(), got[1]) < 1e-6
+
+
 def _step_the_optimizer_handed_to_boost(env: Env) -> None:
     env.booster.backward(env.loss(0), env.opt)
     env.user_opt.step()
@@ -684,6 +721,9 @@ ROWS = [
     Row("step-other-argument", SHARDED + AUTO, lambda env: env.opt.step(div_scale=2.0), error=TypeError, match=r"unexpected keyword argument 'div_scale'"),
     Row("param-groups-lr", ALL, _lr_zero, _unchanged),
     Row("zero-grad-set-to-none-false", ALL, lambda env: None, _same_as_set_to_none),
+    Row("grad-norm-logged-by-hand", TORCH, _grad_norm_by_hand, _is_torchs_grad_norm, options=dict(optimizer="sgd")),
+    Row("grad-norm-logged-by-hand-refused", SHARDED + AUTO, _grad_norm_by_hand, error=RuntimeError, match=r"(ZeroOptimizer|GeminiDDP|AMPOptimizer): this parameter's gradient is reduced and sharded over the ranks, so param\.grad holds no values \(got aten\.linalg_vector_norm\.default on it, e\.g\. from torch\.nn\.utils\.clip_grad_norm_ or a gradient norm logged by hand\).*to log the gradient's total norm, optimizer\.clip_grad_by_norm\(float\('inf'\)\) returns it before step\(\)"),
+    Row("grad-norm-read-with-clip-grad-by-norm-inf", ALL, _grad_norm_by_clip_inf, _is_torchs_grad_norm, options=dict(optimizer="sgd")),
     Row("add-param-group", TORCH, _add_group, _group_trains, options=dict(exclude=("tok_emb.weight",))),
     Row("add-param-group-foreign", TORCH, lambda env: env.opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]}), error=ValueError, match=r"TorchDDPOptimizer: the optimizer holds a parameter that is not the model's \(got shape \(3,\)\)"),
     Row("add-param-group-after-boost", SHARDED + AUTO, _add_group, error=NotImplementedError, match=r"add_param_group: adding a parameter group after boost is not supported \(got a group of 1 tensors\); .*build the optimizer with every group before booster\.boost"),
