@@ -197,6 +197,73 @@ def _lr_zero(env: Env) -> dict[str, torch.Tensor]:
     return before
 
 
+def _adam_hyperparameters_changed(env: Env) -> dict[str, torch.Tensor]:
+    """betas, eps and weight_decay set by hand on the boosted optimizer's
+    groups between steps (lr has its own row)."""
+    env.step(0)
+    for group in env.opt.param_groups:
+        group.update(betas=(0.5, 0.6), eps=1e-3, weight_decay=0.5)
+    env.step(1)
+    env.step(2)
+    return env.weights()
+
+
+def _as_torchs_adamw(env: Env, got: dict[str, torch.Tensor]) -> None:
+    ref = Env("torch", optimizer="adamw")
+    kept = Env(env.kind, optimizer="adamw")
+    for seed in range(3):
+        kept.step(seed)
+    assert _max_change(_adam_hyperparameters_changed(ref), got) < 1e-6
+    assert _max_change(kept.weights(), got) > 1e-3, "the new values changed nothing"
+
+
+def _evaluations_right_after_step(how: Callable[[], Any]) -> Callable[[Env], tuple]:
+    """An evaluation forward right after each ``optimizer.step()`` (before
+    any overlapped CPU update is written back), under ``how``."""
+
+    def act(env: Env) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        evaluated = []
+        for seed in range(3):
+            env.booster.backward(env.loss(seed), env.opt)
+            env.opt.step()
+            env.opt.zero_grad()
+            with how():
+                evaluated.append(env.loss(7).detach().clone())
+        env.settle()
+        return torch.stack(evaluated), env.weights()
+
+    return act
+
+
+def _as_torch_evaluates(how: Callable[[], Any]) -> Callable[[Env, tuple], None]:
+    def check(env: Env, got: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        evaluated, weights = _evaluations_right_after_step(how)(Env("torch", optimizer="sgd"))
+        torch.testing.assert_close(got[0], evaluated, rtol=1e-6, atol=0)
+        assert _max_change(weights, got[1]) < 1e-6
+
+    return check
+
+
+def _autocast_forward(env: Env) -> dict[str, torch.Tensor]:
+    """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward and loss."""
+    for seed in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = env.loss(seed)
+        env.booster.backward(loss, env.opt)
+        env.opt.step()
+        env.opt.zero_grad()
+        env.settle()
+    return env.weights()
+
+
+def _as_torch_autocasts(env: Env, got: dict[str, torch.Tensor]) -> None:
+    plain = Env("torch", optimizer="sgd")
+    assert _max_change(_autocast_forward(Env("torch", optimizer="sgd")), got) < 1e-6
+    for seed in range(3):
+        plain.step(seed)
+    assert _max_change(plain.weights(), got) > 1e-5, "autocast changed nothing"
+
+
 def _unchanged(env: Env, before: dict[str, torch.Tensor]) -> None:
     assert _max_change(before, env.weights()) == 0.0
 
@@ -720,6 +787,10 @@ ROWS = [
     Row("step-closure", ALL, _closure_step, _closure_ran),
     Row("step-other-argument", SHARDED + AUTO, lambda env: env.opt.step(div_scale=2.0), error=TypeError, match=r"unexpected keyword argument 'div_scale'"),
     Row("param-groups-lr", ALL, _lr_zero, _unchanged),
+    Row("param-groups-betas-eps-weight-decay", TORCH + SHARDED, _adam_hyperparameters_changed, _as_torchs_adamw, options=dict(optimizer="adamw")),
+    Row("inference-mode-right-after-step", TORCH + SHARDED, _evaluations_right_after_step(torch.inference_mode), _as_torch_evaluates(torch.inference_mode), options=dict(optimizer="sgd")),
+    Row("no-grad-right-after-step", TORCH + SHARDED, _evaluations_right_after_step(torch.no_grad), _as_torch_evaluates(torch.no_grad), options=dict(optimizer="sgd")),
+    Row("autocast-around-forward", TORCH + SHARDED, _autocast_forward, _as_torch_autocasts, options=dict(optimizer="sgd")),
     Row("zero-grad-set-to-none-false", ALL, lambda env: None, _same_as_set_to_none),
     Row("grad-norm-logged-by-hand", TORCH, _grad_norm_by_hand, _is_torchs_grad_norm, options=dict(optimizer="sgd")),
     Row("grad-norm-logged-by-hand-refused", SHARDED + AUTO, _grad_norm_by_hand, error=RuntimeError, match=r"(ZeroOptimizer|GeminiDDP|AMPOptimizer): this parameter's gradient is reduced and sharded over the ranks, so param\.grad holds no values \(got aten\.linalg_vector_norm\.default on it, e\.g\. from torch\.nn\.utils\.clip_grad_norm_ or a gradient norm logged by hand\).*to log the gradient's total norm, optimizer\.clip_grad_by_norm\(float\('inf'\)\) returns it before step\(\)"),
