@@ -78,9 +78,7 @@ class BaseOffloadModule:
                 ))  # fmt: skip
         # Whether each parameter trains is fixed by the plan (the regions'
         # gradient buffers and the optimizer's masters): checked at forward.
-        self._trained_at_plan = [
-            (name, p, p in self._param_region) for name, p in model.named_parameters()
-        ]
+        self._trained_at_plan = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         # Buffers and lifted constants the graph reads go to the device once.
         for node in model.graph.nodes:
             if node.op != "get_attr":
