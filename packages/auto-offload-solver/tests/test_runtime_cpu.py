@@ -444,3 +444,31 @@ def test_a_submodule_assigned_after_memory_optimize_raises():
             "extra", torch.nn.Parameter(torch.zeros(1))
         )
     model.model.transformer.drop = torch.nn.Identity()  # no parameters in place of none
+
+
+@pytest.mark.parametrize("frozen_at_plan", [False, True])
+def test_requires_grad_changed_after_memory_optimize_raises_at_forward(frozen_at_plan):
+    """The plan fixes which parameters train (the regions' gradient buffers,
+    the masters): a parameter frozen later made the backward raise that the
+    loss did not use a trained parameter; one unfrozen later never trained,
+    silently. The next forward raises, naming it; changing it back goes on."""
+    inputs = batch(2, 8)
+    torch.manual_seed(0)
+    model = gpt2_2()
+    first = next(model.parameters())
+    first.requires_grad_(not frozen_at_plan)
+    om = memory_optimize(model, inputs, halfway_budget(gpt2_2, "asyn"), "asyn",
+                         precision="bf16", profile=fake_profile(), device="cpu")  # fmt: skip
+    opt = AMPOptimizer(torch.optim.AdamW(om.master_parameters(), lr=1e-2), om)
+    opt.backward(lm_loss(om(**inputs), inputs["input_ids"]))
+    opt.step()
+    name, param = next(om.model.named_parameters())
+    param.requires_grad_(frozen_at_plan)
+    with pytest.raises(NotImplementedError, match=(
+        rf"^BaseOffloadModule\.forward: requires_grad changed after memory_optimize .* \(got "
+        rf"{name} requires_grad={frozen_at_plan}\); set requires_grad before memory_optimize"
+    )):  # fmt: skip
+        om(**inputs)
+    param.requires_grad_(not frozen_at_plan)
+    opt.backward(lm_loss(om(**inputs), inputs["input_ids"]))
+    opt.step()

@@ -197,6 +197,73 @@ def _lr_zero(env: Env) -> dict[str, torch.Tensor]:
     return before
 
 
+def _adam_hyperparameters_changed(env: Env) -> dict[str, torch.Tensor]:
+    """betas, eps and weight_decay set by hand on the boosted optimizer's
+    groups between steps (lr has its own row)."""
+    env.step(0)
+    for group in env.opt.param_groups:
+        group.update(betas=(0.5, 0.6), eps=1e-3, weight_decay=0.5)
+    env.step(1)
+    env.step(2)
+    return env.weights()
+
+
+def _as_torchs_adamw(env: Env, got: dict[str, torch.Tensor]) -> None:
+    ref = Env("torch", optimizer="adamw")
+    kept = Env(env.kind, optimizer="adamw")
+    for seed in range(3):
+        kept.step(seed)
+    assert _max_change(_adam_hyperparameters_changed(ref), got) < 1e-6
+    assert _max_change(kept.weights(), got) > 1e-3, "the new values changed nothing"
+
+
+def _evaluations_right_after_step(how: Callable[[], Any]) -> Callable[[Env], tuple]:
+    """An evaluation forward right after each ``optimizer.step()`` (before
+    any overlapped CPU update is written back), under ``how``."""
+
+    def act(env: Env) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        evaluated = []
+        for seed in range(3):
+            env.booster.backward(env.loss(seed), env.opt)
+            env.opt.step()
+            env.opt.zero_grad()
+            with how():
+                evaluated.append(env.loss(7).detach().clone())
+        env.settle()
+        return torch.stack(evaluated), env.weights()
+
+    return act
+
+
+def _as_torch_evaluates(how: Callable[[], Any]) -> Callable[[Env, tuple], None]:
+    def check(env: Env, got: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        evaluated, weights = _evaluations_right_after_step(how)(Env("torch", optimizer="sgd"))
+        torch.testing.assert_close(got[0], evaluated, rtol=1e-6, atol=0)
+        assert _max_change(weights, got[1]) < 1e-6
+
+    return check
+
+
+def _autocast_forward(env: Env) -> dict[str, torch.Tensor]:
+    """``torch.autocast("cpu", dtype=torch.bfloat16)`` around the forward and loss."""
+    for seed in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = env.loss(seed)
+        env.booster.backward(loss, env.opt)
+        env.opt.step()
+        env.opt.zero_grad()
+        env.settle()
+    return env.weights()
+
+
+def _as_torch_autocasts(env: Env, got: dict[str, torch.Tensor]) -> None:
+    plain = Env("torch", optimizer="sgd")
+    assert _max_change(_autocast_forward(Env("torch", optimizer="sgd")), got) < 1e-6
+    for seed in range(3):
+        plain.step(seed)
+    assert _max_change(plain.weights(), got) > 1e-5, "autocast changed nothing"
+
+
 def _unchanged(env: Env, before: dict[str, torch.Tensor]) -> None:
     assert _max_change(before, env.weights()) == 0.0
 
@@ -324,6 +391,43 @@ def _as_evaluated_before_the_backward(env: Env, got: tuple[torch.Tensor, dict]) 
     ref.settle()
     torch.testing.assert_close(got[0], evaluated, rtol=1e-6, atol=0)
     assert _max_change(ref.weights(), got[1]) < 1e-6
+
+
+def _torchs_grad_norm() -> float:
+    """The gradient's 2-norm of the second batch after one SGD step, by torch."""
+    ref = Env("torch", optimizer="sgd")
+    ref.step(0)
+    ref.loss(1).backward()
+    return torch.nn.utils.get_total_norm([p.grad for p in ref.plain.parameters()]).item()
+
+
+def _grad_norm_by_hand(env: Env) -> float:
+    """After a first step, a backward, then the norm logged from ``p.grad``."""
+    env.step(0)
+    env.booster.backward(env.loss(1), env.opt)
+    norms = [p.grad.norm() for p in env.model.unwrap().parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item()
+
+
+def _grad_norm_by_clip_inf(env: Env) -> tuple[float, dict[str, torch.Tensor]]:
+    """What the refusal above says to do; the step is the unclipped one."""
+    env.step(0)
+    env.booster.backward(env.loss(1), env.opt)
+    norm = float(env.opt.clip_grad_by_norm(float("inf")))
+    env.opt.step()
+    env.settle()
+    return norm, env.weights()
+
+
+def _is_torchs_grad_norm(env: Env, got: Any) -> None:
+    norm = got[0] if isinstance(got, tuple) else got
+    bf16 = env.kind == "auto-offload"  # bf16 gradients
+    torch.testing.assert_close(norm, _torchs_grad_norm(), rtol=1e-3 if bf16 else 1e-6, atol=0)
+    if isinstance(got, tuple) and not bf16:
+        ref = Env("torch", optimizer="sgd")
+        ref.step(0)
+        ref.step(1)
+        assert _max_change(ref.weights(), got[1]) < 1e-6
 
 
 def _step_the_optimizer_handed_to_boost(env: Env) -> None:
@@ -683,7 +787,14 @@ ROWS = [
     Row("step-closure", ALL, _closure_step, _closure_ran),
     Row("step-other-argument", SHARDED + AUTO, lambda env: env.opt.step(div_scale=2.0), error=TypeError, match=r"unexpected keyword argument 'div_scale'"),
     Row("param-groups-lr", ALL, _lr_zero, _unchanged),
+    Row("param-groups-betas-eps-weight-decay", TORCH + SHARDED, _adam_hyperparameters_changed, _as_torchs_adamw, options=dict(optimizer="adamw")),
+    Row("inference-mode-right-after-step", TORCH + SHARDED, _evaluations_right_after_step(torch.inference_mode), _as_torch_evaluates(torch.inference_mode), options=dict(optimizer="sgd")),
+    Row("no-grad-right-after-step", TORCH + SHARDED, _evaluations_right_after_step(torch.no_grad), _as_torch_evaluates(torch.no_grad), options=dict(optimizer="sgd")),
+    Row("autocast-around-forward", TORCH + SHARDED, _autocast_forward, _as_torch_autocasts, options=dict(optimizer="sgd")),
     Row("zero-grad-set-to-none-false", ALL, lambda env: None, _same_as_set_to_none),
+    Row("grad-norm-logged-by-hand", TORCH, _grad_norm_by_hand, _is_torchs_grad_norm, options=dict(optimizer="sgd")),
+    Row("grad-norm-logged-by-hand-refused", SHARDED + AUTO, _grad_norm_by_hand, error=RuntimeError, match=r"(ZeroOptimizer|GeminiDDP|AMPOptimizer): this parameter's gradient is reduced and sharded over the ranks, so param\.grad holds no values \(got aten\.linalg_vector_norm\.default on it, e\.g\. from torch\.nn\.utils\.clip_grad_norm_ or a gradient norm logged by hand\).*to log the gradient's total norm, optimizer\.clip_grad_by_norm\(float\('inf'\)\) returns it before step\(\)"),
+    Row("grad-norm-read-with-clip-grad-by-norm-inf", ALL, _grad_norm_by_clip_inf, _is_torchs_grad_norm, options=dict(optimizer="sgd")),
     Row("add-param-group", TORCH, _add_group, _group_trains, options=dict(exclude=("tok_emb.weight",))),
     Row("add-param-group-foreign", TORCH, lambda env: env.opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]}), error=ValueError, match=r"TorchDDPOptimizer: the optimizer holds a parameter that is not the model's \(got shape \(3,\)\)"),
     Row("add-param-group-after-boost", SHARDED + AUTO, _add_group, error=NotImplementedError, match=r"add_param_group: adding a parameter group after boost is not supported \(got a group of 1 tensors\); .*build the optimizer with every group before booster\.boost"),
@@ -721,6 +832,8 @@ ROWS = [
     Row("freeze-after-boost", TORCH + SHARDED, _freeze_later, _frozen_stays),
     Row("unfreeze-after-boost", TORCH + ZERO, _unfreeze_later, _unfrozen_trains, options=dict(frozen=("pos_emb.weight",))),
     Row("unfreeze-after-boost-refused", GEMINI, _unfreeze_later, error=NotImplementedError, match=r"GeminiDDP: parameters frozen when the model was wrapped cannot be unfrozen \(got requires_grad=True on \['pos_emb\.weight'\]\).*before GeminiDDP \(or booster\.boost with GeminiPlugin\)", options=dict(frozen=("pos_emb.weight",))),
+    Row("freeze-after-boost-refused", AUTO, _freeze_later, error=NotImplementedError, match=r"BaseOffloadModule\.forward: requires_grad changed after memory_optimize \(or booster\.boost with AutoOffloadPlugin\) planned which parameters train \(got tok_emb\.weight requires_grad=False\); set requires_grad before memory_optimize"),
+    Row("unfreeze-after-boost-refused-auto", AUTO, _unfreeze_later, error=NotImplementedError, match=r"requires_grad changed after memory_optimize .*\(got pos_emb\.weight requires_grad=True\)", options=dict(frozen=("pos_emb.weight",))),
     Row("forward-hook", TORCH + SHARDED, _hooked_output, _hook_ran),
     Row("forward-hook-refused", AUTO, _submodule_hook, error=NotImplementedError, match=r"forward hooks on the traced module's submodules do not run under AutoOffloadPlugin \(got a hook on '\w+'\)"),
     Row("parameters", ALL, _parameters, _every_parameter),
@@ -728,6 +841,8 @@ ROWS = [
     Row("vector-to-parameters", TORCH + ZERO, _replace_tensors, _as_torch_replaces, options=dict(optimizer="sgd")),
     Row("vector-to-parameters-refused", GEMINI, _replace_tensors, error=RuntimeError, match=r"GeminiDDP: parameters given another tensor between steps \(p\.data = t, e\.g\. by torch\.nn\.utils\.vector_to_parameters\), which their chunks never see \(got \['tok_emb\.weight'.*Write in place under torch\.no_grad\(\) \(p\.copy_\(t\)\)", options=dict(optimizer="sgd")),
     Row("write-parameters-before-the-write-back", ("zero2-offload",), _write_before_the_write_back, warning=UserWarning, match=r"ZeroOptimizer: parameters written in place after their update of this step had started \(got \['"),
+    Row("write-parameters-before-the-write-back-refused", ("gemini-offload",), _write_before_the_write_back, error=RuntimeError, match=r"GeminiDDP: \['tok_emb\.weight', .*\] \.\.\. was written between steps while its chunk was released .*optimizer\.wait_updates\(\)\), so the write did nothing"),
+    Row("write-parameters-before-the-write-back-refused-gemini-accumulation", ("gemini-offload",), _write_before_the_write_back, error=RuntimeError, match=r"GeminiDDP: \['tok_emb\.weight', .*\] \.\.\. was written after optimizer\.step\(\) while its offloaded update was still running, so the update's write-back replaced the written values\. Call optimizer\.wait_updates\(\) after optimizer\.step\(\), then write the parameters", options=dict(plugin_kwargs=dict(enable_gradient_accumulation=True))),
     # -- the user's optimizer and the plugin's arguments ------------------------------------
     Row("torch-adam-decoupled-weight-decay", ("zero2-offload",), lambda env: None, lambda env, _: _as_adamw(env), options=dict(optimizer="adam-decoupled")),
     Row("gemini-search-with-chunk-config-dict", ("torch",), _plugin(chunk_config_dict={1: {"chunk_size": 1024}}, hidden_dim=64), warning=UserWarning, match=r"GeminiDDP: hidden_dim=64 has no effect with chunk_config_dict \(the chunk size is given, there is no search\)"),

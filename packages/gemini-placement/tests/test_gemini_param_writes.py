@@ -92,6 +92,33 @@ def test_a_write_to_a_released_parameter_raises_once(world):
     spawn(_write_released, world)
 
 
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_write_before_the_offloaded_update_is_written_back_raises(accumulate):
+    """One rank, kept-gathered chunks, the update on the CPU-step worker.
+    Right after step() the parameters have no elements until the write-back
+    (with enable_gradient_accumulation: they hold the values of before the
+    step). A write then did nothing (or was made to the old values), and the
+    next forward's write-back put the step's values in its place: the write
+    was lost, silently (0.50 off torch after one more SGD step). The next
+    forward raises once, naming optimizer.wait_updates()."""
+    torch.manual_seed(0)
+    net = _net()
+    ddp = GeminiDDP(net, chunk_config_dict={1: {"chunk_size": 256, "keep_gathered": True}},
+                    compute_device="cpu", mixed_precision=torch.float32,
+                    offload_optim_frac=1.0, enable_gradient_accumulation=accumulate)  # fmt: skip
+    opt = GeminiOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1), ddp)
+    opt.backward(ddp(torch.ones(2, 8)).square().mean())
+    opt.step()
+    assert net[0].weight.numel() == (8 * 16 if accumulate else 0)  # not written back yet
+    _halve(net)
+    said = r"written after optimizer\.step\(\) while its offloaded update was still running"
+    with pytest.raises(RuntimeError, match=(
+        rf"\['0.weight'\] was ({said if accumulate else 'written between steps while its'})"
+    )):  # fmt: skip
+        ddp(torch.ones(2, 8))
+    ddp(torch.ones(2, 8))  # said once; training goes on
+
+
 class _RenormedEmbedding(nn.Module):
     def __init__(self):
         super().__init__()

@@ -76,6 +76,9 @@ class BaseOffloadModule:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda p, ref=ref: _grad_ready(ref, p)
                 ))  # fmt: skip
+        # Whether each parameter trains is fixed by the plan (the regions'
+        # gradient buffers and the optimizer's masters): checked at forward.
+        self._trained_at_plan = [(n, p, p.requires_grad) for n, p in model.named_parameters()]
         # Buffers and lifted constants the graph reads go to the device once.
         for node in model.graph.nodes:
             if node.op != "get_attr":
@@ -131,8 +134,11 @@ class BaseOffloadModule:
 
         Raises:
             TypeError: inputs other than those traced.
+            NotImplementedError: a parameter's ``requires_grad`` changed
+                since the plan was made.
         """
         flat = self._flat_inputs(args, kwargs)
+        self._check_requires_grad()
         self.sync_halves()
         for region in self.regions:
             region.grad_numel_done = 0
@@ -140,6 +146,22 @@ class BaseOffloadModule:
         if self._out_spec is None:
             return out
         return tree_unflatten(list(out), self._out_spec)
+
+    def _check_requires_grad(self) -> None:
+        """A parameter frozen after the plan left its region waiting for its
+        gradient (the backward then raised naming the loss); one unfrozen
+        after it had no master and never trained, silently."""
+        changed = [
+            (n, p.requires_grad) for n, p, was in self._trained_at_plan if p.requires_grad != was
+        ]
+        if changed:
+            raise NotImplementedError(
+                "BaseOffloadModule.forward: requires_grad changed after memory_optimize (or "
+                f"booster.boost with AutoOffloadPlugin) planned which parameters train (got "
+                f"{', '.join(f'{n} requires_grad={g}' for n, g in changed[:3])}); set "
+                "requires_grad before memory_optimize (to stop training parameters later, give "
+                "them a parameter group of their own before booster.boost and set its lr to 0)"
+            )
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, then wait for the gradient downloads.

@@ -655,8 +655,11 @@ class GeminiDDP(nn.Module):
         A write to a parameter of a released chunk (no elements: ``p.mul_()``
         does nothing there) raises, once. Offloaded updates still running
         are waited for first, where a parameter moved; a write made before
-        its own step's update was written back is overwritten by it (call
-        ``optimizer.wait_updates()`` before writing). ``p.data.copy_()`` moves
+        its own step's update was written back would be lost to it (the
+        parameter had no elements, or held the values of before the step
+        under gradient accumulation): it raises, once, naming
+        ``optimizer.wait_updates()`` (so what is pending is noted before
+        waiting). ``p.data.copy_()`` moves
         no counter and is not seen (zero-shard's [Note: parameters written
         in place] has the same limit); ``p.data = t`` (torch's
         ``vector_to_parameters``) raises (see ``_refuse_replaced``).
@@ -670,10 +673,22 @@ class GeminiDDP(nn.Module):
         ]
         if not moved or self._state is not T.IDLE:
             return
+        # Before wait_updates: its write-back gives an offloaded chunk's
+        # parameters their elements again (a write that did nothing looked
+        # like one to adopt), or writes the step's values over a write made
+        # to the values of before the step (gradient accumulation keeps
+        # them): either way the write was lost, silently.
+        empty = {p for p in moved if p.numel() == 0}
+        pending = self._updates
+        overwritten = {
+            p
+            for p in moved
+            if p not in empty and pending is not None and self.chunk_manager.get_chunk(p) in pending
+        }
         self.wait_updates()
         for p in moved:
             chunk = self.chunk_manager.get_chunk(p)
-            if p.numel() == 0 or not chunk.is_gathered:
+            if p in empty or p in overwritten or not chunk.is_gathered:
                 continue
             info = chunk.tensors_info[p]
             slot = chunk.buffer[info.offset : info.end]
@@ -681,8 +696,12 @@ class GeminiDDP(nn.Module):
             if master is not None:
                 _write_slot(self.chunk_manager.get_chunk(master), info.offset, slot)
             chunk.commit_share()
-        self._note_versions()  # a write to a released parameter is said once
-        released = [self.param_names[p] for p in moved if p.numel() == 0]
+        self._note_versions()  # a lost write is said once
+        self._refuse_lost_writes(moved, empty, overwritten)
+
+    def _refuse_lost_writes(self, moved: list, empty: set, overwritten: set) -> None:
+        """Raise for the writes ``adopt_writes`` could not keep."""
+        released = [self.param_names[p] for p in moved if p in empty]
         if released:
             raise RuntimeError(
                 f"{_API}: {released[:3]}{' ...' if len(released) > 3 else ''} was written between "
@@ -691,6 +710,14 @@ class GeminiDDP(nn.Module):
                 "optimizer.wait_updates()), so the write did nothing. Change parameters through "
                 "the boosted model: model.state_dict(), edit, model.load_state_dict() (or "
                 "booster.load_model)"
+            )
+        lost = [self.param_names[p] for p in moved if p in overwritten]
+        if lost:
+            raise RuntimeError(
+                f"{_API}: {lost[:3]}{' ...' if len(lost) > 3 else ''} was written after "
+                "optimizer.step() while its offloaded update was still running, so the update's "
+                "write-back replaced the written values. Call optimizer.wait_updates() after "
+                "optimizer.step(), then write the parameters"
             )
 
     def _refuse_replaced(self) -> None:

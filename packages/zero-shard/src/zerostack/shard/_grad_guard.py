@@ -97,9 +97,11 @@ class ShardedGradient(torch.Tensor):
         raise RuntimeError(
             f"{owner}: this parameter's gradient is reduced and sharded over the ranks, so "
             f"param.grad holds no values (got {func} on it, e.g. from "
-            "torch.nn.utils.clip_grad_norm_); clip with booster.clip_grad_norm_(model, "
-            "optimizer, max_norm) or optimizer.clip_grad_by_norm(max_norm), which clip the whole "
-            "gradient over every rank (and the plugin's max_norm= clips at every step)"
+            "torch.nn.utils.clip_grad_norm_ or a gradient norm logged by hand); clip with "
+            "booster.clip_grad_norm_(model, optimizer, max_norm) or "
+            "optimizer.clip_grad_by_norm(max_norm), which clip the whole gradient over every "
+            "rank (and the plugin's max_norm= clips at every step); to log the gradient's total "
+            "norm, optimizer.clip_grad_by_norm(float('inf')) returns it before step()"
         )
 
     def __repr__(self, *, tensor_contents=None) -> str:  # type: ignore[override]  # torch's signature
