@@ -598,10 +598,7 @@ class GeminiDDP(nn.Module):
     def finish_step(self) -> None:
         """The optimizer consumed the reduced gradients (REDUCED -> IDLE)."""
         self._transition(T.IDLE)
-        self._carry = False
-        self._forget_used()
-        for p in self._guarded:  # the next backward accumulates into None again
-            p.grad = None
+        self._forget_grads()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -1166,6 +1163,12 @@ class GeminiDDP(nn.Module):
             self._on_drop()  # the optimizer's staged copies of them
         for chunk in self.grad_chunks:
             self.chunk_manager.consume_grad(chunk)
+        self._forget_grads()
+
+    def _forget_grads(self) -> None:
+        """No reduced gradient is left for the step: none carried, no
+        parameter counted as used, and the next backward accumulates into
+        None again (``param.grad`` of the guarded parameters)."""
         self._carry = False
         self._forget_used()
         for p in self._guarded:
@@ -1213,12 +1216,9 @@ class GeminiDDP(nn.Module):
             if self._updates is None or chunk not in self._updates:
                 write_back(self.chunk_manager, chunk)
         self._release_idle([c for c in self.chunk_manager.accessed_chunks if c.can_release])
-        self._forget_used()
         self._accumulated = False
-        self._carry = False
         self._transition(T.IDLE)
-        for p in self._guarded:  # no gradient is left in the shards either
-            p.grad = None
+        self._forget_grads()
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, only_rank_0: bool = False, **kwargs: Any

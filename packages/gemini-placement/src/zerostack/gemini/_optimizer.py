@@ -42,6 +42,7 @@ from zerostack.shard import (
     norm_part,
     plan_step,
     record_clip,
+    refuse_user_add_param_group,
     refuse_user_state_dict,
     resolve_gpu_update_fraction,
     say_zero_grads_are_dropped,
@@ -1129,27 +1130,12 @@ def _check_wrap(optimizer: object, module: Any) -> None:
 
 def _refuse_user_calls(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer the user built, once wrapped: the step reads its one
-    group's hyperparameters and steps the twin's masters, so a group added
-    to it later (the object passed to ``booster.boost`` rather than the one
-    returned, whose ``add_param_group`` refuses) was never stepped, its lr
-    never read, silently. Its ``add_param_group`` raises instead, as under
-    ZeroOptimizer, and so do its ``state_dict`` and ``load_state_dict`` (see
-    zerostack.shard's [Note: the user's optimizer's state_dict]). The
-    closures hold no reference to the optimizer."""
+    group's hyperparameters and steps the twin's masters, so its
+    ``add_param_group`` raises, as under ZeroOptimizer, and so do its
+    ``state_dict`` and ``load_state_dict`` (see zerostack.shard's [Note:
+    the user's optimizer's state_dict])."""
     refuse_user_state_dict(optimizer, _API)
-    name = type(optimizer).__name__
-
-    def add_param_group(param_group: Any) -> None:
-        params = param_group.get("params") if isinstance(param_group, dict) else None
-        count = 1 if isinstance(params, torch.Tensor) else len(list(params or ()))
-        raise NotImplementedError(
-            f"{name}.add_param_group: this optimizer was handed to {_API} (through "
-            f"booster.boost or directly), whose master chunks its one group steps; a group added "
-            f"now would never be stepped (got a group of {count} tensors). Build the optimizer "
-            "with every parameter before booster.boost (or GeminiOptimizer)"
-        )
-
-    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+    refuse_user_add_param_group(optimizer, _API, "whose master chunks its one group steps")
 
 
 def _check_covers(optimizer: torch.optim.Optimizer, module: GeminiDDP) -> None:

@@ -28,6 +28,7 @@ from zerostack.shard._grad_guard import (
 from zerostack.shard._hyper import (
     hyperparameters,
     mark_stepped,
+    refuse_user_add_param_group,
     refuse_user_state_dict,
     stepping_twin,
     with_user_step_hooks,
@@ -108,6 +109,7 @@ __all__ = [
     "norm_part",
     "plan_step",
     "record_clip",
+    "refuse_user_add_param_group",
     "refuse_user_state_dict",
     "resolve_gpu_update_fraction",
     "say_zero_grads_are_dropped",

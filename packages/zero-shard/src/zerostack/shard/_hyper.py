@@ -100,6 +100,27 @@ def refuse_user_state_dict(optimizer: torch.optim.Optimizer, api: str) -> None:
     optimizer.load_state_dict = load_state_dict  # type: ignore[method-assign]
 
 
+def refuse_user_add_param_group(optimizer: torch.optim.Optimizer, api: str, why: str) -> None:
+    """Make ``optimizer``'s ``add_param_group`` raise: the optimizer the user
+    built, once ``api`` took its groups over (``why``: what it steps in
+    their place). A group added to it (the object passed to
+    ``booster.boost`` rather than the one returned) was never stepped,
+    silently. The closure holds no reference to the optimizer."""
+    name = type(optimizer).__name__
+
+    def add_param_group(param_group: Any) -> None:
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        count = 1 if isinstance(params, torch.Tensor) else len(list(params or ()))
+        raise NotImplementedError(
+            f"{name}.add_param_group: this optimizer was handed to {api} (through "
+            f"booster.boost or directly), {why}; a group added now would never be stepped (got "
+            f"a group of {count} tensors). Build the optimizer with every group before "
+            f"booster.boost (or {api})"
+        )
+
+    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+
+
 def with_user_step_hooks(step: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """A wrapper's ``step()`` that runs the step pre-hooks registered on the
     user's optimizer (``register_step_pre_hook``, ``owner._user``) once a

@@ -43,6 +43,7 @@ from zerostack.shard._hyper import (
     foreign_keys,
     hyperparameters,
     mark_stepped,
+    refuse_user_add_param_group,
     refuse_user_state_dict,
     stepping_twin,
     with_user_step_hooks,
@@ -326,16 +327,7 @@ def _refuse_user_steps(zero: ZeroOptimizer, optimizer: torch.optim.Optimizer) ->
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     optimizer.step = step  # type: ignore[method-assign]
-
-    def add_param_group(param_group: Any) -> None:
-        raise NotImplementedError(
-            f"{type(opt_ref()).__name__}.add_param_group: this optimizer was handed to {_API} "
-            "(through booster.boost or directly), which replaced its parameters by fp32 "
-            "masters; a group added now would never be stepped. Build the optimizer with "
-            "every group before booster.boost (or ZeroOptimizer)"
-        )
-
-    optimizer.add_param_group = add_param_group  # type: ignore[method-assign]
+    refuse_user_add_param_group(optimizer, _API, "which replaced its parameters by fp32 masters")
 
 
 class TrainingState(Enum):

@@ -220,7 +220,13 @@ class TorchDDPOptimizer(BoostedOptimizer):
                 f"{self._API}.unscale_grad: the gradients are not scaled (got no fp16 "
                 "GradScaler); only Booster(mixed_precision='fp16') scales them"
             )
-        if not self._unscaled:
+        self._unscale_once()
+
+    def _unscale_once(self) -> None:
+        """With the fp16 GradScaler, its ``unscale_`` of this step's
+        gradients unless done already (it refuses a second before
+        ``update()``; ``step`` does not unscale them again)."""
+        if self.scaler is not None and not self._unscaled:
             self.scaler.unscale_(self.optim)
             self._unscaled = True
 
@@ -270,9 +276,7 @@ class TorchDDPOptimizer(BoostedOptimizer):
         BoostedOptimizer.clip_grad_by_norm."""
         api = f"{self._API}.clip_grad_by_norm"
         max_norm, norm_type = check_clip_args(api, max_norm, norm_type, error_if_nonfinite)
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optim)
-            self._unscaled = True
+        self._unscale_once()
         params = list(self._model.unwrap().parameters())
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device if grads else next(iter(params), torch.empty(0)).device
@@ -285,9 +289,7 @@ class TorchDDPOptimizer(BoostedOptimizer):
         unscaled first, as in ``clip_grad_by_norm``. See
         BoostedOptimizer.clip_grad_by_value."""
         clip_value = check_clip_value(f"{self._API}.clip_grad_by_value", clip_value)
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optim)
-            self._unscaled = True
+        self._unscale_once()
         torch.nn.utils.clip_grad_value_(
             self._model.unwrap().parameters(), clip_value, *args, **kwargs
         )
