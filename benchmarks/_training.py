@@ -315,6 +315,8 @@ def run(
         return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
 
     before: dict = {}  # the allocator's counters when the timed steps start
+    probe = Probe() if os.environ.get(PROBE_ENV, "0") == "1" else None  # [Note: which side slowed]
+    kernel_at_end = KERNEL_CLOCK.read()
     collecting = GC_CLOCK  # Python's garbage collections: a pause in any phase
     walls = []  # See [Note: a step lasts from the end of the one before]
     losses = []  # every step's, warm-up too, read after the loop (no sync inside it)
@@ -336,6 +338,7 @@ def run(
         last = i == warmup + steps - 1 and os.environ.get("ZEROSTACK_BENCH_MEMORY_SNAPSHOT")
         if last:  # recorded by measure: each stream's segments at the last step's peaks
             _print_segments(f"{name}, after the last forward", torch.cuda.memory._snapshot())
+        probed = probe.mark() if probe is not None and i >= warmup else ""
         rf, tb = retried(), time.perf_counter()  # the allocator's counters read outside the phases
         step_fn(loss, backward_only=True)
         torch.cuda.synchronize()
@@ -348,7 +351,7 @@ def run(
         step_fn(loss, backward_only=False)
         sync_compute()  # See [Note: a step lasts from the end of the one before]
         t2, ro, cpu = time.perf_counter(), retried(), host_cpu()
-        d1 = device_calls()
+        d1, kernel = device_calls(), KERNEL_CLOCK.read()
         if i >= warmup:
             fwd.append(tf - t0)
             fb.append(tf - t0 + t1 - tb)
@@ -361,8 +364,10 @@ def run(
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
                 + device_marks(d0, d1)
                 + host_marks(cpu_at_end, cpu, t2 - end)
+                + adam_mark(kernel_at_end, kernel)
+                + probed
             )
-        end, cpu_at_end = t2, cpu
+        end, cpu_at_end, kernel_at_end = t2, cpu, kernel
     timed = {}
     if offload is not None:  # before any profiled step below adds to the counters
         wait_s = offload.pipeline.wait_s  # settle() below waits too, outside every timed step
@@ -447,6 +452,99 @@ def device_marks(before: tuple[int, int], after: tuple[int, int]) -> str:
     capped step)."""
     allocs, frees = after[0] - before[0], after[1] - before[1]
     return (f"[cudaMalloc {allocs}]" if allocs else "") + (f"[cudaFree {frees}]" if frees else "")
+
+
+PROBE_ENV = "ZEROSTACK_BENCH_PROBE"
+
+
+class Probe:
+    """[Note: which side slowed] ``ZEROSTACK_BENCH_PROBE=1``: after each timed
+    forward (its synchronize, before the backward starts), the same small
+    piece of work on each side, timed: a pure-Python loop on the training
+    thread (the host thread that launches the backward's kernels) and 16
+    bf16 matmuls of 2048 x 2048 on the compute stream (CUDA events). A slow
+    backward whose host probe is slow too had a slower host thread (a core
+    taken, a lower clock); one whose device probe is slow had a slower GPU
+    (its clock lowered, for power or heat); one with neither, neither. The
+    per-step lines print both as ``[probe host X gpu Y ms]``. About 1.5 ms a
+    step, inside the timed step, and 24 MB on the device (allocated before
+    the row's model): off unless asked for."""
+
+    def __init__(self) -> None:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.a, self.b = (
+            torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2)
+        )
+        self.out = torch.empty_like(self.a)
+        self.start, self.stop = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+    @staticmethod
+    def host_ms() -> float:
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(20_000):
+            x += i * i
+        return (time.perf_counter() - t0) * 1e3
+
+    def gpu_ms(self) -> float:
+        self.start.record()
+        for _ in range(16):
+            torch.mm(self.a, self.b, out=self.out)
+        self.stop.record()
+        self.stop.synchronize()
+        return self.start.elapsed_time(self.stop)
+
+    def mark(self) -> str:
+        return f"[probe host {self.host_ms():.2f} gpu {self.gpu_ms():.2f} ms]"
+
+
+class PhaseSpans:
+    """[Note: phases on the device's timeline] Where a step's time went with
+    no synchronize between its phases (benchmarks/scale.py's loop has none:
+    one would move work between them): CUDA events on the compute stream at
+    the step's start (``begin``) and after each phase (``after``), read once
+    the step's boundary has waited for that stream (``line``). Each span is
+    the time between two events on the device's timeline, so a forward that
+    waits on the host for the optimizer's updates counts its waits (the
+    device idles through them), and a span says which phase a slow step
+    lost its time in."""
+
+    def __init__(self, names: tuple[str, ...] = ("fwd", "bwd", "opt")) -> None:
+        self.names = names
+        self.events: list[Any] = []
+
+    def begin(self) -> None:
+        self.events = []
+        self.after()
+
+    def after(self) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.events.append(event)
+
+    def line(self) -> str:
+        """`` [fwd X bwd Y opt Z s]``, after the step's boundary (the events
+        have happened); empty unless every phase was marked."""
+        if len(self.events) != len(self.names) + 1:
+            return ""
+        ends = zip(self.events[:-1], self.events[1:], strict=True)
+        spans = [a.elapsed_time(b) / 1e3 for a, b in ends]
+        return (
+            " [" + " ".join(f"{n} {t:.2f}" for n, t in zip(self.names, spans, strict=True)) + " s]"
+        )
+
+
+def adam_mark(before: tuple[float, int, int, float], after: tuple[float, int, int, float]) -> str:
+    """``[adam N GB/s]``: CPU Adam's kernel over the calls that ended in a
+    step (``_KernelClock``'s counters before and after it), at 28 B per
+    element: the host's memory bandwidth as the optimizer got it in that
+    step, where one ran. The CPU step of step k runs in step k+1's forward,
+    so this reads beside the next step's forward."""
+    seconds, elements = after[0] - before[0], after[2] - before[2]
+    if seconds <= 0 or elements <= 0:
+        return ""
+    return f"[adam {elements * 28 / seconds / 1e9:.0f} GB/s]"
 
 
 class _GcClock:
@@ -914,7 +1012,10 @@ def print_table(
         "garbage collector paused it ([gc N ms], when 1 ms or more), the allocator's calls "
         "into the driver ([cudaMalloc N], [cudaFree N], where there were some), the share of the host's "
         "cores that the hypervisor took ([steal N%], 1% or more) and that CPU time outside this "
-        "process took ([others N%], 2% or more), every step's loss "
+        "process took ([others N%], 2% or more), CPU Adam's kernel over the calls that ended in "
+        "the step ([adam N GB/s] at 28 B an element), with ZEROSTACK_BENCH_PROBE=1 the same "
+        "small work timed after the forward on the host thread and the GPU ([probe host X gpu "
+        "Y ms]), every step's loss "
         "(the warm-up's too), "
         "the peak of the allocator's reserved memory and its device allocations and frees:"
     )

@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from _training import fraction_arg, host_cpu, host_marks, sync_compute
+from _training import PhaseSpans, fraction_arg, host_cpu, host_marks, sync_compute
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
@@ -387,11 +387,21 @@ def train(a, config, ddp, opt, device) -> dict:
     cpu_step0 = wait0 = nvme0 = 0.0
     peak = None
     end: float | None = None  # when the step before ended
+    cuda = device.type == "cuda"
+    spans = PhaseSpans()  # See [Note: phases on the device's timeline] in _training.py
 
-    def step() -> float:
+    def step(timed: bool = False) -> float:
+        if timed:
+            spans.begin()
         loss = ddp(idx, tgt)
+        if timed:
+            spans.after()
         opt.backward(loss)
+        if timed:
+            spans.after()
         opt.step()
+        if timed:
+            spans.after()
         return float(loss.detach())
 
     for i in range(a.warmup + a.steps):
@@ -419,12 +429,13 @@ def train(a, config, ddp, opt, device) -> dict:
         # step() returns; and it ends at its compute stream's end, so that
         # lane work lands whole in the next step ([Note: a step lasts from
         # the end of the one before] in benchmarks/_training.py).
-        losses.append(step())
+        losses.append(step(timed=cuda))
         boundary()
         dt = time.perf_counter() - end
         end += dt
         marks = host_marks(cpu_at_end, host_cpu(), dt)  # See host_marks in _training.py
-        log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s, loss {losses[-1]:.3f}{marks}")
+        phases = spans.line() if cuda else ""
+        log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s{phases}, loss {losses[-1]:.3f}{marks}")
         if i >= a.warmup:
             times.append(dt)
     ddp.wait_updates()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -138,6 +139,81 @@ def test_a_step_whose_allocator_calls_the_driver_is_marked(training, monkeypatch
     assert "[cudaMalloc" not in marks[2] and "[cudaFree" not in marks[2], marks
 
 
+def test_the_probe_and_cpu_adam_s_rate_mark_each_timed_step(training, monkeypatch) -> None:
+    # [Note: which side slowed]: with ZEROSTACK_BENCH_PROBE=1 each timed
+    # step's line says how long the same small work took on the host thread
+    # and on the GPU after its forward, and every step says at what rate CPU
+    # Adam's kernel ran in it, so a slow backward can be laid to the host,
+    # the GPU or neither.
+    probed: list[int] = []
+
+    class FakeProbe:
+        def mark(self) -> str:
+            probed.append(1)
+            return f"[probe host {len(probed)}.00 gpu 0.50 ms]"
+
+    monkeypatch.setattr(training, "Probe", FakeProbe)
+    monkeypatch.setenv(training.PROBE_ENV, "1")
+    # CPU Adam's counters (seconds, calls, elements, event seconds): 1e9
+    # elements in 0.28 s in the second timed step only.
+    clock = iter([(0.0, 0, 0, 0.0)] * 3 + [(0.28, 1, 10**9, 0.0)] * 3)
+    monkeypatch.setattr(training.KERNEL_CLOCK, "read", lambda: next(clock))
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
+        batch, 3, 1, False,
+    )  # fmt: skip
+    marks = [m for *_, m in out["steps_s"]]
+    assert len(probed) == 3, probed  # the timed steps only, not the warm-up
+    assert [m.count("[probe host") for m in marks] == [1, 1, 1], marks
+    assert "[probe host 3.00 gpu 0.50 ms]" in marks[2], marks
+    assert "[adam 100 GB/s]" in marks[1] and "[adam" not in marks[0] + marks[2], marks
+
+
+def test_the_probe_is_off_unless_asked_for(training, monkeypatch) -> None:
+    monkeypatch.setattr(training, "Probe", lambda: pytest.fail("a probe made unasked"))
+    monkeypatch.delenv(training.PROBE_ENV, raising=False)
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
+        batch, 2, 0, False,
+    )  # fmt: skip
+    assert all("[probe" not in m for *_, m in out["steps_s"])
+
+
+class FakeEvent:
+    """A CUDA event's stand-in: ``record`` reads the host's clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return (other.at - self.at) * 1e3
+
+
+def test_phase_spans_say_which_phase_a_step_lost_its_time_in(training, monkeypatch) -> None:
+    # [Note: phases on the device's timeline]: the spans between the events
+    # recorded at the step's start and after each phase.
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    spans = training.PhaseSpans()
+    assert spans.line() == ""  # nothing marked yet
+    spans.begin()
+    time.sleep(0.02)
+    spans.after()
+    time.sleep(0.06)
+    spans.after()
+    assert spans.line() == ""  # a phase not marked: no line rather than a wrong one
+    spans.after()
+    fwd, bwd, opt = (float(x) for x in re.findall(r"\d+\.\d+", spans.line()))
+    assert spans.line().startswith(" [fwd ") and spans.line().endswith(" s]")
+    assert 0.015 <= fwd < bwd and bwd >= 0.055 and opt < 0.015, spans.line()
+    spans.begin()  # a new step starts a new set
+    assert spans.line() == ""
+
+
 def test_every_step_s_loss_is_kept_warm_up_too(training) -> None:
     # The per-step lines print every step's loss, so a row that trains wrong
     # shows beside the rows of the same run (docs/benchmarks.md, "Offloaded
@@ -236,8 +312,16 @@ def test_scale_waits_for_the_compute_stream_only_after_step(scale, monkeypatch) 
         warmup, steps, profile, batch_size, seq_len = 1, 3, False, 1, 8
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    lines: list[str] = []
+    monkeypatch.setattr(scale, "log", lines.append)
     out = scale.train(Args(), None, Ddp(), Opt(), torch.device("cuda"))
     assert out["spread"] >= 1.0 and out["step_s"] > 0
+    # Each step's line carries its phases' spans (the warm-up's too); the
+    # untimed step, synchronized whole, has none to give.
+    looped = [x for x in lines if x.startswith("step ")]
+    assert len(looped) == 4 and all(" [fwd " in x for x in looped), lines
+    assert not any(" [fwd " in x for x in lines if x.startswith("untimed")), lines
     one = ["forward", "backward", "step"]
     assert seen == (
         ["device", *one, "compute"]  # the warm-up
