@@ -468,7 +468,7 @@ class Probe:
     (its clock lowered, for power or heat); one with neither, neither. The
     per-step lines print both as ``[probe host X gpu Y ms]``. About 1.5 ms a
     step, inside the timed step, and 24 MB on the device (allocated before
-    the row's model): off unless asked for."""
+    the row's warm-up, so placed around): off unless asked for."""
 
     def __init__(self) -> None:
         g = torch.Generator(device="cuda").manual_seed(0)
