@@ -107,7 +107,9 @@ class GeminiOptimizer:
             without NVMe. ``"auto"``: the share the step-time model finds
             fastest on this machine (measured once per process, a second
             or more, or read from the file ``ZEROSTACK_MACHINE_PROFILE``
-            names), 0.0 where no split can run; the log says what it chose
+            names), 0.0 where no split can run or, under static placement,
+            parameter shards live on the host (see [Note: "auto" and
+            parameter shards on the host]); the log says what it chose
             and why (see zerostack.shard's [Note: gpu_update_fraction="auto"]);
             under auto placement it also weighs, at the first step, the plan
             that keeps the share's staging free on the device against the
@@ -197,10 +199,10 @@ class GeminiOptimizer:
         weakref.finalize(self, _close_on_collect, self.pipeline.updates.closer(), self.collector)
         if hasattr(optimizer, "set_step_waiter"):  # its figures wait for the worker's updates
             optimizer.set_step_waiter(self.pipeline.settle)
-        values, streamed, why_not = _lane_host_values(module, self.pairs, why_not)
+        streamed, why_not = _lane_streamed(module, self.pairs, why_not)
         self.gpu_update_fraction = resolve_gpu_update_fraction(
             _API, gpu_update_fraction, module.compute_device, why_not,
-            module.mixed_precision.itemsize, values, module.process_group, required=asked,
+            module.mixed_precision.itemsize, group=module.process_group, required=asked,
             streamed_bytes_per_param=streamed,
         )  # fmt: skip
         self._lane: GeminiLane | None = None
@@ -981,18 +983,17 @@ def _pageable_host_shard(module: GeminiDDP, chunk: Chunk) -> bool:
     )
 
 
-def _lane_host_values(
+def _lane_streamed(
     module: GeminiDDP, pairs: list[tuple[Chunk, Chunk]], why_not: str | None
-) -> tuple[float, float, str | None]:
-    """For "auto": the share of the CPU-held elements the device lane can
-    take whose parameter shard lives on the host (static placement; auto
-    placement's lane takes none of those), weighed as if the lane's chunks
-    held that share too; the bytes of every parameter shard on the host
-    (streamed to the GPU for each forward) per element the lane can take
-    (see zerostack.shard's [Note: step-time floor]); and ``why_not``, or
-    why the lane can take none of them."""
+) -> tuple[float, str | None]:
+    """For "auto": the bytes of every parameter shard on the host (streamed
+    to the GPU for each forward) per element the device lane can take (see
+    zerostack.shard's [Note: step-time floor]), and ``why_not``, or why
+    "auto" gives the lane none of them: the CPU-held chunks' parameter
+    shards are all pageable, or some live on the host ([Note: "auto" and
+    parameter shards on the host])."""
     if module.config.auto or module.compute_device.type != "cuda":
-        return 0.0, 0.0, why_not
+        return 0.0, why_not
     offloaded = module.offloaded_masters
     held = [(c, m) for c, m in pairs if m in offloaded]
     took = [(c, m) for c, m in held if not _pageable_host_shard(module, c)]
@@ -1001,11 +1002,17 @@ def _lane_host_values(
             "every CPU-held chunk keeps its parameter shard in pageable host memory "
             "(pin_memory=False), which the device lane does not stream from"
         )
+    hosted = sum(shard_on_host(c) for c, _ in took)
+    if hosted and why_not is None:
+        why_not = (
+            f"{hosted} of the {len(took)} CPU-held optimizer chunks keep their parameter shard "
+            "on the host (offload_param_frac), and a split of those measured slower than CPU "
+            "Adam alone; pass a number to run it anyway"
+        )
     total = sum(m.shard_size for _, m in took)
-    hosted = sum(m.shard_size for c, m in took if shard_on_host(c))
     if not total:
-        return 0.0, 0.0, why_not
-    return hosted / total, module.step_amounts()["streamed_bytes"] / total, why_not
+        return 0.0, why_not
+    return module.step_amounts()["streamed_bytes"] / total, why_not
 
 
 def _raise_first(errors: list[CpuStepError]) -> None:
@@ -1057,6 +1064,22 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # alone, and the default stayed 0.0 until the weighing. ZeroOptimizer keeps
 # "auto" as its default with ``cpu_offload``, which puts every master on the
 # host: the split changes no placement there, so there is nothing to weigh.
+
+
+# [Note: "auto" and parameter shards on the host] Under static placement
+# with parameter shards on the host (offload_param_frac > 0, pinned), an
+# asked-for "auto" gives 0.0 and says so; a number still runs the split
+# there. The device lane's chunks are the first the next forward needs: each
+# one's new values go down into its host shard, the host waits for them, and
+# the forward gathers them up again, so the forward of the chunks CPU Adam
+# updated (ready long before) runs only after the whole lane. The step-time
+# model counts the bytes, not that order, and favoured the split slightly:
+# the 8.06B GPT of benchmarks/scale.py (every shard on the host, 24 GiB cap,
+# batch 16) had floors of 2.639 s split (0.27) against 2.712 s alone, and on
+# one H100 host, in one call, took 3.39 s a step split (its forward 2.06 s)
+# against 3.03 s alone (1.59-1.78 s) (docs/benchmarks.md, "twenty-fifth
+# session"); the split runs of the sessions before were 1.10-1.28x their
+# floor, CPU Adam alone 1.03x and 1.15x.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:
