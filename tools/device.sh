@@ -32,7 +32,10 @@
 #                              of 2026-12-02's third session (4.21 s, 294 TFLOPS): BATCH=24 PLAIN_TFLOPS=291
 #                              SCALE_ARGS="--raw-gb 0 --force --steps 3 --pin-memory --max-prefetch 2" ... scale 8B 0;
 #                              the fifth session's, split (2.49 s, 332 TFLOPS, timed short: see docs/benchmarks.md): BATCH=16, SCALE_ARGS plus
-#                              "--gpu-update-fraction auto --machine PROFILE" (ZEROSTACK_MACHINE_PROFILE=PROFILE)
+#                              "--gpu-update-fraction 0.27 --machine PROFILE" (ZEROSTACK_MACHINE_PROFILE=PROFILE); "auto" there
+#                              gives 0.0 since 2026-12-06 (every parameter shard on the host: zerostack.gemini's
+#                              [Note: "auto" and parameter shards on the host]), and the 8.06B row takes
+#                              "--gpu-update-fraction 0" (3.03 s against 3.39 s split on one H100, 2026-12-06)
 #   tools/device.sh prefetch [SIZE]  gathers ahead (max_prefetch): their GPU tests (zero-chunk's copy
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
 #                              (default 2B) pinned, every chunk on the CPU, batch BATCH (default 8), once per
@@ -41,7 +44,7 @@
 #                              copied at once; a Chrome trace, trace_D.json.gz), PLAIN_TFLOPS and SCALE_ARGS
 #                              as for scale; SKIP_TESTS=1: no tests. Whether the 8.06B split's lane copies
 #                              hold up the forward's gathers: SKIP_TESTS=1 BATCH=16 PREFETCHES=2
-#                              SCALE_ARGS="--gpu-update-fraction auto --machine PROFILE" ... prefetch 8B
+#                              SCALE_ARGS="--gpu-update-fraction 0.27 --machine PROFILE" ... prefetch 8B
 #                              (after `floor profile`, which writes PROFILE)
 #   tools/device.sh multi-gpu  several GPUs: integration_tests/multi_gpu.py over NCCL under torchrun
 #                              (parity, save, load at other world sizes), then benchmarks/scaling.py
