@@ -89,6 +89,16 @@ def test_only_the_compute_stream_is_waited_for_after_step(training, monkeypatch)
     assert seen == ["device"] + ["device", "backward", "device", "step", "compute"] * 3, seen
 
 
+def _stand_in_marks(training, steps: int, warmup: int) -> list[str]:
+    """The per-step marks of ``run`` over a stand-in model and step."""
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run(
+        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
+        batch, steps, warmup, False,
+    )  # fmt: skip
+    return [m for *_, m in out["steps_s"]]
+
+
 def test_a_step_on_a_host_busy_elsewhere_is_marked(training, monkeypatch) -> None:
     # A slow step whose host lost CPU time to the hypervisor or to other
     # processes says so in its per-step line (docs/benchmarks.md, "twenty-second
@@ -102,12 +112,7 @@ def test_a_step_on_a_host_busy_elsewhere_is_marked(training, monkeypatch) -> Non
         (10.0 * cores, 10.0 * cores + 5.0, 5.0),  # step 4: only this process worked
     ])  # fmt: skip
     monkeypatch.setattr(training, "host_cpu", lambda: next(readings))
-    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    out = training.run(
-        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
-        batch, 4, 0, False,
-    )  # fmt: skip
-    marks = [m for *_, m in out["steps_s"]]
+    marks = _stand_in_marks(training, 4, 0)
     assert marks[0] == "" and marks[3] == "", marks
     assert "[steal " in marks[1] and "[others" not in marks[1], marks
     assert "[others " in marks[2] and "[steal" not in marks[2], marks
@@ -158,12 +163,7 @@ def test_the_probe_and_cpu_adam_s_rate_mark_each_timed_step(training, monkeypatc
     # elements in 0.28 s in the second timed step only.
     clock = iter([(0.0, 0, 0, 0.0)] * 3 + [(0.28, 1, 10**9, 0.0)] * 3)
     monkeypatch.setattr(training.KERNEL_CLOCK, "read", lambda: next(clock))
-    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    out = training.run(
-        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
-        batch, 3, 1, False,
-    )  # fmt: skip
-    marks = [m for *_, m in out["steps_s"]]
+    marks = _stand_in_marks(training, 3, 1)
     assert len(probed) == 3, probed  # the timed steps only, not the warm-up
     assert [m.count("[probe host") for m in marks] == [1, 1, 1], marks
     assert "[probe host 3.00 gpu 0.50 ms]" in marks[2], marks
@@ -173,12 +173,7 @@ def test_the_probe_and_cpu_adam_s_rate_mark_each_timed_step(training, monkeypatc
 def test_the_probe_is_off_unless_asked_for(training, monkeypatch) -> None:
     monkeypatch.setattr(training, "Probe", lambda: pytest.fail("a probe made unasked"))
     monkeypatch.delenv(training.PROBE_ENV, raising=False)
-    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
-    out = training.run(
-        "stand-in", lambda idx, tgt: torch.zeros(()), lambda loss, backward_only: None,
-        batch, 2, 0, False,
-    )  # fmt: skip
-    assert all("[probe" not in m for *_, m in out["steps_s"])
+    assert all("[probe" not in m for m in _stand_in_marks(training, 2, 0))
 
 
 class FakeEvent:
