@@ -558,7 +558,8 @@ def main() -> int:
     ap.add_argument(
         "--gpu-update-fraction", type=fraction_arg, default=0.0,
         help="GeminiOptimizer(gpu_update_fraction=F): about this share of the CPU-held "
-        "optimizer chunks stepped by the GPU's Adam, or auto (default %(default)s)",
+        "optimizer chunks stepped by the GPU's Adam, or auto (under --placement cpu every "
+        "parameter shard lives on the host, and auto gives 0) (default %(default)s)",
     )  # fmt: skip
     ap.add_argument(
         "--profile", action="store_true",

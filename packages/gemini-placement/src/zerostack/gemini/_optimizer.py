@@ -1007,7 +1007,7 @@ def _lane_streamed(
         why_not = (
             f"{hosted} of the {len(took)} CPU-held optimizer chunks keep their parameter shard "
             "on the host (offload_param_frac), and a split of those measured slower than CPU "
-            "Adam alone; pass a number to run it anyway"
+            "Adam alone; pass gpu_update_fraction as a number to split them anyway"
         )
     total = sum(m.shard_size for _, m in took)
     if not total:
