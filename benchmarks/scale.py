@@ -413,10 +413,15 @@ def train(a, config, ddp, opt, device) -> dict:
             # One more step, untimed: its forward finds no CPU update pending
             # (all were waited for above), so timed, it would be the fastest
             # step and the spread would show the wait, not the steady state.
+            # It ends as a timed step does, at its compute stream's end: a
+            # device-wide synchronize there waited, outside every timed step,
+            # for the device lane's work queued by then, and the first timed
+            # step was short (the 8.06B split: 2.71 s against 3.38-3.40 s,
+            # docs/benchmarks.md, "twenty-fifth session").
             sync()
             t0 = time.perf_counter()
             loss = step()
-            sync()
+            boundary()
             end = time.perf_counter()
             log(f"untimed step: {end - t0:.2f} s, loss {loss:.3f}")
         if end is None:

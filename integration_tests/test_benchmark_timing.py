@@ -320,7 +320,9 @@ def test_scale_waits_for_the_compute_stream_only_after_step(scale, monkeypatch) 
     one = ["forward", "backward", "step"]
     assert seen == (
         ["device", *one, "compute"]  # the warm-up
-        + ["wait_updates", "device", *one, "device"]  # the untimed step, waited for whole
+        # the untimed step: begun on an idle device, ended as a timed step
+        # (its device lane's work lands in the first timed step)
+        + ["wait_updates", "device", *one, "compute"]
         + [*one, "compute"] * 3  # the timed steps
         + ["wait_updates"]
     ), seen
