@@ -551,7 +551,7 @@ class GeminiDDP(nn.Module):
         if not names:
             return
         raise RuntimeError(
-            f"{api}: .grad of {names[:3]}{' ...' if len(names) > 3 else ''} was dropped, zeroed "
+            f"{api}: .grad of {_few(names)} was dropped, zeroed "
             "or replaced after the backward (model.zero_grad(), p.grad = None, p.grad = g); "
             "the reduced gradients live in GeminiDDP's chunks (.grad only stands for them), "
             "so the step cannot leave out or change one parameter's. Call optimizer.zero_grad() "
@@ -701,7 +701,7 @@ class GeminiDDP(nn.Module):
         released = [self.param_names[p] for p in moved if p in empty]
         if released:
             raise RuntimeError(
-                f"{_API}: {released[:3]}{' ...' if len(released) > 3 else ''} was written between "
+                f"{_API}: {_few(released)} was written between "
                 "steps while its chunk was released (a parameter has no elements outside forward "
                 "and backward here, or until an offloaded update is written back: "
                 "optimizer.wait_updates()), so the write did nothing. Change parameters through "
@@ -711,7 +711,7 @@ class GeminiDDP(nn.Module):
         lost = [self.param_names[p] for p in moved if p in overwritten]
         if lost:
             raise RuntimeError(
-                f"{_API}: {lost[:3]}{' ...' if len(lost) > 3 else ''} was written after "
+                f"{_API}: {_few(lost)} was written after "
                 "optimizer.step() while its offloaded update was still running, so the update's "
                 "write-back replaced the written values. Call optimizer.wait_updates() after "
                 "optimizer.step(), then write the parameters"
@@ -742,7 +742,7 @@ class GeminiDDP(nn.Module):
             raise RuntimeError(
                 f"{_API}: parameters given another tensor between steps (p.data = t, e.g. by "
                 f"torch.nn.utils.vector_to_parameters), which their chunks never see (got "
-                f"{replaced[:3]}{' ...' if len(replaced) > 3 else ''}); they are pointed back at "
+                f"{_few(replaced)}); they are pointed back at "
                 "their chunks' values. Write in place under torch.no_grad() (p.copy_(t)) while "
                 "the parameters hold their values, or through the boosted model: "
                 "model.state_dict(), edit, model.load_state_dict() (or booster.load_model)"
@@ -1442,6 +1442,11 @@ class _ModuleHooks:
         ddp = self._ddp()
         if ddp is not None:
             ddp._post_forward(self.slots, self._pre_backward, out)
+
+
+def _few(names: list[str]) -> str:
+    """The first three of ``names`` for a message, `` ...`` when there are more."""
+    return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
 def _flatten(out: Any) -> list[Any]:
