@@ -23,7 +23,7 @@ import torch
 
 from zerostack.fused_adam import HybridAdam
 from zerostack.gemini import CpuStepError, GeminiDDP, GeminiOptimizer
-from zerostack.gemini._device_lane import GeminiLane, staging_bytes
+from zerostack.gemini._device_lane import GeminiLane, chunk_lane, staging_bytes
 from zerostack.shard import best_gpu_update_fraction
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
@@ -139,23 +139,28 @@ def test_every_fraction_equals_cpu_adam_only_bitwise_at_world_2():
           timeout_s=900)  # fmt: skip
 
 
-def test_the_lane_is_the_first_cpu_held_chunks_and_logs_its_share(caplog):
+def test_the_lane_is_spread_through_the_cpu_held_chunks_and_logs_its_share(caplog):
     with caplog.at_level(logging.INFO, logger="zerostack.gemini"):
         _, ddp, opt = _build(0.5, "static-0.5")
     host = opt._host
     lane = opt._lane
-    assert len(host) >= 2 and sorted(lane.homes) == host[: len(lane.homes)]
-    assert 0 < len(lane.homes) < len(host)
+    sizes = [opt.masters[i].numel() for i in host]
+    assert len(host) >= 4 and sorted(lane.homes) == [host[k] for k in chunk_lane(sizes, 0.5)]
+    assert 0 < len(lane.homes) < len(host) and sorted(lane.homes) != host[: len(lane.homes)]
     assert opt.device_lane_chunks == sorted(opt.pairs[i][0].index for i in lane.homes)
-    assert "step in the Adam of cpu" in caplog.text and "staging" in caplog.text
-    # Auto placement decides at its plan: the first CPU-held chunks in compute order.
+    assert "step in the Adam of cpu" in caplog.text and "spread through" in caplog.text
+    # Auto placement decides at its plan, over the CPU-held chunks in compute order.
     model, ddp, opt = _build(0.5, "auto-small")
     assert opt._lane is None
     _train(model, ddp, opt, steps=1)
     order = opt._cpu_order()
+    sizes = [opt.masters[i].numel() for i in order]
     assert opt._lane is not None and sorted(opt._lane.homes) == sorted(
-        order[: len(opt._lane.homes)]
+        order[k] for k in chunk_lane(sizes, 0.5)
     )
+    # No chunk larger than the median shard: its staging would be the lane's.
+    assert chunk_lane([4] * 8 + [9], 1.0) == list(range(8))
+    assert chunk_lane([4] * 8 + [9], 0.25) == [0, 2, 6]  # 12 of 41 elements, spread
 
 
 def test_auto_placement_plans_with_the_staging_kept_free(monkeypatch):

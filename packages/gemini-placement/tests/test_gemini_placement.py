@@ -341,8 +341,9 @@ def test_auto_keeps_the_device_lanes_staging_out_of_the_room_for_gathered_chunks
 def test_auto_keeps_free_the_staging_of_the_lanes_largest_shard(tied):
     # The device lane's staging holds the largest shard it takes. The
     # embedding's chunk, larger than a layer's, is first in compute order and
-    # goes to the device first; an untied head's, as large, is last and left
-    # to CPU Adam (the lane takes the first half): a layer's staging stays free.
+    # goes to the device first; an untied head's, as large, is left to CPU
+    # Adam (the lane takes no chunk larger than the median): a layer's
+    # staging stays free.
     config = GPTConfig(bias=False, vocab_size=1024, tie_embeddings=tied)
 
     def wrap(capacity):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from zerostack.shard import CpuStepError, ZeroOptimizer
-from zerostack.shard._lane import lane_prefix
+from zerostack.shard._lane import lane_members
 from zerostack.shard._reduction import GradientReduction
 from zerostack.testing import GPTConfig, TinyGPT, make_batch, spawn
 
@@ -119,24 +119,43 @@ def test_every_fraction_equals_cpu_adam_only_bitwise(world_size):
     spawn(_parity, world_size, backend="gloo", timeout_s=600)
 
 
-def test_the_lane_is_the_first_buckets_in_write_back_order():
-    model, zero = _build(0.5)
-    lane = [b.lane is not None for b in zero._order]
-    k = sum(lane)
-    assert lane == [True] * k + [False] * (len(lane) - k)
-    share = sum(b.piece_total for b in zero._order[:k]) / sum(b.piece_total for b in zero.buckets)
-    assert abs(share - 0.5) <= max(b.piece_total for b in zero.buckets) / 2 / sum(
-        b.piece_total for b in zero.buckets
-    )
-    assert any(s.param is model.tok_emb.weight for s in zero._order[0].shards)
-    assert [lane_prefix((10, 30, 60), f) for f in (0.0, 0.04, 0.06, 0.2, 0.3, 1.0)] == [
-        0,
-        0,
-        1,
-        1,
-        2,
-        3,
+def test_the_lane_is_spread_through_write_back_order():
+    _, zero = _build(0.5)
+    sizes = [b.piece_total for b in zero._order]
+    lane = [k for k, b in enumerate(zero._order) if b.lane is not None]
+    assert lane == lane_members(sizes, 0.5) and 0 < len(lane) < len(sizes)
+    # Every prefix of the order holds about the lane's share: within one bucket.
+    largest, held, seen = max(sizes), 0, 0
+    for k, size in enumerate(sizes):
+        seen, held = seen + size, held + (size if k in lane else 0)
+        assert abs(held - 0.5 * seen) <= largest, (k, held, seen)
+    assert lane_members([1] * 12, 0.25) == [2, 6, 10]  # one in four, not the first three
+    assert lane_members([1] * 12, 0.5) == [1, 3, 5, 7, 9, 11]
+    # Few units of unequal sizes: the share nearest, ties to fewer.
+    assert [lane_members((10, 30, 60), f) for f in (0.0, 0.04, 0.06, 0.3, 1.0)] == [
+        [],
+        [],
+        [0],
+        [1],
+        [0, 1, 2],
     ]
+
+
+def test_cpu_adam_calls_close_at_device_lane_buckets():
+    model, zero = _build(0.5)
+    zero.cpu_update_numel = 2**40  # one call would span every CPU-lane bucket
+    calls = []
+    real = zero._submit_cpu
+    zero._submit_cpu = lambda positions, *a: (calls.append(list(positions)), real(positions, *a))
+    _train(model, zero, steps=1)
+    lane = {k for k, b in enumerate(zero._order) if b.lane is not None}
+    runs, run = [], []
+    for k in range(len(zero._order)):
+        if k in lane:
+            runs, run = runs + ([run] if run else []), []
+        else:
+            run.append(k)
+    assert calls == runs + ([run] if run else []) and len(calls) > 1
 
 
 def test_gradients_stay_on_the_device_and_states_live_in_the_host_homes(monkeypatch):

@@ -409,8 +409,9 @@ def test_a_failed_update_runs_again_once_the_cause_is_removed(
 ):
     """See [Note: a failed CPU update]: the losses and parameters of
     a run through the fault equal those of a run without it, bitwise. The
-    device lane's updates (the first buckets, see [Note: Adam where the
-    bandwidth is]) fail and run again under the same rule."""
+    device lane's updates (buckets spread through write-back order, see
+    [Note: Adam where the bandwidth is]) fail and run again under the same
+    rule."""
     ref_losses, ref_params, _ = _train_through_a_fault(overlap, max_norm, fraction)
     fault = _KernelFault(monkeypatch)
     losses, params, caught = _train_through_a_fault(overlap, max_norm, fraction, fault)

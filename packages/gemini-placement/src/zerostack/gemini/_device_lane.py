@@ -7,9 +7,9 @@ bandwidth is]).
 [Note: Gemini's device lane] The chunks whose masters and Adam states live
 on the host (``GeminiDDP.offloaded_masters``: static ``offload_optim_frac``
 or what auto placement left on the CPU) used to step in CPU Adam only. With
-``gpu_update_fraction`` f, the first of them in compute order holding about
-f of their elements (``lane_prefix``) are the device lane; the others step
-in CPU Adam as before. A device-lane chunk:
+``gpu_update_fraction`` f, those of them holding about f of their
+elements, spread through compute order (``chunk_lane``), are the device
+lane; the others step in CPU Adam as before. A device-lane chunk:
 
 - keeps its master and both Adam moments on the host between steps: the
   master chunk's shard is the master home (pinned once on CUDA, in place:
@@ -50,8 +50,8 @@ nothing: its retry gives the uninterrupted run's values. The device holds two
 slots (``staging_bytes``: 2 x shard x 14 B with bf16 parameters, 16 B once
 a gradient came from the host); auto placement plans with them subtracted
 from the capacity, for the largest shard the lane takes of those left on
-the host (not the embedding's, larger than a layer's, which goes to the
-device first, nor an untied head's, last and left to CPU Adam), and its
+the host (the lane takes none larger than the median shard: not an
+embedding's nor an untied head's, larger than a layer's), and its
 steady-state evictions count them as held (``AutoPlacement.reserved_bytes``;
 when they did not, gathered chunks took the staging's bytes over the plan:
 LLaMA 1.1B under a 12 GiB cap ran out of memory in most runs). Under auto placement a
@@ -60,14 +60,14 @@ the host, and the reserve has no room for its copy up: that step it runs in
 CPU Adam, on the same homes, after their last copy back (as does a chunk
 whose host gradient is pageable, whose copy would make the host wait).
 
-Which chunks: the first in compute order (chunk order under static
-placement, which records none), which the next forward needs first. A
-device-lane update only queues copies and a kernel, on a worker of its own
-beside CPU Adam's (zerostack.shard's [Note: the device lane's own worker]):
-PCIe, the GPU and the CPU all work from the start of the update phase. And
-the forward's first chunks wait only for the device lane, whose
-first chunk is ready one copy and one kernel after ``step()``, while CPU
-Adam gets their forward's time as a head start.
+Which chunks: about one in 1/f, spread through compute order (chunk order
+under static placement, which records none), the order the next forward
+needs them in, so that the forward follows both lanes as they go
+(zerostack.shard's [Note: the lane's units spread through the forward's
+order]). A device-lane update only queues copies and a kernel, on a worker
+of its own beside CPU Adam's (zerostack.shard's [Note: the device lane's
+own worker]): PCIe, the GPU and the CPU all work from the start of the
+update phase.
 
 Not implemented (``NotImplementedError`` at construction): optimizers other
 than fused-adam's HybridAdam / CPUAdam (the lane runs fused-adam's Adam
@@ -90,7 +90,7 @@ from typing import Any
 import torch
 
 from zerostack.chunk import Chunk, phase, pinned_empty
-from zerostack.shard import LANE_HYPER, LaneHomes, LaneStaging, lane_prefix
+from zerostack.shard import LANE_HYPER, LaneHomes, LaneStaging, lane_members
 
 logger = logging.getLogger(__name__)
 _OUT_BYTES = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
@@ -105,13 +105,22 @@ def staging_bytes(shard_numel: int, dtype: torch.dtype, host_grads: bool = False
     return 2 * shard_numel * (3 * 4 + values + (values if host_grads else 0))
 
 
+def chunk_lane(sizes: list[int], fraction: float) -> list[int]:
+    """The positions in ``sizes`` (CPU-held master shards' elements, in
+    compute order) of the lane's chunks: ``lane_members`` over those no
+    larger than the median shard, so that an embedding's or an untied head's
+    chunk, larger than a layer's, does not set the staging (a slot holds a
+    whole shard)."""
+    return lane_members(sizes, fraction, sorted(sizes)[len(sizes) // 2]) if sizes else []
+
+
 def lane_staging_bytes(fraction: float, dtype: torch.dtype, host_masters: list[Chunk]) -> int:
     """The staging of the lane ``GeminiLane.choose`` would take over
     ``host_masters`` (CPU-held master chunks in compute order, none
-    pageable): for the largest shard of its first ``fraction`` of elements."""
+    pageable): for the largest shard of its members (``chunk_lane``)."""
     sizes = [m.shard_size for m in host_masters]
-    k = lane_prefix(sizes, fraction) if sizes else 0
-    return staging_bytes(max(sizes[:k]), dtype) if k else 0
+    members = chunk_lane(sizes, fraction)
+    return staging_bytes(max(sizes[k] for k in members), dtype) if members else 0
 
 
 class GeminiLane:
@@ -157,24 +166,26 @@ class GeminiLane:
         fraction: float, optimizer: torch.optim.Optimizer, device: torch.device,
         host_grads: bool = False,
     ) -> GeminiLane | None:  # fmt: skip
-        """The lane over the first of ``order`` (CPU-held pair indices in
-        compute order) holding about ``fraction`` of their elements; None
-        when that is no chunk. Logs the decision."""
-        k = lane_prefix([masters[i].numel() for i in order], fraction) if order else 0
-        if k == 0:
+        """The lane over those of ``order`` (CPU-held pair indices in
+        compute order) holding about ``fraction`` of their elements, spread
+        through it (``chunk_lane``); None when that is no chunk. Logs the
+        decision."""
+        members = [order[k] for k in chunk_lane([masters[i].numel() for i in order], fraction)]
+        if not members:
             logger.info(
                 "GeminiOptimizer: gpu_update_fraction %.2f moves none of the %d CPU-held optimizer "
                 "chunks to the device's Adam", fraction, len(order),
             )  # fmt: skip
             return None
-        lane = cls(pairs, masters, order[:k], optimizer, device, host_grads)
+        lane = cls(pairs, masters, members, optimizer, device, host_grads)
         shard = lane.staging.window
-        hosted = sum(pairs[i][0].shard_device.type == "cpu" for i in order[:k]) if host_grads else 0
+        hosted = sum(pairs[i][0].shard_device.type == "cpu" for i in members) if host_grads else 0
         logger.info(
-            "GeminiOptimizer: gpu_update_fraction %.2f: %d of %d CPU-held optimizer chunks (the "
-            "first in compute order, %d of %d elements; %d with their parameter shard on the "
-            "host) step in the Adam of %s, streamed from their host homes; staging %.1f MB there",
-            fraction, k, len(order), sum(masters[i].numel() for i in order[:k]),
+            "GeminiOptimizer: gpu_update_fraction %.2f: %d of %d CPU-held optimizer chunks "
+            "(spread through compute order, %d of %d elements; %d with their parameter shard on "
+            "the host) step in the Adam of %s, streamed from their host homes; staging %.1f MB "
+            "there",
+            fraction, len(members), len(order), sum(masters[i].numel() for i in members),
             sum(masters[i].numel() for i in order), hosted, device,
             staging_bytes(shard, pairs[order[0]][0].dtype, host_grads and hosted > 0) / 2**20,
         )  # fmt: skip

@@ -97,7 +97,7 @@ class GeminiOptimizer:
             no trace, see zerostack.shard's [Note: dropping a batch]).
             Default True.
         gpu_update_fraction: about this share of the CPU-held optimizer
-            chunks' elements (whole chunks, the first in compute order) is
+            chunks' elements (whole chunks, spread through compute order) is
             updated by the compute device's fused Adam instead of CPU Adam:
             their fp32 masters and Adam states stay on the host between steps
             and are streamed to the device and back at ``step()``, their
@@ -667,7 +667,7 @@ class GeminiOptimizer:
         return True
 
     def _choose_lane(self) -> None:
-        """The device lane over the first CPU-held chunks in compute order,
+        """The device lane over CPU-held chunks spread through compute order,
         once the placement decided them. See [Note: Gemini's device lane]."""
         if self.gpu_update_fraction == 0 or self._lane is not None:
             return

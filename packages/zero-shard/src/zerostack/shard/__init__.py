@@ -38,7 +38,7 @@ from zerostack.shard._lane import (
     LaneHomes,
     LaneStaging,
     check_lane_optimizer,
-    lane_prefix,
+    lane_members,
     lane_refusal,
 )
 from zerostack.shard._loss_scaler import SCALER_KEYS, DynamicLossScaler, LossScalerConfig
@@ -99,7 +99,7 @@ __all__ = [
     "grad_scaler_refusal",
     "grad_stats",
     "hyperparameters",
-    "lane_prefix",
+    "lane_members",
     "lane_refusal",
     "local_grad",
     "machine_profile",

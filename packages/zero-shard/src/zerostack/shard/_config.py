@@ -35,7 +35,7 @@ class ZeroConfig:
     """With cpu_offload, update buckets on a worker thread. Default True."""
     gpu_update_fraction: float | str | None = None
     """With cpu_offload, the share of the offloaded elements (whole buckets,
-    the first the next forward uses) whose Adam update runs in the compute
+    spread through the order the next forward uses them) whose Adam update runs in the compute
     device's fused Adam, masters and states streamed from and back to the
     host; 0.0 updates all in CPU Adam. In [0, 1], or "auto": the share the
     step-time model finds fastest on this machine. Default None: "auto"

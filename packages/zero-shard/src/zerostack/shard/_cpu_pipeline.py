@@ -100,8 +100,8 @@ about forward + max(backward, CPU Adam) + the last copy) could not be taken
 back when the batch is dropped after an exception (see [Note: dropping a
 batch]), nor clipped by a ``clip_grad_by_norm`` that comes after it. CPU
 Adam stays the bound, at its host memory bandwidth, while PCIe and the GPU's
-Adam idle; ``gpu_update_fraction`` moves a share f of the buckets (the first
-in write-back order) to the device's Adam, fed over PCIe from pinned host
+Adam idle; ``gpu_update_fraction`` moves a share f of the buckets (spread
+through write-back order) to the device's Adam, fed over PCIe from pinned host
 homes (12 B each way per parameter; its gradients stay on the device and
 its new parameters are made there), so CPU Adam does 1 - f: [Note: Adam
 where the bandwidth is] says how, [Note: step-time floor] which f finishes

@@ -6,8 +6,8 @@ masters and Adam states streamed from their pinned host homes and back.
 to run in CPU Adam, bound by host memory bandwidth, while PCIe and the GPU's
 Adam sat idle (see [Note: offloaded step pipeline], and [Note: step-time
 floor] for the split that finishes first). With ``gpu_update_fraction`` f,
-the first buckets in write-back order holding about f of this rank's
-elements (``lane_prefix``) are the device lane; the rest step in CPU Adam as
+buckets holding about f of this rank's elements, spread through write-back
+order (``lane_members``), are the device lane; the rest step in CPU Adam as
 before. A device-lane bucket:
 
 - keeps its masters and both Adam moments on the host between steps, in
@@ -40,14 +40,13 @@ before. A device-lane bucket:
   The write-back then has nothing to copy at world size 1, and at N > 1
   all-gathers this rank's pieces from the parameters.
 
-Which buckets: the first in write-back order, which the next forward needs
-first. A device-lane update only queues copies and a kernel, on a worker
-of its own (zerostack.shard's [Note: the device lane's own worker]), beside
-CPU Adam's: PCIe, the GPU and the CPU work at the same time from the start
-of the update phase. And the
-forward's first modules wait only for the device lane, whose first bucket
-is ready one copy and one kernel after ``step()``, while CPU Adam gets the
-time of their forward as a head start on the buckets after them.
+Which buckets: about one in 1/f, spread through write-back order (the
+order the next forward needs them), so that the forward follows both lanes
+as they go ([Note: the lane's units spread through the forward's order]);
+CPU Adam's calls close at each device-lane bucket. A device-lane update
+only queues copies and a kernel, on a worker of its own (zerostack.shard's
+[Note: the device lane's own worker]), beside CPU Adam's: PCIe, the GPU and
+the CPU work at the same time from the start of the update phase.
 
 Hosts read or write the homes only after ``settle()`` (the last copy back is
 done): ``wait_updates()`` (and so the state-dict methods), a parameter
@@ -85,13 +84,13 @@ from zerostack.shard._lane import (
     LaneProgress,
     LaneStaging,
     Launch,
-    lane_prefix,
+    lane_members,
 )
 
 if TYPE_CHECKING:
     from zerostack.shard._bucket import _Bucket, _Shard
 
-__all__ = ["DeviceLane", "LaneHomes", "lane_prefix"]
+__all__ = ["DeviceLane", "LaneHomes", "lane_members"]
 
 
 def lane_writable(param: torch.Tensor) -> bool:
@@ -138,6 +137,7 @@ class DeviceLane:
         # parameter above reduce_bucket_size) crosses in several.
         self.staging = LaneStaging(device, window, max(b.piece_total for b in buckets))
         self._elements = sum(b.piece_total for b in buckets)
+        self._buckets = len(buckets)
         self.updates = 0  # buckets updated by the device's Adam
         groups = optimizer.param_groups
         self._group_of = {id(m): gi for gi, g in enumerate(groups) for m in g["params"]}
@@ -162,8 +162,8 @@ class DeviceLane:
     def describe(self) -> str:
         """The lane's share, for the layout's log line."""
         return (
-            f"{len(self._offset)} params in the first buckets (write-back order) step in the "
-            f"device's Adam, {self._elements} elements of this rank's pieces, staging "
+            f"{len(self._offset)} params in {self._buckets} buckets spread through write-back "
+            f"order step in the device's Adam, {self._elements} elements of this rank's pieces, staging "
             f"{2 * self.staging.window} elements on the device"
         )
 

@@ -66,18 +66,57 @@ class LaneHomes:
         return self.master, self.exp_avg, self.exp_avg_sq
 
 
-def lane_prefix(sizes: Sequence[int], fraction: float) -> int:
-    """How many units, from the first of ``sizes`` (their elements, in the
-    order the next forward needs them), hold the share of elements nearest
-    ``fraction`` (ties to fewer)."""
-    total = sum(sizes)
-    best, best_gap, held = 0, fraction, 0
-    for k, size in enumerate(sizes, start=1):
-        held += size
-        gap = abs(held / total - fraction)
-        if gap < best_gap:
-            best, best_gap = k, gap
-    return best
+def lane_members(sizes: Sequence[int], fraction: float, largest: int | None = None) -> list[int]:
+    """Which units (positions in ``sizes``, their elements in the order the
+    next forward needs them) the device lane takes: about ``fraction`` of
+    the elements, spread through that order; none larger than ``largest``
+    elements when given. See [Note: the lane's units spread through the
+    forward's order].
+
+    Walking the units in order, a unit joins the lane where that leaves the
+    lane's running share of the elements so far nearer ``fraction`` (ties
+    stay in CPU Adam), so every prefix of the order holds about ``fraction``
+    in the lane; 0 takes none and 1 takes all. Then, where one unit joining
+    or leaving brings the whole lane's share strictly nearer ``fraction``
+    (few units of unequal sizes), the one that brings it nearest does."""
+    member = [False] * len(sizes)
+    fits = [largest is None or size <= largest for size in sizes]
+    seen = held = 0
+    for k, size in enumerate(sizes):
+        seen += size
+        target = fraction * seen
+        if fits[k] and abs(held + size - target) < abs(held - target):
+            member[k], held = True, held + size
+    gap = held - fraction * seen
+    best, best_gap = None, abs(gap)
+    for k, size in enumerate(sizes):
+        flipped = abs(gap - size if member[k] else gap + size)
+        if fits[k] and flipped < best_gap:
+            best, best_gap = k, flipped
+    if best is not None:
+        member[best] = not member[best]
+    return [k for k, m in enumerate(member) if m]
+
+
+# [Note: the lane's units spread through the forward's order] Both lanes
+# finish their units in the order the next forward needs them, and that
+# forward waits for each unit's update. The lane used to take the first
+# units (a prefix of that order): then the forward of CPU Adam's units could
+# start only after the whole lane, long after CPU Adam had finished the
+# first of them. On the 8.06B GPT of benchmarks/scale.py, every chunk on the
+# host, the split (0.27) took 3.39 s a step against 3.03 s for CPU Adam
+# alone, all of it in a forward of 2.06 s against 1.59-1.78 s
+# (docs/benchmarks.md, twenty-fifth session). Spread, each prefix of the
+# order holds about the lane's share of units, so with the two lanes
+# balanced the k-th unit of the forward is ready after about k/N of the
+# update phase, whichever lane steps it, and the forward follows both.
+# Below a share of one half a large unit seldom joins: one of s elements
+# joins only while the lane is behind its share by more than
+# (1/2 - fraction) * s elements. Gemini's lane, whose staging holds a whole
+# chunk shard, takes no chunk larger than the median (an embedding's or an
+# untied head's, ``largest``), so its staging stays a typical chunk's; the
+# ZeRO lane's staging holds a window, which a large bucket crosses in
+# several.
 
 
 def check_lane_optimizer(

@@ -48,7 +48,7 @@ from zerostack.shard._hyper import (
     stepping_twin,
     with_user_step_hooks,
 )
-from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_prefix, lane_refusal
+from zerostack.shard._lane import LaneProgress, check_lane_optimizer, lane_members, lane_refusal
 from zerostack.shard._loss_scaler import DynamicLossScaler
 from zerostack.shard._machine import resolve_gpu_update_fraction
 from zerostack.shard._mixed_precision import (
@@ -399,8 +399,8 @@ class ZeroOptimizer:
             ``param_groups``. Updates start at ``step()``, never during
             backward (see [Note: dropping a batch]). Default True.
         gpu_update_fraction: with ``cpu_offload``, about this share of the
-            offloaded elements (whole buckets, the first ones the next
-            forward uses) is updated by the compute device's fused Adam
+            offloaded elements (whole buckets, spread through the order the
+            next forward uses them) is updated by the compute device's fused Adam
             instead of CPU Adam: their fp32 masters and Adam states stay on
             the host between steps and are streamed to the device and back
             at ``step()``, their gradients stay on the device (see [Note:
@@ -602,9 +602,8 @@ class ZeroOptimizer:
         self._unwritten: list[int] = []  # positions whose update is done, not yet written back
         self._lane: DeviceLane | None = None
         if self.gpu_update_fraction > 0:  # See [Note: Adam where the bandwidth is]
-            lane = self._order[
-                : lane_prefix([b.piece_total for b in self._order], self.gpu_update_fraction)
-            ]
+            members = lane_members([b.piece_total for b in self._order], self.gpu_update_fraction)
+            lane = [self._order[k] for k in members]
             if lane:
                 self._lane = DeviceLane(
                     lane, self.optimizer, self.device, self.world, self.rank,
@@ -1059,9 +1058,10 @@ class ZeroOptimizer:
     def _queue_cpu_updates(self, div_scale: float, used: list[float]) -> None:
         """Queue the update of every bucket with a used parameter, in
         write-back order: in CPU Adam, consecutive buckets together, a call
-        closing once it holds ``cpu_update_numel`` elements (see [Note: CPU
-        Adam calls span buckets]), or each in the device's Adam for the
-        device lane. See [Note: offloaded step pipeline]."""
+        closing once it holds ``cpu_update_numel`` elements or at a
+        device-lane bucket (see [Note: CPU Adam calls span buckets]), or each
+        in the device's Adam for the device lane. See [Note: offloaded step
+        pipeline]."""
         pipe = self._pipe
         self._push_hyper()
         if pipe.stream is not None:
@@ -1079,8 +1079,9 @@ class ZeroOptimizer:
             if not shards:  # nothing changes: every rank skips it (used is global)
                 continue
             if bucket.lane is not None:  # See [Note: Adam where the bandwidth is]
-                if call:  # not met: the lane's buckets come first in write-back order
-                    raise AssertionError(f"{_API}: a device-lane bucket after CPU-lane ones")
+                if call:  # keys ascend: the CPU Adam call of the buckets before it first
+                    self._submit_cpu(call, used, div_scale)
+                    call, numel = [], 0
                 pairs = [(s, s.grad) for s in shards]
                 pipe.submit(
                     k, self._lane.update, bucket, pairs, div_scale, self._versions,
