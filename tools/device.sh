@@ -35,7 +35,7 @@
 #                              "--gpu-update-fraction 0.27 --machine PROFILE" (ZEROSTACK_MACHINE_PROFILE=PROFILE); "auto" there
 #                              gives 0.0 since 2026-12-06 (every parameter shard on the host: zerostack.gemini's
 #                              [Note: "auto" and parameter shards on the host]), and the 8.06B row takes
-#                              "--gpu-update-fraction 0" (3.03 s against 3.39 s split on one H100, 2026-12-06)
+#                              "--gpu-update-fraction 0" (2.96 s against 3.20 s split on one H100, 2026-12-06 twenty-sixth session)
 #   tools/device.sh prefetch [SIZE]  gathers ahead (max_prefetch): their GPU tests (zero-chunk's copy
 #                              stream, Gemini's parity and one-process runs), then benchmarks/scale.py SIZE
 #                              (default 2B) pinned, every chunk on the CPU, batch BATCH (default 8), once per

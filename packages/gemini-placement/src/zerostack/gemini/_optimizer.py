@@ -1069,17 +1069,21 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
 # [Note: "auto" and parameter shards on the host] Under static placement
 # with parameter shards on the host (offload_param_frac > 0, pinned), an
 # asked-for "auto" gives 0.0 and says so; a number still runs the split
-# there. The device lane's chunks are the first the next forward needs: each
-# one's new values go down into its host shard, the host waits for them, and
-# the forward gathers them up again, so the forward of the chunks CPU Adam
-# updated (ready long before) runs only after the whole lane. The step-time
-# model counts the bytes, not that order, and favoured the split slightly:
-# the 8.06B GPT of benchmarks/scale.py (every shard on the host, 24 GiB cap,
-# batch 16) had floors of 2.639 s split (0.27) against 2.712 s alone, and on
-# one H100 host, in one call, took 3.39 s a step split (its forward 2.06 s)
-# against 3.03 s alone (1.59-1.78 s) (docs/benchmarks.md, "twenty-fifth
-# session"); the split runs of the sessions before were 1.10-1.28x their
-# floor, CPU Adam alone 1.03x and 1.15x.
+# there. Each lane chunk's new values go down into its host shard, the host
+# waits for them, and the forward gathers them up again, over the link that
+# carries the lane's masters and moments up. The step-time model counts the
+# bytes and favoured the split by about 3%: the 8.06B GPT of
+# benchmarks/scale.py (every shard on the host, 24 GiB cap, batch 16) had
+# floors of 2.639 s split (0.27) against 2.712 s alone, and on one H100 host,
+# in one call, took 3.39 s a step split (its forward 2.06 s) against 3.03 s
+# alone (1.59-1.78 s), when the lane took the first chunks in compute order
+# (docs/benchmarks.md, "twenty-fifth session"). With the lane's chunks spread
+# through that order ([Note: the lane's units spread through the forward's
+# order] in zerostack.shard) the split's forward waits less, but on another
+# H100 host, in one call, the split still took 3.20 s (forward 1.86 s)
+# against 2.96 s alone (1.62-1.70 s), floors 2.700 and 2.778 s
+# (docs/benchmarks.md, "twenty-sixth session"); the split runs of the
+# sessions before were 1.10-1.28x their floor, CPU Adam alone 1.03x-1.15x.
 
 
 def _grad_target(chunk: Chunk) -> Chunk:

@@ -110,6 +110,11 @@ def lane_members(sizes: Sequence[int], fraction: float, largest: int | None = No
 # order holds about the lane's share of units, so with the two lanes
 # balanced the k-th unit of the forward is ready after about k/N of the
 # update phase, whichever lane steps it, and the forward follows both.
+# Measured on one H100 host against the first units, in the same calls
+# (docs/benchmarks.md, twenty-sixth session): the 4.24B GPT under a 24 GiB
+# cap 1.124-1.160 s a step against 1.184-1.199 s; ZeRO-2 ``cpu_offload``
+# 0.484-0.499 s against 0.500-0.508 s; the 8.06B split 3.20 s against
+# 3.40 s (its forward 1.86 s against 2.06 s).
 # Below a share of one half a large unit seldom joins: one of s elements
 # joins only while the lane is behind its share by more than
 # (1/2 - fraction) * s elements. Gemini's lane, whose staging holds a whole
