@@ -76,9 +76,10 @@ def lane_members(sizes: Sequence[int], fraction: float, largest: int | None = No
     Walking the units in order, a unit joins the lane where that leaves the
     lane's running share of the elements so far nearer ``fraction`` (ties
     stay in CPU Adam), so every prefix of the order holds about ``fraction``
-    in the lane; 0 takes none and 1 takes all. Then, where one unit joining
-    or leaving brings the whole lane's share strictly nearer ``fraction``
-    (few units of unequal sizes), the one that brings it nearest does."""
+    in the lane; 0 takes none and 1 takes every unit that fits ``largest``.
+    Then, where one unit joining or leaving brings the whole lane's share
+    strictly nearer ``fraction`` (few units of unequal sizes), the one that
+    brings it nearest does."""
     member = [False] * len(sizes)
     fits = [largest is None or size <= largest for size in sizes]
     seen = held = 0
