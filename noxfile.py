@@ -455,12 +455,23 @@ def unit(session: nox.Session, package: str) -> None:
 def _pytest(session: nox.Session, name: str, *args: str) -> None:
     """pytest over ``args``, in TEST_WORKERS processes where ``name`` is in
     PARALLEL_TESTS (the session's own arguments come last, so ``-- -n 0``
-    runs in-process)."""
+    runs in-process).
+
+    OpenMP threads that sleep when idle (``OMP_WAIT_POLICY=PASSIVE``, unless
+    set) in the pytest processes too, as zerostack.testing.spawn gives its
+    ranks (see its [Note: OpenMP threads that sleep]): torch's spinning
+    threads in one process take the cores the other worker and the ranks
+    need. On a loaded 2-core machine the low-precision training test of
+    packages/testing/tests/test_tolerance.py took 18.5-21.5 s spinning and
+    4.7-5.0 s with PASSIVE."""
     workers = ["-n", str(TEST_WORKERS)] if TEST_WORKERS > 1 and name in PARALLEL_TESTS else []
     if workers:
         session.install(XDIST)
     # The slowest tests in the log, to see where CI's time goes.
-    session.run("python", "-m", "pytest", *args, "--durations=15", *workers, *session.posargs)
+    session.run(
+        "python", "-m", "pytest", *args, "--durations=15", *workers, *session.posargs,
+        env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
+    )  # fmt: skip
 
 
 def _release_tool():
