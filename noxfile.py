@@ -53,10 +53,13 @@ EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # booster-api, 157 s for gemini-placement, 168 s for zero-shard and 126 s for
 # integration (one process, in an earlier run: 309, 269, 257 and 219 s), and
 # the whole test command 22 min 15 s (28 min 17 s before). Each multi-rank
-# test spawns its ranks with a file rendezvous of its own. The short sessions
-# stay in one process (the fused-adam session times a GIL-releasing kernel).
-# ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0` does).
-PARALLEL_TESTS = {"booster-api", "gemini-placement", "zero-shard", "integration"}
+# test spawns its ranks with a file rendezvous of its own. zero-chunk's tests
+# are mostly spawns of 2 and 4 ranks: 87 s in one process on a loaded 2-core
+# machine (its one timing test counts CPU time, not wall time). The short
+# sessions stay in one process (the fused-adam session times a GIL-releasing
+# kernel). ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0`
+# does).
+PARALLEL_TESTS = {"booster-api", "gemini-placement", "zero-shard", "zero-chunk", "integration"}
 
 
 def _test_workers() -> int:
