@@ -5,10 +5,11 @@ packages installs them the way a user does: each package is built once into
 a wheel (.nox/_dist, rebuilt only when its sources change) and requested by
 its distribution name with `pip install --find-links`, so pip resolves the
 siblings from their declared requirements, and a session then checks that
-exactly the expected zerostack distributions are installed. torch and numpy
-are installed once per machine (.nox/_torch) and hard-linked into each
-session's environment: unpacking and byte-compiling torch took about 45 s
-per session on a 2-core machine, linking it takes under a second.
+exactly the expected zerostack distributions are installed. torch and numpy,
+and transformers where a session needs it, are installed once per machine
+(.nox/_linked) and hard-linked into each session's environment: unpacking and
+byte-compiling torch took about 45 s per session on a 2-core machine,
+linking it takes under a second.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # booster-api, 157 s for gemini-placement, 168 s for zero-shard and 126 s for
 # integration (one process, in an earlier run: 309, 269, 257 and 219 s), and
 # the whole test command 22 min 15 s (28 min 17 s before). Each multi-rank
-# test spawns its ranks with a file rendezvous of its own. The short sessions
-# stay in one process (the fused-adam session times a GIL-releasing kernel).
-# ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0` does).
-PARALLEL_TESTS = {"booster-api", "gemini-placement", "zero-shard", "integration"}
+# test spawns its ranks with a file rendezvous of its own. zero-chunk's tests
+# are mostly spawns of 2 and 4 ranks: 87 s in one process on a loaded 2-core
+# machine (its one timing test counts CPU time, not wall time). The short
+# sessions stay in one process (the fused-adam session times a GIL-releasing
+# kernel). ZEROSTACK_TEST_WORKERS sets the count (1: in-process, as `-- -n 0`
+# does).
+PARALLEL_TESTS = {"booster-api", "gemini-placement", "zero-shard", "zero-chunk", "integration"}
 
 
 def _test_workers() -> int:
@@ -73,7 +77,7 @@ XDIST = "pytest-xdist==3.8.0"
 # What CI runs, in order; `tests` requires them all (nox then reports each one).
 CI_SESSIONS = ["lint", "unit", "compat", "integration", "examples", "build", "docs"]
 WHEELHOUSE = ROOT / ".nox" / "_dist"  # See [Note: installs as from an index]
-TORCH_HOME = ROOT / ".nox" / "_torch"
+LINKED_HOME = ROOT / ".nox" / "_linked"
 TENSORNVME_HOME = ROOT / ".nox" / "_wheels"
 TENSORNVME = "tensornvme==0.1.0"
 TENSORNVME_APT = "apt-get install -y liburing-dev libaio-dev cmake"
@@ -162,26 +166,28 @@ def _link_tree(src: Path, dst: Path) -> None:
         link(str(src), str(dst))
 
 
-def _install_torch(session: nox.Session, python: str = "python") -> None:
-    """torch and numpy (torch warns at import without it), installed once per
-    machine into .nox/_torch and hard-linked into the environment of `python`.
-    See [Note: installs as from an index]."""
+def _install_linked(session: nox.Session, requirements: list[str], python: str) -> None:
+    """`requirements` with their dependencies, installed once per machine into
+    .nox/_linked and hard-linked into the environment of `python`; a
+    distribution the environment already has is kept. See [Note: installs as
+    from an index]."""
     facts = _python_facts(session, python)
     site = Path(facts["purelib"])
-    if (site / "torch").exists():
+    present = {_dist_key(p.name) for p in site.glob("*.dist-info")}
+    if all(_req_name(r) in present for r in requirements):
         return
-    slug = re.sub(r"[^A-Za-z0-9.]+", "_", TORCH) + "-" + facts["tag"]
-    home = TORCH_HOME / slug
-    if not (home / "torch").exists():
-        tmp = TORCH_HOME / f"{slug}.partial"
+    slug = re.sub(r"[^A-Za-z0-9.=]+", "_", "+".join(requirements)) + "-" + facts["tag"]
+    home = LINKED_HOME / hashlib.sha256(slug.encode()).hexdigest()[:12]
+    if not (home / "ready").exists():
+        tmp = LINKED_HOME / f"{home.name}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        session.run(python, "-m", "pip", "install", "--quiet", "--target", str(tmp), TORCH,
-                    "numpy", external=True)  # fmt: skip
+        session.run(python, "-m", "pip", "install", "--quiet", "--target", str(tmp),
+                    *requirements, external=True)  # fmt: skip
+        (tmp / "ready").write_text(slug + "\n")
         shutil.rmtree(home, ignore_errors=True)
         tmp.rename(home)
     # Each distribution with its files (its RECORD), unless the environment
     # already has it (virtualenv seeds setuptools, which torch also requires).
-    present = {_dist_key(p.name) for p in site.glob("*.dist-info")}
     for info in home.glob("*.dist-info"):
         if _dist_key(info.name) in present:
             continue
@@ -193,11 +199,28 @@ def _install_torch(session: nox.Session, python: str = "python") -> None:
     # Console scripts (torchrun, ...): the same, with this environment's python.
     bindir = Path(facts["exe"]).parent
     for script in (home / "bin").iterdir() if (home / "bin").exists() else []:
+        if (bindir / script.name).exists():
+            continue
         lines = script.read_text().splitlines(keepends=True)
         if lines and lines[0].startswith("#!"):
             lines[0] = f"#!{facts['exe']}\n"
         (bindir / script.name).write_text("".join(lines))
         (bindir / script.name).chmod(0o755)
+
+
+def _install_torch(session: nox.Session, python: str = "python") -> None:
+    """torch and numpy (torch warns at import without it), linked in (see
+    _install_linked)."""
+    _install_linked(session, [TORCH, "numpy"], python)
+
+
+def _install_test_requirements(session: nox.Session, requirements: list[str]) -> None:
+    """Third-party test or example requirements (transformers), linked in as
+    torch is: unpacking and byte-compiling transformers took about 15 s per
+    session on a 2-core machine. One whose marker excludes this Python is
+    left out by pip, and so here."""
+    if requirements:
+        _install_linked(session, requirements, "python")
 
 
 def _source_key(folder: str, env: dict) -> str:
@@ -428,19 +451,30 @@ def unit(session: nox.Session, package: str) -> None:
     the wheels as from an index, plus its TEST_REQUIREMENTS: an undeclared
     import fails here."""
     _install_packages(session, [package])
-    if package in TEST_REQUIREMENTS:
-        session.install(*TEST_REQUIREMENTS[package])
+    _install_test_requirements(session, TEST_REQUIREMENTS.get(package, []))
     _pytest(session, package, f"packages/{package}/tests", "-m", "not gpu")
 
 
 def _pytest(session: nox.Session, name: str, *args: str) -> None:
     """pytest over ``args``, in TEST_WORKERS processes where ``name`` is in
     PARALLEL_TESTS (the session's own arguments come last, so ``-- -n 0``
-    runs in-process)."""
+    runs in-process).
+
+    OpenMP threads that sleep when idle (``OMP_WAIT_POLICY=PASSIVE``, unless
+    set) in the pytest processes too, as zerostack.testing.spawn gives its
+    ranks (see its [Note: OpenMP threads that sleep]): torch's spinning
+    threads in one process take the cores the other worker and the ranks
+    need. On a loaded 2-core machine the low-precision training test of
+    packages/testing/tests/test_tolerance.py took 18.5-21.5 s spinning and
+    4.7-5.0 s with PASSIVE."""
     workers = ["-n", str(TEST_WORKERS)] if TEST_WORKERS > 1 and name in PARALLEL_TESTS else []
     if workers:
         session.install(XDIST)
-    session.run("python", "-m", "pytest", *args, *workers, *session.posargs)
+    # The slowest tests in the log, to see where CI's time goes.
+    session.run(
+        "python", "-m", "pytest", *args, "--durations=15", *workers, *session.posargs,
+        env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
+    )  # fmt: skip
 
 
 def _release_tool():
@@ -484,8 +518,7 @@ def compat(session: nox.Session) -> None:
         }
         session.log(f"{case.dist} with " + ", ".join(f"{f} {v}" for f, (v, _) in oldest.items()))
         _install_packages(session, [case.folder], oldest=oldest)
-        if case.folder in TEST_REQUIREMENTS:
-            session.install(*TEST_REQUIREMENTS[case.folder])
+        _install_test_requirements(session, TEST_REQUIREMENTS.get(case.folder, []))
         _pytest(session, case.folder, f"packages/{case.folder}/tests", "-m", "not gpu")
 
 
@@ -495,7 +528,8 @@ def integration(session: nox.Session) -> None:
     the torchrun runner of the multi-GPU checks in its CPU (gloo) mode, and
     benchmarks/scale.py's smoke."""
     _install_packages(session, PACKAGES)
-    session.install(*EXAMPLE_REQUIREMENTS)  # docs/migration/deepspeed.md trains transformers' GPT-2
+    # docs/migration/deepspeed.md trains transformers' GPT-2.
+    _install_test_requirements(session, EXAMPLE_REQUIREMENTS)
     session.install("build", "twine")  # test_release_tool.py releases two small packages
     _pytest(session, "integration", "integration_tests", "-m", "not gpu")
     runner = ["torchrun", "--nproc-per-node"]
@@ -519,7 +553,7 @@ def examples(session: nox.Session) -> None:
     zerostack-testing is not installed, and the session checks that
     zerostack.testing does not import."""
     _install_packages(session, ["booster-api"], testing=False)
-    session.install(*EXAMPLE_REQUIREMENTS)
+    _install_test_requirements(session, EXAMPLE_REQUIREMENTS)
     _check_not_importable(session, "zerostack.testing")
     for script in sorted((ROOT / "examples").glob("[!_]*.py")):  # _gpt2.py: their model
         session.run("python", str(script), "--smoke")
@@ -563,7 +597,7 @@ def reliability(session: nox.Session) -> None:
     _install_packages(session, PACKAGES)
     session.install("matplotlib")  # the soak's curves
     # auto-offload's table plans a transformers GPT-2 (it skips without it).
-    session.install(*TEST_REQUIREMENTS["auto-offload-solver"])
+    _install_test_requirements(session, TEST_REQUIREMENTS["auto-offload-solver"])
     for folder in PACKAGES:  # one run per package: each has its own conftest
         table = f"packages/{folder}/tests/test_bad_inputs.py"
         if (ROOT / table).exists():
@@ -714,7 +748,7 @@ def train(session: nox.Session) -> None:
     # with the toolkit) would add minutes of compiling to a one-minute job.
     env = {} if Path("/dev/nvidia0").exists() else CPU_ENV
     _install_packages(session, ["booster-api"], env=env, testing=False)  # as the examples
-    session.install(*EXAMPLE_REQUIREMENTS)
+    _install_test_requirements(session, EXAMPLE_REQUIREMENTS)
     _check_not_importable(session, "zerostack.testing")
     session.install("./packages/gemini-placement[plot]", env=env)  # matplotlib: the timeline PNG
     session.run("python", "examples/train_booster.py", *session.posargs)

@@ -79,6 +79,15 @@ def _load(rank, world, path, kwargs, device="cpu"):
         assert len(ddp.offloaded_masters) < len(ddp.grad_chunks)
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The checkpoint of 2 ranks, saved once for every row below (the save is
+    the same for each; a spawn costs seconds)."""
+    path = str(tmp_path_factory.mktemp("gemini-ckpt") / "ckpt.pt")
+    spawn(_save, 2, args=(path,), backend="gloo")
+    return path
+
+
 @pytest.mark.parametrize(
     "world, kwargs",
     [
@@ -89,10 +98,8 @@ def _load(rank, world, path, kwargs, device="cpu"):
     ],
     ids=["same-world", "world-1", "world-4-offload", "world-1-auto"],
 )
-def test_full_optimizer_state_reloads_at_any_world_size(tmp_path, world, kwargs):
-    path = str(tmp_path / "ckpt.pt")
-    spawn(_save, 2, args=(path,), backend="gloo")
-    spawn(_load, world, args=(path, kwargs), backend="gloo")
+def test_full_optimizer_state_reloads_at_any_world_size(saved, world, kwargs):
+    spawn(_load, world, args=(saved, kwargs), backend="gloo")
 
 
 def test_missing_parameter_state_is_named():

@@ -270,28 +270,37 @@ def _first_used_late(rank, world, kind, offload):
         ref_opt.step()
         ref_opt.zero_grad()
     got, states = ddp.state_dict(), opt.full_state_dict()["params"]
+    case = f"{kind}, offload_optim_frac={offload}"
     for name, p in ref.module.named_parameters():
         if kind == "adam-l2":
             for key in ("exp_avg", "exp_avg_sq"):
                 want = ref_opt.state[p][key].flatten()
-                torch.testing.assert_close(states[name][key], want, rtol=1e-5, atol=1e-12)
+                torch.testing.assert_close(
+                    states[name][key], want, rtol=1e-5, atol=1e-12, msg=f"{case} {name} {key}"
+                )
             if name.startswith("branch"):
                 continue  # its bias correction used two steps, torch's one
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(
+            got[name], p.detach(), rtol=1e-6, atol=1e-7, msg=f"{case} {name}"
+        )
 
 
-@pytest.mark.parametrize("offload", [0.0, 1.0], ids=["device-step", "cpu-step"])
-@pytest.mark.parametrize("kind", ["sgd-weight-decay", "sgd-nesterov", "adam-l2"])
+def _first_used_late_all(rank, world):
+    """Every optimizer, with the step on the device and on the CPU, in one
+    spawn (spawning costs seconds)."""
+    for kind in ("sgd-weight-decay", "sgd-nesterov", "adam-l2"):
+        for offload in (0.0, 1.0):
+            _first_used_late(rank, world, kind, offload)
+
+
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_parameter_first_used_after_its_chunks_first_step_starts_from_torchs_state(
-    world, kind, offload
-):
+def test_a_parameter_first_used_after_its_chunks_first_step_starts_from_torchs_state(world):
     """Its chunk's first step created the state over it, which held
     ``weight_decay * p`` where torch creates none before the parameter's
     first gradient: SGD's momentum then took 0.9 of it (3.2e-4 off torch
     after two steps), Adam-L2's moments (1.1e-2). Now its slices of a state
     the step created are zeros."""
-    spawn(_first_used_late, world, args=(kind, offload), backend="gloo", timeout_s=120)
+    spawn(_first_used_late_all, world, backend="gloo", timeout_s=120)
 
 
 def test_sgds_dampening_with_a_parameter_first_used_late_is_said_once():
