@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +194,6 @@ def _run_case(rank, world, case, device="cpu"):
 
 
 def _all(rank, world, cases):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     # A model this small gains nothing from threads, and two threads on a
     # busy 2-core machine spin against each other (10x slower seen).
     torch.set_num_threads(1)

@@ -13,8 +13,6 @@ catch in forward or backward costs only its batch.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,7 +155,6 @@ def _same(label, a, b):
 
 
 def _all(rank, world, root):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     for name in PLUGINS:
         for how in ("edit", "not-handed", "handed"):
             _hyper_case(rank, world, name, how)

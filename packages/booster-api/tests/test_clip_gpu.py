@@ -16,7 +16,6 @@ same cases run on the CPU. See zerostack.shard's [Note: gradient clipping]."""
 from __future__ import annotations
 
 import copy
-import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,7 +331,6 @@ def _run_case(case: Case, device: str) -> None:
 
 
 def _all(rank: int, world: int, cases: list[Case], device: str) -> None:
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     if device == "cuda":
         torch.cuda.set_device(rank)
     else:

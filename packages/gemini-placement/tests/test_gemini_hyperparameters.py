@@ -9,7 +9,6 @@ zerostack.shard's [Note: the user's hyperparameters])."""
 from __future__ import annotations
 
 import copy
-import gc
 import importlib.util
 
 import pytest
@@ -130,7 +129,6 @@ def _run_case(rank, world, case, nvme_dir):
 
 
 def _all(rank, world, nvme_root):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     for case in CASES:
         _run_case(rank, world, case, f"{nvme_root}/{case[0]}-{rank}")
 

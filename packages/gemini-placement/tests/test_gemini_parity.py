@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 
 import pytest
 import torch
@@ -190,7 +189,6 @@ def _capacity(model, dtype, world):
 
 
 def _all(rank, world, cases):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     for case in cases:
         _run_case(rank, world, case)
 

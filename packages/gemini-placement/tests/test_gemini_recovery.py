@@ -6,7 +6,6 @@ zerostack.shard's [Note: dropping a batch])."""
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import time
 
@@ -156,7 +155,6 @@ def _same(name, a, b):
 
 
 def _all(rank, world, root):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     for case in CASES:
         name, micro = case[0], case[6]
         ref = _train(*_build(world, case, f"{root}/{name}-ref-{rank}"), micro, rank, skip=True)

@@ -93,11 +93,9 @@ def _plain_step(model, opt, step, rank):
 
 
 def _count(rank, world):
-    # Everything alive now (torch's modules, mostly) out of the collector's
-    # way: each full collection here walked it, 0.1-0.3 s apiece, four times
-    # a case. Objects made from here on, which the counts are about, are
-    # collected as before.
-    gc.freeze()
+    # zerostack.testing's spawn froze what was alive when this rank started
+    # (torch's objects, mostly): the counts below are about objects made
+    # from here on, which are collected as before.
     # Control: the model and a plain torch optimizer leave nothing, so any
     # count below is ZeroOptimizer's own.
     torch.manual_seed(0)

@@ -8,7 +8,6 @@ hyperparameters])."""
 from __future__ import annotations
 
 import copy
-import gc
 import importlib.util
 
 import pytest
@@ -96,7 +95,6 @@ def _run_case(rank, world, case):
 
 
 def _all(rank, world):
-    gc.freeze()  # torch's objects out of each optimizer's first full collection
     for case in CASES:
         _run_case(rank, world, case)
 

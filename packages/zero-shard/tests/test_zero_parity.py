@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import gc
 import importlib.util
 import math
 from dataclasses import dataclass
@@ -170,7 +169,6 @@ def _all_cases(rank, world, cases):
     # What is alive now (torch's modules, mostly) out of the collector's way:
     # each ZeroOptimizer's first step runs a full collection, which walked it
     # (0.15 s a case, a quarter of this test).
-    gc.freeze()
     for case in cases:
         _run_case(rank, world, case)
 
@@ -203,7 +201,6 @@ SUBGROUP_CASES = [
 
 
 def _subgroups(rank, world):
-    gc.freeze()  # as in _all_cases
     # Every rank creates every group, in the same order; each uses its own.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
