@@ -52,7 +52,10 @@ EXAMPLE_REQUIREMENTS = ["transformers==5.24.0"]
 # With two workers on the 2-core CI machine, pytest took 186 s for
 # booster-api, 157 s for gemini-placement, 168 s for zero-shard and 126 s for
 # integration (one process, in an earlier run: 309, 269, 257 and 219 s), and
-# the whole test command 22 min 15 s (28 min 17 s before). Each multi-rank
+# the whole test command 22 min 15 s (28 min 17 s before); 18 min 45 s from a
+# fresh clone at 2a54ea3 (23 min 41 s at 0215a41), after the rows of a test
+# ran in one spawn, the ranks froze torch's objects out of the optimizers'
+# collections, and transformers was linked as torch is. Each multi-rank
 # test spawns its ranks with a file rendezvous of its own. zero-chunk's tests
 # are mostly spawns of 2 and 4 ranks: 87 s in one process on a loaded 2-core
 # machine (its one timing test counts CPU time, not wall time). The short
