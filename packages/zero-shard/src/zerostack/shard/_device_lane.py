@@ -84,13 +84,12 @@ from zerostack.shard._lane import (
     LaneProgress,
     LaneStaging,
     Launch,
-    lane_members,
 )
 
 if TYPE_CHECKING:
     from zerostack.shard._bucket import _Bucket, _Shard
 
-__all__ = ["DeviceLane", "LaneHomes", "lane_members"]
+__all__ = ["DeviceLane", "LaneHomes"]
 
 
 def lane_writable(param: torch.Tensor) -> bool:
@@ -162,9 +161,9 @@ class DeviceLane:
     def describe(self) -> str:
         """The lane's share, for the layout's log line."""
         return (
-            f"{len(self._offset)} params in {self._buckets} buckets spread through write-back "
-            f"order step in the device's Adam, {self._elements} elements of this rank's pieces, staging "
-            f"{2 * self.staging.window} elements on the device"
+            f"{len(self._offset)} params in {self._buckets} buckets spread through "
+            f"write-back order step in the device's Adam, {self._elements} elements of this "
+            f"rank's pieces, staging {2 * self.staging.window} elements on the device"
         )
 
     def staging_bytes(self) -> int:
