@@ -328,7 +328,7 @@ def run(
             if offload is not None:
                 at_forward = _offload_counters(offload)
             end = time.perf_counter()  # the reads above are no part of the first timed step
-        d0 = device_calls()
+        d0, q0 = device_calls(), queued_s()
         r0, t0, c0 = retried(), time.perf_counter(), collecting.seconds
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(idx, tgt)
@@ -342,7 +342,7 @@ def run(
         rf, tb = retried(), time.perf_counter()  # the allocator's counters read outside the phases
         step_fn(loss, backward_only=True)
         torch.cuda.synchronize()
-        t1 = time.perf_counter()
+        t1, q1, adam_in_bwd = time.perf_counter(), queued_s(), KERNEL_CLOCK.busy_since(tb)
         if last:
             _print_segments(f"{name}, after the last backward", torch.cuda.memory._snapshot())
         rb, to = retried(), time.perf_counter()
@@ -363,6 +363,8 @@ def run(
                 (f"[retry {retries}]" if retries else "")
                 + (f"[gc {paused * 1e3:.0f} ms]" if paused >= 1e-3 else "")
                 + device_marks(d0, d1)
+                + (f"[queued {(q1 - q0) * 1e3:.0f} ms]" if q1 - q0 >= 1e-3 else "")
+                + (f"[adam in bwd {adam_in_bwd * 1e3:.0f} ms]" if adam_in_bwd >= 1e-3 else "")
                 + host_marks(cpu_at_end, cpu, t2 - end)
                 + adam_mark(kernel_at_end, kernel)
                 + probed
@@ -423,6 +425,19 @@ def host_cpu() -> tuple[float, float, float] | None:
     tick = os.sysconf("SC_CLK_TCK")
     ours = os.times()
     return steal / tick, (user + nice + system + irq + softirq) / tick, ours.user + ours.system
+
+
+def queued_s() -> float:
+    """Seconds this thread has waited, runnable, for a core (the second field
+    of Linux's /proc/thread-self/schedstat); 0.0 where it cannot be read.
+    The per-step lines print the training thread's wait over the forward and
+    backward as ``[queued N ms]`` (1 ms or more): the thread that launches
+    the kernels, kept from a core by other runnable threads (CPU Adam's)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def host_marks(before, after, wall: float) -> str:
@@ -577,6 +592,8 @@ class _KernelClock:
 
     def __init__(self) -> None:
         self.seconds, self.calls, self.elements, self.event_s = 0.0, 0, 0, 0.0
+        self.running = 0  # calls in flight
+        self.last_end = 0.0  # perf_counter when the last call ended
         self._module: Any = None
         self.traced = False  # each call in a ``cpu_adam::kernel`` range (a traced profile)
 
@@ -606,18 +623,27 @@ class _KernelClock:
 
     def adam_step(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
+        self.running += 1
         try:
             if self.traced:
                 with torch.profiler.record_function("cpu_adam::kernel"):
                     return self._module.adam_step(*args, **kwargs)
             return self._module.adam_step(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self.last_end = time.perf_counter()
+            self.running -= 1
+            self.seconds += self.last_end - t0
             self.calls += 1
             self.elements += sum(kwargs.get("numels", args[5] if len(args) > 5 else ()))
 
     def read(self) -> tuple[float, int, int, float]:
         return self.seconds, self.calls, self.elements, self.event_s
+
+    def busy_since(self, start: float) -> float:
+        """Seconds from ``start`` to now that CPU Adam kept working: all of
+        them while a call is in flight, else until its last call ended."""
+        now = time.perf_counter()
+        return max(0.0, (now if self.running else min(self.last_end, now)) - start)
 
 
 KERNEL_CLOCK = _KernelClock()

@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
-from _training import PhaseSpans, fraction_arg, host_cpu, host_marks, sync_compute
+from _training import PhaseSpans, fraction_arg, host_cpu, host_marks, queued_s, sync_compute
 
 from zerostack.chunk import LazyInitContext
 from zerostack.fused_adam import HybridAdam
@@ -427,7 +427,7 @@ def train(a, config, ddp, opt, device) -> dict:
         if end is None:
             sync()
             end = time.perf_counter()
-        cpu_at_end = host_cpu()
+        cpu_at_end, queued0 = host_cpu(), queued_s()
         # A step lasts from the end of the one before, with no synchronize
         # between them: one would wait, outside the step, for the device
         # lane's copies and kernels that the CPU-step worker queues after
@@ -439,6 +439,8 @@ def train(a, config, ddp, opt, device) -> dict:
         dt = time.perf_counter() - end
         end += dt
         marks = host_marks(cpu_at_end, host_cpu(), dt)  # See host_marks in _training.py
+        waited = queued_s() - queued0  # the training thread's over the whole step: See queued_s
+        marks += f"[queued {waited * 1e3:.0f} ms]" if waited >= 1e-3 else ""
         phases = spans.line() if cuda else ""
         log(f"step {i + 1}/{a.warmup + a.steps}: {dt:.2f} s{phases}, loss {losses[-1]:.3f}{marks}")
         if i >= a.warmup:

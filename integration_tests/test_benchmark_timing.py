@@ -144,6 +144,70 @@ def test_a_step_whose_allocator_calls_the_driver_is_marked(training, monkeypatch
     assert "[cudaMalloc" not in marks[2] and "[cudaFree" not in marks[2], marks
 
 
+def test_a_step_whose_training_thread_waited_for_a_core_is_marked(training, monkeypatch) -> None:
+    # The training thread's runqueue wait over the forward and backward: a
+    # slow backward beside a thread kept from a core (by CPU Adam's team) says
+    # so; a step with less than 1 ms says nothing.
+    waits = iter([0.0, 0.0, 0.0, 0.0005, 0.0005, 0.0125])  # two readings a step
+    monkeypatch.setattr(training, "queued_s", lambda: next(waits))
+    marks = _stand_in_marks(training, 3, 0)
+    assert "[queued" not in marks[0] + marks[1], marks
+    assert "[queued 12 ms]" in marks[2], marks
+
+
+def test_a_backward_beside_cpu_adam_says_for_how_long(training, monkeypatch) -> None:
+    # [adam in bwd N ms]: how far into the backward CPU Adam's kernel still
+    # ran (the last step's CPU step, late), beside the backward's time.
+    class FakeKernel:
+        def adam_step(self, *args, **kwargs) -> None:
+            time.sleep(0.03)
+
+    clock = training.KERNEL_CLOCK
+    monkeypatch.setitem(clock.__dict__, "_module", FakeKernel())
+    monkeypatch.setattr(clock, "last_end", 0.0)
+
+    def step_fn(loss, backward_only):
+        if backward_only and step_fn.calls == 1:  # the second step's backward
+            clock.adam_step(numels=[1])
+        step_fn.calls += backward_only
+
+    step_fn.calls = 0
+    batch = (torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    out = training.run("stand-in", lambda idx, tgt: torch.zeros(()), step_fn, batch, 3, 0, False)
+    marks = [m for *_, m in out["steps_s"]]
+    assert "[adam in bwd" not in marks[0] + marks[2], marks
+    ms = int(re.search(r"\[adam in bwd (\d+) ms\]", marks[1]).group(1))
+    assert 30 <= ms < 30 + 1e3 * SYNC_S + 20, marks  # the call, then at most the synchronize
+    assert clock.running == 0
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="Linux's schedstat")
+def test_queued_s_counts_the_time_a_thread_waited_for_its_core(training) -> None:
+    # Pinned to one core beside two processes spinning on it, this thread runs
+    # about a third of the time and waits, runnable, the rest: queued_s must
+    # count the wait (more than the thread's own CPU time), not the run.
+    import os
+    import subprocess
+
+    core = min(os.sched_getaffinity(0))
+    before_affinity = os.sched_getaffinity(0)
+    code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    try:
+        time.sleep(0.3)  # the children are pinned and spinning
+        os.sched_setaffinity(0, {core})
+        q0, ran0, t0 = training.queued_s(), time.thread_time(), time.perf_counter()
+        while time.perf_counter() - t0 < 0.6:
+            pass
+        waited, ran = training.queued_s() - q0, time.thread_time() - ran0
+    finally:
+        os.sched_setaffinity(0, before_affinity)
+        for spin in spinners:
+            spin.kill()
+            spin.wait()
+    assert waited >= 0.2 and waited > ran, (waited, ran)
+
+
 def test_the_probe_and_cpu_adam_s_rate_mark_each_timed_step(training, monkeypatch) -> None:
     # [Note: which side slowed]: with ZEROSTACK_BENCH_PROBE=1 each timed
     # step's line says how long the same small work took on the host thread
