@@ -1134,17 +1134,33 @@ def print_floors(results: list[dict], profile: MachineProfile) -> None:
     print("hidden behind the whole next forward (zerostack.shard.step_floor):\n")
     print("| run | configuration | host-held params | forward and backward of | floor s | "
           "achieved / floor | CPU-only floor s | split floor s | GPU share of host updates | "
-          "bound |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "bound | CPU Adam GB/s: this run, the profile's alone, beside copies |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    beside = profile.cpu_adam_with_copies_bytes_s
+    rates = f"{profile.cpu_adam_bytes_s / 1e9:.0f}, " + (
+        "n/a" if beside is None else f"{beside / 1e9:.0f}"
+    )
     for r in results:
         if "error" in r or "host_numel" not in r:
             continue
         f = floor_of(r, compute_row(r, results), profile)
         head = f"| {r.get('run', 0)} | {r['name']} | {r['host_numel'] / 1e9:.3f}B |"
         if isinstance(f, str):
-            print(f"{head} {f} | | | | | | |")
+            print(f"{head} {f} | | | | | | | |")
             continue
         split = "n/a" if f["split_s"] is None else f"{f['split_s']:.3f}"
         share = "n/a" if f["gpu_fraction"] is None else f"{f['gpu_fraction']:.2f}"
         print(f"{head} {f['compute']} | {f['floor_s']:.3f} | {f['achieved']:.2f}x | "
-              f"{f['cpu_only_s']:.3f} | {split} | {share} | {f['bound']} |")  # fmt: skip
+              f"{f['cpu_only_s']:.3f} | {split} | {share} | {f['bound']} | "
+              f"{_run_adam_rate(r)}, {rates} |")  # fmt: skip
+
+
+def _run_adam_rate(r: dict) -> str:
+    """The row's CPU Adam kernel rate over its timed steps at 28 B an
+    element, in GB/s: beside the profile's, it says whether the host gave
+    this run the memory bandwidth its floor assumes (a host shared with other
+    work can give much less, or more, than when the profile was measured)."""
+    kernel = r.get("cpu_kernel")
+    if not kernel or kernel[0] <= 0:
+        return "n/a"
+    return f"{28 * kernel[2] / kernel[0] / 1e9:.0f}"

@@ -106,7 +106,13 @@ def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
     rows = [
         PLAIN,
         dict(name="ZeRO-2 (bf16 params, fp32 masters)", run=0, step_s=0.3),
-        dict(name="ZeRO-2 + cpu_offload", run=0, host_numel=10**9, step_s=1.2),
+        dict(
+            name="ZeRO-2 + cpu_offload",
+            run=0,
+            host_numel=10**9,
+            step_s=1.2,
+            cpu_kernel=(0.28, 8.0, 10**9, 0.0),
+        ),  # 1e9 elements in 0.28 s: 100 GB/s
         dict(name="ZeRO-2 + cpu_offload", run=1, host_numel=10**9, step_s=1.3),
         dict(name="Gemini auto", run=0, error="OOM: ..."),
     ]  # without keys (results of an older script): plain's row by its name
@@ -115,8 +121,10 @@ def test_the_floor_table_lists_offloaded_rows_only(capsys) -> None:
     assert len(lines) == 3  # the header and two offloaded rows
     head = "| 0 | ZeRO-2 + cpu_offload | 1.000B | plain PyTorch | 0.912 | 1.32x | 1.200 |"
     assert lines[1].startswith(head)
+    # This run's CPU Adam rate, then the profile's alone (28) and beside copies (14).
+    assert lines[1].endswith("| 100, 28, 14 |"), lines[1]
     assert lines[2].startswith("| 1 | ZeRO-2 + cpu_offload | 1.000B | n/a (no row all on the GPU")
-    assert lines[2].count("|") == lines[0].count("|")
+    assert all(ln.count("|") == lines[0].count("|") for ln in lines), lines
 
 
 class _Range:
