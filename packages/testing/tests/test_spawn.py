@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -334,12 +335,33 @@ def test_ranks_dying_give_their_exit_status() -> None:
     assert sorted(info.value.failed_ranks) == [0, 1, 2]
 
 
+def _sleep_then(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+class _SlowToLoad:
+    """An argument whose unpickling in a rank (part of its start-up) takes
+    ``seconds``: the start-up outlasts a short limit however fast the fork
+    server forks (a rank forked from it once started inside 0.1 s)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self) -> tuple[Callable[[float], float], tuple[float]]:
+        return _sleep_then, (self.seconds,)
+
+
+def _takes(rank: int, world_size: int, x: object) -> None:
+    return None
+
+
 def test_start_up_has_its_own_limit(monkeypatch) -> None:
     monkeypatch.setattr(_spawn, "_STARTUP_TIMEOUT_S", 0.1)
     with pytest.raises(
         SpawnError, match=r"^timed out after 0.1s of start-up; ranks \[0, 1\] still running"
     ):
-        spawn(_all_reduce_sums, 2, args=(_Case(base=0.0),), backend="gloo")
+        spawn(_takes, 2, args=(_SlowToLoad(2.0),), backend="gloo")
 
 
 def _check_arg(rank: int, world_size: int, expected: str) -> None:
