@@ -12,7 +12,9 @@ from __future__ import annotations
 import gc
 import gzip
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -186,9 +188,6 @@ def test_queued_s_counts_the_time_a_thread_waited_for_its_core(training) -> None
     # Pinned to one core beside two processes spinning on it, this thread runs
     # about a third of the time and waits, runnable, the rest: queued_s must
     # count the wait (more than the thread's own CPU time), not the run.
-    import os
-    import subprocess
-
     core = min(os.sched_getaffinity(0))
     before_affinity = os.sched_getaffinity(0)
     code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
